@@ -1,0 +1,112 @@
+# flatmoe — build, train, test, bench.
+#   make train              install what is missing, build, prepare the default data, train (needs a GPU)
+#   make test               install what is missing, build everything (both precisions), run all tests
+#   make bench              training throughput and memory benchmarks (needs a GPU)
+# Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90, EIGEN_DIR, GTEST_DIR, NVCC.
+
+PRECISION ?= BF16
+GPU_ARCH  ?= 90
+NVCC      ?= nvcc
+CXX       ?= g++
+EIGEN_DIR ?= /usr/include/eigen3
+GTEST_DIR ?= /usr/src/googletest/googletest
+FORTUNES  ?= /usr/share/games/fortunes
+DATA_DIR  ?= data/fortunes
+TRAIN_FLAGS ?=
+
+BUILD := build
+CXXFLAGS := -std=c++17 -O2 -Wall -Wextra -I. -isystem $(EIGEN_DIR) -MMD -MP
+NVFLAGS  := -std=c++17 -O3 -arch=sm_$(GPU_ARCH) -lineinfo -I. -isystem $(EIGEN_DIR) -MMD -MP \
+            -Xcompiler -Wall --expt-relaxed-constexpr
+GTEST_INC := -isystem $(GTEST_DIR)/include -isystem $(GTEST_DIR)
+CUDA_LIBS := -lcublas -lcudart
+
+# precision lower-case: fp32 | bf16
+prec = $(if $(filter BF16,$(1)),bf16,$(if $(filter FP32,$(1)),fp32,$(error PRECISION must be BF16 or FP32, got '$(1)')))
+P := $(call prec,$(PRECISION))
+
+CPU_TESTS := $(wildcard tests/cpu_*.cpp)
+GPU_TESTS := $(wildcard tests/gpu_*.cu)
+
+.PHONY: all deps data train test bench clean
+all: $(BUILD)/prepare $(BUILD)/fp32/train $(BUILD)/bf16/train $(BUILD)/test_cpu $(BUILD)/fp32/test_gpu $(BUILD)/bf16/test_gpu
+
+# ---- dependencies (Debian packages), installed only when missing --------------------------
+DEB_PKGS :=
+ifeq ($(wildcard $(EIGEN_DIR)/Eigen/Dense),)
+DEB_PKGS += libeigen3-dev
+endif
+ifeq ($(wildcard $(GTEST_DIR)/src/gtest-all.cc),)
+DEB_PKGS += googletest
+endif
+ifeq ($(wildcard $(FORTUNES)/fortunes),)
+DEB_PKGS += fortunes
+endif
+ifeq ($(shell command -v gnuplot),)
+DEB_PKGS += gnuplot-nox
+endif
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+deps:
+ifneq ($(strip $(DEB_PKGS)),)
+	@echo "installing Debian packages: $(DEB_PKGS)"
+	$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(DEB_PKGS)
+endif
+	@command -v $(NVCC) > /dev/null || { echo "error: $(NVCC) not found: install the CUDA Toolkit (nvcc, cuBLAS, NCCL)"; exit 1; }
+
+# ---- GoogleTest from source (the Debian package ships it as source) -----------------------
+$(BUILD)/gtest/gtest-all.o: | deps
+	@mkdir -p $(@D)
+	$(CXX) -std=c++17 -O2 $(GTEST_INC) -c $(GTEST_DIR)/src/gtest-all.cc -o $@
+$(BUILD)/gtest/gtest_main.o: | deps
+	@mkdir -p $(@D)
+	$(CXX) -std=c++17 -O2 $(GTEST_INC) -c $(GTEST_DIR)/src/gtest_main.cc -o $@
+GTEST_OBJS := $(BUILD)/gtest/gtest-all.o $(BUILD)/gtest/gtest_main.o
+
+# ---- CPU: data tool and CPU tests ----------------------------------------------------------
+$(BUILD)/prepare: data/prepare.cpp | deps
+	@mkdir -p $(@D)
+	$(CXX) $(CXXFLAGS) $< -o $@
+
+$(BUILD)/cpu/%.o: tests/%.cpp | deps
+	@mkdir -p $(@D)
+	$(CXX) $(CXXFLAGS) $(GTEST_INC) -c $< -o $@
+
+$(BUILD)/test_cpu: $(patsubst tests/%.cpp,$(BUILD)/cpu/%.o,$(CPU_TESTS)) $(GTEST_OBJS)
+	$(CXX) $^ -pthread -o $@
+
+# ---- GPU: trainer and GPU tests, one build per precision -----------------------------------
+define precision_build
+$(BUILD)/$(1)/train: train.cu | deps
+	@mkdir -p $$(@D)
+	$(NVCC) $(NVFLAGS) $(2) $$< $(CUDA_LIBS) -o $$@
+
+$(BUILD)/$(1)/%.o: tests/%.cu | deps
+	@mkdir -p $$(@D)
+	$(NVCC) $(NVFLAGS) $(2) $(GTEST_INC) -c $$< -o $$@
+
+$(BUILD)/$(1)/test_gpu: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(GPU_TESTS)) $(GTEST_OBJS)
+	$(NVCC) -arch=sm_$(GPU_ARCH) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
+endef
+$(eval $(call precision_build,fp32,))
+$(eval $(call precision_build,bf16,-DFLATMOE_BF16))
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+
+# ---- data ----------------------------------------------------------------------------------
+$(DATA_DIR)/train_000.bin: $(BUILD)/prepare
+	$(BUILD)/prepare --input $(FORTUNES) --out $(DATA_DIR)
+data: $(DATA_DIR)/train_000.bin
+
+# ---- the two commands of the README --------------------------------------------------------
+train: deps $(BUILD)/$(P)/train data
+	$(BUILD)/$(P)/train --data $(DATA_DIR) $(TRAIN_FLAGS)
+
+test: deps all data
+	FLATMOE_BIN=$(BUILD)/ FLATMOE_TRAIN=$(BUILD)/fp32/train tests/run_tests.sh $(BUILD)/test_cpu $(BUILD)/fp32/test_gpu $(BUILD)/bf16/test_gpu
+
+bench: deps $(BUILD)/$(P)/train data
+	tools/bench_train.sh $(BUILD)/$(P)/train $(DATA_DIR)
+
+clean:
+	rm -rf $(BUILD)

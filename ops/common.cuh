@@ -1,0 +1,186 @@
+// common.cuh — what every operator shares: the activation type, error checks that name the
+// operator and its sizes, the cuBLAS handle, small element-wise kernels, and reductions that are
+// deterministic (fixed order, no float atomics) so that a resumed run replays bit for bit.
+//
+// Precision (DESIGN §3), chosen at compile time:
+//   -DFLATMOE_BF16  floatX = __nv_bfloat16 (weights/activations); fp32 master weights, optimizer
+//                   state, softmax/LSE/loss accumulation; cuBLAS computes in fp32.
+//   (default)       floatX = float; every GEMM in pedantic FP32 (no TF32).
+#pragma once
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <string>
+#include <vector>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cublas_v2.h>
+
+#if defined(FLATMOE_BF16)
+typedef __nv_bfloat16 floatX;
+#define FLATMOE_PRECISION_NAME "BF16"
+static const cudaDataType_t CUBLAS_FLOATX = CUDA_R_16BF;
+#else
+typedef float floatX;
+#define FLATMOE_PRECISION_NAME "FP32"
+static const cudaDataType_t CUBLAS_FLOATX = CUDA_R_32F;
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Errors: every failure names the operator and its sizes, then exits non-zero.
+
+inline std::string fm_format(const char* fmt, va_list ap) {
+  char buf[1024];
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  return buf;
+}
+
+[[noreturn]] inline void fm_fail(const char* op, const char* what, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::string sizes = fm_format(fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "flatmoe error in %s (%s): %s\n", op, sizes.c_str(), what);
+  fflush(stderr);
+  exit(EXIT_FAILURE);
+}
+
+// cudaCheck(call, "operator", "N=%d H=%d", N, H)
+#define cudaCheck(call, op, ...)                                                    \
+  do {                                                                              \
+    cudaError_t fm_err_ = (call);                                                   \
+    if (fm_err_ != cudaSuccess) fm_fail(op, cudaGetErrorString(fm_err_), __VA_ARGS__); \
+  } while (0)
+
+#define cublasCheck(call, op, ...)                                                  \
+  do {                                                                              \
+    cublasStatus_t fm_st_ = (call);                                                 \
+    if (fm_st_ != CUBLAS_STATUS_SUCCESS)                                            \
+      fm_fail(op, cublasGetStatusString(fm_st_), __VA_ARGS__);                      \
+  } while (0)
+
+// After every kernel launch: catches bad launch configurations at the launch site.
+#define launchCheck(op, ...) cudaCheck(cudaGetLastError(), op, __VA_ARGS__)
+
+// ---------------------------------------------------------------------------------------------
+// Conversions between floatX and float inside kernels.
+
+__device__ __host__ inline float to_float(float x) { return x; }
+__device__ __host__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __host__ inline T from_float(float x);
+template <> __device__ __host__ inline float from_float<float>(float x) { return x; }
+template <> __device__ __host__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
+
+// ---------------------------------------------------------------------------------------------
+// cuBLAS: one handle per process (one process per GPU). The FP32 build runs pedantic FP32.
+
+inline cublasHandle_t cublas_handle() {
+  static cublasHandle_t handle = [] {
+    cublasHandle_t h;
+    cublasCheck(cublasCreate(&h), "cublas_handle", "create");
+#if defined(FLATMOE_BF16)
+    cublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublas_handle", "math mode");
+#else
+    cublasCheck(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH), "cublas_handle", "math mode");
+#endif
+    return h;
+  }();
+  return handle;
+}
+
+// The compute type of every GEMM: fp32 accumulation; pedantic in the FP32 build.
+static const cublasComputeType_t CUBLAS_COMPUTE = CUBLAS_COMPUTE_32F;
+
+// ---------------------------------------------------------------------------------------------
+// Small element-wise kernels shared by the model.
+
+template <typename T>
+__global__ void add_kernel(T* out, const T* a, const T* b, size_t n) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+}
+
+// out = a + b (out may alias a or b)
+template <typename T>
+inline void add_inplace_or_out(T* out, const T* a, const T* b, size_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  add_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(out, a, b, n);
+  launchCheck("add", "n=%zu", n);
+}
+
+template <typename Tin, typename Tout>
+__global__ void convert_kernel(Tout* out, const Tin* in, size_t n) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = from_float<Tout>(to_float(in[i]));
+}
+
+// out[i] = (Tout) in[i]
+template <typename Tin, typename Tout>
+inline void convert(Tout* out, const Tin* in, size_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  convert_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(out, in, n);
+  launchCheck("convert", "n=%zu", n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic sum of squares: fixed grid, fixed per-thread stride, fixed tree; the partial sums
+// land in `partials` (SUMSQ_BLOCKS floats) and one block adds them in order into *out (=).
+
+static const int SUMSQ_BLOCKS = 264;
+
+template <typename T>
+__global__ void sumsq_partial_kernel(float* partials, const T* x, size_t n) {
+  __shared__ float warp_sums[32];
+  float acc = 0.f;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    float v = to_float(x[i]);
+    acc += v * v;
+  }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += warp_sums[w];
+    partials[blockIdx.x] += s;
+  }
+}
+
+static __global__ void sum_partials_kernel(float* out, const float* partials, int n) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    float s = 0.f;
+    for (int i = 0; i < n; i++) s += partials[i];
+    *out = s;
+  }
+}
+
+// partials (SUMSQ_BLOCKS floats) must be zeroed by the caller before the first tensor;
+// calling this on several tensors accumulates (+=) all of them into the same partials.
+template <typename T>
+inline void sumsq_accumulate(float* partials, const T* x, size_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  sumsq_partial_kernel<<<SUMSQ_BLOCKS, 512, 0, stream>>>(partials, x, n);
+  launchCheck("sumsq", "n=%zu", n);
+}
+
+inline void sumsq_finish(float* out, const float* partials, cudaStream_t stream) {
+  sum_partials_kernel<<<1, 32, 0, stream>>>(out, partials, SUMSQ_BLOCKS);
+  launchCheck("sumsq_finish", "blocks=%d", SUMSQ_BLOCKS);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device presence (tests skip GPU cases when this is false).
+
+inline int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return 0;
+  }
+  return n;
+}

@@ -1,0 +1,233 @@
+// pool.cuh — the one device-memory pool (DESIGN §4). Every byte of device memory that flatmoe
+// uses is allocated here, with a category and a tag, so that the live set of any operator can be
+// measured and compared with its closed-form bound.
+//
+// What it records:
+//   live bytes per category (what callers asked for and have not freed), the peak of the total
+//   live bytes and of each category since the last reset_peak(), and (when enabled) a timeline of
+//   events: time since the pool was created (us), action (alloc/free/mark), bytes, category, tag.
+// What it keeps underneath: freed blocks are cached by their rounded size and handed out again
+// (cudaFree synchronises the device, so a training step must never call it). `reserved()` is what
+// the pool holds from CUDA; `live_total()` is what is in use. Reuse after free is ordered by the
+// host: a block freed by one stream and reused by another needs an event between them (callers
+// that use several streams synchronise before freeing).
+#pragma once
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+#include "common.cuh"
+
+enum class Mem : int {
+  Weights,
+  Grads,
+  Optimizer,
+  Activations,
+  Checkpoints,          // layer-boundary inputs kept for recomputation
+  Dispatch,             // routed rows sent/received by MoE dispatch
+  ExpertIntermediates,  // per-route hidden states inside the experts
+  Logits,               // vocabulary logits and loss
+  CommStaging,
+  Workspace,
+  COUNT
+};
+
+inline const char* mem_name(Mem c) {
+  static const char* names[] = {"weights",  "grads",    "optimizer",           "activations",
+                                "checkpoints", "dispatch", "expert_intermediates", "logits",
+                                "comm_staging", "workspace"};
+  return names[(int)c];
+}
+
+struct PoolEvent {
+  double t_us;
+  char action;  // 'a' alloc, 'f' free, 'm' mark
+  size_t bytes;
+  Mem cat;
+  std::string tag;
+  size_t live_after;
+};
+
+class Pool {
+ public:
+  static const int NCAT = (int)Mem::COUNT;
+
+  void* alloc(size_t bytes, Mem cat, const char* tag) {
+    if (bytes == 0) bytes = 1;
+    size_t rounded = round_size(bytes);
+    void* p = nullptr;
+    auto& cached = free_blocks_[rounded];
+    if (!cached.empty()) {
+      p = cached.back();
+      cached.pop_back();
+    } else {
+      cudaError_t err = cudaMalloc(&p, rounded);
+      if (err != cudaSuccess) {
+        fprintf(stderr,
+                "flatmoe error in pool.alloc (tag=%s category=%s bytes=%zu): %s; live %.3f GiB, "
+                "reserved %.3f GiB\n",
+                tag, mem_name(cat), bytes, cudaGetErrorString(err), live_total_ / 1073741824.0,
+                reserved_ / 1073741824.0);
+        print_live(stderr);
+        exit(EXIT_FAILURE);
+      }
+      reserved_ += rounded;
+    }
+    blocks_[p] = Block{bytes, rounded, cat, tag};
+    live_[(int)cat] += bytes;
+    live_total_ += bytes;
+    if (live_total_ > peak_total_) peak_total_ = live_total_;
+    if (live_[(int)cat] > peak_[(int)cat]) peak_[(int)cat] = live_[(int)cat];
+    record('a', bytes, cat, tag);
+    return p;
+  }
+
+  template <typename T>
+  T* alloc_t(size_t count, Mem cat, const char* tag) {
+    return (T*)alloc(count * sizeof(T), cat, tag);
+  }
+
+  void free(void* p) {
+    if (p == nullptr) return;
+    auto it = blocks_.find(p);
+    if (it == blocks_.end()) {
+      fprintf(stderr, "flatmoe error in pool.free: %p was not allocated by the pool\n", p);
+      exit(EXIT_FAILURE);
+    }
+    Block b = it->second;
+    blocks_.erase(it);
+    live_[(int)b.cat] -= b.bytes;
+    live_total_ -= b.bytes;
+    free_blocks_[b.rounded].push_back(p);
+    record('f', b.bytes, b.cat, b.tag.c_str());
+  }
+
+  // Returns every cached block to CUDA (synchronises the device).
+  void release_cached() {
+    for (auto& kv : free_blocks_) {
+      for (void* p : kv.second) {
+        cudaCheck(cudaFree(p), "pool.release_cached", "bytes=%zu", kv.first);
+        reserved_ -= kv.first;
+      }
+      kv.second.clear();
+    }
+  }
+
+  size_t live(Mem c) const { return live_[(int)c]; }
+  size_t live_total() const { return live_total_; }
+  size_t peak() const { return peak_total_; }
+  size_t peak(Mem c) const { return peak_[(int)c]; }
+  size_t reserved() const { return reserved_; }
+  size_t blocks_live() const { return blocks_.size(); }
+
+  // Starts a new measurement window: peaks become the current live bytes.
+  void reset_peak() {
+    peak_total_ = live_total_;
+    for (int i = 0; i < NCAT; i++) peak_[i] = live_[i];
+  }
+
+  // Timeline: off by default (a step makes thousands of events).
+  void set_timeline(bool on) { timeline_on_ = on; }
+  void clear_timeline() { events_.clear(); }
+  void mark(const char* tag) { record('m', 0, Mem::Workspace, tag); }
+  const std::vector<PoolEvent>& events() const { return events_; }
+
+  // CSV: t_us,action,bytes,category,tag,live_bytes — plus one column per category.
+  bool write_csv(const char* path) const {
+    std::string tmp = std::string(path) + ".tmp";
+    FILE* f = fopen(tmp.c_str(), "w");
+    if (!f) return false;
+    fprintf(f, "t_us,action,bytes,category,tag,live_bytes");
+    for (int i = 0; i < NCAT; i++) fprintf(f, ",%s", mem_name((Mem)i));
+    fprintf(f, "\n");
+    size_t per_cat[NCAT] = {0};
+    for (const PoolEvent& e : events_) {
+      if (e.action == 'a') per_cat[(int)e.cat] += e.bytes;
+      if (e.action == 'f') per_cat[(int)e.cat] -= e.bytes;
+      fprintf(f, "%.1f,%s,%zu,%s,%s,%zu", e.t_us,
+              e.action == 'a' ? "alloc" : e.action == 'f' ? "free" : "mark", e.bytes,
+              mem_name(e.cat), e.tag.c_str(), e.live_after);
+      for (int i = 0; i < NCAT; i++) fprintf(f, ",%zu", per_cat[i]);
+      fprintf(f, "\n");
+    }
+    bool ok = fclose(f) == 0;
+    return ok && rename(tmp.c_str(), path) == 0;
+  }
+
+  void print_live(FILE* f) const {
+    for (int i = 0; i < NCAT; i++)
+      if (live_[i] || peak_[i])
+        fprintf(f, "  %-22s live %10.3f MiB   peak %10.3f MiB\n", mem_name((Mem)i),
+                live_[i] / 1048576.0, peak_[i] / 1048576.0);
+  }
+
+ private:
+  struct Block {
+    size_t bytes, rounded;
+    Mem cat;
+    std::string tag;
+  };
+
+  // 512-byte granularity below 1 MiB; above, 1/16 of the enclosing power of two (≤ 6.25 % slack).
+  static size_t round_size(size_t bytes) {
+    if (bytes < (1u << 20)) return (bytes + 511) & ~size_t(511);
+    size_t p = 1;
+    while (p < bytes) p <<= 1;
+    size_t step = p >> 4;
+    return (bytes + step - 1) / step * step;
+  }
+
+  void record(char action, size_t bytes, Mem cat, const char* tag) {
+    if (!timeline_on_) return;
+    double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0_).count();
+    events_.push_back(PoolEvent{t, action, bytes, cat, tag, live_total_});
+  }
+
+  std::unordered_map<void*, Block> blocks_;
+  std::map<size_t, std::vector<void*>> free_blocks_;
+  size_t live_[NCAT] = {0};
+  size_t peak_[NCAT] = {0};
+  size_t live_total_ = 0, peak_total_ = 0, reserved_ = 0;
+  bool timeline_on_ = false;
+  std::vector<PoolEvent> events_;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
+
+// One pool per process (one process per GPU).
+inline Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+// A typed buffer owned by the pool, freed when it goes out of scope.
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  DeviceBuffer() = default;
+  DeviceBuffer(size_t n, Mem cat, const char* tag) : ptr(pool().alloc_t<T>(n, cat, tag)), count(n) {}
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(o.ptr), count(o.count) { o.ptr = nullptr; o.count = 0; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) { pool().free(ptr); ptr = o.ptr; count = o.count; o.ptr = nullptr; o.count = 0; }
+    return *this;
+  }
+  ~DeviceBuffer() { pool().free(ptr); }
+  T* get() const { return ptr; }
+  size_t bytes() const { return count * sizeof(T); }
+};
+
+// cuBLAS on a stream, with its workspace taken from the pool (category Workspace). cublasSetStream
+// resets cuBLAS to a workspace of its own (allocated outside the pool), so every GEMM launcher
+// sets both together through this function.
+inline cublasHandle_t cublas_on(cudaStream_t stream, const char* op) {
+  static const size_t workspace_bytes = 32u << 20;  // cuBLAS's recommendation for Hopper
+  static void* workspace = pool().alloc(workspace_bytes, Mem::Workspace, "cublas_workspace");
+  cublasHandle_t handle = cublas_handle();
+  cublasCheck(cublasSetStream(handle, stream), op, "stream");
+  cublasCheck(cublasSetWorkspace(handle, workspace, workspace_bytes), op, "workspace=%zu", workspace_bytes);
+  return handle;
+}
