@@ -1,0 +1,316 @@
+// data/prepare.cpp — the `prepare` tool: a text corpus → a BPE tokenizer and llm.c token shards.
+//
+//   prepare [--input PATH] [--out DIR] [--vocab N] [--val-frac F] [--seed S]
+//
+// --input: a UTF-8 text file or a folder (default /usr/share/games/fortunes, Debian's fortunes).
+//   In a folder: its regular files, in name order, skipping *.dat (strfile index) files, symlinks
+//   and files that are not valid UTF-8 text (with a note). A file with a line that is exactly "%"
+//   is a fortune file: its documents are the texts between such lines; any other file is one
+//   document. Documents that are empty or only whitespace are dropped.
+// The documents are shuffled with --seed (own Fisher–Yates over mt19937_64, the same on every
+// platform); the last --val-frac of them are the validation set. The tokenizer is trained on the
+// training documents only. Every document is encoded and followed by <|endoftext|>.
+// Writes DIR/tokenizer.bin, DIR/train_000.bin, DIR/val_000.bin (each via a .tmp file + rename).
+// Build: g++ -std=c++17 -O2 -I. data/prepare.cpp -o build/prepare
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "data/shards.hpp"
+#include "data/tokenizer.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* const kUsage = "usage: prepare [--input PATH] [--out DIR] [--vocab N] [--val-frac F] [--seed S]";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  std::string input = "/usr/share/games/fortunes";
+  std::string out = "data/fortunes";
+  int vocab = 4096;
+  double val_frac = 0.05;
+  unsigned long long seed = 1337;
+};
+
+long long parse_integer(const std::string& flag, const std::string& text) {
+  size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(text, &used, 10);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size() || text[0] == ' ')
+    throw UsageError(flag + " needs an integer, got '" + text + "'");
+  return value;
+}
+
+Options parse_args(int argc, char** argv) {
+  Options opt;
+  for (int i = 1; i < argc; i++) {
+    const std::string flag = argv[i];
+    if (flag == "-h" || flag == "--help") {
+      std::printf("%s\n", kUsage);
+      std::exit(0);
+    }
+    if (flag != "--input" && flag != "--out" && flag != "--vocab" && flag != "--val-frac" && flag != "--seed")
+      throw UsageError("unknown flag '" + flag + "'");
+    if (i + 1 >= argc) throw UsageError(flag + " needs a value");
+    const std::string value = argv[++i];
+    if (flag == "--input") {
+      opt.input = value;
+    } else if (flag == "--out") {
+      if (value.empty()) throw UsageError("--out needs a folder");
+      opt.out = value;
+    } else if (flag == "--vocab") {
+      const long long vocab = parse_integer(flag, value);
+      if (vocab < 257 || vocab > 1000000)
+        throw UsageError("--vocab " + value + " is outside [257, 1000000] (256 bytes + <|endoftext|> at least)");
+      opt.vocab = int(vocab);
+    } else if (flag == "--val-frac") {
+      size_t used = 0;
+      double frac = 0;
+      try {
+        frac = std::stod(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (value.empty() || used != value.size()) throw UsageError("--val-frac needs a number, got '" + value + "'");
+      if (!(frac > 0 && frac < 1)) throw UsageError("--val-frac " + value + " is outside (0, 1)");
+      opt.val_frac = frac;
+    } else {
+      const long long seed = parse_integer(flag, value);
+      if (seed < 0) throw UsageError("--seed " + value + " must be non-negative");
+      opt.seed = (unsigned long long)seed;
+    }
+  }
+  std::error_code ec;
+  if (!fs::exists(opt.input, ec)) throw UsageError("input " + opt.input + " does not exist");
+  return opt;
+}
+
+// Strict UTF-8 (no overlong forms, no surrogates, nothing above U+10FFFF) without NUL bytes.
+bool is_utf8_text(const std::string& s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char c = p[i];
+    if (c == 0) return false;
+    if (c < 0x80) {
+      i++;
+      continue;
+    }
+    size_t len;
+    unsigned lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;  // overlong
+      if (c == 0xED) hi = 0x9F;  // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;  // overlong
+      if (c == 0xF4) hi = 0x8F;  // above U+10FFFF
+    } else {
+      return false;
+    }
+    if (i + len > n || p[i + 1] < lo || p[i + 1] > hi) return false;
+    for (size_t k = 2; k < len; k++)
+      if (p[i + k] < 0x80 || p[i + k] > 0xBF) return false;
+    i += len;
+  }
+  return true;
+}
+
+bool only_whitespace(const std::string& s) { return s.find_first_not_of(" \t\n\r\f\v") == std::string::npos; }
+
+// The documents of one file's text (see the header comment).
+void split_documents(const std::string& text, std::vector<std::string>& documents) {
+  const bool fortune = text == "%" || text.rfind("%\n", 0) == 0 || text.find("\n%\n") != std::string::npos ||
+                       (text.size() >= 2 && text.compare(text.size() - 2, 2, "\n%") == 0);
+  if (!fortune) {
+    if (!only_whitespace(text)) documents.push_back(text);
+    return;
+  }
+  std::string current;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    end = end == std::string::npos ? text.size() : end + 1;  // the line with its '\n'
+    const std::string_view line(text.data() + pos, end - pos);
+    if (line == "%\n" || line == "%") {
+      if (!only_whitespace(current)) documents.push_back(current);
+      current.clear();
+    } else {
+      current.append(line);
+    }
+    pos = end;
+  }
+  if (!only_whitespace(current)) documents.push_back(current);
+}
+
+std::vector<std::string> load_documents(const std::string& input) {
+  std::vector<std::string> documents;
+  std::error_code ec;
+  if (fs::is_directory(input, ec)) {
+    std::vector<fs::path> entries;
+    for (const fs::directory_entry& entry : fs::directory_iterator(input, ec)) entries.push_back(entry.path());
+    if (ec) throw std::runtime_error("input " + input + ": cannot list the folder: " + ec.message());
+    std::sort(entries.begin(), entries.end());
+    int used = 0, dat = 0, links = 0, other = 0;
+    for (const fs::path& path : entries) {
+      if (fs::is_symlink(fs::symlink_status(path, ec))) {
+        links++;
+      } else if (!fs::is_regular_file(fs::status(path, ec))) {
+        other++;
+      } else if (path.extension() == ".dat") {
+        dat++;
+      } else {
+        const std::string text = data::read_whole_file(path.string());
+        if (!is_utf8_text(text)) {
+          std::printf("prepare: note: skipping %s: not valid UTF-8 text\n", path.c_str());
+          other++;
+          continue;
+        }
+        split_documents(text, documents);
+        used++;
+      }
+    }
+    std::printf("prepare: input %s: %d text files (skipped %d .dat index files, %d symlinks, %d others)\n",
+                input.c_str(), used, dat, links, other);
+  } else if (fs::is_regular_file(input, ec)) {
+    const std::string text = data::read_whole_file(input);
+    if (!is_utf8_text(text)) throw std::runtime_error("input " + input + " is not valid UTF-8 text");
+    split_documents(text, documents);
+    std::printf("prepare: input %s: 1 text file\n", input.c_str());
+  } else {
+    throw std::runtime_error("input " + input + " is neither a regular file nor a folder");
+  }
+  if (documents.size() < 2)
+    throw std::runtime_error("input " + input + " holds " + std::to_string(documents.size()) +
+                             " document(s); a train and a validation split need at least 2");
+  return documents;
+}
+
+// Token ids as "|tok|tok|…" with bytes outside printable ASCII escaped.
+std::string show_tokens(const data::Tokenizer& tok, const std::vector<int>& ids, size_t max_tokens) {
+  std::string out = "|";
+  for (size_t i = 0; i < ids.size() && i < max_tokens; i++) {
+    for (unsigned char c : tok.decode_token(ids[i])) {
+      if (c == '\n') {
+        out += "\\n";
+      } else if (c >= 0x20 && c != 0x7F) {
+        out += char(c);
+      } else {
+        char esc[8];
+        std::snprintf(esc, sizeof esc, "\\x%02x", c);
+        out += esc;
+      }
+    }
+    out += "|";
+  }
+  return out;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+struct Split {
+  std::vector<int> tokens;
+  long long bytes = 0, text_tokens = 0;
+};
+
+Split encode_split(const data::Tokenizer& tok, const std::vector<std::string>& documents, size_t begin, size_t end) {
+  Split split;
+  for (size_t d = begin; d < end; d++) {
+    const std::vector<int> ids = tok.encode(documents[d]);
+    split.tokens.insert(split.tokens.end(), ids.begin(), ids.end());
+    split.tokens.push_back(tok.eot());
+    split.bytes += (long long)documents[d].size();
+    split.text_tokens += (long long)ids.size();
+  }
+  return split;
+}
+
+void run(const Options& opt) {
+  const auto t_start = std::chrono::steady_clock::now();
+  std::vector<std::string> documents = load_documents(opt.input);
+
+  std::mt19937_64 rng(opt.seed);
+  for (size_t i = documents.size() - 1; i > 0; i--) std::swap(documents[i], documents[rng() % (i + 1)]);
+  const size_t n_docs = documents.size();
+  const size_t n_val =
+      std::min(n_docs - 1, std::max<size_t>(1, size_t(std::llround(double(n_docs) * opt.val_frac))));
+  const size_t n_train = n_docs - n_val;
+  const std::vector<std::string> train_docs(documents.begin(), documents.begin() + n_train);
+
+  std::error_code ec;
+  fs::create_directories(opt.out, ec);
+  if (ec) throw std::runtime_error("output folder " + opt.out + ": " + ec.message());
+  const std::string tok_path = (fs::path(opt.out) / "tokenizer.bin").string();
+  const std::string train_path = (fs::path(opt.out) / "train_000.bin").string();
+  const std::string val_path = (fs::path(opt.out) / "val_000.bin").string();
+
+  const auto t_train = std::chrono::steady_clock::now();
+  const data::Tokenizer tok = data::Tokenizer::train(train_docs, opt.vocab);
+  const double train_s = seconds_since(t_train);
+
+  const auto t_encode = std::chrono::steady_clock::now();
+  const Split train = encode_split(tok, documents, 0, n_train);
+  const Split val = encode_split(tok, documents, n_train, n_docs);
+  const double encode_s = seconds_since(t_encode);
+
+  tok.save(tok_path);
+  data::write_shard(train_path, train.tokens, tok.vocab_size());
+  data::write_shard(val_path, val.tokens, tok.vocab_size());
+
+  std::printf("prepare: %zu documents (train %zu, val %zu), seed %llu\n", n_docs, n_train, n_val, opt.seed);
+  std::printf("prepare: tokenizer: vocab %d (%zu merges + 256 bytes + <|endoftext|> = id %d), trained in %.2f s -> %s\n",
+              tok.vocab_size(), tok.merges().size(), tok.eot(), train_s, tok_path.c_str());
+  auto report = [](const char* name, const Split& split, const std::string& path) {
+    std::printf("prepare: %-5s %9lld bytes -> %8zu tokens (%lld text + %lld <|endoftext|>), %.2f bytes/token -> %s\n",
+                name, split.bytes, split.tokens.size(), split.text_tokens,
+                (long long)split.tokens.size() - split.text_tokens, double(split.bytes) / double(split.text_tokens),
+                path.c_str());
+  };
+  report("train", train, train_path);
+  report("val", val, val_path);
+  std::printf("prepare: encoding %.2f s (%.1f MB/s); total %.2f s\n", encode_s,
+              double(train.bytes + val.bytes) / 1e6 / encode_s, seconds_since(t_start));
+  std::printf("prepare: first validation document as tokens:\n  %s\n",
+              show_tokens(tok, tok.encode(documents[n_train]), 48).c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  try {
+    opt = parse_args(argc, argv);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "prepare: error: %s\n%s\n", e.what(), kUsage);
+    return 1;
+  }
+  try {
+    run(opt);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "prepare: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,119 @@
+// data/shards.hpp — token shards in llm.c's format, little-endian:
+//   header 256 × int32 = [0] magic, [1] version, [2] number of tokens n (> 0), the rest 0;
+//   then n tokens.
+// Two variants, identified by the (magic, version) pair:
+//   uint16 tokens: magic 20240520, version 1 (GPT-2 style, llm.c's own shards; vocab ≤ 65535)
+//   uint32 tokens: magic 20240801, version 7 (llm.c's LLaMA-3 format; vocab > 65535)
+// A file is accepted only when its size is exactly 1024 + n · bytes per token.
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "file_io.hpp"
+
+namespace data {
+
+constexpr int32_t kShardMagicU16 = 20240520, kShardVersionU16 = 1;
+constexpr int32_t kShardMagicU32 = 20240801, kShardVersionU32 = 7;
+
+struct ShardInfo {
+  long long num_tokens;
+  int bytes_per_token;  // 2 or 4
+};
+
+// Writes `tokens` (each in [0, vocab_size)) to `path` via PATH.tmp + rename; uint16 tokens when
+// vocab_size ≤ 65535, uint32 otherwise.
+inline void write_shard(const std::string& path, const std::vector<int>& tokens, int vocab_size) {
+  auto refuse = [&](const std::string& why) { return std::runtime_error("shard " + path + ": " + why); };
+  if (vocab_size <= 0) throw refuse("vocab size " + std::to_string(vocab_size) + " must be positive");
+  if (tokens.empty()) throw refuse("no tokens to write");
+  if (tokens.size() > size_t(std::numeric_limits<int32_t>::max()))
+    throw refuse(std::to_string(tokens.size()) + " tokens do not fit the int32 token count of the header");
+  for (size_t i = 0; i < tokens.size(); i++)
+    if (tokens[i] < 0 || tokens[i] >= vocab_size)
+      throw refuse("token " + std::to_string(i) + " = " + std::to_string(tokens[i]) + " outside the vocabulary [0, " +
+                   std::to_string(vocab_size) + ")");
+  const bool wide = vocab_size > 65535;
+  const int width = wide ? 4 : 2;
+  std::string bytes;
+  bytes.reserve(size_t(kHeaderBytes) + tokens.size() * width);
+  int32_t header[kHeaderWords] = {};
+  header[0] = wide ? kShardMagicU32 : kShardMagicU16;
+  header[1] = wide ? kShardVersionU32 : kShardVersionU16;
+  header[2] = int32_t(tokens.size());
+  for (int32_t word : header) append_i32_le(bytes, word);
+  for (int token : tokens)
+    for (int b = 0; b < width; b++) bytes.push_back(char((uint32_t(token) >> (8 * b)) & 0xFF));
+  AtomicFileWriter out(path);
+  out.write(bytes);
+  out.commit();
+}
+
+// Validates the header and the file size of a shard without reading its tokens.
+inline ShardInfo read_shard_header(const std::string& path) {
+  auto refuse = [&](const std::string& why) { return std::runtime_error("shard " + path + ": " + why); };
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec) throw refuse("cannot read its size: " + ec.message());
+  if ((long long)size < kHeaderBytes)
+    throw refuse("truncated header (" + std::to_string(size) + " bytes, the header alone is " +
+                 std::to_string(kHeaderBytes) + ")");
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) throw refuse("cannot open");
+  unsigned char header[kHeaderBytes];
+  const size_t got = std::fread(header, 1, sizeof header, f);
+  std::fclose(f);
+  if (got != sizeof header) throw refuse("cannot read the header");
+  const int32_t magic = load_i32_le(header), version = load_i32_le(header + 4), n = load_i32_le(header + 8);
+  int width;
+  if (magic == kShardMagicU16 && version == kShardVersionU16) {
+    width = 2;
+  } else if (magic == kShardMagicU32 && version == kShardVersionU32) {
+    width = 4;
+  } else if (magic == kShardMagicU16 || magic == kShardMagicU32) {
+    throw refuse("magic " + std::to_string(magic) + " with unsupported version " + std::to_string(version) +
+                 " (expected " + std::to_string(magic == kShardMagicU16 ? kShardVersionU16 : kShardVersionU32) + ")");
+  } else {
+    throw refuse("bad magic " + std::to_string(magic) + " (expected " + std::to_string(kShardMagicU16) +
+                 " for uint16 tokens or " + std::to_string(kShardMagicU32) + " for uint32 tokens)");
+  }
+  if (n <= 0) throw refuse("token count " + std::to_string(n) + " in the header must be positive");
+  const long long expected = kHeaderBytes + (long long)n * width;
+  if ((long long)size != expected)
+    throw refuse(std::string((long long)size < expected ? "truncated" : "trailing bytes") + ": " +
+                 std::to_string(size) + " bytes, expected " + std::to_string(expected) + " for " + std::to_string(n) +
+                 " tokens of " + std::to_string(width) + " bytes");
+  return {n, width};
+}
+
+inline std::vector<int> read_shard(const std::string& path) {
+  const ShardInfo info = read_shard_header(path);
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) throw std::runtime_error("shard " + path + ": cannot open");
+  std::vector<unsigned char> raw(size_t(info.num_tokens) * info.bytes_per_token);
+  const bool ok = std::fseek(f, long(kHeaderBytes), SEEK_SET) == 0 && std::fread(raw.data(), 1, raw.size(), f) == raw.size();
+  std::fclose(f);
+  if (!ok) throw std::runtime_error("shard " + path + ": cannot read its tokens");
+  std::vector<int> tokens(size_t(info.num_tokens));
+  for (size_t i = 0; i < tokens.size(); i++) {
+    const unsigned char* p = raw.data() + i * info.bytes_per_token;
+    if (info.bytes_per_token == 2) {
+      tokens[i] = int(p[0]) | int(p[1]) << 8;
+    } else {
+      const int32_t token = load_i32_le(p);
+      if (token < 0)
+        throw std::runtime_error("shard " + path + ": token " + std::to_string(i) + " = " +
+                                 std::to_string(uint32_t(token)) + " does not fit an int");
+      tokens[i] = token;
+    }
+  }
+  return tokens;
+}
+
+}  // namespace data

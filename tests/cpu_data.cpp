@@ -1,0 +1,691 @@
+// tests/cpu_data.cpp — specification of data/: the BPE tokenizer (against a plain reference
+// trainer and encoder written here), llm.c token shards, the data loader, and the prepare tool.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "data/dataloader.hpp"
+#include "data/shards.hpp"
+#include "data/tokenizer.hpp"
+#include "tests/test_util.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh folder under the system temp folder, removed with everything in it at scope exit.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static int counter = 0;
+    path = fs::temp_directory_path() /
+           ("flatmoe_cpu_data_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr) << path;
+  ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+  std::fclose(f);
+}
+
+std::string read_bytes(const std::string& path) { return data::read_whole_file(path); }
+
+// Little-endian int32 written out byte by byte (independent of data/file_io.hpp).
+void put_i32(std::string& out, uint32_t v) {
+  for (int i = 0; i < 4; i++) out.push_back(char(v >> (8 * i)));
+}
+void set_i32(std::string& bytes, size_t word, uint32_t v) {
+  for (int i = 0; i < 4; i++) bytes[4 * word + i] = char(v >> (8 * i));
+}
+
+// `call` throws std::runtime_error whose message contains every string in `parts`.
+template <typename F>
+void expect_refused(F call, const std::vector<std::string>& parts) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted, expected a refusal mentioning '" << parts.back() << "'";
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    printf("[refused] %s\n", msg.c_str());
+    for (const std::string& part : parts) EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg;
+  }
+}
+
+// Random English-like sentences from a small word list.
+std::string english(testutil::Rng& rng, int sentences) {
+  static const char* const words[] = {
+      "the",   "of",     "and",    "to",     "in",     "is",      "you",    "that",  "it",     "he",
+      "was",   "for",    "on",     "are",    "as",     "with",    "his",    "they",  "at",     "be",
+      "this",  "have",   "from",   "or",     "one",    "had",     "by",     "word",  "but",    "not",
+      "what",  "all",    "were",   "we",     "when",   "your",    "can",    "said",  "there",  "use",
+      "each",  "which",  "she",    "do",     "how",    "their",   "if",     "will",  "up",     "other",
+      "about", "out",    "many",   "then",   "them",   "these",   "so",     "some",  "her",    "would",
+      "make",  "like",   "him",    "into",   "time",   "has",     "look",   "two",   "more",   "write",
+      "go",    "see",    "number", "no",     "way",    "could",   "people", "my",    "than",   "first",
+      "water", "been",   "call",   "who",    "oil",    "its",     "now",    "find",  "long",   "down",
+      "day",   "did",    "get",    "come",   "made",   "may",     "part",   "fortune", "cookie", "computer"};
+  const int n_words = int(sizeof words / sizeof words[0]);
+  std::string text;
+  for (int s = 0; s < sentences; s++) {
+    const int len = rng.integer(3, 14);
+    for (int w = 0; w < len; w++) {
+      std::string word = words[rng.integer(0, n_words - 1)];
+      if (w == 0) word[0] = char(word[0] - 'a' + 'A');
+      text += (w == 0 ? "" : " ") + word;
+      if (w + 1 < len && rng.integer(0, 9) == 0) text += ",";
+    }
+    text += rng.integer(0, 5) == 0 ? "?" : ".";
+    text += rng.integer(0, 3) == 0 ? "\n" : "  ";
+  }
+  return text;
+}
+
+std::vector<std::string> english_documents(testutil::Rng& rng, int n_docs) {
+  std::vector<std::string> docs;
+  for (int d = 0; d < n_docs; d++) docs.push_back(english(rng, rng.integer(1, 6)));
+  return docs;
+}
+
+std::vector<std::string> chunks_of(std::string_view text) {
+  std::vector<std::string> chunks;
+  data::Tokenizer::for_each_chunk(text, [&](std::string_view c) { chunks.emplace_back(c); });
+  return chunks;
+}
+
+// Reference BPE: every merge recounts all pairs over all chunks (with repetition) and takes
+// the most frequent, ties to the smallest (left, right); merges apply left to right.
+std::vector<int> merge_pair(const std::vector<int>& ids, std::pair<int, int> pair, int new_id) {
+  std::vector<int> out;
+  for (size_t i = 0; i < ids.size(); i++) {
+    if (i + 1 < ids.size() && ids[i] == pair.first && ids[i + 1] == pair.second) {
+      out.push_back(new_id);
+      i++;
+    } else {
+      out.push_back(ids[i]);
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<int, int>> reference_train(const std::vector<std::string>& docs, int vocab_size) {
+  std::vector<std::vector<int>> chunks;
+  for (const std::string& doc : docs)
+    for (const std::string& c : chunks_of(doc)) {
+      std::vector<int> ids;
+      for (unsigned char b : c) ids.push_back(b);
+      chunks.push_back(ids);
+    }
+  std::vector<std::pair<int, int>> merges;
+  for (int m = 0; m < vocab_size - 257; m++) {
+    std::map<std::pair<int, int>, long long> count;
+    for (const auto& c : chunks)
+      for (size_t i = 0; i + 1 < c.size(); i++) count[{c[i], c[i + 1]}]++;
+    std::pair<int, int> best{-1, -1};
+    long long best_count = 0;
+    for (const auto& [pair, n] : count)
+      if (n > best_count) best = pair, best_count = n;
+    if (best_count == 0) break;
+    merges.push_back(best);
+    for (auto& c : chunks) c = merge_pair(c, best, 256 + m);
+  }
+  return merges;
+}
+
+std::vector<int> reference_encode(const data::Tokenizer& tok, const std::string& text) {
+  std::vector<int> out;
+  for (const std::string& chunk : chunks_of(text)) {
+    std::vector<int> ids;
+    for (unsigned char c : chunk) ids.push_back(c);
+    for (size_t m = 0; m < tok.merges().size(); m++) ids = merge_pair(ids, tok.merges()[m], 256 + int(m));
+    out.insert(out.end(), ids.begin(), ids.end());
+  }
+  return out;
+}
+
+// Byte strings meant to break a tokenizer: uniform random bytes (invalid UTF-8, NULs), random
+// strings over a small alphabet that hits many merges, very long runs, and the EOT text.
+std::vector<std::string> adversarial_strings(testutil::Rng& rng) {
+  std::vector<std::string> out = {"", "a", std::string(1, '\0'), "<|endoftext|>", "it's 're 'll ''' '"};
+  for (int i = 0; i < 20; i++) {
+    std::string s(size_t(rng.integer(0, 3000)), '\0');
+    for (char& c : s) c = char(rng.integer(0, 255));
+    out.push_back(s);
+  }
+  const std::string alphabet = std::string("the ,.\n\t'sld9") + '\0' + "\xff\xc3\xa9";
+  for (int i = 0; i < 20; i++) {
+    std::string s(size_t(rng.integer(1, 3000)), ' ');
+    for (char& c : s) c = alphabet[rng.integer(0, int(alphabet.size()) - 1)];
+    out.push_back(s);
+  }
+  for (char c : {'a', ' ', '\0', '\xff', '=', '7', '\n'}) out.push_back(std::string(100000, c));
+  std::string abab;
+  for (int i = 0; i < 50000; i++) abab += "ab";
+  out.push_back(abab);
+  out.push_back(english(rng, 5) + std::string(1000, '\0') + english(rng, 5));
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Tokenizer
+
+TEST(DataTokenizer, ChunksFollowGpt2StyleSplit) {
+  EXPECT_EQ(chunks_of("Hello world's  42 apples!!\n\n  ok"),
+            (std::vector<std::string>{"Hello", " world", "'s", " ", " 42", " apples", "!!", "\n\n ", " ok"}));
+  EXPECT_EQ(chunks_of("caf\xc3\xa9 2024-03-28 \t"),
+            (std::vector<std::string>{"caf\xc3\xa9", " 2024", "-", "03", "-", "28", " \t"}));
+  const std::vector<std::string> cut = chunks_of(std::string(600, '='));
+  EXPECT_EQ(cut, (std::vector<std::string>{std::string(256, '='), std::string(256, '='), std::string(88, '=')}));
+}
+
+TEST(DataTokenizer, TrainingMatchesReferenceBpe) {
+  testutil::Rng rng;
+  std::vector<std::string> docs = english_documents(rng, 40);
+  docs.push_back(adversarial_strings(rng)[7]);  // random bytes too
+  const data::Tokenizer tok = data::Tokenizer::train(docs, 420);
+  const auto expected = reference_train(docs, 420);
+  EXPECT_EQ(tok.merges(), expected);
+  EXPECT_EQ(tok.vocab_size(), 420);
+  EXPECT_EQ(tok.eot(), 419);
+  EXPECT_EQ(tok.decode_token(tok.eot()), "<|endoftext|>");
+}
+
+TEST(DataTokenizer, TiesGoToTheSmallestPair) {
+  EXPECT_EQ(data::Tokenizer::train({"abcd"}, 258).merges(), (std::vector<std::pair<int, int>>{{'a', 'b'}}));
+  // Count first: "cd" occurs 3 times, " c" twice, "xy" twice.
+  EXPECT_EQ(data::Tokenizer::train({"xyxy cdcd cd"}, 258).merges(), (std::vector<std::pair<int, int>>{{'c', 'd'}}));
+  // After "ab" = 256, the tie (256, 'c') vs ('c', 'd') goes to ('c', 'd'): 'c' = 99 < 256.
+  const data::Tokenizer tok = data::Tokenizer::train({"abcd"}, 260);
+  EXPECT_EQ(tok.merges(), (std::vector<std::pair<int, int>>{{'a', 'b'}, {'c', 'd'}, {256, 257}}));
+  EXPECT_EQ(tok.decode_token(258), "abcd");
+  EXPECT_EQ(tok.encode("abcd"), (std::vector<int>{258}));
+}
+
+TEST(DataTokenizer, MergesNeverCrossChunks) {
+  testutil::Rng rng;
+  const data::Tokenizer tok = data::Tokenizer::train(english_documents(rng, 150), 600);
+  auto space = [](unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  for (int id = 256; id < tok.eot(); id++) {
+    const std::string t = tok.decode_token(id);
+    for (size_t i = 1; i < t.size(); i++) {
+      const bool leading_space = i == 1 && t[0] == ' ';
+      EXPECT_TRUE(space(t[i - 1]) == space(t[i]) || leading_space) << "token " << id << " '" << t << "'";
+    }
+  }
+}
+
+TEST(DataTokenizer, EncodeMatchesReferenceAndRoundTripsAnyBytes) {
+  testutil::Rng rng;
+  const data::Tokenizer tok = data::Tokenizer::train(english_documents(rng, 40), 400);
+  for (const std::string& s : adversarial_strings(rng)) {
+    const std::vector<int> ids = tok.encode(s);
+    EXPECT_EQ(tok.decode(ids), s) << "length " << s.size();
+    for (int id : ids) ASSERT_TRUE(id >= 0 && id < tok.eot()) << id;
+    EXPECT_EQ(ids, reference_encode(tok, s)) << "length " << s.size();
+  }
+}
+
+TEST(DataTokenizer, MergesCompressEnglish) {
+  testutil::Rng rng;
+  const data::Tokenizer tok = data::Tokenizer::train(english_documents(rng, 300), 512);
+  const std::string held_out = english(rng, 200);
+  const std::vector<int> ids = tok.encode(held_out);
+  const double bytes_per_token = double(held_out.size()) / double(ids.size());
+  printf("[compression] %zu bytes -> %zu tokens: %.2f bytes/token\n", held_out.size(), ids.size(), bytes_per_token);
+  EXPECT_GE(bytes_per_token, 3.0);
+  EXPECT_EQ(tok.decode(ids), held_out);
+}
+
+TEST(DataTokenizer, TrainingIsDeterministic) {
+  testutil::Rng rng;
+  const std::vector<std::string> docs = english_documents(rng, 50);
+  EXPECT_EQ(data::Tokenizer::train(docs, 500).merges(), data::Tokenizer::train(docs, 500).merges());
+}
+
+TEST(DataTokenizer, TrainRefusesImpossibleVocabularies) {
+  expect_refused([] { data::Tokenizer::train({"hello"}, 256); }, {"vocab_size 256", "at least 257"});
+  expect_refused([] { data::Tokenizer::train({"ab ab"}, 300); }, {"run out of pairs", "vocab_size 300"});
+  EXPECT_EQ(data::Tokenizer::train({"hello"}, 257).vocab_size(), 257);
+}
+
+TEST(DataTokenizer, DecodeRefusesUnknownIds) {
+  const data::Tokenizer tok = data::Tokenizer::train({"hello hello"}, 260);
+  expect_refused([&] { tok.decode({1, 260}); }, {"token id 260", "[0, 260)"});
+  expect_refused([&] { tok.decode_token(-1); }, {"token id -1"});
+}
+
+TEST(DataTokenizer, SaveLoadGivesIdenticalEncoding) {
+  testutil::Rng rng;
+  TempDir dir;
+  const data::Tokenizer tok = data::Tokenizer::train(english_documents(rng, 60), 500);
+  const std::string path = dir.file("tokenizer.bin");
+  tok.save(path);
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_EQ(fs::file_size(path), 1024u + 8u * (500 - 257));
+  const data::Tokenizer loaded = data::Tokenizer::load(path);
+  EXPECT_EQ(loaded.vocab_size(), tok.vocab_size());
+  EXPECT_EQ(loaded.eot(), tok.eot());
+  EXPECT_EQ(loaded.merges(), tok.merges());
+  for (const std::string& s : adversarial_strings(rng)) EXPECT_EQ(loaded.encode(s), tok.encode(s));
+  const std::string again = dir.file("again.bin");
+  loaded.save(again);
+  EXPECT_EQ(read_bytes(again), read_bytes(path));
+}
+
+TEST(DataTokenizer, LoadRefusesCorruptFiles) {
+  TempDir dir;
+  const data::Tokenizer tok = data::Tokenizer::train({"the cat sat on the mat, the end"}, 270);
+  const std::string good_path = dir.file("good.bin");
+  tok.save(good_path);
+  const std::string good = read_bytes(good_path);
+  const size_t first_merge = 256, second_merge = 258;  // int32 word index of merge 0 and merge 1
+  auto refused = [&](std::string bytes, const std::string& problem) {
+    const std::string path = dir.file("bad.bin");
+    write_bytes(path, bytes);
+    expect_refused([&] { data::Tokenizer::load(path); }, {path, problem});
+  };
+  std::string b = good;
+  set_i32(b, 0, 20240520);
+  refused(b, "bad magic 20240520");
+  b = good;
+  set_i32(b, 1, 2);
+  refused(b, "llm.c token-table tokenizer (version 2)");
+  b = good;
+  set_i32(b, 1, 9);
+  refused(b, "unsupported version 9");
+  refused(good.substr(0, 500), "truncated header");
+  refused(good.substr(0, good.size() - 4), "truncated");
+  refused(good + std::string(8, '\0'), "trailing bytes");
+  b = good;
+  set_i32(b, 2, 271);
+  refused(b, "does not match vocab size 271");
+  b = good;
+  set_i32(b, 3, 5);
+  refused(b, "EOT id 5");
+  b = good;
+  set_i32(b, 77, 1);
+  refused(b, "reserved header word 77");
+  b = good;
+  set_i32(b, first_merge, 256);  // merge 0 may only use the 256 bytes
+  refused(b, "merge 0 = (256,");
+  b = good;
+  set_i32(b, second_merge + 1, uint32_t(-3));
+  refused(b, "merge 1 = (");
+  b = good;
+  set_i32(b, second_merge, tok.merges()[0].first);
+  set_i32(b, second_merge + 1, tok.merges()[0].second);
+  refused(b, "merge 1 repeats merge 0");
+  expect_refused([&] { data::Tokenizer::load(dir.file("missing.bin")); }, {dir.file("missing.bin"), "cannot open"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shards
+
+TEST(DataShards, WriteReadUint16) {
+  testutil::Rng rng;
+  TempDir dir;
+  std::vector<int> tokens = {0, 50256};
+  for (int i = 0; i < 10000; i++) tokens.push_back(rng.integer(0, 50256));
+  const std::string path = dir.file("s.bin");
+  data::write_shard(path, tokens, 50257);
+  const std::string bytes = read_bytes(path);
+  ASSERT_EQ(bytes.size(), 1024 + 2 * tokens.size());
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  EXPECT_EQ(data::load_i32_le(p), 20240520);
+  EXPECT_EQ(data::load_i32_le(p + 4), 1);
+  EXPECT_EQ(data::load_i32_le(p + 8), int(tokens.size()));
+  EXPECT_EQ(int(p[1024 + 2]) | int(p[1024 + 3]) << 8, 50256);
+  EXPECT_EQ(data::read_shard(path), tokens);
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+}
+
+TEST(DataShards, WriteReadUint32) {
+  testutil::Rng rng;
+  TempDir dir;
+  std::vector<int> tokens = {0, 65535, 65536, 128255};
+  for (int i = 0; i < 10000; i++) tokens.push_back(rng.integer(0, 128255));
+  const std::string path = dir.file("s.bin");
+  data::write_shard(path, tokens, 128256);
+  const std::string bytes = read_bytes(path);
+  ASSERT_EQ(bytes.size(), 1024 + 4 * tokens.size());
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  EXPECT_EQ(data::load_i32_le(p), 20240801);
+  EXPECT_EQ(data::load_i32_le(p + 4), 7);
+  EXPECT_EQ(data::load_i32_le(p + 8), int(tokens.size()));
+  EXPECT_EQ(data::read_shard(path), tokens);
+}
+
+TEST(DataShards, VariantFollowsVocabSize) {
+  TempDir dir;
+  data::write_shard(dir.file("a.bin"), {1, 65534}, 65535);
+  data::write_shard(dir.file("b.bin"), {1, 65535}, 65536);
+  EXPECT_EQ(data::read_shard_header(dir.file("a.bin")).bytes_per_token, 2);
+  EXPECT_EQ(data::read_shard_header(dir.file("b.bin")).bytes_per_token, 4);
+  EXPECT_EQ(data::read_shard(dir.file("b.bin")), (std::vector<int>{1, 65535}));
+}
+
+TEST(DataShards, WriteRefusesBadTokensAndKeepsTheOldFile) {
+  TempDir dir;
+  const std::string path = dir.file("s.bin");
+  data::write_shard(path, {1, 2, 3}, 10);
+  const std::string before = read_bytes(path);
+  expect_refused([&] { data::write_shard(path, {1, 10}, 10); }, {path, "token 1 = 10", "[0, 10)"});
+  expect_refused([&] { data::write_shard(path, {-1}, 10); }, {path, "token 0 = -1"});
+  expect_refused([&] { data::write_shard(path, {}, 10); }, {path, "no tokens"});
+  expect_refused([&] { data::write_shard(dir.file("nodir/s.bin"), {1}, 10); }, {"nodir/s.bin", "cannot create"});
+  EXPECT_EQ(read_bytes(path), before);
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+}
+
+TEST(DataShards, ReadRefusesCorruptFiles) {
+  TempDir dir;
+  const std::string good_path = dir.file("good.bin");
+  data::write_shard(good_path, {5, 6, 7, 8}, 100);
+  const std::string good = read_bytes(good_path);
+  auto refused = [&](const std::string& bytes, const std::string& problem) {
+    const std::string path = dir.file("bad.bin");
+    write_bytes(path, bytes);
+    expect_refused([&] { data::read_shard(path); }, {path, problem});
+  };
+  std::string b = good;
+  set_i32(b, 0, 12345);
+  refused(b, "bad magic 12345");
+  b = good;
+  set_i32(b, 1, 7);  // uint16 magic with the uint32 version
+  refused(b, "magic 20240520 with unsupported version 7");
+  b = good;
+  set_i32(b, 0, 20240801);  // uint32 magic with the uint16 version
+  refused(b, "magic 20240801 with unsupported version 1");
+  refused(good.substr(0, good.size() - 1), "truncated");
+  refused(good + "xy", "trailing bytes");
+  refused(good.substr(0, 100), "truncated header");
+  b = good.substr(0, 1024);
+  set_i32(b, 2, 0);
+  refused(b, "token count 0");
+  b = good;
+  set_i32(b, 2, 5);  // says 5 tokens, holds 4
+  refused(b, "truncated");
+  expect_refused([&] { data::read_shard(dir.file("missing.bin")); }, {dir.file("missing.bin")});
+}
+
+TEST(DataShards, ReadsTheLayoutLlmcPythonWrites) {
+  // llm.c's data_common.py write_datafile: header = np.zeros(256, dtype=np.int32);
+  // header[0] = 20240520; header[1] = 1; header[2] = len(toks); f.write(header.tobytes());
+  // f.write(np.array(toks, dtype=np.uint16).tobytes())
+  testutil::Rng rng;
+  TempDir dir;
+  std::vector<int> tokens;
+  for (int i = 0; i < 777; i++) tokens.push_back(rng.integer(0, 50256));
+  std::string bytes;
+  put_i32(bytes, 20240520);
+  put_i32(bytes, 1);
+  put_i32(bytes, uint32_t(tokens.size()));
+  for (int i = 3; i < 256; i++) put_i32(bytes, 0);
+  for (int t : tokens) {
+    bytes.push_back(char(t & 0xFF));
+    bytes.push_back(char(t >> 8));
+  }
+  const std::string path = dir.file("fineweb_train_000001.bin");
+  write_bytes(path, bytes);
+  EXPECT_EQ(data::read_shard(path), tokens);
+  // ...and write_shard produces the very same bytes.
+  data::write_shard(dir.file("ours.bin"), tokens, 50257);
+  EXPECT_EQ(read_bytes(dir.file("ours.bin")), bytes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data loader
+
+namespace {
+
+// Writes shards dir/train_NNN.bin with the given sizes; token i of the whole stream is
+// `offset + i` (distinct values, so a batch names the positions it came from).
+std::vector<std::vector<int>> write_counting_shards(const TempDir& dir, const std::vector<int>& sizes, int offset) {
+  std::vector<std::vector<int>> shards;
+  int next = offset;
+  for (size_t s = 0; s < sizes.size(); s++) {
+    std::vector<int> tokens(size_t(sizes[s]));
+    for (int& t : tokens) t = next++;
+    char name[32];
+    std::snprintf(name, sizeof name, "train_%03zu.bin", s);
+    data::write_shard(dir.file(name), tokens, 1 << 20);
+    shards.push_back(tokens);
+  }
+  return shards;
+}
+
+std::vector<std::vector<int>> write_random_shards(const TempDir& dir, testutil::Rng& rng, const std::vector<int>& sizes) {
+  std::vector<std::vector<int>> shards;
+  for (size_t s = 0; s < sizes.size(); s++) {
+    std::vector<int> tokens(size_t(sizes[s]));
+    for (int& t : tokens) t = rng.integer(0, 4095);
+    char name[32];
+    std::snprintf(name, sizeof name, "train_%03zu.bin", s);
+    data::write_shard(dir.file(name), tokens, 4096);
+    shards.push_back(tokens);
+  }
+  return shards;
+}
+
+struct Batch {
+  std::vector<int> inputs, targets;
+  bool operator==(const Batch& o) const { return inputs == o.inputs && targets == o.targets; }
+};
+
+Batch next(data::DataLoader& loader, int B, int T) {
+  Batch b{std::vector<int>(size_t(B) * T, -7), std::vector<int>(size_t(B) * T, -7)};
+  loader.next_batch(b.inputs.data(), b.targets.data());
+  return b;
+}
+
+}  // namespace
+
+TEST(DataLoader, BatchesAreConsecutiveTokensAcrossShardsAndEpochs) {
+  testutil::Rng rng;
+  TempDir dir;
+  const int B = 2, T = 8;
+  const auto shards = write_random_shards(dir, rng, {100, 70, 17});
+  data::write_shard(dir.file("val_000.bin"), {1, 2, 3}, 10);  // not matched (too small if it were)
+  data::DataLoader loader(dir.file("train_*.bin"), B, T);
+  EXPECT_EQ(loader.num_tokens(), 187);
+  EXPECT_EQ(loader.files().size(), 3u);
+  // The spec: windows start at 0, B·T, 2·B·T, … while start + B·T + 1 ≤ shard size; shards in
+  // name order; after the last shard, the first again with epoch + 1.
+  for (long long epoch = 0; epoch < 3; epoch++)
+    for (size_t s = 0; s < shards.size(); s++)
+      for (long long p = 0; p + B * T + 1 <= (long long)shards[s].size(); p += B * T) {
+        const data::DataLoader::State st = loader.state();
+        EXPECT_EQ(st.shard, int(s));
+        EXPECT_EQ(st.position, p);
+        EXPECT_EQ(st.epoch, epoch);
+        const Batch b = next(loader, B, T);
+        const std::vector<int> in(shards[s].begin() + p, shards[s].begin() + p + B * T);
+        const std::vector<int> tg(shards[s].begin() + p + 1, shards[s].begin() + p + B * T + 1);
+        ASSERT_EQ(b.inputs, in) << "shard " << s << " position " << p << " epoch " << epoch;
+        ASSERT_EQ(b.targets, tg) << "shard " << s << " position " << p << " epoch " << epoch;
+      }
+  EXPECT_EQ(loader.state().epoch, 3);
+}
+
+TEST(DataLoader, RanksReadDisjointSlicesOfEachWindow) {
+  TempDir dir;
+  const int B = 3, T = 5, W = 4, BT = B * T;
+  const auto shards = write_counting_shards(dir, {W * BT * 3 + 11, W * BT + 1}, 1000);
+  std::vector<data::DataLoader> loaders;
+  for (int r = 0; r < W; r++) loaders.emplace_back(dir.file("train_*.bin"), B, T, r, W);
+  for (int step = 0; step < 10; step++) {
+    const data::DataLoader::State st = loaders[0].state();
+    std::vector<int> window;  // the ranks' inputs in rank order
+    std::set<int> seen;
+    for (int r = 0; r < W; r++) {
+      EXPECT_EQ(loaders[r].state().position, st.position);
+      EXPECT_EQ(loaders[r].state().shard, st.shard);
+      const Batch b = next(loaders[r], B, T);
+      for (int i = 0; i < BT; i++) EXPECT_EQ(b.targets[i], b.inputs[i] + 1);
+      for (int t : b.inputs) EXPECT_TRUE(seen.insert(t).second) << "token " << t << " read by two ranks";
+      window.insert(window.end(), b.inputs.begin(), b.inputs.end());
+    }
+    const std::vector<int>& shard = shards[st.shard];
+    EXPECT_EQ(window, std::vector<int>(shard.begin() + st.position, shard.begin() + st.position + W * BT))
+        << "step " << step;
+  }
+}
+
+TEST(DataLoader, StateResumesTheSameBatches) {
+  testutil::Rng rng;
+  TempDir dir;
+  const int B = 2, T = 7, W = 2, rank = 1;
+  write_random_shards(dir, rng, {200, 90, 120});
+  data::DataLoader first(dir.file("train_*.bin"), B, T, rank, W);
+  const int before = rng.integer(3, 20);
+  for (int i = 0; i < before; i++) next(first, B, T);
+  const data::DataLoader::State saved = first.state();
+  std::vector<Batch> expected;
+  for (int i = 0; i < 40; i++) expected.push_back(next(first, B, T));  // crosses shards and epochs
+
+  data::DataLoader resumed(dir.file("train_*.bin"), B, T, rank, W);
+  resumed.set_state(saved);
+  for (int i = 0; i < 40; i++) ASSERT_TRUE(next(resumed, B, T) == expected[i]) << "batch " << i << " after resume";
+  EXPECT_EQ(resumed.state().epoch, first.state().epoch);
+
+  data::DataLoader fresh(dir.file("train_*.bin"), B, T, rank, W);
+  const Batch one = next(fresh, B, T);
+  resumed.reset();
+  EXPECT_TRUE(next(resumed, B, T) == one);
+  expect_refused([&] { resumed.set_state({3, 0, 0}); }, {"shard 3", "does not fit"});
+  expect_refused([&] { resumed.set_state({1, 70, 0}); }, {"position 70", "does not fit"});
+}
+
+TEST(DataLoader, RefusesMissingAndTooSmallShards) {
+  testutil::Rng rng;
+  TempDir dir;
+  expect_refused([&] { data::DataLoader(dir.file("train_*.bin"), 2, 4); }, {"no file matches", dir.file("train_*.bin")});
+  write_random_shards(dir, rng, {100, 16});
+  data::DataLoader one_file(dir.file("train_000.bin"), 2, 4);  // a plain path works too
+  EXPECT_EQ(one_file.num_tokens(), 100);
+  expect_refused([&] { data::DataLoader(dir.file("train_*.bin"), 2, 8); },
+                 {dir.file("train_001.bin"), "16 tokens", "too few for one batch", "= 17"});
+  expect_refused([&] { data::DataLoader(dir.file("train_000.bin"), 5, 10, 0, 2); }, {"100 tokens", "= 101"});
+  expect_refused([&] { data::DataLoader(dir.file("train_000.bin"), 2, 4, 2, 2); }, {"rank=2 world=2"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// prepare
+
+namespace {
+
+std::string prepare_binary() {
+  const char* dir = std::getenv("FLATMOE_BIN");
+  std::string bin = dir ? dir : "build/";
+  if (!bin.empty() && bin.back() != '/') bin += '/';
+  return bin + "prepare";
+}
+
+// Runs prepare with `args`; returns its exit status, stdout+stderr in `output`.
+int run_prepare(const TempDir& dir, const std::string& args, std::string& output) {
+  const std::string log = dir.file("prepare.log");
+  const int status = std::system((prepare_binary() + " " + args + " > " + log + " 2>&1").c_str());
+  output = read_bytes(log);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+TEST(DataPrepare, RefusesBadFlags) {
+  if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
+  TempDir dir;
+  const std::string out = "--out " + dir.file("out") + " ";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--bogus 1", "unknown flag '--bogus'"},
+      {"--vocab", "--vocab needs a value"},
+      {"--vocab 256", "outside [257, 1000000]"},
+      {"--vocab 1000001", "outside [257, 1000000]"},
+      {"--vocab 4k", "needs an integer"},
+      {"--val-frac 0", "outside (0, 1)"},
+      {"--val-frac 1", "outside (0, 1)"},
+      {"--val-frac -0.5", "outside (0, 1)"},
+      {"--val-frac nan", "outside (0, 1)"},
+      {"--val-frac half", "needs a number"},
+      {"--seed -1", "non-negative"},
+      {"--seed x", "needs an integer"},
+      {"--input " + dir.file("nothing_here"), "does not exist"},
+  };
+  for (const auto& [args, problem] : cases) {
+    std::string output;
+    EXPECT_EQ(run_prepare(dir, out + args, output), 1) << args;
+    EXPECT_NE(output.find("prepare: error: "), std::string::npos) << args << ": " << output;
+    EXPECT_NE(output.find(problem), std::string::npos) << args << ": " << output;
+    EXPECT_NE(output.find("usage: prepare"), std::string::npos) << args << ": " << output;
+  }
+  EXPECT_FALSE(fs::exists(dir.file("out")));
+}
+
+TEST(DataPrepare, WritesTokenizerAndShardsOfTheDocuments) {
+  if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
+  testutil::Rng rng;
+  TempDir dir;
+  const std::string input = dir.file("corpus");
+  fs::create_directories(input);
+  std::vector<std::string> expected;
+  std::string fortunes;
+  for (int d = 0; d < 12; d++) {
+    expected.push_back(english(rng, rng.integer(1, 4)) + "\n\t\t-- Anon\n");
+    fortunes += expected.back() + (d == 3 ? "%\n%\n  \n%\n" : "%\n");  // an empty and a blank one
+  }
+  write_bytes(input + "/jokes", fortunes);
+  write_bytes(input + "/jokes.dat", std::string("\x00\x00\x00\x02\xff\xfe", 6));
+  fs::create_symlink("jokes", input + "/jokes.u8");
+  write_bytes(input + "/binary", "caf\xe9 latin-1, not UTF-8\n");
+  expected.push_back("An essay: 100% one document.\n%d is not a separator\n");
+  write_bytes(input + "/essay.txt", expected.back());
+
+  const std::string out = dir.file("out");
+  const std::string args = "--input " + input + " --out " + out + " --vocab 300 --val-frac 0.25 --seed 7";
+  std::string output;
+  ASSERT_EQ(run_prepare(dir, args, output), 0) << output;
+  printf("%s", output.c_str());
+  EXPECT_NE(output.find("skipping " + input + "/binary: not valid UTF-8"), std::string::npos) << output;
+
+  const data::Tokenizer tok = data::Tokenizer::load(out + "/tokenizer.bin");
+  EXPECT_EQ(tok.vocab_size(), 300);
+  std::vector<std::string> got;
+  size_t n_train = 0;
+  for (const char* split : {"train_000.bin", "val_000.bin"}) {
+    const std::vector<int> tokens = data::read_shard(out + "/" + split);
+    ASSERT_EQ(tokens.back(), tok.eot()) << split;
+    std::vector<int> doc;
+    for (int t : tokens) {
+      if (t != tok.eot()) {
+        doc.push_back(t);
+        continue;
+      }
+      EXPECT_EQ(tok.encode(tok.decode(doc)), doc) << "documents are encoded with this tokenizer";
+      got.push_back(tok.decode(doc));
+      doc.clear();
+    }
+    if (n_train == 0) n_train = got.size();
+  }
+  EXPECT_EQ(got.size() - n_train, 3u) << "val = round(13 × 0.25) documents";
+  std::multiset<std::string> want(expected.begin(), expected.end()), have(got.begin(), got.end());
+  EXPECT_TRUE(want == have) << "the shards hold exactly the documents, each followed by <|endoftext|>";
+
+  // Same seed → the same files, rewritten in place.
+  const std::string train_before = read_bytes(out + "/train_000.bin");
+  ASSERT_EQ(run_prepare(dir, args, output), 0) << output;
+  EXPECT_EQ(read_bytes(out + "/train_000.bin"), train_before);
+  for (const auto& entry : fs::directory_iterator(out))
+    EXPECT_NE(entry.path().extension(), ".tmp") << entry.path();
+}
