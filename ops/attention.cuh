@@ -1,0 +1,513 @@
+// attention.cuh — causal multi-head self-attention, flash-style (FlashAttention-2 schedule on
+// SIMT cores, fp32 accumulation). Twin of ref/attention.hpp.
+//
+// Shapes: qkv [N = B·T, 3H] (q and k already rotated by RoPE), H = nh·hd; row n = b·T + t holds
+// q (nh×hd), then k (nh×hd), then v (nh×hd). out [N, H]; lse [B, nh, T] (fp32).
+// Per sequence b and head h (Q, K, V: T×hd), scale = 1/sqrt(hd):
+//   S = Q Kᵀ·scale, P = causal softmax of S (row i over keys j ≤ i), out = P V,
+//   lse[b, h, i] = log Σ_{j≤i} exp(S[i, j])                                   (=)
+// Backward, given dout [N, H], the forward's out and lse:
+//   delta_i = Σ_d dout[i, d]·out[i, d],  P = exp(S − lse) (recomputed tile by tile)
+//   dV = Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − delta), dQ = dS K·scale, dK = dSᵀ Q·scale
+//   dqkv [N, 3H] (=): the q, k and v columns of every row are written (no accumulation).
+//
+// Live set: the T×T score/probability matrix never exists in device memory; each block holds
+// 64×64 tiles in shared memory and registers only. Device memory beyond inputs/outputs:
+// backward allocates delta, B·nh·T floats (Mem::Workspace, tag "attention.delta"), freed on
+// return (ordered on `stream`; a caller reusing pool blocks from another stream synchronises
+// first, as for every pool block).
+//
+// Schedule: one block of 256 threads (16×16) per (head, sequence, 64-row tile). A thread owns
+// rows ty + 16r (r < 4) and, within a tile, columns tx + 16c: score micro-tiles are 4×4 and
+// output micro-tiles 4×(hd/16), so every shared-memory load feeds several FMAs.
+//   forward:          per query tile, loop over key tiles 0 … diagonal with an online softmax
+//                     (running row max m, running sum l, rescaled accumulator).
+//   backward dK, dV:  per key tile, loop over query tiles diagonal … last, accumulating dK, dV.
+//   backward dQ:      per query tile, loop over key tiles 0 … diagonal, accumulating dQ.
+// Every output element is summed by one thread in a fixed order: deterministic, no atomics.
+// Tiles are scheduled on blockIdx.z, heaviest (longest causal loop) first.
+// Head dims: 32, 64, 128 (compile-time); others are refused. Shared memory per block (fp32 tiles,
+// rows padded by one float against bank conflicts), for hd = 32 / 64 / 128:
+//   forward 40.75 / 64.75 / 112.75 KiB, backward dK/dV 66 / 98 / 162 KiB, backward dQ
+//   49.75 / 81.75 / 145.75 KiB (the 227 KiB opt-in limit of sm_90 holds them all).
+// Registers (ptxas, sm_90, __launch_bounds__(256, 2) caps them at 128): forward 80 / 96 / 114,
+// dK/dV 122 / 127 / 128, dQ 94 / 120 / 128; no spills in either build.
+#pragma once
+#include <cmath>
+#include "common.cuh"
+#include "pool.cuh"
+
+static const int ATTN_TILE = 64;       // query and key rows per tile
+static const int ATTN_THREADS = 256;   // 16 × 16
+static const int ATTN_LDP = ATTN_TILE + 1;  // padded row stride of the tile×tile smem blocks
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+
+// Copies rows [0, rows_valid) of a tile (TILE rows × HD columns, global row stride `stride`)
+// into shared memory as fp32 with row stride LD; rows past the sequence end are zero.
+template <int HD, int LD>
+__device__ inline void attention_load_tile(float* dst, const floatX* src, size_t stride, int rows_valid) {
+  for (int idx = threadIdx.x; idx < ATTN_TILE * HD; idx += ATTN_THREADS) {
+    const int r = idx / HD, d = idx % HD;
+    dst[r * LD + d] = r < rows_valid ? to_float(src[(size_t)r * stride + d]) : 0.f;
+  }
+}
+
+// Reductions over the 16 threads (tx = 0 … 15) that share a row; every lane gets the same value.
+__device__ inline float attention_row_max(float v) {
+  for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  return v;
+}
+__device__ inline float attention_row_sum(float v) {
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+// grid (nh, B, ceil(T/64)); block 256. Writes out and lse for one 64-query tile of one head.
+template <int HD>
+__global__ void __launch_bounds__(ATTN_THREADS, 2)
+    attention_forward_kernel(floatX* out, float* lse, const floatX* qkv, int T, int nh) {
+  constexpr int C = HD / 16;  // output columns per thread
+  constexpr int LD = HD + 1;  // padded row stride of Q_s, K_s
+  extern __shared__ float smem[];
+  float* Q_s = smem;                   // [TILE][LD]
+  float* K_s = Q_s + ATTN_TILE * LD;   // [TILE][LD]
+  float* V_s = K_s + ATTN_TILE * LD;   // [TILE][HD]
+  float* P_s = V_s + ATTN_TILE * HD;   // [TILE][LDP]  probabilities of the current key tile
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
+  const int q0 = qt * ATTN_TILE;
+  const int H = nh * HD;
+  const size_t stride = 3 * (size_t)H;
+  const floatX* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;  // q of (b, t = 0, h)
+  const float scale = 1.f / sqrtf((float)HD);
+
+  attention_load_tile<HD, LD>(Q_s, q_base + q0 * stride, stride, min(ATTN_TILE, T - q0));
+  float o[4][C], m[4], l[4];  // l: this thread's partial row sum (its 4 keys of each tile)
+#pragma unroll
+  for (int r = 0; r < 4; r++) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+#pragma unroll
+    for (int c = 0; c < C; c++) o[r][c] = 0.f;
+  }
+
+  for (int kt = 0; kt <= qt; kt++) {
+    const int k0 = kt * ATTN_TILE;
+    const int keys_valid = min(ATTN_TILE, T - k0);
+    attention_load_tile<HD, LD>(K_s, q_base + H + k0 * stride, stride, keys_valid);
+    attention_load_tile<HD, HD>(V_s, q_base + 2 * H + k0 * stride, stride, keys_valid);
+    __syncthreads();
+
+    float s[4][4];  // s[r][c]: query q0 + ty + 16r, key k0 + tx + 16c
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+      for (int c = 0; c < 4; c++) s[r][c] = 0.f;
+#pragma unroll 8
+    for (int d = 0; d < HD; d++) {
+      float qv[4], kv[4];
+#pragma unroll
+      for (int r = 0; r < 4; r++) qv[r] = Q_s[(ty + 16 * r) * LD + d];
+#pragma unroll
+      for (int c = 0; c < 4; c++) kv[c] = K_s[(tx + 16 * c) * LD + d];
+#pragma unroll
+      for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) s[r][c] = fmaf(qv[r], kv[c], s[r][c]);
+    }
+
+    // Online softmax. Key 0 is visible to every query, so after tile 0 each row max is finite
+    // and exp(−inf − m) = 0 handles masked keys and the first rescale (m = −inf).
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const int q = q0 + ty + 16 * r;
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < 4; c++) {
+        const int k = k0 + tx + 16 * c;
+        s[r][c] = (k <= q && k < T) ? s[r][c] * scale : -INFINITY;
+        tile_max = fmaxf(tile_max, s[r][c]);
+      }
+      const float m_new = fmaxf(m[r], attention_row_max(tile_max));
+      const float alpha = expf(m[r] - m_new);
+      l[r] *= alpha;
+#pragma unroll
+      for (int c = 0; c < C; c++) o[r][c] *= alpha;
+#pragma unroll
+      for (int c = 0; c < 4; c++) {
+        const float p = expf(s[r][c] - m_new);
+        l[r] += p;
+        P_s[(ty + 16 * r) * ATTN_LDP + tx + 16 * c] = p;
+      }
+      m[r] = m_new;
+    }
+    __syncthreads();
+
+#pragma unroll 4
+    for (int j = 0; j < keys_valid; j++) {
+      float pv[4], vv[C];
+#pragma unroll
+      for (int r = 0; r < 4; r++) pv[r] = P_s[(ty + 16 * r) * ATTN_LDP + j];
+#pragma unroll
+      for (int c = 0; c < C; c++) vv[c] = V_s[j * HD + tx + 16 * c];
+#pragma unroll
+      for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < C; c++) o[r][c] = fmaf(pv[r], vv[c], o[r][c]);
+    }
+    __syncthreads();  // K_s, V_s, P_s are overwritten by the next tile
+  }
+
+#pragma unroll
+  for (int r = 0; r < 4; r++) {
+    const float row_sum = attention_row_sum(l[r]);
+    const int q = q0 + ty + 16 * r;
+    if (q < T) {
+      floatX* out_row = out + ((size_t)b * T + q) * H + (size_t)h * HD;
+#pragma unroll
+      for (int c = 0; c < C; c++) out_row[tx + 16 * c] = from_float<floatX>(o[r][c] / row_sum);
+      if (tx == 0) lse[((size_t)b * nh + h) * T + q] = m[r] + logf(row_sum);
+    }
+  }
+}
+
+// delta[b, h, t] = Σ_d dout[n, h·hd + d]·out[n, h·hd + d], n = b·T + t. One warp per (n, h).
+static __global__ void attention_delta_kernel(float* delta, const floatX* dout, const floatX* out, int N, int T,
+                                              int nh, int hd) {
+  const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= (long long)N * nh) return;  // whole warps exit together
+  const int n = (int)(warp / nh), h = (int)(warp % nh);
+  const size_t off = (size_t)n * nh * hd + (size_t)h * hd;
+  float acc = 0.f;
+  for (int d = lane; d < hd; d += 32) acc = fmaf(to_float(dout[off + d]), to_float(out[off + d]), acc);
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+  if (lane == 0) delta[((size_t)(n / T) * nh + h) * T + n % T] = acc;
+}
+
+// grid (nh, B, ceil(T/64)); block 256. Writes dK and dV of one 64-key tile of one head.
+template <int HD>
+__global__ void __launch_bounds__(ATTN_THREADS, 2)
+    attention_backward_dkdv_kernel(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                   const float* delta, int T, int nh) {
+  constexpr int C = HD / 16;
+  constexpr int LD = HD + 1;
+  extern __shared__ float smem[];
+  float* K_s = smem;                        // [TILE][LD]
+  float* V_s = K_s + ATTN_TILE * LD;        // [TILE][LD]
+  float* Q_s = V_s + ATTN_TILE * LD;        // [TILE][LD]
+  float* dO_s = Q_s + ATTN_TILE * LD;       // [TILE][LD]
+  float* Pt_s = dO_s + ATTN_TILE * LD;      // [TILE keys][LDP]  Pᵀ of the current query tile
+  float* dSt_s = Pt_s + ATTN_TILE * ATTN_LDP;   // [TILE keys][LDP]  dSᵀ
+  float* lse_s = dSt_s + ATTN_TILE * ATTN_LDP;  // [TILE]
+  float* delta_s = lse_s + ATTN_TILE;           // [TILE]
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int kt = blockIdx.z;  // key tile 0 (most query tiles) first
+  const int q_tiles = gridDim.z;
+  const int k0 = kt * ATTN_TILE;
+  const int H = nh * HD;
+  const size_t stride = 3 * (size_t)H;
+  const floatX* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
+  const floatX* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
+  const float* lse_bh = lse + ((size_t)b * nh + h) * T;
+  const float* delta_bh = delta + ((size_t)b * nh + h) * T;
+  const float scale = 1.f / sqrtf((float)HD);
+
+  const int keys_valid = min(ATTN_TILE, T - k0);
+  attention_load_tile<HD, LD>(K_s, q_base + H + k0 * stride, stride, keys_valid);
+  attention_load_tile<HD, LD>(V_s, q_base + 2 * H + k0 * stride, stride, keys_valid);
+  float dk[4][C], dv[4][C];  // key k0 + ty + 16r, column tx + 16c
+#pragma unroll
+  for (int r = 0; r < 4; r++)
+#pragma unroll
+    for (int c = 0; c < C; c++) dk[r][c] = dv[r][c] = 0.f;
+
+  for (int qt = kt; qt < q_tiles; qt++) {
+    const int q0 = qt * ATTN_TILE;
+    const int queries_valid = min(ATTN_TILE, T - q0);
+    attention_load_tile<HD, LD>(Q_s, q_base + q0 * stride, stride, queries_valid);
+    attention_load_tile<HD, LD>(dO_s, dout_base + (size_t)q0 * H, H, queries_valid);
+    for (int i = threadIdx.x; i < ATTN_TILE; i += ATTN_THREADS) {
+      lse_s[i] = i < queries_valid ? lse_bh[q0 + i] : 0.f;
+      delta_s[i] = i < queries_valid ? delta_bh[q0 + i] : 0.f;
+    }
+    __syncthreads();
+
+    float s[4][4], dp[4][4];  // [r][c]: key k0 + ty + 16r, query q0 + tx + 16c
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+      for (int c = 0; c < 4; c++) s[r][c] = dp[r][c] = 0.f;
+#pragma unroll 4
+    for (int d = 0; d < HD; d++) {
+      float kv[4], vv[4], qv[4], dov[4];
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        kv[r] = K_s[(ty + 16 * r) * LD + d];
+        vv[r] = V_s[(ty + 16 * r) * LD + d];
+      }
+#pragma unroll
+      for (int c = 0; c < 4; c++) {
+        qv[c] = Q_s[(tx + 16 * c) * LD + d];
+        dov[c] = dO_s[(tx + 16 * c) * LD + d];
+      }
+#pragma unroll
+      for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+          s[r][c] = fmaf(kv[r], qv[c], s[r][c]);
+          dp[r][c] = fmaf(vv[r], dov[c], dp[r][c]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+      for (int c = 0; c < 4; c++) {
+        const int k = k0 + ty + 16 * r, qi = tx + 16 * c, q = q0 + qi;
+        float p = 0.f, ds = 0.f;
+        if (k <= q && q < T) {  // implies k < T
+          p = expf(s[r][c] * scale - lse_s[qi]);
+          ds = p * (dp[r][c] - delta_s[qi]);
+        }
+        Pt_s[(ty + 16 * r) * ATTN_LDP + qi] = p;
+        dSt_s[(ty + 16 * r) * ATTN_LDP + qi] = ds;
+      }
+    __syncthreads();
+
+#pragma unroll 4
+    for (int j = 0; j < queries_valid; j++) {
+      float pv[4], dsv[4], dov[C], qv[C];
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        pv[r] = Pt_s[(ty + 16 * r) * ATTN_LDP + j];
+        dsv[r] = dSt_s[(ty + 16 * r) * ATTN_LDP + j];
+      }
+#pragma unroll
+      for (int c = 0; c < C; c++) {
+        dov[c] = dO_s[j * LD + tx + 16 * c];
+        qv[c] = Q_s[j * LD + tx + 16 * c];
+      }
+#pragma unroll
+      for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < C; c++) {
+          dv[r][c] = fmaf(pv[r], dov[c], dv[r][c]);
+          dk[r][c] = fmaf(dsv[r], qv[c], dk[r][c]);
+        }
+    }
+    __syncthreads();  // Q_s, dO_s, Pt_s, dSt_s, lse_s, delta_s are overwritten by the next tile
+  }
+
+#pragma unroll
+  for (int r = 0; r < 4; r++) {
+    const int k = k0 + ty + 16 * r;
+    if (k < T) {
+      floatX* row = dqkv + ((size_t)b * T + k) * stride + (size_t)h * HD;
+#pragma unroll
+      for (int c = 0; c < C; c++) {
+        row[H + tx + 16 * c] = from_float<floatX>(dk[r][c] * scale);
+        row[2 * H + tx + 16 * c] = from_float<floatX>(dv[r][c]);
+      }
+    }
+  }
+}
+
+// grid (nh, B, ceil(T/64)); block 256. Writes dQ of one 64-query tile of one head.
+template <int HD>
+__global__ void __launch_bounds__(ATTN_THREADS, 2)
+    attention_backward_dq_kernel(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                 const float* delta, int T, int nh) {
+  constexpr int C = HD / 16;
+  constexpr int LD = HD + 1;
+  extern __shared__ float smem[];
+  float* Q_s = smem;                       // [TILE][LD]
+  float* dO_s = Q_s + ATTN_TILE * LD;      // [TILE][LD]
+  float* K_s = dO_s + ATTN_TILE * LD;      // [TILE][LD]
+  float* V_s = K_s + ATTN_TILE * LD;       // [TILE][LD]
+  float* dS_s = V_s + ATTN_TILE * LD;      // [TILE queries][LDP]  dS of the current key tile
+  float* lse_s = dS_s + ATTN_TILE * ATTN_LDP;  // [TILE]
+  float* delta_s = lse_s + ATTN_TILE;          // [TILE]
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
+  const int q0 = qt * ATTN_TILE;
+  const int H = nh * HD;
+  const size_t stride = 3 * (size_t)H;
+  const floatX* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
+  const floatX* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
+  const float* lse_bh = lse + ((size_t)b * nh + h) * T;
+  const float* delta_bh = delta + ((size_t)b * nh + h) * T;
+  const float scale = 1.f / sqrtf((float)HD);
+
+  const int queries_valid = min(ATTN_TILE, T - q0);
+  attention_load_tile<HD, LD>(Q_s, q_base + q0 * stride, stride, queries_valid);
+  attention_load_tile<HD, LD>(dO_s, dout_base + (size_t)q0 * H, H, queries_valid);
+  for (int i = threadIdx.x; i < ATTN_TILE; i += ATTN_THREADS) {
+    lse_s[i] = i < queries_valid ? lse_bh[q0 + i] : 0.f;
+    delta_s[i] = i < queries_valid ? delta_bh[q0 + i] : 0.f;
+  }
+  float dq[4][C];  // query q0 + ty + 16r, column tx + 16c
+#pragma unroll
+  for (int r = 0; r < 4; r++)
+#pragma unroll
+    for (int c = 0; c < C; c++) dq[r][c] = 0.f;
+
+  for (int kt = 0; kt <= qt; kt++) {
+    const int k0 = kt * ATTN_TILE;
+    const int keys_valid = min(ATTN_TILE, T - k0);
+    attention_load_tile<HD, LD>(K_s, q_base + H + k0 * stride, stride, keys_valid);
+    attention_load_tile<HD, LD>(V_s, q_base + 2 * H + k0 * stride, stride, keys_valid);
+    __syncthreads();
+
+    float s[4][4], dp[4][4];  // [r][c]: query q0 + ty + 16r, key k0 + tx + 16c
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+      for (int c = 0; c < 4; c++) s[r][c] = dp[r][c] = 0.f;
+#pragma unroll 4
+    for (int d = 0; d < HD; d++) {
+      float qv[4], dov[4], kv[4], vv[4];
+#pragma unroll
+      for (int r = 0; r < 4; r++) {
+        qv[r] = Q_s[(ty + 16 * r) * LD + d];
+        dov[r] = dO_s[(ty + 16 * r) * LD + d];
+      }
+#pragma unroll
+      for (int c = 0; c < 4; c++) {
+        kv[c] = K_s[(tx + 16 * c) * LD + d];
+        vv[c] = V_s[(tx + 16 * c) * LD + d];
+      }
+#pragma unroll
+      for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+          s[r][c] = fmaf(qv[r], kv[c], s[r][c]);
+          dp[r][c] = fmaf(dov[r], vv[c], dp[r][c]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+      for (int c = 0; c < 4; c++) {
+        const int qi = ty + 16 * r, q = q0 + qi, k = k0 + tx + 16 * c;
+        float ds = 0.f;
+        if (k <= q && q < T) {  // implies k < T
+          const float p = expf(s[r][c] * scale - lse_s[qi]);
+          ds = p * (dp[r][c] - delta_s[qi]);
+        }
+        dS_s[qi * ATTN_LDP + tx + 16 * c] = ds;
+      }
+    __syncthreads();
+
+#pragma unroll 4
+    for (int j = 0; j < keys_valid; j++) {
+      float dsv[4], kv[C];
+#pragma unroll
+      for (int r = 0; r < 4; r++) dsv[r] = dS_s[(ty + 16 * r) * ATTN_LDP + j];
+#pragma unroll
+      for (int c = 0; c < C; c++) kv[c] = K_s[j * LD + tx + 16 * c];
+#pragma unroll
+      for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < C; c++) dq[r][c] = fmaf(dsv[r], kv[c], dq[r][c]);
+    }
+    __syncthreads();  // K_s, V_s, dS_s are overwritten by the next tile
+  }
+
+#pragma unroll
+  for (int r = 0; r < 4; r++) {
+    const int q = q0 + ty + 16 * r;
+    if (q < T) {
+      floatX* row = dqkv + ((size_t)b * T + q) * stride + (size_t)h * HD;
+#pragma unroll
+      for (int c = 0; c < C; c++) row[tx + 16 * c] = from_float<floatX>(dq[r][c] * scale);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+
+template <int HD>
+inline size_t attention_forward_smem() {
+  return sizeof(float) * (2 * ATTN_TILE * (HD + 1) + ATTN_TILE * HD + ATTN_TILE * ATTN_LDP);
+}
+template <int HD>
+inline size_t attention_dkdv_smem() {
+  return sizeof(float) * (4 * ATTN_TILE * (HD + 1) + 2 * ATTN_TILE * ATTN_LDP + 2 * ATTN_TILE);
+}
+template <int HD>
+inline size_t attention_dq_smem() {
+  return sizeof(float) * (4 * ATTN_TILE * (HD + 1) + ATTN_TILE * ATTN_LDP + 2 * ATTN_TILE);
+}
+
+inline void attention_check_sizes(const char* op, int B, int T, int nh, int hd) {
+  if (B <= 0 || T <= 0 || nh <= 0 || B > 65535 || ceil_div(T, ATTN_TILE) > 65535)
+    fm_fail(op, "sizes must be positive, B <= 65535 and T <= 65535·64", "B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
+  if (hd != 32 && hd != 64 && hd != 128)
+    fm_fail(op, "unsupported head dim: hd must be 32, 64 or 128", "B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
+}
+
+// Kernels using more than 48 KB of dynamic shared memory must opt in. Set before every launch
+// (the attribute is per device; the call is host-side only and does not synchronise).
+template <typename Kernel>
+inline void attention_allow_smem(const char* op, Kernel kernel, size_t bytes, int B, int T, int nh, int hd) {
+  cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes), op,
+            "B=%d T=%d nh=%d hd=%d smem=%zu", B, T, nh, hd, bytes);
+}
+
+template <int HD>
+inline void attention_forward_hd(floatX* out, float* lse, const floatX* qkv, int B, int T, int nh,
+                                 cudaStream_t stream) {
+  const size_t smem = attention_forward_smem<HD>();
+  attention_allow_smem("attention_forward", attention_forward_kernel<HD>, smem, B, T, nh, HD);
+  const dim3 grid(nh, B, ceil_div(T, ATTN_TILE));
+  attention_forward_kernel<HD><<<grid, ATTN_THREADS, smem, stream>>>(out, lse, qkv, T, nh);
+  launchCheck("attention_forward", "B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
+}
+
+template <int HD>
+inline void attention_backward_hd(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int nh, cudaStream_t stream) {
+  const dim3 grid(nh, B, ceil_div(T, ATTN_TILE));
+  const size_t smem_dkdv = attention_dkdv_smem<HD>();
+  attention_allow_smem("attention_backward", attention_backward_dkdv_kernel<HD>, smem_dkdv, B, T, nh, HD);
+  attention_backward_dkdv_kernel<HD><<<grid, ATTN_THREADS, smem_dkdv, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  launchCheck("attention_backward", "dK/dV kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
+  const size_t smem_dq = attention_dq_smem<HD>();
+  attention_allow_smem("attention_backward", attention_backward_dq_kernel<HD>, smem_dq, B, T, nh, HD);
+  attention_backward_dq_kernel<HD><<<grid, ATTN_THREADS, smem_dq, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  launchCheck("attention_backward", "dQ kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
+}
+
+// out [N, H] (=), lse [B, nh, T] (=) from qkv [N, 3H] (q, k rotated). out must not alias qkv.
+inline void attention_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int nh, int hd,
+                              cudaStream_t stream) {
+  attention_check_sizes("attention_forward", B, T, nh, hd);
+  switch (hd) {
+    case 32: attention_forward_hd<32>(out, lse, qkv, B, T, nh, stream); break;
+    case 64: attention_forward_hd<64>(out, lse, qkv, B, T, nh, stream); break;
+    default: attention_forward_hd<128>(out, lse, qkv, B, T, nh, stream); break;
+  }
+}
+
+// dqkv [N, 3H] (=) from dout [N, H] and the forward's qkv, out, lse. dqkv must not alias inputs.
+inline void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
+                               const float* lse, int B, int T, int nh, int hd, cudaStream_t stream) {
+  attention_check_sizes("attention_backward", B, T, nh, hd);
+  const int N = B * T;
+  DeviceBuffer<float> delta((size_t)N * nh, Mem::Workspace, "attention.delta");
+  const int threads = 256;
+  attention_delta_kernel<<<ceil_div((long long)N * nh * 32, threads), threads, 0, stream>>>(delta.ptr, dout, out, N,
+                                                                                             T, nh, hd);
+  launchCheck("attention_backward", "delta kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
+  switch (hd) {
+    case 32: attention_backward_hd<32>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
+    case 64: attention_backward_hd<64>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
+    default: attention_backward_hd<128>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
+  }
+}

@@ -1,0 +1,163 @@
+// tests/gpu_attention.cu — ops/attention.cuh against ref/attention.hpp: out, lse and the q, k, v
+// gradients at several shapes (T not a multiple of the 64-row tile, every supported head dim,
+// T = 1 and 2), bitwise determinism, and the refusal of unsupported head dims.
+#include "../ops/attention.cuh"
+#include "../ref/attention.hpp"
+#include "gpu_util.cuh"
+
+using ref::Mat;
+using testutil::download;
+using testutil::poison;
+using testutil::round_to_floatX;
+using testutil::upload;
+
+namespace {
+
+struct AttnCase {
+  int B, T, nh, hd;
+};
+
+const AttnCase kCases[] = {
+    {2, 37, 3, 32},   // one partial tile
+    {1, 200, 4, 64},  // 4 tiles, the last partial
+    {2, 130, 2, 128}, // 3 tiles, the last with 2 rows
+    {1, 128, 2, 64},  // exact multiple of the tile
+    {3, 2, 2, 32},    // two tokens per sequence
+};
+
+std::string case_name(const char* test, const AttnCase& c) {
+  char buf[128];
+  snprintf(buf, sizeof(buf), "%s B%d T%d nh%d hd%d", test, c.B, c.T, c.nh, c.hd);
+  return buf;
+}
+
+// The q (p = 0), k (1) or v (2) columns of a [N, 3H] matrix.
+Mat<double> part(const Mat<double>& m, int p, int H) { return m.middleCols(p * H, H); }
+
+TEST(GpuAttention, ForwardMatchesReference) {
+  REQUIRE_GPU();
+  for (const AttnCase& c : kCases) {
+    testutil::Rng rng;
+    const int N = c.B * c.T, H = c.nh * c.hd;
+    const Mat<double> qkv = round_to_floatX(rng.mat<double>(N, 3 * H));
+    Mat<double> out_ref, lse_ref;
+    ref::attention_forward(qkv, c.B, c.T, c.nh, c.hd, out_ref, lse_ref);
+
+    DeviceBuffer<floatX> d_qkv = upload<floatX>(qkv);
+    DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+    DeviceBuffer<float> d_lse((size_t)c.B * c.nh * c.T, Mem::Activations, "test.attention.lse");
+    poison(d_out.ptr, d_out.count);
+    poison(d_lse.ptr, d_lse.count);
+    attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
+    const Mat<double> out = download(d_out.ptr, N, H);
+    const Mat<double> lse = download(d_lse.ptr, c.B * c.nh, c.T);
+
+    const std::string name = case_name("GpuAttention.Fwd", c);
+    EXPECT_REL(name.c_str(), "out", testutil::rel_err(out, out_ref), OP_TOL);
+    EXPECT_REL(name.c_str(), "lse", testutil::rel_err(lse, lse_ref), OP_TOL);
+  }
+}
+
+// A sequence of one token attends only to itself: out = v, lse = q·k/sqrt(hd). (Its dq and dk
+// are exactly zero, which a relative error cannot measure, so T = 1 is a forward-only case.)
+TEST(GpuAttention, SingleTokenAttendsToItself) {
+  REQUIRE_GPU();
+  testutil::Rng rng;
+  const int B = 3, T = 1, nh = 2, hd = 64, N = B * T, H = nh * hd;
+  const Mat<double> qkv = round_to_floatX(rng.mat<double>(N, 3 * H));
+  Mat<double> lse_want(B * nh, T);
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < nh; h++)
+      lse_want(b * nh + h, 0) = qkv.row(b).segment(h * hd, hd).dot(qkv.row(b).segment(H + h * hd, hd)) / 8.0;
+
+  DeviceBuffer<floatX> d_qkv = upload<floatX>(qkv);
+  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+  DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
+  poison(d_out.ptr, d_out.count);
+  poison(d_lse.ptr, d_lse.count);
+  attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, hd, 0);
+  EXPECT_REL("GpuAttention.SingleToken", "out = v", testutil::rel_err(download(d_out.ptr, N, H), part(qkv, 2, H)), OP_TOL);
+  EXPECT_REL("GpuAttention.SingleToken", "lse", testutil::rel_err(download(d_lse.ptr, B * nh, T), lse_want), OP_TOL);
+}
+
+// Backward runs on the GPU forward's own out and lse, as in training.
+TEST(GpuAttention, BackwardMatchesReference) {
+  REQUIRE_GPU();
+  for (const AttnCase& c : kCases) {
+    testutil::Rng rng;
+    const int N = c.B * c.T, H = c.nh * c.hd;
+    const Mat<double> qkv = round_to_floatX(rng.mat<double>(N, 3 * H));
+    const Mat<double> dout = round_to_floatX(rng.mat<double>(N, H));
+    const Mat<double> dqkv_ref = ref::attention_backward(dout, qkv, c.B, c.T, c.nh, c.hd);
+
+    DeviceBuffer<floatX> d_qkv = upload<floatX>(qkv);
+    DeviceBuffer<floatX> d_dout = upload<floatX>(dout);
+    DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+    DeviceBuffer<float> d_lse((size_t)c.B * c.nh * c.T, Mem::Activations, "test.attention.lse");
+    DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
+    attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
+    poison(d_dqkv.ptr, d_dqkv.count);
+    attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0);
+    const Mat<double> dqkv = download(d_dqkv.ptr, N, 3 * H);
+
+    const std::string name = case_name("GpuAttention.Bwd", c);
+    const char* parts[3] = {"dq", "dk", "dv"};
+    for (int p = 0; p < 3; p++)
+      EXPECT_REL(name.c_str(), parts[p], testutil::rel_err(part(dqkv, p, H), part(dqkv_ref, p, H)), OP_TOL);
+  }
+}
+
+// Two runs on the same inputs give the same bits (fixed reduction order, no atomics).
+TEST(GpuAttention, IsBitwiseDeterministic) {
+  REQUIRE_GPU();
+  testutil::Rng rng;
+  const int B = 2, T = 150, nh = 3, hd = 64, N = B * T, H = nh * hd;
+  DeviceBuffer<floatX> d_qkv = upload<floatX>(rng.mat<double>(N, 3 * H));
+  DeviceBuffer<floatX> d_dout = upload<floatX>(rng.mat<double>(N, H));
+  std::vector<floatX> out[2], dqkv[2];
+  std::vector<float> lse[2];
+  for (int run = 0; run < 2; run++) {
+    DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+    DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
+    DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
+    attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, hd, 0);
+    attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, B, T, nh, hd, 0);
+    out[run] = testutil::download_vec(d_out.ptr, d_out.count);
+    lse[run] = testutil::download_vec(d_lse.ptr, d_lse.count);
+    dqkv[run] = testutil::download_vec(d_dqkv.ptr, d_dqkv.count);
+  }
+  EXPECT_EQ(0, memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(floatX)));
+  EXPECT_EQ(0, memcmp(lse[0].data(), lse[1].data(), lse[0].size() * sizeof(float)));
+  EXPECT_EQ(0, memcmp(dqkv[0].data(), dqkv[1].data(), dqkv[0].size() * sizeof(floatX)));
+}
+
+// The backward's only device memory is delta (B·nh·T floats of workspace), released on return.
+TEST(GpuAttention, BackwardWorkspaceIsDeltaOnly) {
+  REQUIRE_GPU();
+  testutil::Rng rng;
+  const int B = 2, T = 100, nh = 2, hd = 32, N = B * T, H = nh * hd;
+  DeviceBuffer<floatX> d_qkv = upload<floatX>(rng.mat<double>(N, 3 * H));
+  DeviceBuffer<floatX> d_dout = upload<floatX>(rng.mat<double>(N, H));
+  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+  DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
+  DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
+  attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, hd, 0);
+  const size_t live_before = pool().live_total();
+  pool().reset_peak();
+  attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, B, T, nh, hd, 0);
+  cudaCheck(cudaDeviceSynchronize(), "test", "attention_backward");
+  EXPECT_EQ(pool().peak() - live_before, (size_t)B * nh * T * sizeof(float));
+  EXPECT_EQ(pool().live_total(), live_before);
+}
+
+// Head dims other than 32, 64, 128 are refused with a message that names the sizes (checked
+// before any device work, so this runs with or without a GPU).
+TEST(GpuAttentionDeathTest, RefusesUnsupportedHeadDim) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(attention_forward(nullptr, nullptr, nullptr, 1, 16, 2, 48, 0),
+               "attention_forward \\(B=1 T=16 nh=2 hd=48\\): unsupported head dim");
+  EXPECT_DEATH(attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 16, 2, 96, 0),
+               "attention_backward \\(B=1 T=16 nh=2 hd=96\\): unsupported head dim");
+}
+
+}  // namespace

@@ -1,0 +1,88 @@
+// tests/gpu_rope.cu — ops/rope.cuh against ref/rope.hpp: forward and backward, out of place
+// and in place, at several shapes (every head dim the attention supports, T up to 1024 so that
+// large angles are covered), and the refusal of an odd head dim.
+#include "../ops/rope.cuh"
+#include "../ref/rope.hpp"
+#include "gpu_util.cuh"
+
+using ref::Mat;
+using testutil::download;
+using testutil::poison;
+using testutil::round_to_floatX;
+using testutil::upload;
+
+namespace {
+
+struct RopeCase {
+  int B, T, nh, hd;
+};
+
+const RopeCase kCases[] = {
+    {2, 37, 3, 32},
+    {1, 200, 4, 64},
+    {2, 67, 2, 128},
+    {1, 1024, 2, 64},
+    {3, 5, 1, 6},  // head dim outside the attention's set: RoPE takes any even hd
+};
+
+const double kTheta = 10000.0;
+
+std::string case_name(const char* test, const RopeCase& c) {
+  char buf[128];
+  snprintf(buf, sizeof(buf), "%s B%d T%d nh%d hd%d", test, c.B, c.T, c.nh, c.hd);
+  return buf;
+}
+
+TEST(GpuRope, ForwardAndBackwardMatchReference) {
+  REQUIRE_GPU();
+  for (const RopeCase& c : kCases) {
+    testutil::Rng rng;
+    const int N = c.B * c.T, cols = 3 * c.nh * c.hd;
+    const Mat<double> x = round_to_floatX(rng.mat<double>(N, cols));
+    const Mat<double> dy = round_to_floatX(rng.mat<double>(N, cols));
+    const Mat<double> y_ref = ref::rope_forward(x, c.B, c.T, c.nh, c.hd, kTheta);
+    const Mat<double> dx_ref = ref::rope_backward(dy, c.B, c.T, c.nh, c.hd, kTheta);
+
+    DeviceBuffer<floatX> d_x = upload<floatX>(x);
+    DeviceBuffer<floatX> d_dy = upload<floatX>(dy);
+    DeviceBuffer<floatX> d_y((size_t)N * cols, Mem::Activations, "test.rope.y");
+    DeviceBuffer<floatX> d_dx((size_t)N * cols, Mem::Grads, "test.rope.dx");
+    poison(d_y.ptr, d_y.count);
+    poison(d_dx.ptr, d_dx.count);
+    rope_forward(d_y.ptr, d_x.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
+    rope_backward(d_dx.ptr, d_dy.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
+
+    const std::string name = case_name("GpuRope", c);
+    EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_y.ptr, N, cols), y_ref), OP_TOL);
+    EXPECT_REL(name.c_str(), "dqkv_in", testutil::rel_err(download(d_dx.ptr, N, cols), dx_ref), OP_TOL);
+  }
+}
+
+TEST(GpuRope, InPlaceMatchesReference) {
+  REQUIRE_GPU();
+  for (const RopeCase& c : {kCases[0], kCases[1]}) {
+    testutil::Rng rng;
+    const int N = c.B * c.T, cols = 3 * c.nh * c.hd;
+    const Mat<double> x = round_to_floatX(rng.mat<double>(N, cols));
+    const Mat<double> dy = round_to_floatX(rng.mat<double>(N, cols));
+
+    DeviceBuffer<floatX> d_x = upload<floatX>(x);
+    DeviceBuffer<floatX> d_dy = upload<floatX>(dy);
+    rope_forward(d_x.ptr, d_x.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
+    rope_backward(d_dy.ptr, d_dy.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
+
+    const std::string name = case_name("GpuRope.InPlace", c);
+    EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_x.ptr, N, cols),
+                                                          ref::rope_forward(x, c.B, c.T, c.nh, c.hd, kTheta)), OP_TOL);
+    EXPECT_REL(name.c_str(), "dqkv_in", testutil::rel_err(download(d_dy.ptr, N, cols),
+                                                          ref::rope_backward(dy, c.B, c.T, c.nh, c.hd, kTheta)), OP_TOL);
+  }
+}
+
+// An odd head dim is refused before any device work (runs with or without a GPU).
+TEST(GpuRopeDeathTest, RefusesOddHeadDim) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(rope_forward(nullptr, nullptr, 1, 8, 2, 7, 10000.f, 0), "rope_forward \\(B=1 T=8 nh=2 hd=7\\)");
+}
+
+}  // namespace
