@@ -1,0 +1,475 @@
+// moe.cuh — dropless Mixture-of-Experts SwiGLU FFN on one GPU (DESIGN §2, §6.1 without the
+// exchange). Twin of ref/moe.hpp. Every (token, expert) route is computed: no capacity, no padding.
+//
+// Shapes: x [N,H]; topk_idx [N,k] int; topk_w [N,k] float; W13 [E,2I,H] (rows 0..I−1 of expert e =
+// W1 "gate", rows I..2I−1 = W3 "up"); W2 [E,H,I]; out [N,H]. R = N·k routes; route r = n·k + j goes
+// to expert topk_idx[n,j] with weight topk_w[n,j].
+//   Expert e on its R_e routes:  h13 = xp W13_eᵀ [R_e,2I];  a = silu(h1) ⊙ h3 [R_e,I];  y = a W2_eᵀ [R_e,H]
+//   out[n] = Σ_j topk_w[n,j] · y[route n·k+j]   (fixed j order, fp32 accumulation)
+// Backward:
+//   dtopk_w[n,j] = dout[n] · y[r];  dy_r = topk_w[n,j] · dout[n];  da = dy W2_e;  dW2_e += dyᵀ a
+//   dh1 = da ⊙ h3 ⊙ silu'(h1);  dh3 = da ⊙ silu(h1);  dxp = dh W13_e;  dW13_e += dhᵀ xp
+//   dx[n] = Σ_j dxp[route n·k+j]   (fixed j order, no atomics)
+// Gradient outputs: dx (=), dtopk_w (=), dW13 (+=), dW2 (+=).
+//
+// Schedule (pieces are separate launchers, reused by the expert-parallel versions):
+//   moe_route_plan       routes sorted by expert, stable (ascending route index inside an expert):
+//                        route_of_slot / slot_of_route; returns the per-expert counts on the host
+//   moe_permute_rows     xp[s] = x[route_of_slot[s] / k]
+//   grouped_gemm         one cublasGemmGroupedBatchedEx per GEMM, one group per expert with ≥ 1 route
+//   swiglu_forward/backward, moe_combine (weighted or plain sum over the k slots), moe_combine_backward
+// Live set (b = bytes per floatX): saved between forward and backward: route maps 2·R·4 B (Dispatch),
+// h13 R·2I·b (ExpertIntermediates), y R·H·b (Dispatch). Forward temporaries on top: xp R·H·b
+// (Dispatch) and a R·I·b (ExpertIntermediates), plus the plan's ceil(R/256)·E·4 B and pointer arrays
+// (Workspace). Backward temporaries on top: one R·H·b row buffer at a time (dy, dxp, xp; Dispatch)
+// and at most R·3I·b of per-route hidden state (ExpertIntermediates). All temporaries are freed
+// before each launcher returns. Under skew nothing here is bounded except by R = N·k.
+// Determinism: integer atomics only (counting); every float sum has a fixed order; cuBLAS GEMMs
+// are deterministic for a fixed problem list.
+// BF16 build: cuBLAS needs 16-byte aligned bf16 matrix pointers when a GEMM's K is a multiple of 8
+// (4-byte when even); grouped_gemm refuses misaligned problems. H and I multiples of 8 with
+// pool-allocated tensors always satisfy it.
+#pragma once
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <vector>
+#include "common.cuh"
+#include "pool.cuh"
+
+static const int MOE_PLAN_TILE = 256;          // routes per tile of the stable sort
+static const int MOE_MAX_E = 12288;            // the plan keeps one int per expert in shared memory (48 KiB)
+static const int MOE_WARPS_PER_BLOCK = 8;      // routes per block in moe_combine_backward
+static const int GROUPED_GEMM_PTR_CHUNK = 480; // pointers per launch argument (kernel arguments ≤ 4 KiB)
+
+// ---------------------------------------------------------------------------------------------
+// Kernels: routing plan (stable counting sort of the routes by expert)
+
+// Grid: one block of MOE_PLAN_TILE threads per tile of routes; dynamic shared memory E ints.
+// tile_counts [tiles,E] (=): routes of each expert in the tile; bad_routes (+=): indices outside [0,E).
+static __global__ void moe_plan_count_kernel(int* tile_counts, int* bad_routes, const int* topk_idx, int R, int E) {
+  extern __shared__ int tile_hist[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) tile_hist[e] = 0;
+  __syncthreads();
+  int r = blockIdx.x * MOE_PLAN_TILE + threadIdx.x;
+  if (r < R) {
+    int e = topk_idx[r];
+    if (e >= 0 && e < E) atomicAdd(&tile_hist[e], 1);
+    else atomicAdd(bad_routes, 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) tile_counts[(size_t)blockIdx.x * E + e] = tile_hist[e];
+}
+
+// One block. tile_counts becomes, in place, the exclusive prefix over tiles per expert (routes of
+// expert e in the tiles before this one); expert_counts [E] (=) the totals; expert_offsets [E] (=)
+// their exclusive prefix over experts (first sorted slot of each expert).
+static __global__ void moe_plan_scan_kernel(int* tile_counts, int* expert_counts, int* expert_offsets, int tiles, int E) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int running = 0;
+    for (int t = 0; t < tiles; t++) {
+      int c = tile_counts[(size_t)t * E + e];
+      tile_counts[(size_t)t * E + e] = running;
+      running += c;
+    }
+    expert_counts[e] = running;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int offset = 0;
+    for (int e = 0; e < E; e++) {
+      expert_offsets[e] = offset;
+      offset += expert_counts[e];
+    }
+  }
+}
+
+// Grid as moe_plan_count_kernel. Slot of route r = first slot of its expert + routes of that expert
+// in earlier tiles + routes of that expert earlier in this tile: a stable sort.
+static __global__ void moe_plan_rank_kernel(int* route_of_slot, int* slot_of_route, const int* topk_idx,
+                                            const int* tile_prefix, const int* expert_offsets, int R, int E) {
+  __shared__ int tile_expert[MOE_PLAN_TILE];
+  int t = threadIdx.x;
+  int r = blockIdx.x * MOE_PLAN_TILE + t;
+  tile_expert[t] = r < R ? topk_idx[r] : -1;
+  __syncthreads();
+  if (r >= R) return;
+  int e = tile_expert[t];
+  int rank = 0;
+  for (int u = 0; u < t; u++) rank += tile_expert[u] == e;
+  int slot = expert_offsets[e] + tile_prefix[(size_t)blockIdx.x * E + e] + rank;
+  slot_of_route[r] = slot;
+  route_of_slot[slot] = r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels: row movement, activation, combine
+
+// rows [R,H] (=): rows[s] = x[route_of_slot[s] / k]. One thread per element.
+static __global__ void moe_permute_rows_kernel(floatX* rows, const floatX* x, const int* route_of_slot, int R, int H, int k) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)R * H) return;
+  size_t s = i / H;
+  int c = (int)(i % H);
+  size_t n = route_of_slot[s] / k;
+  rows[i] = x[n * H + c];
+}
+
+// a [R,I] (=) = silu(h13[:, :I]) ⊙ h13[:, I:]. One thread per element of a.
+static __global__ void swiglu_forward_kernel(floatX* a, const floatX* h13, int R, int I) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)R * I) return;
+  size_t r = i / I;
+  int c = (int)(i % I);
+  float h1 = to_float(h13[r * 2 * I + c]);
+  float h3 = to_float(h13[r * 2 * I + I + c]);
+  a[i] = from_float<floatX>(h1 / (1.f + expf(-h1)) * h3);
+}
+
+// dh13 [R,2I] (=): dh1 = da ⊙ h3 ⊙ silu'(h1), dh3 = da ⊙ silu(h1). One thread per element of da.
+static __global__ void swiglu_backward_kernel(floatX* dh13, const floatX* da, const floatX* h13, int R, int I) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)R * I) return;
+  size_t r = i / I;
+  int c = (int)(i % I);
+  float h1 = to_float(h13[r * 2 * I + c]);
+  float h3 = to_float(h13[r * 2 * I + I + c]);
+  float sig = 1.f / (1.f + expf(-h1));
+  float g = to_float(da[i]);
+  dh13[r * 2 * I + c] = from_float<floatX>(g * h3 * sig * (1.f + h1 * (1.f - sig)));
+  dh13[r * 2 * I + I + c] = from_float<floatX>(g * h1 * sig);
+}
+
+// out [N,H] (=): out[n] = Σ_j w_j · rows[slot_of_route[n·k+j]], j ascending, fp32; w_j = topk_w[n,j]
+// when WEIGHTED, else 1. One thread per element of out.
+template <bool WEIGHTED>
+static __global__ void moe_combine_kernel(floatX* out, const floatX* rows, const int* slot_of_route, const float* topk_w,
+                                          int N, int H, int k) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)N * H) return;
+  size_t n = i / H;
+  int c = (int)(i % H);
+  float acc = 0.f;
+  for (int j = 0; j < k; j++) {
+    size_t r = n * k + j;
+    float v = to_float(rows[(size_t)slot_of_route[r] * H + c]);
+    acc += WEIGHTED ? topk_w[r] * v : v;
+  }
+  out[i] = from_float<floatX>(acc);
+}
+
+// One warp per route r (sorted slot s = slot_of_route[r], token n = r / k):
+// dy [R,H] (=): dy[s] = topk_w[r] · dout[n];  dtopk_w [R] (=): dout[n] · y[s] (lane-strided partial
+// sums, then a fixed xor butterfly).
+static __global__ void moe_combine_backward_kernel(floatX* dy, float* dtopk_w, const floatX* dout, const floatX* y,
+                                                   const int* slot_of_route, const float* topk_w, int R, int H, int k) {
+  const int lane = threadIdx.x & 31;
+  const int r = blockIdx.x * MOE_WARPS_PER_BLOCK + (threadIdx.x >> 5);
+  if (r >= R) return;  // r is the same for the whole warp
+  const floatX* dout_n = dout + (size_t)(r / k) * H;
+  const size_t s = slot_of_route[r];
+  const floatX* y_s = y + s * H;
+  floatX* dy_s = dy + s * H;
+  const float w = topk_w[r];
+  float dot = 0.f;
+  for (int c = lane; c < H; c += 32) {
+    float g = to_float(dout_n[c]);
+    dot += g * to_float(y_s[c]);
+    dy_s[c] = from_float<floatX>(w * g);
+  }
+  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, o);
+  if (lane == 0) dtopk_w[r] = dot;
+}
+
+// topk_idx [N] (=) 0, topk_w [N] (=) 1: the routing of a dense FFN (E = 1, k = 1).
+static __global__ void dense_routes_kernel(int* topk_idx, float* topk_w, int N) {
+  int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  topk_idx[n] = 0;
+  topk_w[n] = 1.f;
+}
+
+// Writes `count` pointers, passed by value as a kernel argument, to dst (device).
+struct GroupedGemmPointerChunk {
+  void* ptr[GROUPED_GEMM_PTR_CHUNK];
+};
+static __global__ void grouped_gemm_pointers_kernel(void** dst, GroupedGemmPointerChunk chunk, int count) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x) dst[i] = chunk.ptr[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers: pieces
+
+// Sorts the R routes of topk_idx [R] by expert, stably: route_of_slot [R] (=) sorted position ->
+// route, slot_of_route [R] (=) route -> sorted position. Expert e owns the sorted positions
+// [offset_e, offset_e + count_e), offset = exclusive prefix of count. Returns count [E] on the host.
+// Synchronises `stream` once: cuBLAS takes the grouped GEMMs' sizes from host memory, so the E
+// per-expert counts must come to the host (one D2H copy of E+1 ints, then a stream sync); the same
+// copy reports expert indices outside [0,E), which are refused.
+inline std::vector<int> moe_route_plan(int* route_of_slot, int* slot_of_route, const int* topk_idx, int R, int E,
+                                       cudaStream_t stream) {
+  if (E < 1 || E > MOE_MAX_E) fm_fail("moe_route_plan", "need 1 <= E <= 12288 (one int per expert in shared memory)", "R=%d E=%d", R, E);
+  if (R == 0) return std::vector<int>(E, 0);
+  const int tiles = ceil_div(R, MOE_PLAN_TILE);
+  // plan_ints: [0,E) counts, [E] bad routes, [E+1, 2E+1) offsets
+  int* plan_ints = pool().alloc_t<int>(2 * (size_t)E + 1, Mem::Workspace, "moe_route_plan.counts");
+  int* tile_counts = pool().alloc_t<int>((size_t)tiles * E, Mem::Workspace, "moe_route_plan.tile_counts");
+  int* counts = plan_ints;
+  int* bad_routes = plan_ints + E;
+  int* offsets = plan_ints + E + 1;
+  cudaCheck(cudaMemsetAsync(bad_routes, 0, sizeof(int), stream), "moe_route_plan", "R=%d E=%d", R, E);
+  moe_plan_count_kernel<<<tiles, MOE_PLAN_TILE, (size_t)E * sizeof(int), stream>>>(tile_counts, bad_routes, topk_idx, R, E);
+  launchCheck("moe_route_plan.count", "R=%d E=%d", R, E);
+  moe_plan_scan_kernel<<<1, 256, 0, stream>>>(tile_counts, counts, offsets, tiles, E);
+  launchCheck("moe_route_plan.scan", "R=%d E=%d", R, E);
+  std::vector<int> host_counts(E + 1);
+  cudaCheck(cudaMemcpyAsync(host_counts.data(), plan_ints, (E + 1) * sizeof(int), cudaMemcpyDeviceToHost, stream),
+            "moe_route_plan", "R=%d E=%d", R, E);
+  cudaCheck(cudaStreamSynchronize(stream), "moe_route_plan", "R=%d E=%d", R, E);
+  if (host_counts[E] != 0)
+    fm_fail("moe_route_plan", "expert index outside [0, E) in topk_idx", "R=%d E=%d bad_routes=%d", R, E, host_counts[E]);
+  moe_plan_rank_kernel<<<tiles, MOE_PLAN_TILE, 0, stream>>>(route_of_slot, slot_of_route, topk_idx, tile_counts, offsets, R, E);
+  launchCheck("moe_route_plan.rank", "R=%d E=%d", R, E);
+  pool().free(tile_counts);
+  pool().free(plan_ints);
+  host_counts.pop_back();
+  return host_counts;
+}
+
+// rows [R,H] (=): rows[s] = x[route_of_slot[s] / k]; x [N,H].
+inline void moe_permute_rows(floatX* rows, const floatX* x, const int* route_of_slot, int R, int H, int k,
+                             cudaStream_t stream) {
+  size_t total = (size_t)R * H;
+  if (total == 0) return;
+  moe_permute_rows_kernel<<<ceil_div(total, 256), 256, 0, stream>>>(rows, x, route_of_slot, R, H, k);
+  launchCheck("moe_permute_rows", "R=%d H=%d k=%d", R, H, k);
+}
+
+// a [R,I] (=) = silu(h13[:, :I]) ⊙ h13[:, I:]; h13 [R,2I].
+inline void swiglu_forward(floatX* a, const floatX* h13, int R, int I, cudaStream_t stream) {
+  size_t total = (size_t)R * I;
+  if (total == 0) return;
+  swiglu_forward_kernel<<<ceil_div(total, 256), 256, 0, stream>>>(a, h13, R, I);
+  launchCheck("swiglu_forward", "R=%d I=%d", R, I);
+}
+
+// dh13 [R,2I] (=) from da [R,I] and h13 [R,2I].
+inline void swiglu_backward(floatX* dh13, const floatX* da, const floatX* h13, int R, int I, cudaStream_t stream) {
+  size_t total = (size_t)R * I;
+  if (total == 0) return;
+  swiglu_backward_kernel<<<ceil_div(total, 256), 256, 0, stream>>>(dh13, da, h13, R, I);
+  launchCheck("swiglu_backward", "R=%d I=%d", R, I);
+}
+
+// out [N,H] (=): out[n] = Σ_j topk_w[n,j] · rows[slot_of_route[n·k+j]] (j ascending, fp32);
+// topk_w == nullptr means every weight is 1 (the plain sum, used for dx).
+inline void moe_combine(floatX* out, const floatX* rows, const int* slot_of_route, const float* topk_w, int N, int H,
+                        int k, cudaStream_t stream) {
+  size_t total = (size_t)N * H;
+  if (total == 0) return;
+  if (topk_w)
+    moe_combine_kernel<true><<<ceil_div(total, 256), 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k);
+  else
+    moe_combine_kernel<false><<<ceil_div(total, 256), 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k);
+  launchCheck("moe_combine", "N=%d H=%d k=%d", N, H, k);
+}
+
+// dy [R,H] (=, sorted order) and dtopk_w [N,k] (=) from dout [N,H] and the expert outputs y [R,H].
+inline void moe_combine_backward(floatX* dy, float* dtopk_w, const floatX* dout, const floatX* y, const int* slot_of_route,
+                                 const float* topk_w, int N, int H, int k, cudaStream_t stream) {
+  int R = N * k;
+  if (R == 0) return;
+  moe_combine_backward_kernel<<<ceil_div(R, MOE_WARPS_PER_BLOCK), 32 * MOE_WARPS_PER_BLOCK, 0, stream>>>(
+      dy, dtopk_w, dout, y, slot_of_route, topk_w, R, H, k);
+  launchCheck("moe_combine_backward", "N=%d H=%d k=%d", N, H, k);
+}
+
+// Row-major problem g: C_g [M,N] = op(A_g) [M,K] · op(B_g) [K,N] + beta · C_g, where op(A) = A
+// stored [M,K] (row stride lda), or Aᵀ of A stored [K,M] when transA; likewise B ([K,N] or, when
+// transB, [N,K], row stride ldb); C row stride ldc.
+struct GroupedGemmProblem {
+  const floatX* A;
+  const floatX* B;
+  floatX* C;
+  int M, N, K;
+};
+
+// All problems in ONE cublasGemmGroupedBatchedEx call, each its own group of one (sizes differ per
+// expert). cuBLAS is column-major: row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so
+// cuBLAS's A is our B and vice versa. Sizes, leading dimensions, transposes and alpha/beta are host
+// arrays; the A/B/C pointer arrays are device arrays (pool, Workspace), written by a kernel that
+// takes them as launch arguments, so no host-side staging buffer and no synchronisation is needed.
+// Every M, N, K must be ≥ 1 (callers leave out experts without routes).
+inline void grouped_gemm(const char* op, const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB,
+                         int lda, int ldb, int ldc, float beta, cudaStream_t stream) {
+  const int G = (int)problems.size();
+  if (G == 0) return;
+  std::vector<cublasOperation_t> op_a(G, transB ? CUBLAS_OP_T : CUBLAS_OP_N);
+  std::vector<cublasOperation_t> op_b(G, transA ? CUBLAS_OP_T : CUBLAS_OP_N);
+  std::vector<int> m(G), n(G), kk(G), ld_a(G, ldb), ld_b(G, lda), ld_c(G, ldc), group_size(G, 1);
+  std::vector<float> alpha(G, 1.f), betas(G, beta);
+  std::vector<void*> ptrs(3 * (size_t)G);  // [cuBLAS A = our B | cuBLAS B = our A | C]; A, B only read
+  for (int g = 0; g < G; g++) {
+    const GroupedGemmProblem& p = problems[g];
+    if (p.M < 1 || p.N < 1 || p.K < 1) fm_fail(op, "grouped_gemm problem with an empty dimension", "problem=%d M=%d N=%d K=%d", g, p.M, p.N, p.K);
+#if defined(FLATMOE_BF16)
+    // cuBLAS's rule for bf16 matrix pointers: 16-byte aligned when K % 8 == 0, 4-byte when K is even.
+    size_t need = p.K % 8 == 0 ? 16 : p.K % 2 == 0 ? 4 : 1;
+    if ((uintptr_t)p.A % need || (uintptr_t)p.B % need || (uintptr_t)p.C % need)
+      fm_fail(op, "bf16 matrix pointer misaligned for cuBLAS (keep H and I multiples of 8)",
+              "problem=%d M=%d N=%d K=%d need=%zu-byte alignment", g, p.M, p.N, p.K, need);
+#endif
+    m[g] = p.N;
+    n[g] = p.M;
+    kk[g] = p.K;
+    ptrs[g] = const_cast<floatX*>(p.B);
+    ptrs[G + g] = const_cast<floatX*>(p.A);
+    ptrs[2 * (size_t)G + g] = p.C;
+  }
+  void** dev_ptrs = pool().alloc_t<void*>(ptrs.size(), Mem::Workspace, "grouped_gemm.pointers");
+  for (size_t first = 0; first < ptrs.size(); first += GROUPED_GEMM_PTR_CHUNK) {
+    int count = (int)std::min<size_t>(GROUPED_GEMM_PTR_CHUNK, ptrs.size() - first);
+    GroupedGemmPointerChunk chunk;
+    memcpy(chunk.ptr, ptrs.data() + first, count * sizeof(void*));
+    grouped_gemm_pointers_kernel<<<1, 256, 0, stream>>>(dev_ptrs + first, chunk, count);
+    launchCheck(op, "grouped_gemm pointers groups=%d", G);
+  }
+  cublasHandle_t handle = cublas_on(stream, op);
+  cublasCheck(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST), op, "groups=%d", G);
+  cublasCheck(cublasGemmGroupedBatchedEx(handle, op_a.data(), op_b.data(), m.data(), n.data(), kk.data(),
+                                         alpha.data(), dev_ptrs, CUBLAS_FLOATX, ld_a.data(), dev_ptrs + G,
+                                         CUBLAS_FLOATX, ld_b.data(), betas.data(),
+                                         dev_ptrs + 2 * (size_t)G, CUBLAS_FLOATX,
+                                         ld_c.data(), G, group_size.data(), CUBLAS_COMPUTE),
+              op, "groups=%d transA=%d transB=%d lda=%d ldb=%d ldc=%d", G, (int)transA, (int)transB, lda, ldb, ldc);
+  pool().free(dev_ptrs);  // stream-ordered reuse: the next user of this block runs after the GEMM on `stream`
+}
+
+// topk_idx [N] (=) 0 and topk_w [N] (=) 1: the trivial routing (E = 1, k = 1) under which
+// moe_forward / moe_backward compute a dense SwiGLU FFN (dense layers, shared expert).
+inline void dense_routes(int* topk_idx, float* topk_w, int N, cudaStream_t stream) {
+  if (N == 0) return;
+  dense_routes_kernel<<<ceil_div(N, 256), 256, 0, stream>>>(topk_idx, topk_w, N);
+  launchCheck("dense_routes", "N=%d", N);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers: the MoE FFN
+
+// What backward needs; allocated from the pool by moe_forward, freed by moe_saved_free.
+struct MoESaved {
+  int N = 0, H = 0, I = 0, E = 0, k = 0;
+  std::vector<int> expert_counts;   // [E] host: routes per expert
+  std::vector<int> expert_offsets;  // [E] host: first sorted position of each expert
+  int* route_of_slot = nullptr;     // [N·k] device: sorted position -> route index r  (Dispatch)
+  int* slot_of_route = nullptr;     // [N·k] device: route index r -> sorted position  (Dispatch)
+  floatX* h13 = nullptr;            // [N·k, 2I] sorted order                          (ExpertIntermediates)
+  floatX* y = nullptr;              // [N·k, H] expert outputs before weighting, sorted (Dispatch)
+};
+
+inline void moe_saved_free(MoESaved& saved) {
+  pool().free(saved.route_of_slot);
+  pool().free(saved.slot_of_route);
+  pool().free(saved.h13);
+  pool().free(saved.y);
+  saved = MoESaved();
+}
+
+// One problem per expert with at least one route; make(e, first_row, rows) builds it.
+template <typename F>
+std::vector<GroupedGemmProblem> moe_expert_problems(const MoESaved& saved, F make) {
+  std::vector<GroupedGemmProblem> problems;
+  for (int e = 0; e < saved.E; e++)
+    if (saved.expert_counts[e] > 0) problems.push_back(make(e, (size_t)saved.expert_offsets[e], saved.expert_counts[e]));
+  return problems;
+}
+
+// out [N,H] (=); fills `saved` (which must be empty: moe_saved_free it after backward).
+// Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host).
+inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
+                        const floatX* W13, const floatX* W2, int N, int H, int I, int E, int k, cudaStream_t stream) {
+  if (N < 1 || H < 1 || I < 1 || E < 1 || k < 1)
+    fm_fail("moe_forward", "every size must be >= 1", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
+  if ((long long)N * k > INT_MAX)
+    fm_fail("moe_forward", "too many routes for int indices", "N=%d k=%d", N, k);
+  if (saved.route_of_slot || saved.slot_of_route || saved.h13 || saved.y)
+    fm_fail("moe_forward", "MoESaved still holds buffers: call moe_saved_free after backward", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
+  const int R = N * k;
+  const size_t w13_stride = (size_t)2 * I * H, w2_stride = (size_t)H * I;
+  saved.N = N; saved.H = H; saved.I = I; saved.E = E; saved.k = k;
+  saved.route_of_slot = pool().alloc_t<int>(R, Mem::Dispatch, "moe.route_of_slot");
+  saved.slot_of_route = pool().alloc_t<int>(R, Mem::Dispatch, "moe.slot_of_route");
+  saved.expert_counts = moe_route_plan(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream);
+  saved.expert_offsets.assign(E, 0);
+  for (int e = 1; e < E; e++) saved.expert_offsets[e] = saved.expert_offsets[e - 1] + saved.expert_counts[e - 1];
+
+  floatX* xp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_forward.xp");
+  moe_permute_rows(xp, x, saved.route_of_slot, R, H, k, stream);
+  // h13_e [R_e,2I] = xp_e [R_e,H] · W13_eᵀ
+  saved.h13 = pool().alloc_t<floatX>((size_t)R * 2 * I, Mem::ExpertIntermediates, "moe.h13");
+  grouped_gemm("moe_forward.h13", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
+                 return GroupedGemmProblem{xp + first * H, W13 + e * w13_stride, saved.h13 + first * 2 * I, rows, 2 * I, H};
+               }),
+               false, true, H, H, 2 * I, 0.f, stream);
+  pool().free(xp);
+  floatX* a = pool().alloc_t<floatX>((size_t)R * I, Mem::ExpertIntermediates, "moe_forward.a");
+  swiglu_forward(a, saved.h13, R, I, stream);
+  // y_e [R_e,H] = a_e [R_e,I] · W2_eᵀ
+  saved.y = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe.y");
+  grouped_gemm("moe_forward.y", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
+                 return GroupedGemmProblem{a + first * I, W2 + e * w2_stride, saved.y + first * H, rows, H, I};
+               }),
+               false, true, I, I, H, 0.f, stream);
+  pool().free(a);
+  moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
+}
+
+// dx [N,H] (=), dtopk_w [N,k] (=), dW13 [E,2I,H] (+=), dW2 [E,H,I] (+=) from dout [N,H], the
+// forward's saved state and inputs. Does not synchronise.
+inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const MoESaved& saved,
+                         const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
+                         cudaStream_t stream) {
+  (void)topk_idx;  // the routing is replayed from saved.route_of_slot / slot_of_route (DESIGN §3)
+  if (!saved.route_of_slot || !saved.h13 || !saved.y)
+    fm_fail("moe_backward", "MoESaved is empty: run moe_forward first", "N=%d", saved.N);
+  const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k;
+  const size_t w13_stride = (size_t)2 * I * H, w2_stride = (size_t)H * I;
+
+  floatX* dy = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dy");
+  moe_combine_backward(dy, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
+  floatX* a = pool().alloc_t<floatX>((size_t)R * I, Mem::ExpertIntermediates, "moe_backward.a");
+  swiglu_forward(a, saved.h13, R, I, stream);
+  // da_e [R_e,I] = dy_e [R_e,H] · W2_e [H,I]
+  floatX* da = pool().alloc_t<floatX>((size_t)R * I, Mem::ExpertIntermediates, "moe_backward.da");
+  grouped_gemm("moe_backward.da", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
+                 return GroupedGemmProblem{dy + first * H, W2 + e * w2_stride, da + first * I, rows, I, H};
+               }),
+               false, false, H, I, I, 0.f, stream);
+  // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
+  grouped_gemm("moe_backward.dW2", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
+                 return GroupedGemmProblem{dy + first * H, a + first * I, dW2 + e * w2_stride, H, I, rows};
+               }),
+               true, false, H, I, I, 1.f, stream);
+  pool().free(a);
+  pool().free(dy);
+  floatX* dh13 = pool().alloc_t<floatX>((size_t)R * 2 * I, Mem::ExpertIntermediates, "moe_backward.dh13");
+  swiglu_backward(dh13, da, saved.h13, R, I, stream);
+  pool().free(da);
+  // dxp_e [R_e,H] = dh13_e [R_e,2I] · W13_e [2I,H];  dx[n] = Σ_j dxp[route n·k+j]
+  floatX* dxp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dxp");
+  grouped_gemm("moe_backward.dxp", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
+                 return GroupedGemmProblem{dh13 + first * 2 * I, W13 + e * w13_stride, dxp + first * H, rows, H, 2 * I};
+               }),
+               false, false, 2 * I, H, H, 0.f, stream);
+  moe_combine(dx, dxp, saved.slot_of_route, nullptr, N, H, k, stream);
+  pool().free(dxp);
+  // dW13_e [2I,H] += dh13_eᵀ [2I,R_e] · xp_e [R_e,H]
+  floatX* xp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.xp");
+  moe_permute_rows(xp, x, saved.route_of_slot, R, H, k, stream);
+  grouped_gemm("moe_backward.dW13", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
+                 return GroupedGemmProblem{dh13 + first * 2 * I, xp + first * H, dW13 + e * w13_stride, 2 * I, H, rows};
+               }),
+               true, false, 2 * I, H, H, 1.f, stream);
+  pool().free(xp);
+  pool().free(dh13);
+}

@@ -1,0 +1,231 @@
+// router.cuh — MoE router: scores, top-k selection with aux-loss-free bias, combine weights,
+// and their backward (DESIGN §2). Twin of ref/router.hpp.
+//
+// Per token n (N tokens, E experts, k top-k), from logits [N,E] (a bias-free linear H→E done by
+// the caller), in fp32:
+//   s = softmax(logits[n]) over E (score_fn ROUTER_SOFTMAX) or sigmoid(logits[n]) (ROUTER_SIGMOID)
+//   topk_idx[n,:] = the k experts with the largest s_e + bias_e, in descending order of s + bias;
+//                   equal keys go to the LOWER expert index first (same rule as the reference)
+//   topk_w[n,j]   = s_{topk_idx[n,j]}, divided by Σ_j s_{topk_idx[n,j]} (in j order) when renorm
+// The bias [E] (DeepSeek-V3 aux-loss-free balancing) changes the selection only, never the weights.
+//
+// Backward: the selection is piecewise constant, so the gradient flows only through the weights:
+//   ds_e   = dtopk_w[n,j] for e = topk_idx[n,j]; with renorm ds_e = (dtopk_w[n,j] − Σ_m dtopk_w[n,m] w_m) / S
+//   dlogit = s ⊙ (ds − Σ_f s_f ds_f)            (softmax)
+//   dlogit = ds ⊙ s ⊙ (1 − s)                   (sigmoid)
+//
+// Outputs (all "="): topk_idx [N,k] int, topk_w [N,k] float, scores [N,E] float (saved for
+// backward), dlogits [N,E] floatX, loads [E] int.
+// Limits: E ≤ ROUTER_MAX_E (256), k ≤ ROUTER_MAX_K (8), k ≤ E; larger sizes are refused.
+// Memory: none beyond the outputs (no pool allocations).
+// Kernels: one warp per token; every reduction is a fixed xor-butterfly over the warp (all lanes end
+// with the same bits), so results are deterministic. Loads use integer atomics (exact).
+#pragma once
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include "common.cuh"
+
+static const int ROUTER_SOFTMAX = 0;
+static const int ROUTER_SIGMOID = 1;
+static const int ROUTER_MAX_E = 256;
+static const int ROUTER_MAX_K = 8;
+static const int ROUTER_SLOTS = ROUTER_MAX_E / 32;  // experts per lane: e = lane + 32·i
+static const int ROUTER_WARPS_PER_BLOCK = 8;         // tokens per block
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+
+__device__ inline float router_warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  return v;
+}
+
+__device__ inline float router_warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+// Grid: ceil(N / ROUTER_WARPS_PER_BLOCK) blocks of 32·ROUTER_WARPS_PER_BLOCK threads; warp = token.
+static __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float* scores, const floatX* logits,
+                                             const float* bias, int N, int E, int k, int score_fn, bool renorm) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * ROUTER_WARPS_PER_BLOCK + (threadIdx.x >> 5);
+  if (n >= N) return;  // n is the same for the whole warp: warps leave together
+  const floatX* row = logits + (size_t)n * E;
+
+  float s[ROUTER_SLOTS];  // this lane's scores, expert e = lane + 32·i
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < ROUTER_SLOTS; i++) {
+    int e = lane + 32 * i;
+    s[i] = e < E ? to_float(row[e]) : -INFINITY;
+    mx = fmaxf(mx, s[i]);
+  }
+  if (score_fn == ROUTER_SOFTMAX) {
+    mx = router_warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROUTER_SLOTS; i++) {
+      s[i] = lane + 32 * i < E ? expf(s[i] - mx) : 0.f;
+      sum += s[i];
+    }
+    sum = router_warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < ROUTER_SLOTS; i++) s[i] /= sum;
+  } else {
+#pragma unroll
+    for (int i = 0; i < ROUTER_SLOTS; i++) s[i] = 1.f / (1.f + expf(-s[i]));
+  }
+
+  float key[ROUTER_SLOTS];  // selection key s + bias; -inf once taken (and for e ≥ E)
+#pragma unroll
+  for (int i = 0; i < ROUTER_SLOTS; i++) {
+    int e = lane + 32 * i;
+    if (e < E) scores[(size_t)n * E + e] = s[i];
+    key[i] = e < E ? s[i] + bias[e] : -INFINITY;
+  }
+
+  float picked[ROUTER_MAX_K];  // scores of the selected experts, in selection order
+  float picked_sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < ROUTER_MAX_K; j++) {
+    if (j >= k) break;
+    // this lane's best (key, expert); its experts ascend with i, so ">" keeps the lower index
+    float best_key = -INFINITY, best_s = 0.f;
+    int best_e = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < ROUTER_SLOTS; i++) {
+      int e = lane + 32 * i;
+      if (e < E && (key[i] > best_key || best_e == INT_MAX)) {
+        best_key = key[i];
+        best_s = s[i];
+        best_e = e;
+      }
+    }
+    // warp argmax: larger key wins, equal keys go to the lower expert index (a total order, so
+    // every lane ends with the same winner)
+    for (int o = 16; o > 0; o >>= 1) {
+      float other_key = __shfl_xor_sync(0xffffffff, best_key, o);
+      float other_s = __shfl_xor_sync(0xffffffff, best_s, o);
+      int other_e = __shfl_xor_sync(0xffffffff, best_e, o);
+      if (other_key > best_key || (other_key == best_key && other_e < best_e)) {
+        best_key = other_key;
+        best_s = other_s;
+        best_e = other_e;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < ROUTER_SLOTS; i++)
+      if (lane + 32 * i == best_e) key[i] = -INFINITY;
+    picked[j] = best_s;
+    picked_sum += best_s;
+    if (lane == 0) topk_idx[(size_t)n * k + j] = best_e;
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_K; j++) {
+      if (j >= k) break;
+      topk_w[(size_t)n * k + j] = renorm ? picked[j] / picked_sum : picked[j];
+    }
+  }
+}
+
+// Grid as router_forward_kernel. Every lane computes the same k-long ds (k ≤ 8), then writes its experts.
+static __global__ void router_backward_kernel(floatX* dlogits, const float* dtopk_w, const float* scores, const int* topk_idx,
+                                              int N, int E, int k, int score_fn, bool renorm) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * ROUTER_WARPS_PER_BLOCK + (threadIdx.x >> 5);
+  if (n >= N) return;
+  const float* s_row = scores + (size_t)n * E;
+
+  int sel_e[ROUTER_MAX_K];
+  float sel_s[ROUTER_MAX_K], ds[ROUTER_MAX_K];
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < ROUTER_MAX_K; j++) {
+    sel_e[j] = j < k ? topk_idx[(size_t)n * k + j] : -1;
+    sel_s[j] = j < k ? s_row[sel_e[j]] : 0.f;
+    ds[j] = j < k ? dtopk_w[(size_t)n * k + j] : 0.f;
+    sum += sel_s[j];
+  }
+  if (renorm) {
+    float dw_dot_w = 0.f;  // Σ_m dw_m · w_m
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_K; j++) dw_dot_w += ds[j] * (sel_s[j] / sum);
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_K; j++) ds[j] = j < k ? (ds[j] - dw_dot_w) / sum : 0.f;
+  }
+  float s_dot_ds = 0.f;  // Σ_f s_f ds_f (softmax only)
+#pragma unroll
+  for (int j = 0; j < ROUTER_MAX_K; j++) s_dot_ds += sel_s[j] * ds[j];
+
+#pragma unroll
+  for (int i = 0; i < ROUTER_SLOTS; i++) {
+    int e = lane + 32 * i;
+    if (e >= E) continue;
+    float d = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_K; j++)
+      if (sel_e[j] == e) d += ds[j];
+    float se = s_row[e];
+    float dl = score_fn == ROUTER_SOFTMAX ? se * (d - s_dot_ds) : d * se * (1.f - se);
+    dlogits[(size_t)n * E + e] = from_float<floatX>(dl);
+  }
+}
+
+// Histogram in shared memory (E ints), then one integer atomic per expert per block.
+static __global__ void router_count_loads_kernel(int* loads, const int* topk_idx, size_t routes, int E) {
+  extern __shared__ int block_loads[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) block_loads[e] = 0;
+  __syncthreads();
+  for (size_t r = (size_t)blockIdx.x * blockDim.x + threadIdx.x; r < routes; r += (size_t)gridDim.x * blockDim.x) {
+    int e = topk_idx[r];
+    if (e >= 0 && e < E) atomicAdd(&block_loads[e], 1);  // indices from router_forward are always in range
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (block_loads[e]) atomicAdd(&loads[e], block_loads[e]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+
+inline void router_check_sizes(const char* op, int N, int E, int k, int score_fn) {
+  if (N < 0 || E < 1 || E > ROUTER_MAX_E || k < 1 || k > ROUTER_MAX_K || k > E)
+    fm_fail(op, "unsupported size: need 1 <= k <= min(E, 8) and E <= 256", "N=%d E=%d k=%d", N, E, k);
+  if (score_fn != ROUTER_SOFTMAX && score_fn != ROUTER_SIGMOID)
+    fm_fail(op, "score_fn must be 0 (softmax) or 1 (sigmoid)", "score_fn=%d", score_fn);
+}
+
+// topk_idx [N,k] (=), topk_w [N,k] (=), scores [N,E] (=, saved for backward) from logits [N,E], bias [E].
+inline void router_forward(int* topk_idx, float* topk_w, float* scores, const floatX* logits, const float* bias,
+                           int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
+  router_check_sizes("router_forward", N, E, k, score_fn);
+  if (N == 0) return;
+  router_forward_kernel<<<ceil_div(N, ROUTER_WARPS_PER_BLOCK), 32 * ROUTER_WARPS_PER_BLOCK, 0, stream>>>(
+      topk_idx, topk_w, scores, logits, bias, N, E, k, score_fn, renorm);
+  launchCheck("router_forward", "N=%d E=%d k=%d", N, E, k);
+}
+
+// dlogits [N,E] (=) from dtopk_w [N,k] and the forward's scores and topk_idx.
+inline void router_backward(floatX* dlogits, const float* dtopk_w, const float* scores, const int* topk_idx,
+                            int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
+  router_check_sizes("router_backward", N, E, k, score_fn);
+  if (N == 0) return;
+  router_backward_kernel<<<ceil_div(N, ROUTER_WARPS_PER_BLOCK), 32 * ROUTER_WARPS_PER_BLOCK, 0, stream>>>(
+      dlogits, dtopk_w, scores, topk_idx, N, E, k, score_fn, renorm);
+  launchCheck("router_backward", "N=%d E=%d k=%d", N, E, k);
+}
+
+// loads [E] (=): number of routes in topk_idx [N,k] that select each expert.
+inline void router_count_loads(int* loads, const int* topk_idx, int N, int E, int k, cudaStream_t stream) {
+  if (N < 0 || E < 1 || E > ROUTER_MAX_E || k < 1)
+    fm_fail("router_count_loads", "unsupported size: need N >= 0, 1 <= E <= 256, k >= 1", "N=%d E=%d k=%d", N, E, k);
+  cudaCheck(cudaMemsetAsync(loads, 0, (size_t)E * sizeof(int), stream), "router_count_loads", "E=%d", E);
+  size_t routes = (size_t)N * k;
+  if (routes == 0) return;
+  int blocks = (int)std::min<size_t>((routes + 255) / 256, 1024);
+  router_count_loads_kernel<<<blocks, 256, (size_t)E * sizeof(int), stream>>>(loads, topk_idx, routes, E);
+  launchCheck("router_count_loads", "N=%d E=%d k=%d", N, E, k);
+}

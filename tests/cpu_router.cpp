@@ -1,0 +1,158 @@
+// tests/cpu_router.cpp — the router reference (ref/router.hpp) as a specification: what it
+// selects, what it weighs, how ties break, its loads, and its gradient against finite differences.
+#include <algorithm>
+#include "test_util.hpp"
+#include "../ref/router.hpp"
+
+namespace {
+
+using testutil::Rng;
+using Mat = ref::Mat<double>;
+using Vec = ref::Vec<double>;
+
+// Logits [N,E] whose selection keys s + bias are well separated: among the k+1 largest keys of
+// every token, consecutive keys differ by at least min_gap (a row is redrawn until they do), so a
+// perturbation of 1e-5 can never change the selection.
+Mat well_separated_logits(Rng& rng, int N, int E, int k, const Vec& bias, int score_fn, double min_gap = 1e-3) {
+  Mat logits(N, E);
+  for (int n = 0; n < N; n++) {
+    for (;;) {
+      Mat row = rng.mat<double>(1, E, 1.5);
+      Mat s = ref::router_scores(row, score_fn);
+      std::vector<double> keys(E);
+      for (int e = 0; e < E; e++) keys[e] = s(0, e) + bias(e);
+      std::sort(keys.begin(), keys.end(), std::greater<double>());
+      bool separated = true;
+      for (int j = 0; j < std::min(k, E - 1); j++) separated &= keys[j] - keys[j + 1] >= min_gap;
+      if (separated) {
+        logits.row(n) = row;
+        break;
+      }
+    }
+  }
+  return logits;
+}
+
+Vec random_bias(Rng& rng, int E, double stddev) {
+  Vec b(E);
+  for (int e = 0; e < E; e++) b(e) = rng.normal(stddev);
+  return b;
+}
+
+bool is_selected(const ref::MatI& topk_idx, int n, int e) {
+  for (int j = 0; j < topk_idx.cols(); j++)
+    if (topk_idx(n, j) == e) return true;
+  return false;
+}
+
+}  // namespace
+
+// topk_idx holds the k largest s + bias in descending order; the weights are the selected scores
+// (not s + bias), divided by their sum under renorm.
+TEST(RouterRef, SelectsLargestScorePlusBiasAndWeighsByScore) {
+  Rng rng;
+  const int N = 40, E = 12, k = 4;
+  for (int score_fn : {ref::ROUTER_SOFTMAX, ref::ROUTER_SIGMOID}) {
+    for (bool renorm : {false, true}) {
+      Vec bias = random_bias(rng, E, score_fn == ref::ROUTER_SOFTMAX ? 0.05 : 0.2);
+      Mat logits = well_separated_logits(rng, N, E, k, bias, score_fn);
+      auto r = ref::router_forward(logits, bias, k, score_fn, renorm);
+      for (int n = 0; n < N; n++) {
+        double sum = 0;
+        for (int j = 0; j < k; j++) sum += r.scores(n, r.topk_idx(n, j));
+        for (int j = 0; j < k; j++) {
+          int e = r.topk_idx(n, j);
+          double key = r.scores(n, e) + bias(e);
+          if (j > 0) {
+            EXPECT_LT(key, r.scores(n, r.topk_idx(n, j - 1)) + bias(r.topk_idx(n, j - 1)));
+          }
+          for (int f = 0; f < E; f++) {
+            if (!is_selected(r.topk_idx, n, f)) {
+              EXPECT_GT(key, r.scores(n, f) + bias(f));
+            }
+          }
+          EXPECT_DOUBLE_EQ(r.topk_w(n, j), renorm ? r.scores(n, e) / sum : r.scores(n, e));
+        }
+      }
+    }
+  }
+}
+
+// Softmax scores are a distribution over the experts; sigmoid scores are per expert.
+TEST(RouterRef, ScoresAreSoftmaxOrSigmoid) {
+  Rng rng;
+  Mat logits = rng.mat<double>(9, 7, 2.0);
+  Mat soft = ref::router_scores(logits, ref::ROUTER_SOFTMAX);
+  Mat sig = ref::router_scores(logits, ref::ROUTER_SIGMOID);
+  for (int n = 0; n < 9; n++) {
+    EXPECT_NEAR(soft.row(n).sum(), 1.0, 1e-12);
+    for (int e = 0; e < 7; e++) {
+      EXPECT_NEAR(soft(n, e) / soft(n, 0), std::exp(logits(n, e) - logits(n, 0)), 1e-9 * soft(n, e) / soft(n, 0));
+      EXPECT_DOUBLE_EQ(sig(n, e), 1.0 / (1.0 + std::exp(-logits(n, e))));
+    }
+  }
+}
+
+// The bias moves experts in and out of the selection but never enters the weights.
+TEST(RouterRef, BiasChangesSelectionNotWeights) {
+  Rng rng;
+  const int N = 64, E = 16, k = 2;
+  Vec zero = Vec::Zero(E);
+  Vec bias = random_bias(rng, E, 0.3);
+  Mat logits = well_separated_logits(rng, N, E, k, bias, ref::ROUTER_SIGMOID);
+  auto with_bias = ref::router_forward(logits, bias, k, ref::ROUTER_SIGMOID, false);
+  auto without = ref::router_forward(logits, zero, k, ref::ROUTER_SIGMOID, false);
+  EXPECT_NE(with_bias.topk_idx, without.topk_idx) << "a bias of this size should change some selection";
+  for (int n = 0; n < N; n++)
+    for (int j = 0; j < k; j++)
+      EXPECT_DOUBLE_EQ(with_bias.topk_w(n, j), with_bias.scores(n, with_bias.topk_idx(n, j)));
+}
+
+// Equal keys go to the lower expert index first.
+TEST(RouterRef, TiesGoToLowerExpertIndex) {
+  const int E = 40;
+  Mat logits = Mat::Zero(3, E);                     // token 0: every key equal
+  for (int e = 0; e < E; e++) logits(1, e) = logits(2, e) = -0.05 * e;
+  for (int e : {35, 3, 36}) logits(1, e) = 2.0;     // token 1: three-way tie at the top
+  logits(2, 30) = logits(2, 7) = 1.5;               // token 2: tie for the second place
+  logits(2, 20) = 3.0;
+  Vec bias = Vec::Zero(E);
+  for (int score_fn : {ref::ROUTER_SOFTMAX, ref::ROUTER_SIGMOID}) {
+    auto r = ref::router_forward(logits, bias, 3, score_fn, true);
+    EXPECT_EQ(r.topk_idx(0, 0), 0); EXPECT_EQ(r.topk_idx(0, 1), 1); EXPECT_EQ(r.topk_idx(0, 2), 2);
+    EXPECT_EQ(r.topk_idx(1, 0), 3); EXPECT_EQ(r.topk_idx(1, 1), 35); EXPECT_EQ(r.topk_idx(1, 2), 36);
+    EXPECT_EQ(r.topk_idx(2, 0), 20); EXPECT_EQ(r.topk_idx(2, 1), 7); EXPECT_EQ(r.topk_idx(2, 2), 30);
+    EXPECT_DOUBLE_EQ(r.topk_w(1, 0), 1.0 / 3);
+  }
+}
+
+// dlogits = ∂/∂logits Σ dtopk_w ⊙ topk_w(logits), with the selection held fixed.
+TEST(RouterRef, BackwardMatchesFiniteDifferences) {
+  Rng rng;
+  const int N = 6, E = 7, k = 3;
+  for (int score_fn : {ref::ROUTER_SOFTMAX, ref::ROUTER_SIGMOID}) {
+    for (bool renorm : {false, true}) {
+      Vec bias = random_bias(rng, E, 0.05);
+      Mat logits = well_separated_logits(rng, N, E, k, bias, score_fn);
+      Mat dtopk_w = rng.mat<double>(N, k);
+      auto r = ref::router_forward(logits, bias, k, score_fn, renorm);
+      Mat dlogits = ref::router_backward(dtopk_w, r.scores, r.topk_idx, score_fn, renorm);
+      Mat numeric = testutil::finite_diff(logits, [&] {
+        auto p = ref::router_forward(logits, bias, k, score_fn, renorm);
+        EXPECT_EQ(p.topk_idx, r.topk_idx);
+        return (p.topk_w.array() * dtopk_w.array()).sum();
+      });
+      const char* name = score_fn == ref::ROUTER_SOFTMAX ? (renorm ? "router softmax renorm" : "router softmax")
+                                                         : (renorm ? "router sigmoid renorm" : "router sigmoid");
+      EXPECT_REL(name, "dlogits", testutil::rel_err(dlogits, numeric), testutil::FD_TOL);
+    }
+  }
+}
+
+// loads[e] = number of routes that select expert e.
+TEST(RouterRef, CountLoads) {
+  ref::MatI idx(4, 2);
+  idx << 0, 3, 3, 1, 3, 0, 2, 3;
+  std::vector<int> loads = ref::router_count_loads(idx, 5);
+  EXPECT_EQ(loads, (std::vector<int>{2, 1, 1, 4, 0}));
+}

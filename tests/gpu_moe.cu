@@ -1,0 +1,249 @@
+// tests/gpu_moe.cu — ops/moe.cuh against ref/moe.hpp. Routing decisions are inputs (random
+// distinct experts per token, random positive weights; DESIGN §3): uniform, skewed onto one expert,
+// with experts that receive no route, the dense E = 1, k = 1 case, and enough experts to need
+// several pointer chunks. Checks out, dx, dtopk_w, dW13 and dW2 (+=), the measured live set, the
+// pool returning to its starting bytes, bit-for-bit replay, and the stable sort of the plan.
+#include <algorithm>
+#include <functional>
+#include "gpu_util.cuh"
+#include "../ops/moe.cuh"
+#include "../ref/moe.hpp"
+
+namespace {
+
+using testutil::Rng;
+using Mat = ref::Mat<double>;
+
+// Chooses the k distinct experts of token n, in slot order.
+using RouteChooser = std::function<std::vector<int>(Rng&, int n)>;
+
+// k distinct experts drawn uniformly from `allowed`.
+RouteChooser uniform_routes(std::vector<int> allowed, int k) {
+  return [allowed, k](Rng& rng, int) {
+    std::vector<int> experts = allowed;
+    std::shuffle(experts.begin(), experts.end(), rng.gen);
+    experts.resize(k);
+    return experts;
+  };
+}
+
+// Slot 0 goes to expert 0 for ~90 % of the tokens; the other slots are distinct experts from `others`.
+RouteChooser skewed_routes(std::vector<int> others, int k) {
+  return [others, k](Rng& rng, int) {
+    std::vector<int> experts = others;
+    std::shuffle(experts.begin(), experts.end(), rng.gen);
+    if (rng.uniform(0, 1) < 0.9) experts.insert(experts.begin(), 0);
+    experts.resize(k);
+    return experts;
+  };
+}
+
+// Global inputs of one check, rounded to what the GPU holds (floatX activations/weights, float routing weights).
+struct MoECase {
+  int N, H, I, E, k;
+  Mat x, dout, topk_w;
+  ref::MatI topk_idx;
+  std::vector<Mat> W13, W2, dW13_init, dW2_init;
+};
+
+MoECase make_case(Rng& rng, int N, int H, int I, int E, int k, const RouteChooser& choose) {
+  MoECase c{N, H, I, E, k};
+  c.x = testutil::round_to_floatX(rng.mat<double>(N, H));
+  c.dout = testutil::round_to_floatX(rng.mat<double>(N, H));
+  c.topk_idx.resize(N, k);
+  c.topk_w.resize(N, k);
+  for (int n = 0; n < N; n++) {
+    std::vector<int> experts = choose(rng, n);
+    for (int j = 0; j < k; j++) {
+      c.topk_idx(n, j) = experts[j];
+      c.topk_w(n, j) = (double)(float)rng.uniform(0.1, 1.0);
+    }
+  }
+  for (int e = 0; e < E; e++) {
+    c.W13.push_back(testutil::round_to_floatX(rng.mat<double>(2 * I, H, 1.0 / std::sqrt(H))));
+    c.W2.push_back(testutil::round_to_floatX(rng.mat<double>(H, I, 1.0 / std::sqrt(I))));
+    c.dW13_init.push_back(testutil::round_to_floatX(rng.mat<double>(2 * I, H, 0.5)));
+    c.dW2_init.push_back(testutil::round_to_floatX(rng.mat<double>(H, I, 0.5)));
+  }
+  return c;
+}
+
+// E matrices [r,c] stacked into one [E·r, c] (the device layout [E,r,c]).
+Mat stack(const std::vector<Mat>& mats) {
+  Mat s(mats.size() * mats[0].rows(), mats[0].cols());
+  for (size_t e = 0; e < mats.size(); e++) s.middleRows(e * mats[0].rows(), mats[0].rows()) = mats[e];
+  return s;
+}
+
+std::vector<int> flat(const ref::MatI& m) { return std::vector<int>(m.data(), m.data() + m.size()); }
+
+std::vector<int> routes_per_expert(const ref::MatI& topk_idx, int E) {
+  std::vector<int> counts(E, 0);
+  for (Eigen::Index i = 0; i < topk_idx.size(); i++) counts[topk_idx.data()[i]]++;
+  return counts;
+}
+
+// What one forward + backward on the device produced.
+struct MoEResult {
+  Mat out, dx, dtopk_w, dW13, dW2;
+};
+
+// Runs moe_forward + moe_backward on a non-default stream, with poisoned outputs and gradient
+// buffers that start at dW*_init; checks the saved and peak live set and that the pool returns to
+// its starting bytes.
+MoEResult run_device(const MoECase& c) {
+  const int N = c.N, H = c.H, I = c.I, E = c.E, k = c.k;
+  const size_t R = (size_t)N * k, b = sizeof(floatX);
+  auto d_x = testutil::upload<floatX>(c.x);
+  auto d_dout = testutil::upload<floatX>(c.dout);
+  auto d_idx = testutil::upload_vec(flat(c.topk_idx));
+  auto d_w = testutil::upload<float>(c.topk_w);
+  auto d_W13 = testutil::upload<floatX>(stack(c.W13));
+  auto d_W2 = testutil::upload<floatX>(stack(c.W2));
+  auto d_dW13 = testutil::upload<floatX>(stack(c.dW13_init));
+  auto d_dW2 = testutil::upload<floatX>(stack(c.dW2_init));
+  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Workspace, "test.out");
+  DeviceBuffer<floatX> d_dx((size_t)N * H, Mem::Workspace, "test.dx");
+  DeviceBuffer<float> d_dtopk_w(R, Mem::Workspace, "test.dtopk_w");
+  testutil::poison(d_out.ptr, d_out.count);
+  testutil::poison(d_dx.ptr, d_dx.count);
+  testutil::poison(d_dtopk_w.ptr, d_dtopk_w.count);
+  cudaStream_t stream;
+  cudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "test", "stream");
+  cudaCheck(cudaDeviceSynchronize(), "test", "setup");
+
+  const size_t live_start = pool().live_total();
+  const size_t dispatch_start = pool().live(Mem::Dispatch), inter_start = pool().live(Mem::ExpertIntermediates);
+  pool().reset_peak();
+  MoESaved saved;
+  moe_forward(d_out.ptr, saved, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, H, I, E, k, stream);
+  EXPECT_EQ(saved.expert_counts, routes_per_expert(c.topk_idx, E));
+  // saved between forward and backward: route maps + y (Dispatch), h13 (ExpertIntermediates)
+  EXPECT_EQ(pool().live(Mem::Dispatch) - dispatch_start, 2 * R * sizeof(int) + R * H * b);
+  EXPECT_EQ(pool().live(Mem::ExpertIntermediates) - inter_start, R * 2 * I * b);
+  moe_backward(d_dx.ptr, d_dtopk_w.ptr, d_dW13.ptr, d_dW2.ptr, d_dout.ptr, saved, d_x.ptr, d_idx.ptr, d_w.ptr,
+               d_W13.ptr, d_W2.ptr, stream);
+  // peak live set: one R·H row buffer beside y; per-route hidden state at most 5·R·I (h13, da, dh13)
+  EXPECT_LE(pool().peak(Mem::Dispatch) - dispatch_start, 2 * R * sizeof(int) + 2 * R * H * b);
+  EXPECT_LE(pool().peak(Mem::ExpertIntermediates) - inter_start, 5 * R * I * b);
+  moe_saved_free(saved);
+  EXPECT_EQ(pool().live_total(), live_start) << "moe_forward/backward/saved_free leaked pool bytes";
+
+  MoEResult res;
+  res.out = testutil::download(d_out.ptr, N, H);
+  res.dx = testutil::download(d_dx.ptr, N, H);
+  res.dtopk_w = testutil::download(d_dtopk_w.ptr, N, k);
+  res.dW13 = testutil::download(d_dW13.ptr, E * 2 * I, H);
+  res.dW2 = testutil::download(d_dW2.ptr, E * H, I);
+  cudaCheck(cudaStreamDestroy(stream), "test", "stream");
+  return res;
+}
+
+// Device results against the reference; weight gradients accumulate onto their starting values,
+// and experts without routes keep them bit for bit.
+void check_case(const char* name, const MoECase& c) {
+  Mat out_ref = ref::moe_forward(c.x, c.topk_idx, c.topk_w, c.W13, c.W2);
+  auto g = ref::moe_backward(c.dout, c.x, c.topk_idx, c.topk_w, c.W13, c.W2);
+  MoEResult res = run_device(c);
+  EXPECT_REL(name, "out", testutil::rel_err(res.out, out_ref), OP_TOL);
+  EXPECT_REL(name, "dx", testutil::rel_err(res.dx, g.dx), OP_TOL);
+  EXPECT_REL(name, "dtopk_w", testutil::rel_err(res.dtopk_w, g.dtopk_w), OP_TOL);
+  Mat dW13_expected = stack(c.dW13_init) + stack(g.dW13);
+  Mat dW2_expected = stack(c.dW2_init) + stack(g.dW2);
+  EXPECT_REL(name, "dW13 (+=)", testutil::rel_err(res.dW13, dW13_expected), OP_TOL);
+  EXPECT_REL(name, "dW2 (+=)", testutil::rel_err(res.dW2, dW2_expected), OP_TOL);
+  std::vector<int> counts = routes_per_expert(c.topk_idx, c.E);
+  for (int e = 0; e < c.E; e++) {
+    if (counts[e] > 0) continue;
+    EXPECT_EQ(res.dW13.middleRows(e * 2 * c.I, 2 * c.I), c.dW13_init[e]) << name << " expert " << e;
+    EXPECT_EQ(res.dW2.middleRows(e * c.H, c.H), c.dW2_init[e]) << name << " expert " << e;
+  }
+}
+
+}  // namespace
+
+TEST(MoEGpu, UniformRoutingWithAnEmptyExpert) {
+  REQUIRE_GPU();
+  Rng rng;
+  MoECase c = make_case(rng, 37, 72, 40, 5, 2, uniform_routes({0, 1, 2, 4}, 2));  // expert 3 gets nothing
+  check_case("moe N=37 E=5 k=2", c);
+}
+
+TEST(MoEGpu, SkewedRoutingOntoOneExpert) {
+  REQUIRE_GPU();
+  Rng rng;
+  MoECase c = make_case(rng, 300, 128, 96, 8, 3, skewed_routes({1, 2, 3, 4, 5}, 3));  // experts 6, 7 get nothing
+  check_case("moe N=300 E=8 k=3 skewed", c);
+}
+
+// More experts than one launch argument of pointers holds (3·groups > 480), most with few routes.
+TEST(MoEGpu, ManySmallExperts) {
+  REQUIRE_GPU();
+  Rng rng;
+  std::vector<int> all(200);
+  for (int e = 0; e < 200; e++) all[e] = e;
+  MoECase c = make_case(rng, 400, 32, 16, 200, 2, uniform_routes(all, 2));
+  check_case("moe N=400 E=200 k=2", c);
+}
+
+// E = 1, k = 1 with dense_routes: the dense SwiGLU FFN.
+TEST(MoEGpu, DenseRoutesGiveDenseSwiGLU) {
+  REQUIRE_GPU();
+  const int N = 45;
+  DeviceBuffer<int> d_idx(N, Mem::Workspace, "test.topk_idx");
+  DeviceBuffer<float> d_w(N, Mem::Workspace, "test.topk_w");
+  testutil::poison(d_idx.ptr, N);
+  testutil::poison(d_w.ptr, N);
+  dense_routes(d_idx.ptr, d_w.ptr, N, 0);
+  EXPECT_EQ(testutil::download_vec(d_idx.ptr, N), std::vector<int>(N, 0));
+  EXPECT_EQ(testutil::download_vec(d_w.ptr, N), std::vector<float>(N, 1.f));
+  Rng rng;
+  MoECase c = make_case(rng, N, 64, 88, 1, 1, uniform_routes({0}, 1));
+  c.topk_w.setOnes();
+  check_case("moe dense E=1 k=1", c);
+}
+
+// The same inputs replay bit for bit (no float atomics, fixed orders).
+TEST(MoEGpu, ReplaysBitForBit) {
+  REQUIRE_GPU();
+  Rng rng;
+  MoECase c = make_case(rng, 211, 64, 48, 6, 2, skewed_routes({1, 2, 3, 4, 5}, 2));
+  MoEResult first = run_device(c), second = run_device(c);
+  EXPECT_EQ(first.out, second.out);
+  EXPECT_EQ(first.dx, second.dx);
+  EXPECT_EQ(first.dtopk_w, second.dtopk_w);
+  EXPECT_EQ(first.dW13, second.dW13);
+  EXPECT_EQ(first.dW2, second.dW2);
+}
+
+// moe_route_plan is the stable sort of the routes by expert (std::stable_sort on the host), across
+// many tiles, under skew, with empty experts; slot_of_route is its inverse.
+TEST(MoEGpu, RoutePlanIsStableSortByExpert) {
+  REQUIRE_GPU();
+  Rng rng;
+  const int N = 2001, k = 4, E = 16, R = N * k;
+  RouteChooser choose = skewed_routes({1, 2, 3, 5, 8, 9, 13}, k);  // experts 4, 6, 7, 10.. get nothing
+  ref::MatI topk_idx(N, k);
+  for (int n = 0; n < N; n++) {
+    std::vector<int> experts = choose(rng, n);
+    for (int j = 0; j < k; j++) topk_idx(n, j) = experts[j];
+  }
+  std::vector<int> idx = flat(topk_idx);
+  std::vector<int> expected(R);
+  for (int r = 0; r < R; r++) expected[r] = r;
+  std::stable_sort(expected.begin(), expected.end(), [&](int a, int b) { return idx[a] < idx[b]; });
+
+  auto d_idx = testutil::upload_vec(idx);
+  DeviceBuffer<int> d_route_of_slot(R, Mem::Dispatch, "test.route_of_slot");
+  DeviceBuffer<int> d_slot_of_route(R, Mem::Dispatch, "test.slot_of_route");
+  testutil::poison(d_route_of_slot.ptr, R);
+  testutil::poison(d_slot_of_route.ptr, R);
+  std::vector<int> counts = moe_route_plan(d_route_of_slot.ptr, d_slot_of_route.ptr, d_idx.ptr, R, E, 0);
+  std::vector<int> route_of_slot = testutil::download_vec(d_route_of_slot.ptr, R);
+  std::vector<int> slot_of_route = testutil::download_vec(d_slot_of_route.ptr, R);
+  EXPECT_EQ(counts, routes_per_expert(topk_idx, E));
+  EXPECT_EQ(route_of_slot, expected);
+  int not_inverse = 0;
+  for (int s = 0; s < R; s++) not_inverse += slot_of_route[route_of_slot[s]] != s;
+  EXPECT_EQ(not_inverse, 0);
+}
