@@ -1,0 +1,139 @@
+// Flags and model dimensions: every bad input is refused with a message that names it, and the
+// trainer binary exits non-zero on it without touching the output directory.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <cstdlib>
+#include <string>
+#include <vector>
+#include "../config.hpp"
+
+namespace {
+
+// Parses argv-style flags; returns the error message ("" if accepted).
+std::string parse_error(std::vector<std::string> args) {
+  args.insert(args.begin(), "train");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(&a[0]);
+  ModelConfig m;
+  TrainConfig t;
+  try {
+    parse_flags((int)argv.size(), argv.data(), m, t);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string validate_error(const ModelConfig& m) {
+  try {
+    validate(m);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+ModelConfig valid_model() {
+  ModelConfig m;
+  m.vocab = 512;
+  return m;
+}
+
+}  // namespace
+
+TEST(ConfigFlags, AcceptsEveryDocumentedFlag) {
+  EXPECT_EQ(parse_error({"--hidden", "128", "--layers", "2", "--heads", "2", "--experts", "4", "--topk", "1",
+                         "--expert_dim", "64", "--n_dense", "1", "--dense_dim", "256", "--shared_expert", "1",
+                         "--seq_len", "64", "--score", "sigmoid", "--renorm", "0", "--batch", "4", "--steps", "10",
+                         "--lr", "3e-4", "--seed", "7", "--recompute", "1", "--data", "somewhere"}),
+            "");
+}
+
+TEST(ConfigFlags, RefusesUnknownMissingAndMalformed) {
+  EXPECT_NE(parse_error({"--hiden", "128"}).find("unknown flag --hiden"), std::string::npos);
+  EXPECT_NE(parse_error({"--hidden"}).find("needs a value"), std::string::npos);
+  EXPECT_NE(parse_error({"--hidden", "12x"}).find("expects an integer"), std::string::npos);
+  EXPECT_NE(parse_error({"--lr", "fast"}).find("expects a number"), std::string::npos);
+  EXPECT_NE(parse_error({"--lr", "nan"}).find("expects a number"), std::string::npos);
+  EXPECT_NE(parse_error({"--score", "relu"}).find("softmax or sigmoid"), std::string::npos);
+  EXPECT_NE(parse_error({"--seed", "-3"}).find("non-negative"), std::string::npos);
+  EXPECT_NE(parse_error({"--out", ""}).find("non-empty"), std::string::npos);
+}
+
+TEST(ConfigDims, RefusesInconsistentDimensions) {
+  ModelConfig m = valid_model();
+  EXPECT_EQ(validate_error(m), "");
+  m = valid_model(); m.hidden = 250;
+  EXPECT_NE(validate_error(m).find("divisible by heads"), std::string::npos);
+  m = valid_model(); m.hidden = 96; m.heads = 2;  // hd = 48
+  EXPECT_NE(validate_error(m).find("head dim"), std::string::npos);
+  m = valid_model(); m.topk = 9; m.experts = 16;
+  EXPECT_NE(validate_error(m).find("topk"), std::string::npos);
+  m = valid_model(); m.topk = 4; m.experts = 3;
+  EXPECT_NE(validate_error(m).find("topk"), std::string::npos);
+  m = valid_model(); m.n_dense = 5;
+  EXPECT_NE(validate_error(m).find("n_dense"), std::string::npos);
+  m = valid_model(); m.experts = 0;
+  EXPECT_NE(validate_error(m).find("experts"), std::string::npos);
+  m = valid_model(); m.seq_len = 1;
+  EXPECT_NE(validate_error(m).find("seq_len"), std::string::npos);
+  m = valid_model(); m.vocab = 1;
+  EXPECT_NE(validate_error(m).find("vocab"), std::string::npos);
+}
+
+TEST(ConfigDims, RefusesBatchNotDividingTotal) {
+  ModelConfig m = valid_model();
+  TrainConfig t;
+  t.batch = 4;
+  m.seq_len = 64;
+  t.total_batch = 1000;
+  EXPECT_THROW(validate(t, m), std::invalid_argument);
+  t.total_batch = 4 * 64 * 3;
+  EXPECT_NO_THROW(validate(t, m));
+}
+
+TEST(ConfigLayout, ParamCountMatchesClosedForm) {
+  ModelConfig m = valid_model();
+  m.hidden = 128; m.layers = 3; m.n_dense = 1; m.experts = 4; m.topk = 2; m.expert_dim = 64; m.dense_dim = 200;
+  m.shared_expert = 1;
+  const size_t V = 512, H = 128, E = 4, I = 64, Id = 200;
+  size_t attn = 2 * H + 3 * H * H + H * H;
+  size_t dense = 3 * H * Id;
+  size_t moe = E * H + E * 3 * H * I + 3 * H * I;
+  EXPECT_EQ(param_count(m), 2 * V * H + H + 3 * attn + dense + 2 * moe);
+  // active: routed experts count k of E; the embedding lookup is not a multiply-add
+  size_t moe_active = E * H + 2 * 3 * H * I + 3 * H * I;
+  EXPECT_EQ(active_param_count(m), V * H + H + 3 * attn + dense + 2 * moe_active);
+}
+
+TEST(ConfigSchedule, WarmupThenCosine) {
+  TrainConfig t;
+  t.lr = 1e-3f; t.warmup = 10; t.steps = 110; t.min_lr_frac = 0.1f;
+  EXPECT_FLOAT_EQ(lr_at(t, 0), 1e-4f);
+  EXPECT_FLOAT_EQ(lr_at(t, 9), 1e-3f);
+  EXPECT_NEAR(lr_at(t, 60), 0.55e-3f, 1e-7);
+  EXPECT_NEAR(lr_at(t, 110), 1e-4f, 1e-9);
+}
+
+// The trainer binary itself: bad flags → non-zero exit, message on stderr, nothing written.
+TEST(ConfigTrainBinary, BadFlagsExitNonZeroAndWriteNothing) {
+  const char* bin = getenv("FLATMOE_TRAIN");
+  std::string train = bin ? bin : "build/fp32/train";
+  struct stat sb;
+  if (stat(train.c_str(), &sb) != 0) GTEST_SKIP() << "trainer binary " << train << " not built";
+  std::string out = "build/test-out-config";
+  std::string cmd = train + " --out " + out + " --hidden 12x 2> build/test-config-stderr.txt";
+  int rc = system(cmd.c_str());
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(stat(out.c_str(), &sb), 0) << "the output directory must not be created on bad flags";
+  FILE* f = fopen("build/test-config-stderr.txt", "r");
+  ASSERT_NE(f, nullptr);
+  char buf[512] = {0};
+  size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  EXPECT_NE(std::string(buf, n).find("--hidden expects an integer"), std::string::npos) << buf;
+
+  cmd = train + " --out " + out + " --tokenizer /nonexistent/tokenizer.bin 2> build/test-config-stderr.txt";
+  EXPECT_NE(system(cmd.c_str()), 0);
+  EXPECT_NE(stat(out.c_str(), &sb), 0);
+}
