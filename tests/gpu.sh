@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
+# then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
+# Usage: tests/gpu.sh [test] [train] [bench] [train-steps=N]   (default: test)
+# Dependencies come from .deps/ (Debian packages unpacked: Eigen, GoogleTest sources, fortunes),
+# since the GPU machine has no package registry.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-build/gpu-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0
+deps=.deps/usr
+vars="EIGEN_DIR=$deps/include/eigen3 GTEST_DIR=$deps/src/googletest/googletest FORTUNES=$deps/share/games/fortunes"
+want=${*:-test}
+steps=$(echo "$want" | sed -n 's/.*train-steps=\([0-9]*\).*/\1/p')
+summary=()
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+t0=$(date +%s)
+make -j"$(nproc)" $vars all data > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+summary+=("build: $(( $(date +%s) - t0 )) s")
+
+if [[ " $want " == *" test "* ]]; then
+  make $vars test > "$OUT/test.log" 2>&1
+  grep -h "^\[err\]\|^\[mem\]\|^\[train\]" build/test-logs/*.log > "$OUT/errors.txt"
+  grep -h "FAILED\|Failure\|error" build/test-logs/*.log | head -40
+  summary+=("tests: $(tail -1 "$OUT/test.log")")
+fi
+
+if [[ " $want " == *" train "* ]]; then
+  build/bf16/train --data data/fortunes --out build/run-default ${steps:+--steps $steps} --timeline_step 5 \
+    > "$OUT/train.log" 2>&1
+  summary+=("train: exit $? | $(grep -c '^step' "$OUT/train.log") log lines | $(grep 'val loss' "$OUT/train.log" | sed -n '1p;$p' | tr '\n' ' ')")
+  cp build/run-default/log.csv "$OUT/train_log.csv" 2>/dev/null
+  cp build/run-default/timeline_step5.csv "$OUT/" 2>/dev/null
+fi
+
+if [[ " $want " == *" bench "* ]]; then
+  tools/bench_train.sh build/bf16/train data/fortunes build/bench > "$OUT/bench.md" 2> build/bench.err
+  cat "$OUT/bench.md"
+fi
+
+echo
+echo "==== summary"
+for s in "${summary[@]}"; do echo "$s"; done
+[ -f "$OUT/errors.txt" ] && awk '{ print $2, $3, $4 }' "$OUT/errors.txt" | sort -t= -k2 -g | tail -12
