@@ -42,8 +42,9 @@ endif
 ifeq ($(wildcard $(FORTUNES)/fortunes),)
 DEB_PKGS += fortunes
 endif
+# optional: only the memory timeline plots need it
 ifeq ($(shell command -v gnuplot),)
-DEB_PKGS += gnuplot-nox
+OPT_PKGS := gnuplot-nox
 endif
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
@@ -51,6 +52,10 @@ deps:
 ifneq ($(strip $(DEB_PKGS)),)
 	@echo "installing Debian packages: $(DEB_PKGS)"
 	$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(DEB_PKGS)
+endif
+ifneq ($(strip $(OPT_PKGS)),)
+	-@DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(OPT_PKGS) > /dev/null 2>&1 || \
+	  echo "note: could not install $(OPT_PKGS): memory timeline plots will be skipped"
 endif
 	@command -v $(NVCC) > /dev/null || { echo "error: $(NVCC) not found: install the CUDA Toolkit (nvcc, cuBLAS, NCCL)"; exit 1; }
 

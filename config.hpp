@@ -14,12 +14,12 @@
 // The model (DESIGN §2). Every dimension is a flag.
 struct ModelConfig {
   int vocab = 0;          // V: 0 = read from the tokenizer
-  int hidden = 256;       // H
-  int layers = 4;         // L
-  int heads = 4;          // nh (head dim hd = H / nh)
+  int hidden = 384;       // H
+  int layers = 6;         // L
+  int heads = 6;          // nh (head dim hd = H / nh)
   int experts = 8;        // E
   int topk = 2;           // k
-  int expert_dim = 256;   // I: intermediate size of each routed expert
+  int expert_dim = 384;   // I: intermediate size of each routed expert
   int n_dense = 0;        // first n_dense layers use a dense SwiGLU FFN instead of MoE
   int dense_dim = 1024;   // intermediate size of the dense FFN layers
   int shared_expert = 0;  // 1: every MoE layer adds a shared SwiGLU expert of size expert_dim
@@ -44,7 +44,7 @@ struct TrainConfig {
   std::string resume;                      // a checkpoint file to resume from
   int batch = 16;                          // B: sequences per micro-batch
   int total_batch = 0;                     // tokens per optimizer step (0 = B·T, no accumulation)
-  int steps = 2000;
+  int steps = 1200;                        // ≈ 6 epochs of the fortunes corpus at B·T = 4096
   float lr = 1e-3f;
   float min_lr_frac = 0.1f;                // cosine decays to lr · min_lr_frac
   int warmup = 100;
@@ -53,9 +53,9 @@ struct TrainConfig {
   float grad_clip = 1.0f;                  // global-norm clip; 0 = off
   float bias_update = 1e-3f;               // u of the aux-loss-free router bias update; 0 = off
   int recompute = 0;                       // 1: layer-level activation checkpointing
-  int val_every = 200;
+  int val_every = 100;
   int val_batches = 10;                    // 10 × 16 × 256 tokens ≈ the whole fortunes validation shard
-  int sample_every = 500;
+  int sample_every = 400;
   int sample_len = 128;
   int ckpt_every = 1000;                   // every S steps and at the end; 0 = never
   int log_every = 10;

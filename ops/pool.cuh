@@ -142,14 +142,20 @@ class Pool {
     fprintf(f, "t_us,action,bytes,category,tag,live_bytes");
     for (int i = 0; i < NCAT; i++) fprintf(f, ",%s", mem_name((Mem)i));
     fprintf(f, "\n");
-    size_t per_cat[NCAT] = {0};
+    // live bytes per category before the first event: today's live bytes minus what the window did
+    long long per_cat[NCAT];
+    for (int i = 0; i < NCAT; i++) per_cat[i] = (long long)live_[i];
+    for (const PoolEvent& e : events_) {
+      if (e.action == 'a') per_cat[(int)e.cat] -= (long long)e.bytes;
+      if (e.action == 'f') per_cat[(int)e.cat] += (long long)e.bytes;
+    }
     for (const PoolEvent& e : events_) {
       if (e.action == 'a') per_cat[(int)e.cat] += e.bytes;
       if (e.action == 'f') per_cat[(int)e.cat] -= e.bytes;
       fprintf(f, "%.1f,%s,%zu,%s,%s,%zu", e.t_us,
               e.action == 'a' ? "alloc" : e.action == 'f' ? "free" : "mark", e.bytes,
               mem_name(e.cat), e.tag.c_str(), e.live_after);
-      for (int i = 0; i < NCAT; i++) fprintf(f, ",%zu", per_cat[i]);
+      for (int i = 0; i < NCAT; i++) fprintf(f, ",%lld", per_cat[i]);
       fprintf(f, "\n");
     }
     bool ok = fclose(f) == 0;

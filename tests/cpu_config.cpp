@@ -71,7 +71,7 @@ TEST(ConfigDims, RefusesInconsistentDimensions) {
   EXPECT_NE(validate_error(m).find("topk"), std::string::npos);
   m = valid_model(); m.topk = 4; m.experts = 3;
   EXPECT_NE(validate_error(m).find("topk"), std::string::npos);
-  m = valid_model(); m.n_dense = 5;
+  m = valid_model(); m.n_dense = m.layers + 1;
   EXPECT_NE(validate_error(m).find("n_dense"), std::string::npos);
   m = valid_model(); m.experts = 0;
   EXPECT_NE(validate_error(m).find("experts"), std::string::npos);

@@ -22,7 +22,9 @@ summary+=("build: $(( $(date +%s) - t0 )) s")
 
 if [[ " $want " == *" test "* ]]; then
   make $vars test > "$OUT/test.log" 2>&1
-  grep -h "^\[err\]\|^\[mem\]\|^\[train\]" build/test-logs/*.log > "$OUT/errors.txt"
+  for p in fp32 bf16; do
+    grep -h "^\[err\]\|^\[mem\]\|^\[train\]\|^\[overfit\]" build/test-logs/build_test_cpu.log build/test-logs/build_${p}_test_gpu.log > "$OUT/errors-$p.txt"
+  done
   grep -h "FAILED\|Failure\|error" build/test-logs/*.log | head -40
   summary+=("tests: $(tail -1 "$OUT/test.log")")
 fi
@@ -43,4 +45,6 @@ fi
 echo
 echo "==== summary"
 for s in "${summary[@]}"; do echo "$s"; done
-[ -f "$OUT/errors.txt" ] && awk '{ print $2, $3, $4 }' "$OUT/errors.txt" | sort -t= -k2 -g | tail -12
+for p in fp32 bf16; do
+  [ -f "$OUT/errors-$p.txt" ] && { echo "largest errors, $p:"; grep '^\[err\]' "$OUT/errors-$p.txt" | sed 's/ tol=.*//' | sort -t= -k2 -g | tail -4; }
+done

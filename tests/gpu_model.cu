@@ -176,6 +176,9 @@ TEST(GpuModel, RecomputeIsBitIdenticalAndLowersPeak) {
   size_t peak[2];
   std::vector<float> grads[2];
   float loss[2];
+  PassOptions warmup;  // sizes the model's own buffers (the trivial routing of dense layers) for N tokens
+  warmup.backward = false;
+  model_pass(m, x.data(), y.data(), B, T, warmup);
   for (int recompute = 0; recompute < 2; recompute++) {
     model_zero_grads(m);
     cudaCheck(cudaDeviceSynchronize(), "test", "sync");
@@ -225,6 +228,29 @@ TEST(GpuModel, PoolPeakEqualsLargestLiveTotalInTimeline) {
   EXPECT_EQ(pool().peak(), largest);
   EXPECT_EQ(live, start);
   EXPECT_GT(pool().peak(Mem::Logits), (size_t)N * c.vocab * sizeof(floatX) - 1);
+  // the CSV's per-category columns add up to the live total on every row
+  make_dirs("build/test-out-pool");
+  ASSERT_TRUE(pool().write_csv("build/test-out-pool/timeline.csv"));
+  FILE* f = fopen("build/test-out-pool/timeline.csv", "r");
+  ASSERT_NE(f, nullptr);
+  char line[4096];
+  int rows = 0;
+  fgets(line, sizeof line, f);  // header
+  while (fgets(line, sizeof line, f)) {
+    std::vector<std::string> cols;
+    std::string cell;
+    for (char* p = line; *p && *p != '\n'; p++) {
+      if (*p == ',') { cols.push_back(cell); cell.clear(); } else cell += *p;
+    }
+    cols.push_back(cell);
+    ASSERT_EQ(cols.size(), 6u + (size_t)Pool::NCAT);
+    long long sum = 0;
+    for (int i = 0; i < Pool::NCAT; i++) sum += std::stoll(cols[6 + i]);
+    EXPECT_EQ(sum, std::stoll(cols[5])) << "row " << rows;
+    rows++;
+  }
+  fclose(f);
+  EXPECT_EQ(rows, (int)pool().events().size());
   pool().clear_timeline();
   model_destroy(m);
 }

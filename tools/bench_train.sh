@@ -12,7 +12,7 @@ quiet="--val_every 0 --sample_every 0 --ckpt_every 0 --log_every 1"
 
 # median of column 6 (ms) over rows with step > 10, and the matching tok/s, MFU, peak
 summarise() {  # log.csv
-  awk -F, 'NR > 1 && $1 > 10 { print $6, $7, $8, $9 }' "$1" | sort -n |
+  awk -F, 'NR > 1 && $1 > 10 && $2 != "nan" { print $6, $7, $8, $9 }' "$1" | sort -n |
     awk '{ a[NR] = $0 } END { split(a[int((NR + 1) / 2)], m, " "); printf "%.2f | %.0f | %.1f%% | %.1f", m[1], m[2], 100 * m[3], m[4] }'
 }
 
@@ -26,7 +26,7 @@ for rc in 0 1; do
 done
 
 # a stated larger model on a random-token shard long enough for any probe
-big="--hidden 1024 --layers 8 --heads 16 --experts 16 --topk 2 --expert_dim 1024"
+big="--hidden 1024 --layers 4 --heads 16 --experts 8 --topk 2 --expert_dim 1024"
 synthetic="$out/synthetic"
 mkdir -p "$synthetic"
 python3 - "$synthetic/train_000.bin" <<'PY'
@@ -41,7 +41,7 @@ fits() {  # B T recompute
   "$train" --data "$data" --train "$synthetic/train_*.bin" --val "$synthetic/val_*.bin" $big --batch "$1" --seq_len "$2" \
     --steps 1 --warmup 1 --recompute "$3" $quiet --out "$out/probe" > "$out/probe.log" 2>&1
 }
-peak_of_last() { awk -F, 'NR > 1 { p = $9 } END { print p }' "$out/probe/log.csv"; }
+peak_of_last() { awk -F, 'NR > 1 && $2 != "nan" { p = $9 } END { print p }' "$out/probe/log.csv"; }
 largest() {  # what(T|B) start cap recompute: doubling up to cap, then bisection to 1/8 of the last doubling
   local what=$1 v=$2 cap=$3 rc=$4 good=0 bad=0
   while [ "$v" -le "$cap" ]; do

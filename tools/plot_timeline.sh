@@ -8,7 +8,7 @@ tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
 # columns 7..16 are live bytes per category; write time (ms) and cumulative MiB per category
 header=$(head -1 "$csv")
-awk -F, 'NR > 1 { printf "%.3f", $1 / 1000; c = 0; for (i = 7; i <= NF; i++) { c += $i / 1048576; printf " %.4f", c } printf "\n" }' "$csv" > "$tmp"
+awk -F, 'NR == 2 { t0 = $1 } NR > 1 { printf "%.3f", ($1 - t0) / 1000; c = 0; for (i = 7; i <= NF; i++) { c += $i / 1048576; printf " %.4f", c } printf "\n" }' "$csv" > "$tmp"
 ncat=$(echo "$header" | awk -F, '{ print NF - 6 }')
 names=$(echo "$header" | cut -d, -f7- | tr ',' ' ')
 gnuplot <<GP
