@@ -1,0 +1,386 @@
+// comm.cuh — the communication layer of the multi-GPU runtime (DESIGN §5): NCCL communicators over
+// the world's W ranks (one process per GPU) and over sub-groups of them, the collectives the model
+// uses, and waits that cannot hang.
+//
+// Communicators: comm_world_init makes the world communicator from a LaunchInfo (ops/launch.cuh);
+// sub-groups ("ep", "dp", "vocab", ...) are NCCL splits of it, usually contiguous blocks of ranks
+// (comm_block_group: group index = world.rank / size, rank within = world.rank % size).
+// Every communicator is non-blocking (ncclConfig_t blocking = 0): an NCCL call may return
+// ncclInProgress, and the communicator is then polled with ncclCommGetAsyncError until it is ready.
+//
+// Collectives are enqueued on a stream and return without waiting for the GPU. comm_sync waits for
+// the stream while watching NCCL's asynchronous errors. Every wait (communicator creation, calls in
+// progress, comm_sync) gives up after FLATMOE_COMM_TIMEOUT_S seconds (default 600). Any failure — an
+// NCCL error code, an asynchronous NCCL error, a CUDA error on the stream, a timeout, invalid
+// arguments — prints one line
+//   flatmoe: rank R (group NAME): OP failed: WHY [sizes]
+// (R is the world rank), aborts that communicator and exits the process non-zero, so that the
+// launcher stops the other ranks instead of leaving them waiting in a collective.
+//
+// Types: float, __nv_bfloat16, int (and long long, used by all_to_all_host); counts in elements.
+// A count of 0 returns at once (every rank of the group passes the same count).
+// NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE is set to 0 before the first NCCL call when it
+// is unset, and any other value is refused.
+// Memory: all_to_all_host stages its integers in two pool buffers (CommStaging), freed before it
+// returns; nothing else here allocates device memory.
+#pragma once
+#include <nccl.h>
+#include <unistd.h>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+#include "common.cuh"
+#include "pool.cuh"
+
+// One NCCL communicator over a subset of the world's ranks.
+struct Comm {
+  ncclComm_t nccl = nullptr;
+  int rank = 0, size = 1;  // this process's index in the group, group size
+  std::string name;        // "world", "ep", "dp", "vocab", ... (named in every error message)
+};
+
+// What a process learns from the launcher (ops/launch.cuh).
+struct LaunchInfo {
+  int rank = 0, world = 1, local_rank = 0;
+  ncclUniqueId id{};
+};
+
+// ---------------------------------------------------------------------------------------------
+// Settings from the environment
+
+// NCCL_NVLS_ENABLE=0 unless already 0; any other value is refused. Called before the first NCCL call
+// of the process (by launch() and comm_world_init()).
+inline void comm_set_nccl_env() {
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+  const char* nvls = getenv("NCCL_NVLS_ENABLE");
+  if (strcmp(nvls, "0") != 0) {
+    fprintf(stderr, "flatmoe: NCCL_NVLS_ENABLE=%s: NVLink multicast must stay off; unset it or set it to 0\n", nvls);
+    exit(EXIT_FAILURE);
+  }
+}
+
+// Parses a timeout in seconds: a finite number > 0 and nothing else. Returns false when malformed.
+inline bool parse_timeout_s(const char* text, double* seconds) {
+  if (text == nullptr || text[0] == '\0') return false;
+  char* end = nullptr;
+  double v = strtod(text, &end);
+  if (*end != '\0' || !(v > 0) || v > 1e9) return false;
+  *seconds = v;
+  return true;
+}
+
+// FLATMOE_COMM_TIMEOUT_S (default 600 s): the longest any communication wait may take.
+inline double comm_timeout_s() {
+  static const double timeout = [] {
+    const char* text = getenv("FLATMOE_COMM_TIMEOUT_S");
+    double v = 600;
+    if (text != nullptr && !parse_timeout_s(text, &v)) {
+      fprintf(stderr, "flatmoe: FLATMOE_COMM_TIMEOUT_S='%s' is not a positive number of seconds\n", text);
+      exit(EXIT_FAILURE);
+    }
+    return v;
+  }();
+  return timeout;
+}
+
+// The world rank of this process, named in every failure message (set by comm_world_init).
+inline int& comm_process_rank() {
+  static int rank = 0;
+  return rank;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures
+
+__attribute__((format(printf, 1, 2))) inline std::string comm_format(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::string s = fm_format(fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+// NCCL's name of a result, with its last error message when it has one.
+inline std::string nccl_why(ncclResult_t result, ncclComm_t nccl) {
+  std::string why = ncclGetErrorString(result);
+  const char* last = ncclGetLastError(nccl);
+  if (last != nullptr && last[0] != '\0') why += std::string(" (") + last + ")";
+  return why;
+}
+
+// Prints the failure, aborts the communicator and exits non-zero. The abort makes NCCL's kernels and
+// threads stop; an alarm ends the process should the abort itself hang (its result is not checked:
+// the process is leaving either way).
+[[noreturn]] inline void comm_fail(const Comm& c, const char* op, const std::string& why) {
+  fprintf(stderr, "flatmoe: rank %d (group %s): %s failed: %s\n", comm_process_rank(), c.name.c_str(), op, why.c_str());
+  fflush(stdout);
+  fflush(stderr);
+  if (c.nccl != nullptr) {
+    alarm(10);
+    ncclCommAbort(c.nccl);
+  }
+  _exit(EXIT_FAILURE);
+}
+
+// Waits until the communicator has no call in progress. Returns "" when it is ready, else why not.
+inline std::string comm_wait_ready(ncclComm_t nccl) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(nccl, &state);
+    if (r != ncclSuccess) return "ncclCommGetAsyncError: " + nccl_why(r, nccl);
+    if (state == ncclSuccess) return "";
+    if (state != ncclInProgress) return nccl_why(state, nccl);
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > comm_timeout_s())
+      return comm_format("still in progress after %.0f s (FLATMOE_COMM_TIMEOUT_S): a rank is missing or stuck", waited);
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// Checks the result of an NCCL call on communicator c: waits while it is in progress, fails on an error.
+// The sizes (printf format) are named in the message.
+__attribute__((format(printf, 4, 5))) inline void comm_check(const Comm& c, ncclResult_t result, const char* op,
+                                                           const char* fmt, ...) {
+  std::string why;
+  if (result == ncclInProgress) why = comm_wait_ready(c.nccl);
+  else if (result != ncclSuccess) why = nccl_why(result, c.nccl);
+  if (why.empty()) return;
+  va_list ap;
+  va_start(ap, fmt);
+  std::string sizes = fm_format(fmt, ap);
+  va_end(ap);
+  comm_fail(c, op, why + " [" + sizes + "]");
+}
+
+inline void comm_cuda_check(const Comm& c, cudaError_t err, const char* op, const std::string& what) {
+  if (err != cudaSuccess) comm_fail(c, op, "CUDA error in " + what + ": " + cudaGetErrorString(err));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waiting for a stream
+
+// Waits for `stream` while watching c's asynchronous errors; fails on an NCCL error, a CUDA error or
+// the timeout (a rank that stopped, or ranks that called collectives in different orders).
+inline void comm_sync(const Comm& c, cudaStream_t stream, const char* op) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady) comm_cuda_check(c, q, op, "the stream");
+    if (c.nccl != nullptr) {
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t r = ncclCommGetAsyncError(c.nccl, &state);
+      if (r != ncclSuccess) comm_fail(c, op, "ncclCommGetAsyncError: " + nccl_why(r, c.nccl));
+      if (state != ncclSuccess && state != ncclInProgress) comm_fail(c, op, nccl_why(state, c.nccl));
+    }
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > comm_timeout_s())
+      comm_fail(c, op, comm_format("timed out: the stream did not finish within %.0f s (FLATMOE_COMM_TIMEOUT_S); "
+                                   "a rank stopped, or the ranks called collectives in different orders", waited));
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Communicators
+
+// The world communicator: cudaSetDevice(local_rank), then a non-blocking NCCL communicator over
+// info.world ranks (a world of 1 makes its own NCCL id).
+inline Comm comm_world_init(const LaunchInfo& info) {
+  comm_set_nccl_env();
+  comm_process_rank() = info.rank;
+  Comm world;
+  world.rank = info.rank;
+  world.size = info.world;
+  world.name = "world";
+  if (info.world < 1 || info.rank < 0 || info.rank >= info.world)
+    comm_fail(world, "comm_world_init", comm_format("invalid rank %d of world %d", info.rank, info.world));
+  int devices = gpu_count();
+  if (info.local_rank < 0 || info.local_rank >= devices)
+    comm_fail(world, "comm_world_init",
+              comm_format("local rank %d needs CUDA device %d, but this node has %d CUDA device(s)", info.local_rank,
+                          info.local_rank, devices));
+  comm_cuda_check(world, cudaSetDevice(info.local_rank), "comm_world_init", comm_format("cudaSetDevice(%d)", info.local_rank));
+  ncclUniqueId id = info.id;
+  if (info.world == 1) comm_check(world, ncclGetUniqueId(&id), "comm_world_init", "ncclGetUniqueId, world=1");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  comm_check(world, ncclCommInitRankConfig(&world.nccl, info.world, id, info.rank, &config), "comm_world_init",
+             "ncclCommInitRankConfig rank=%d world=%d device=%d", info.rank, info.world, info.local_rank);
+  return world;
+}
+
+// ncclCommSplit: the ranks of `parent` that pass the same color (>= 0) form one new communicator,
+// ordered by key. Every rank of the parent must call it.
+inline Comm comm_split(const Comm& parent, int color, int key, const char* name) {
+  Comm group;
+  group.name = name;
+  if (color < 0) comm_fail(parent, "comm_split", comm_format("color %d < 0 for group %s", color, name));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  comm_check(group, ncclCommSplit(parent.nccl, color, key, &group.nccl, &config), "comm_split",
+             "parent %s (rank %d of %d) color=%d key=%d", parent.name.c_str(), parent.rank, parent.size, color, key);
+  comm_check(group, ncclCommUserRank(group.nccl, &group.rank), "comm_split", "ncclCommUserRank");
+  comm_check(group, ncclCommCount(group.nccl, &group.size), "comm_split", "ncclCommCount");
+  return group;
+}
+
+// Finalizes (flushes every pending operation) and destroys the communicator; nccl becomes nullptr.
+inline void comm_destroy(Comm& c) {
+  if (c.nccl == nullptr) return;
+  comm_check(c, ncclCommFinalize(c.nccl), "comm_destroy", "ncclCommFinalize");
+  ncclResult_t r = ncclCommDestroy(c.nccl);
+  c.nccl = nullptr;
+  if (r != ncclSuccess) comm_fail(c, "comm_destroy", "ncclCommDestroy: " + nccl_why(r, nullptr));
+}
+
+// Where a rank sits when world_size ranks are cut into contiguous blocks of group_size ranks.
+struct BlockPlace {
+  int group = 0;  // block index: world_rank / group_size
+  int rank = 0;   // rank within the block: world_rank % group_size
+};
+
+// Returns "" and fills *place, or why the sizes are refused (group_size must divide world_size).
+inline std::string block_group_place(int world_rank, int world_size, int group_size, BlockPlace* place) {
+  if (world_size < 1 || world_rank < 0 || world_rank >= world_size)
+    return comm_format("invalid rank %d of %d", world_rank, world_size);
+  if (group_size < 1 || world_size % group_size != 0)
+    return comm_format("group size %d does not divide the %d ranks", group_size, world_size);
+  place->group = world_rank / group_size;
+  place->rank = world_rank % group_size;
+  return "";
+}
+
+// Contiguous blocks of `size` ranks of `world` (DESIGN §5: sub-groups are independent views of the
+// same W ranks). Every rank of `world` must call it with the same size.
+inline Comm comm_block_group(const Comm& world, int size, const char* name) {
+  BlockPlace place;
+  std::string why = block_group_place(world.rank, world.size, size, &place);
+  if (!why.empty()) comm_fail(world, "comm_block_group", why + " (group " + name + ")");
+  Comm group = comm_split(world, place.group, place.rank, name);
+  if (group.rank != place.rank || group.size != size)
+    comm_fail(group, "comm_block_group",
+              comm_format("NCCL placed world rank %d at rank %d of %d, expected rank %d of %d", world.rank, group.rank,
+                          group.size, place.rank, size));
+  return group;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Collectives (enqueued on `stream`, no host synchronisation)
+
+template <typename T> struct NcclType;
+template <> struct NcclType<float> {
+  static constexpr ncclDataType_t value = ncclFloat32;
+  static constexpr const char* name = "float";
+};
+template <> struct NcclType<__nv_bfloat16> {
+  static constexpr ncclDataType_t value = ncclBfloat16;
+  static constexpr const char* name = "bf16";
+};
+template <> struct NcclType<int> {
+  static constexpr ncclDataType_t value = ncclInt32;
+  static constexpr const char* name = "int";
+};
+template <> struct NcclType<long long> {
+  static constexpr ncclDataType_t value = ncclInt64;
+  static constexpr const char* name = "int64";
+};
+
+// recv[i] = Σ_ranks send[i]  (recv may equal send: in place)
+template <typename T>
+inline void all_reduce_sum(const Comm& c, const T* send, T* recv, size_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  comm_check(c, ncclAllReduce(send, recv, count, NcclType<T>::value, ncclSum, c.nccl, stream), "all_reduce",
+             "count=%zu type=%s ranks=%d", count, NcclType<T>::name, c.size);
+}
+
+// recv[i] = Σ_ranks send[rank·count + i]: send holds count·size elements, recv count.
+template <typename T>
+inline void reduce_scatter_sum(const Comm& c, const T* send, T* recv, size_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  comm_check(c, ncclReduceScatter(send, recv, count, NcclType<T>::value, ncclSum, c.nccl, stream), "reduce_scatter",
+             "count=%zu per rank type=%s ranks=%d", count, NcclType<T>::name, c.size);
+}
+
+// recv[s·count + i] = send of rank s [i]: send holds count elements, recv count·size.
+template <typename T>
+inline void all_gather(const Comm& c, const T* send, T* recv, size_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  comm_check(c, ncclAllGather(send, recv, count, NcclType<T>::value, c.nccl, stream), "all_gather",
+             "count=%zu per rank type=%s ranks=%d", count, NcclType<T>::name, c.size);
+}
+
+// All-to-all-v over rows of row_elems elements: send holds send_rows[d] rows for each destination
+// d = 0..size-1 in order; recv gets recv_rows[s] rows from each source s in order. One NCCL group of
+// ncclSend/ncclRecv (empty pairs are left out; a rank with nothing to move still enters the group).
+// The caller guarantees send_rows[d] on rank s == recv_rows[s] on rank d.
+template <typename T>
+inline void all_to_all_v(const Comm& c, const T* send, const std::vector<long long>& send_rows, T* recv,
+                         const std::vector<long long>& recv_rows, size_t row_elems, cudaStream_t stream) {
+  if ((int)send_rows.size() != c.size || (int)recv_rows.size() != c.size)
+    comm_fail(c, "all_to_all_v",
+              comm_format("send_rows has %zu entries and recv_rows %zu; the group has %d ranks", send_rows.size(),
+                          recv_rows.size(), c.size));
+  for (int r = 0; r < c.size; r++)
+    if (send_rows[r] < 0 || recv_rows[r] < 0)
+      comm_fail(c, "all_to_all_v",
+                comm_format("negative row count for rank %d: send %lld, recv %lld", r, send_rows[r], recv_rows[r]));
+  comm_check(c, ncclGroupStart(), "all_to_all_v", "ncclGroupStart");
+  size_t offset = 0;
+  for (int d = 0; d < c.size; d++) {
+    size_t n = (size_t)send_rows[d] * row_elems;
+    if (n > 0)
+      comm_check(c, ncclSend(send + offset, n, NcclType<T>::value, d, c.nccl, stream), "all_to_all_v",
+                 "ncclSend to rank %d: %lld rows of %zu type=%s", d, send_rows[d], row_elems, NcclType<T>::name);
+    offset += n;
+  }
+  offset = 0;
+  for (int s = 0; s < c.size; s++) {
+    size_t n = (size_t)recv_rows[s] * row_elems;
+    if (n > 0)
+      comm_check(c, ncclRecv(recv + offset, n, NcclType<T>::value, s, c.nccl, stream), "all_to_all_v",
+                 "ncclRecv from rank %d: %lld rows of %zu type=%s", s, recv_rows[s], row_elems, NcclType<T>::name);
+    offset += n;
+  }
+  comm_check(c, ncclGroupEnd(), "all_to_all_v", "ncclGroupEnd, row_elems=%zu type=%s ranks=%d", row_elems,
+             NcclType<T>::name, c.size);
+}
+
+// Ring: send `count` elements to (rank+1) % size and receive `count` from (rank−1+size) % size.
+template <typename T>
+inline void ring_send_recv(const Comm& c, const T* send, T* recv, size_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  int next = (c.rank + 1) % c.size, prev = (c.rank - 1 + c.size) % c.size;
+  comm_check(c, ncclGroupStart(), "ring_send_recv", "ncclGroupStart");
+  comm_check(c, ncclSend(send, count, NcclType<T>::value, next, c.nccl, stream), "ring_send_recv",
+             "ncclSend to rank %d count=%zu type=%s", next, count, NcclType<T>::name);
+  comm_check(c, ncclRecv(recv, count, NcclType<T>::value, prev, c.nccl, stream), "ring_send_recv",
+             "ncclRecv from rank %d count=%zu type=%s", prev, count, NcclType<T>::name);
+  comm_check(c, ncclGroupEnd(), "ring_send_recv", "ncclGroupEnd count=%zu type=%s ranks=%d", count, NcclType<T>::name,
+             c.size);
+}
+
+// Exchange of host-side integers: send[d·per_dest + i] goes to rank d; returns recv[s·per_dest + i]
+// from rank s. Synchronises `stream` (the counts are needed on the host to size buffers).
+inline std::vector<long long> all_to_all_host(const Comm& c, const std::vector<long long>& send, int per_dest,
+                                              cudaStream_t stream) {
+  if (per_dest < 0 || send.size() != (size_t)c.size * per_dest)
+    comm_fail(c, "all_to_all_host",
+              comm_format("send has %zu entries, expected %d ranks x per_dest %d", send.size(), c.size, per_dest));
+  std::vector<long long> recv(send.size());
+  if (recv.empty()) return recv;
+  DeviceBuffer<long long> send_dev(send.size(), Mem::CommStaging, "all_to_all_host.send");
+  DeviceBuffer<long long> recv_dev(recv.size(), Mem::CommStaging, "all_to_all_host.recv");
+  comm_cuda_check(c, cudaMemcpyAsync(send_dev.ptr, send.data(), send_dev.bytes(), cudaMemcpyHostToDevice, stream),
+                  "all_to_all_host", comm_format("upload of %zu integers", send.size()));
+  std::vector<long long> rows(c.size, per_dest);
+  all_to_all_v(c, send_dev.ptr, rows, recv_dev.ptr, rows, 1, stream);
+  comm_sync(c, stream, "all_to_all_host");
+  comm_cuda_check(c, cudaMemcpyAsync(recv.data(), recv_dev.ptr, recv_dev.bytes(), cudaMemcpyDeviceToHost, stream),
+                  "all_to_all_host", comm_format("download of %zu integers", recv.size()));
+  comm_cuda_check(c, cudaStreamSynchronize(stream), "all_to_all_host", "cudaStreamSynchronize after the download");
+  return recv;
+}
