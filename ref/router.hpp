@@ -63,6 +63,18 @@ RouterResult<T> router_forward(const Mat<T>& logits, const Vec<T>& bias, int k, 
   return r;
 }
 
+// Combine weights [N,k] of a choice topk_idx made elsewhere (a routing profile): the selected
+// scores, divided by their sum when renorm.
+template <typename T>
+Mat<T> router_weights(const Mat<T>& scores, const MatI& topk_idx, bool renorm) {
+  Mat<T> w(topk_idx.rows(), topk_idx.cols());
+  for (Eigen::Index n = 0; n < topk_idx.rows(); n++) {
+    for (Eigen::Index j = 0; j < topk_idx.cols(); j++) w(n, j) = scores(n, topk_idx(n, j));
+    if (renorm) w.row(n) /= w.row(n).sum();
+  }
+  return w;
+}
+
 // dlogits [N,E] from dtopk_w [N,k], with the selection held fixed.
 template <typename T>
 Mat<T> router_backward(const Mat<T>& dtopk_w, const Mat<T>& scores, const MatI& topk_idx, int score_fn, bool renorm) {

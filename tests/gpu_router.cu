@@ -141,3 +141,29 @@ TEST(RouterGpu, TiesGoToLowerExpertIndex) {
     EXPECT_REL("router ties", "topk_w", testutil::rel_err(testutil::download(d_w.ptr, N, k), r.topk_w), OP_TOL);
   }
 }
+
+// A routing profile's choice overrides the selection: its weights are the selected scores,
+// renormalised, exactly as the reference computes them.
+TEST(RouterGpu, WeightsOfAGivenChoice) {
+  REQUIRE_GPU();
+  for (bool renorm : {false, true}) {
+    Rng rng;
+    const int N = 93, E = 13, k = 3;
+    Mat logits = testutil::round_to_floatX(rng.mat<double>(N, E, 1.0));
+    Mat scores = ref::router_scores(logits, ROUTER_SOFTMAX);
+    ref::MatI idx(N, k);
+    for (int n = 0; n < N; n++)
+      for (int j = 0; j < k; j++) idx(n, j) = rng.integer(0, E - 1);  // repeats allowed, as in hot profiles
+    std::vector<float> scores_f(scores.size());
+    for (Eigen::Index i = 0; i < scores.size(); i++) scores_f[i] = (float)scores.data()[i];
+    std::vector<int> idx_v(idx.data(), idx.data() + idx.size());
+    DeviceBuffer<float> scores_dev = testutil::upload_vec(scores_f);
+    DeviceBuffer<int> idx_dev = testutil::upload_vec(idx_v);
+    DeviceBuffer<float> w_dev((size_t)N * k, Mem::Workspace, "topk_w");
+    testutil::poison(w_dev.ptr, w_dev.count);
+    router_weights(w_dev.ptr, scores_dev.ptr, idx_dev.ptr, N, E, k, renorm, 0);
+    Mat expected = ref::router_weights(scores, idx, renorm);
+    EXPECT_REL(renorm ? "router weights renorm" : "router weights", "topk_w",
+               testutil::rel_err(testutil::download(w_dev.ptr, N, k), expected), OP_TOL);
+  }
+}
