@@ -19,7 +19,7 @@ CXXFLAGS := -std=c++17 -O2 -Wall -Wextra -I. -isystem $(EIGEN_DIR) -MMD -MP
 NVFLAGS  := -std=c++17 -O3 -arch=sm_$(GPU_ARCH) -lineinfo -I. -isystem $(EIGEN_DIR) -MMD -MP \
             -Xcompiler -Wall --expt-relaxed-constexpr
 GTEST_INC := -isystem $(GTEST_DIR)/include -isystem $(GTEST_DIR)
-CUDA_LIBS := -lcublas -lcudart
+CUDA_LIBS := -lcublas -lnccl -lcudart
 
 # precision lower-case: fp32 | bf16
 prec = $(if $(filter BF16,$(1)),bf16,$(if $(filter FP32,$(1)),fp32,$(error PRECISION must be BF16 or FP32, got '$(1)')))
@@ -27,9 +27,11 @@ P := $(call prec,$(PRECISION))
 
 CPU_TESTS := $(wildcard tests/cpu_*.cpp)
 GPU_TESTS := $(wildcard tests/gpu_*.cu)
+DIST_TESTS := $(wildcard tests/dist_*.cu)
+BENCHES := $(patsubst tools/%.cu,%,$(wildcard tools/bench_*.cu))
 
 .PHONY: all deps data train test bench clean
-all: $(BUILD)/prepare $(BUILD)/fp32/train $(BUILD)/bf16/train $(BUILD)/test_cpu $(BUILD)/fp32/test_gpu $(BUILD)/bf16/test_gpu
+all: $(BUILD)/prepare $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/train $(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist $(addprefix $(BUILD)/$(p)/,$(BENCHES)))
 
 # ---- dependencies (Debian packages), installed only when missing --------------------------
 DEB_PKGS :=
@@ -92,6 +94,14 @@ $(BUILD)/$(1)/%.o: tests/%.cu | deps
 
 $(BUILD)/$(1)/test_gpu: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(GPU_TESTS)) $(GTEST_OBJS)
 	$(NVCC) -arch=sm_$(GPU_ARCH) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
+
+# multi-rank tests: dist_main.cu is their main (it starts the ranks), so no gtest_main
+$(BUILD)/$(1)/test_dist: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(DIST_TESTS)) $(BUILD)/gtest/gtest-all.o
+	$(NVCC) -arch=sm_$(GPU_ARCH) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
+
+$(BUILD)/$(1)/bench_%: tools/bench_%.cu | deps
+	@mkdir -p $$(@D)
+	$(NVCC) $(NVFLAGS) $(2) $$< $(CUDA_LIBS) -o $$@
 endef
 $(eval $(call precision_build,fp32,))
 $(eval $(call precision_build,bf16,-DFLATMOE_BF16))
@@ -108,7 +118,7 @@ train: deps $(BUILD)/$(P)/train data
 	$(BUILD)/$(P)/train --data $(DATA_DIR) $(TRAIN_FLAGS)
 
 test: deps all data
-	FLATMOE_BIN=$(BUILD)/ FLATMOE_TRAIN=$(BUILD)/fp32/train tests/run_tests.sh $(BUILD)/test_cpu $(BUILD)/fp32/test_gpu $(BUILD)/bf16/test_gpu
+	FLATMOE_BIN=$(BUILD)/ FLATMOE_TRAIN=$(BUILD)/fp32/train tests/run_tests.sh $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist)
 
 bench: deps $(BUILD)/$(P)/train data
 	tools/bench_train.sh $(BUILD)/$(P)/train $(DATA_DIR)

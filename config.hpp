@@ -60,6 +60,9 @@ struct TrainConfig {
   int ckpt_every = 1000;                   // every S steps and at the end; 0 = never
   int log_every = 10;
   int timeline_step = -1;                  // write the pool timeline of this step (CSV + plot)
+  int gpus = 1;                            // W: ranks (one process per GPU) started on this node
+  int ep = 0;                              // E_p: expert-parallel group size (0 = W)
+  std::string routing = "router";          // "router", or a profile that overrides its choice: "balanced", "hot:r/h"
   unsigned long long seed = 1337;
 };
 
@@ -70,34 +73,39 @@ struct ParamSpec {
   std::string name;
   size_t rows, cols;  // a [E, R, C] expert stack is rows = E·R
   bool decay;
+  bool expert;        // a routed-expert stack: split over the E_p ranks of the expert-parallel group
   size_t numel() const { return rows * cols; }
 };
 
+// Order: every tensor that each rank holds whole (dense tensors), then the routed-expert stacks,
+// so that the flat buffer has one dense region and one expert region (each sharded for ZeRO-1 over
+// the ranks that hold it).
 inline std::vector<ParamSpec> param_specs(const ModelConfig& c) {
   const size_t V = c.vocab, H = c.hidden, E = c.experts, I = c.expert_dim, Id = c.dense_dim;
-  std::vector<ParamSpec> specs;
-  specs.push_back({"wte", V, H, true});
+  std::vector<ParamSpec> specs, experts;
+  specs.push_back({"wte", V, H, true, false});
   for (int l = 0; l < c.layers; l++) {
     std::string p = "layer" + std::to_string(l) + ".";
-    specs.push_back({p + "ln1", 1, H, false});
-    specs.push_back({p + "wqkv", 3 * H, H, true});
-    specs.push_back({p + "wo", H, H, true});
-    specs.push_back({p + "ln2", 1, H, false});
+    specs.push_back({p + "ln1", 1, H, false, false});
+    specs.push_back({p + "wqkv", 3 * H, H, true, false});
+    specs.push_back({p + "wo", H, H, true, false});
+    specs.push_back({p + "ln2", 1, H, false, false});
     if (!c.is_moe_layer(l)) {
-      specs.push_back({p + "dense_w13", 2 * Id, H, true});
-      specs.push_back({p + "dense_w2", H, Id, true});
+      specs.push_back({p + "dense_w13", 2 * Id, H, true, false});
+      specs.push_back({p + "dense_w2", H, Id, true, false});
       continue;
     }
-    specs.push_back({p + "router", E, H, true});
-    specs.push_back({p + "w13", E * 2 * I, H, true});
-    specs.push_back({p + "w2", E * H, I, true});
+    specs.push_back({p + "router", E, H, true, false});
     if (c.shared_expert) {
-      specs.push_back({p + "shared_w13", 2 * I, H, true});
-      specs.push_back({p + "shared_w2", H, I, true});
+      specs.push_back({p + "shared_w13", 2 * I, H, true, false});
+      specs.push_back({p + "shared_w2", H, I, true, false});
     }
+    experts.push_back({p + "w13", E * 2 * I, H, true, true});
+    experts.push_back({p + "w2", E * H, I, true, true});
   }
-  specs.push_back({"lnf", 1, H, false});
-  specs.push_back({"lm_head", V, H, true});
+  specs.push_back({"lnf", 1, H, false, false});
+  specs.push_back({"lm_head", V, H, true, false});
+  specs.insert(specs.end(), experts.begin(), experts.end());
   return specs;
 }
 
@@ -110,11 +118,7 @@ inline size_t param_count(const ModelConfig& c) {
 // Parameters a token actually uses (routed experts count k of E): the FLOPs basis of MFU.
 inline size_t active_param_count(const ModelConfig& c) {
   size_t n = 0;
-  for (const ParamSpec& s : param_specs(c)) {
-    bool expert_stack = s.name.size() > 4 && (s.name.compare(s.name.size() - 4, 4, ".w13") == 0 ||
-                                              s.name.compare(s.name.size() - 3, 3, ".w2") == 0);
-    n += expert_stack ? s.numel() / c.experts * c.topk : s.numel();
-  }
+  for (const ParamSpec& s : param_specs(c)) n += s.expert ? s.numel() / c.experts * c.topk : s.numel();
   return n - (size_t)c.vocab * c.hidden;  // the embedding lookup does no multiply-adds
 }
 
@@ -172,6 +176,12 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.adam_eps > 0 && t.weight_decay >= 0 && t.grad_clip >= 0 && t.bias_update >= 0,
        "adam_eps must be > 0; weight_decay, grad_clip, bias_update >= 0");
   need(t.recompute == 0 || t.recompute == 1, "recompute must be 0 or 1");
+  need(t.gpus >= 1, "gpus must be >= 1");
+  const int ep = t.ep ? t.ep : t.gpus;
+  need(ep >= 1 && t.gpus % ep == 0, "ep (" + std::to_string(ep) + ") must divide the number of ranks (" +
+                                        std::to_string(t.gpus) + ")");
+  need(c.n_dense == c.layers || c.experts % ep == 0,
+       "experts (" + std::to_string(c.experts) + ") must be divisible by ep (" + std::to_string(ep) + ")");
   need(t.val_every >= 0 && t.val_batches >= 0 && t.sample_every >= 0 && t.sample_len >= 0 &&
            t.ckpt_every >= 0 && t.log_every > 0,
        "val_every, val_batches, sample_every, sample_len, ckpt_every must be >= 0, log_every > 0");
@@ -192,6 +202,8 @@ inline std::string usage() {
          "train:  --batch B --total_batch tokens --steps S --lr X --min_lr_frac X --warmup S\n"
          "        --weight_decay X --beta1 X --beta2 X --adam_eps X --grad_clip X --bias_update u\n"
          "        --recompute 0|1 --seed S\n"
+         "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
+         "        --routing router|balanced|hot:r/h (a profile overrides the router's expert choice)\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
          "        --ckpt_every S --log_every S --timeline_step S --resume FILE\n";
@@ -224,7 +236,8 @@ inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
       {"--recompute", &t.recompute},   {"--val_every", &t.val_every},
       {"--val_batches", &t.val_batches}, {"--sample_every", &t.sample_every},
       {"--sample_len", &t.sample_len}, {"--ckpt_every", &t.ckpt_every},
-      {"--log_every", &t.log_every},   {"--timeline_step", &t.timeline_step}};
+      {"--log_every", &t.log_every},   {"--timeline_step", &t.timeline_step},
+      {"--gpus", &t.gpus},             {"--ep", &t.ep}};
   std::map<std::string, float*> floats = {
       {"--rope_theta", &m.rope_theta}, {"--norm_eps", &m.norm_eps},     {"--init_std", &m.init_std},
       {"--lr", &t.lr},                 {"--min_lr_frac", &t.min_lr_frac}, {"--weight_decay", &t.weight_decay},
@@ -232,7 +245,8 @@ inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
       {"--grad_clip", &t.grad_clip},   {"--bias_update", &t.bias_update}};
   std::map<std::string, std::string*> strings = {
       {"--data", &t.data_dir}, {"--train", &t.train_pattern},   {"--val", &t.val_pattern},
-      {"--tokenizer", &t.tokenizer}, {"--out", &t.out_dir}, {"--resume", &t.resume}};
+      {"--tokenizer", &t.tokenizer}, {"--out", &t.out_dir}, {"--resume", &t.resume},
+      {"--routing", &t.routing}};
   for (int i = 1; i < argc; i++) {
     std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") throw FlagError("help");

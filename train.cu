@@ -5,9 +5,16 @@
 //      residual] → RMSNorm → vocabulary projection → cross-entropy
 //   4. backward: the same in reverse; with --recompute 1 only each layer's input is kept and the
 //      layer is recomputed just before its backward (layer-level activation checkpointing)
-//   5. update: global-norm clipping, AdamW on fp32 master weights, aux-loss-free router bias update
+//   5. update: gradients reduce-scattered over the ranks that share them (ZeRO-1), global-norm
+//      clipping, AdamW on this rank's shard of the fp32 master weights, weights all-gathered,
+//      aux-loss-free router bias update from the loads of the whole global batch
 //   6. checkpoints (atomic, versioned header) and resume that continues bit for bit
 //   7. the training loop: accumulation, LR schedule, validation, samples, logs, memory report
+//
+// Parallel layout (DESIGN §5): W ranks, one process per GPU. Every rank reads its own part of the
+// data. Dense tensors are replicated; routed experts are split over the E_p ranks of an
+// expert-parallel group (contiguous blocks of E_p ranks) and replicated over the W/E_p groups.
+// Optimizer state is sharded (ZeRO-1) over the ranks that hold each tensor.
 //
 // Tests include this file with FLATMOE_NO_MAIN defined and drive the same functions.
 #include <sys/stat.h>
@@ -25,9 +32,12 @@
 #include "data/tokenizer.hpp"
 #include "ops/adamw.cuh"
 #include "ops/attention.cuh"
+#include "ops/comm.cuh"
 #include "ops/common.cuh"
 #include "ops/cross_entropy.cuh"
 #include "ops/embedding.cuh"
+#include "ops/ep_moe.cuh"
+#include "ops/launch.cuh"
 #include "ops/matmul.cuh"
 #include "ops/moe.cuh"
 #include "ops/pool.cuh"
@@ -54,17 +64,34 @@ struct ModelTensors {
   std::vector<LayerTensors> layers;
 };
 
+// This process's place among the W ranks. At W = 1 every group has size 1 and no NCCL
+// communicator exists.
+struct Parallel {
+  Comm world;            // all W ranks
+  Comm ep;               // the E_p ranks that hold disjoint expert shards (contiguous block of ranks)
+  Comm expert_replicas;  // the W/E_p ranks that hold the same expert shard (same rank in their ep group)
+};
+
 struct Model {
   ModelConfig cfg;
-  std::vector<ParamSpec> specs;
-  std::vector<size_t> offsets;  // element offset of each spec in the flat buffers
-  size_t num_params = 0;
+  Parallel par;
+  std::vector<ParamSpec> specs;     // config.hpp: dense tensors, then routed-expert stacks
+  std::vector<size_t> offsets;      // element offset of each spec in the local flat buffers
+  std::vector<size_t> local_numel;  // expert stacks hold E/E_p experts here
+
+  // Local flat buffer: [dense region | pad | expert region | pad]. Each region is padded to a
+  // multiple of the size of the group that shares it, and each rank updates one shard of it.
+  size_t dense_count = 0, expert_count = 0;    // elements of each region
+  size_t dense_padded = 0, expert_padded = 0;
+  size_t dense_shard = 0, expert_shard = 0;    // elements this rank updates in each region
+  size_t dense_shard_start = 0, expert_shard_start = 0;  // where, in the local flat buffer
+  size_t num_params = 0;                       // dense_padded + expert_padded
 
   floatX* params = nullptr;  // [num_params] floatX weights the kernels read      (Weights)
   floatX* grads = nullptr;   // [num_params] gradients, accumulated over a step   (Grads)
-  float* master = nullptr;   // [num_params] fp32 master weights                  (Optimizer)
-  float* adam_m = nullptr;   // [num_params]                                      (Optimizer)
-  float* adam_v = nullptr;   // [num_params]                                      (Optimizer)
+  float* master = nullptr;   // [dense_shard + expert_shard] fp32 master weights  (Optimizer)
+  float* adam_m = nullptr;   // [dense_shard + expert_shard]                      (Optimizer)
+  float* adam_v = nullptr;   // [dense_shard + expert_shard]                      (Optimizer)
   ModelTensors p, g;         // views into params / grads
 
   // Router biases (aux-loss-free balancing): [L, E] floats, host copy is the source of truth.
@@ -81,6 +108,13 @@ struct Model {
   float* scalar_dev = nullptr;      // [1]                                      (Workspace)
   int adam_t = 0;                   // AdamW steps taken
   cudaStream_t stream = 0;
+
+  // --routing: a profile (paper appendix B.2) that replaces the router's expert choice
+  bool routing_override = false;
+  RoutingProfile routing;
+
+  size_t shard_count() const { return dense_shard + expert_shard; }
+  int experts_local() const { return cfg.experts / par.ep.size; }
 };
 
 inline floatX* tensor_at(floatX* base, const Model& m, const std::string& name) {
@@ -143,14 +177,35 @@ std::vector<float> init_master_weights(const ModelConfig& c, unsigned long long 
   return w;
 }
 
-// Copies host fp32 master weights into the model (master and the floatX weights).
-void model_set_master(Model& m, const std::vector<float>& master) {
-  if (master.size() != m.num_params)
-    fm_fail("model_set_master", "wrong number of parameters", "got=%zu expected=%zu", master.size(), m.num_params);
-  cudaCheck(cudaMemcpy(m.master, master.data(), m.num_params * sizeof(float), cudaMemcpyHostToDevice),
+// The local flat buffer (this rank's experts) from a global one in param_specs order.
+std::vector<float> local_from_global(const Model& m, const std::vector<float>& global) {
+  std::vector<float> local(m.num_params, 0.f);
+  size_t global_off = 0;
+  for (size_t i = 0; i < m.specs.size(); i++) {
+    const size_t n = m.local_numel[i];
+    const size_t first = m.specs[i].expert ? (size_t)m.par.ep.rank * n : 0;  // this rank's contiguous experts
+    std::copy(global.begin() + global_off + first, global.begin() + global_off + first + n, local.begin() + m.offsets[i]);
+    global_off += m.specs[i].numel();
+  }
+  return local;
+}
+
+// Sets the weights from global host fp32 master weights (param_specs order, all experts): the
+// floatX copy of everything this rank holds, and the fp32 master weights of its shards.
+void model_set_master(Model& m, const std::vector<float>& global) {
+  if (global.size() != param_count(m.cfg))
+    fm_fail("model_set_master", "wrong number of parameters", "got=%zu expected=%zu", global.size(), param_count(m.cfg));
+  std::vector<float> local = local_from_global(m, global);
+  float* staging = pool().alloc_t<float>(m.num_params, Mem::Workspace, "set_master");
+  cudaCheck(cudaMemcpy(staging, local.data(), m.num_params * sizeof(float), cudaMemcpyHostToDevice),
             "model_set_master", "P=%zu", m.num_params);
-  convert(m.params, m.master, m.num_params, m.stream);
+  convert(m.params, staging, m.num_params, m.stream);
+  cudaCheck(cudaMemcpyAsync(m.master, staging + m.dense_shard_start, m.dense_shard * sizeof(float),
+                            cudaMemcpyDeviceToDevice, m.stream), "model_set_master", "dense shard=%zu", m.dense_shard);
+  cudaCheck(cudaMemcpyAsync(m.master + m.dense_shard, staging + m.expert_shard_start, m.expert_shard * sizeof(float),
+                            cudaMemcpyDeviceToDevice, m.stream), "model_set_master", "expert shard=%zu", m.expert_shard);
   cudaCheck(cudaStreamSynchronize(m.stream), "model_set_master", "P=%zu", m.num_params);
+  pool().free(staging);
 }
 
 void model_upload_router_bias(Model& m) {
@@ -160,24 +215,43 @@ void model_upload_router_bias(Model& m) {
             "router_bias", "n=%zu", m.router_bias.size());
 }
 
-Model model_create(const ModelConfig& cfg, unsigned long long seed) {
+Model model_create(const ModelConfig& cfg, unsigned long long seed, const Parallel& par = Parallel(),
+                   cudaStream_t stream = 0) {
   validate(cfg);
   Model m;
   m.cfg = cfg;
+  m.par = par;
+  m.stream = stream;
   m.specs = param_specs(cfg);
+  const int ep = par.ep.size;
+  if (cfg.experts % ep != 0) fm_fail("model_create", "experts must be divisible by the expert-parallel size", "E=%d E_p=%d", cfg.experts, ep);
+  // layout: dense region, padded to a multiple of W; expert region, padded to a multiple of W/E_p
+  auto local_count = [&](const ParamSpec& s) { return s.expert ? s.numel() / ep : s.numel(); };
+  for (const ParamSpec& s : m.specs) (s.expert ? m.expert_count : m.dense_count) += local_count(s);
+  m.dense_padded = ceil_div(m.dense_count, par.world.size) * (size_t)par.world.size;
+  size_t dense_next = 0, expert_next = m.dense_padded;
   for (const ParamSpec& s : m.specs) {
-    m.offsets.push_back(m.num_params);
-    m.num_params += s.numel();
+    size_t& next = s.expert ? expert_next : dense_next;
+    m.offsets.push_back(next);
+    m.local_numel.push_back(local_count(s));
+    next += local_count(s);
   }
-  const size_t P = m.num_params;
+  m.expert_padded = ceil_div(m.expert_count, par.expert_replicas.size) * (size_t)par.expert_replicas.size;
+  m.num_params = m.dense_padded + m.expert_padded;
+  m.dense_shard = m.dense_padded / par.world.size;
+  m.expert_shard = m.expert_padded / par.expert_replicas.size;
+  m.dense_shard_start = (size_t)par.world.rank * m.dense_shard;
+  m.expert_shard_start = m.dense_padded + (size_t)par.expert_replicas.rank * m.expert_shard;
+
+  const size_t P = m.num_params, S = m.shard_count();
   m.params = pool().alloc_t<floatX>(P, Mem::Weights, "params");
   m.grads = pool().alloc_t<floatX>(P, Mem::Grads, "grads");
-  m.master = pool().alloc_t<float>(P, Mem::Optimizer, "master");
-  m.adam_m = pool().alloc_t<float>(P, Mem::Optimizer, "adam_m");
-  m.adam_v = pool().alloc_t<float>(P, Mem::Optimizer, "adam_v");
+  m.master = pool().alloc_t<float>(S, Mem::Optimizer, "master");
+  m.adam_m = pool().alloc_t<float>(S, Mem::Optimizer, "adam_m");
+  m.adam_v = pool().alloc_t<float>(S, Mem::Optimizer, "adam_v");
   cudaCheck(cudaMemset(m.grads, 0, P * sizeof(floatX)), "model_create", "P=%zu", P);
-  cudaCheck(cudaMemset(m.adam_m, 0, P * sizeof(float)), "model_create", "P=%zu", P);
-  cudaCheck(cudaMemset(m.adam_v, 0, P * sizeof(float)), "model_create", "P=%zu", P);
+  cudaCheck(cudaMemset(m.adam_m, 0, S * sizeof(float)), "model_create", "shard=%zu", S);
+  cudaCheck(cudaMemset(m.adam_v, 0, S * sizeof(float)), "model_create", "shard=%zu", S);
   m.p = view_tensors(m.params, m);
   m.g = view_tensors(m.grads, m);
   const size_t LE = (size_t)cfg.layers * cfg.experts;
@@ -187,7 +261,7 @@ Model model_create(const ModelConfig& cfg, unsigned long long seed) {
   model_upload_router_bias(m);
   m.sumsq_partials = pool().alloc_t<float>(SUMSQ_BLOCKS, Mem::Workspace, "sumsq_partials");
   m.scalar_dev = pool().alloc_t<float>(1, Mem::Workspace, "scalar");
-  model_set_master(m, init_master_weights(cfg, seed));
+  model_set_master(m, init_master_weights(cfg, seed));  // every rank draws the same global weights
   return m;
 }
 
@@ -226,7 +300,9 @@ struct LayerActs {
   float* scores = nullptr;      // [N, E] router scores (MoE layers)
   int* topk_idx = nullptr;      // [N, k]
   float* topk_w = nullptr;      // [N, k]
-  MoESaved moe{};               // routed experts, or the dense FFN
+  MoESaved moe{};               // routed experts on one rank, or the dense FFN
+  EPSaved ep_moe{};             // routed experts split over the expert-parallel group
+  bool expert_parallel = false;
   MoESaved shared{};            // shared expert
   bool has_shared = false;
 };
@@ -235,7 +311,8 @@ void free_acts(LayerActs& a) {
   for (void* p : {(void*)a.ln1, (void*)a.ln1_rstd, (void*)a.qkv, (void*)a.att, (void*)a.lse, (void*)a.x_mid,
                   (void*)a.ln2, (void*)a.ln2_rstd, (void*)a.scores, (void*)a.topk_idx, (void*)a.topk_w})
     pool().free(p);
-  moe_saved_free(a.moe);
+  if (a.expert_parallel) ep_saved_free(a.ep_moe);
+  else moe_saved_free(a.moe);
   if (a.has_shared) moe_saved_free(a.shared);
   a = LayerActs();
 }
@@ -259,6 +336,13 @@ void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool count_l
   router_forward(a.topk_idx, a.topk_w, a.scores, logits, m.router_bias_dev + (size_t)l * E, N, E, k, c.score_fn,
                  c.renorm != 0, s);
   pool().free(logits);
+  if (m.routing_override) {  // the profile's experts, weighted by the router's scores for them
+    std::vector<int> idx = routing_profile_indices(m.routing, N, E, k);
+    cudaCheck(cudaMemcpyAsync(a.topk_idx, idx.data(), idx.size() * sizeof(int), cudaMemcpyHostToDevice, s),
+              "routing_profile", "N=%d k=%d", N, k);
+    router_weights(a.topk_w, a.scores, a.topk_idx, N, E, k, c.renorm != 0, s);
+    cudaCheck(cudaStreamSynchronize(s), "routing_profile", "N=%d", N);  // idx (host) must outlive the copy
+  }
   if (count_loads) {
     int* loads_dev = pool().alloc_t<int>(E, Mem::Workspace, "loads");
     std::vector<int> loads(E);
@@ -268,7 +352,12 @@ void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool count_l
     pool().free(loads_dev);
     for (int e = 0; e < E; e++) m.step_loads[(size_t)l * E + e] += loads[e];
   }
-  moe_forward(out, a.moe, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, N, c.hidden, c.expert_dim, E, k, s);
+  if (m.par.ep.size > 1) {
+    a.expert_parallel = true;
+    ep_moe_forward(out, a.ep_moe, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, N, c.hidden, c.expert_dim, E, k, m.par.ep, s);
+  } else {
+    moe_forward(out, a.moe, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, N, c.hidden, c.expert_dim, E, k, s);
+  }
   if (c.shared_expert) {
     ensure_dense_routes(m, N);
     floatX* shared_out = pool().alloc_t<floatX>((size_t)N * c.hidden, Mem::Activations, "shared_out");
@@ -330,7 +419,10 @@ void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, const floa
   }
   const int E = c.experts, k = c.topk;
   float* d_topk_w = pool().alloc_t<float>((size_t)N * k, Mem::Workspace, "d_topk_w");
-  moe_backward(d_ln2, d_topk_w, G.w13, G.w2, d_out, a.moe, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, s);
+  if (a.expert_parallel)
+    ep_moe_backward(d_ln2, d_topk_w, G.w13, G.w2, d_out, a.ep_moe, a.topk_w, P.w13, P.w2, m.par.ep, s);
+  else
+    moe_backward(d_ln2, d_topk_w, G.w13, G.w2, d_out, a.moe, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, s);
   floatX* d_part = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_ln2_part");
   if (a.has_shared) {
     float* d_shared_w = pool().alloc_t<float>(N, Mem::Workspace, "d_shared_w");
@@ -479,29 +571,80 @@ void model_zero_grads(Model& m) {
   std::fill(m.step_loads.begin(), m.step_loads.end(), 0);
 }
 
+// The mean of a per-rank value over all ranks (losses are averaged this way).
+float mean_over_ranks(Model& m, float x) {
+  if (m.par.world.size == 1) return x;
+  cudaCheck(cudaMemcpyAsync(m.scalar_dev, &x, sizeof(float), cudaMemcpyHostToDevice, m.stream), "mean_over_ranks", "W=%d", m.par.world.size);
+  all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
+  comm_sync(m.par.world, m.stream, "mean_over_ranks");  // before the copy: a pageable copy would wait without a timeout
+  cudaCheck(cudaMemcpy(&x, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToHost), "mean_over_ranks", "W=%d", m.par.world.size);
+  return x / m.par.world.size;
+}
+
+// Sums each region's gradients over the ranks that hold it, leaving this rank's shard (ZeRO-1:
+// in-place reduce-scatter; the rest of the buffer is not used until the next zeroing).
+void reduce_scatter_grads(Model& m) {
+  if (m.par.world.size > 1)
+    reduce_scatter_sum(m.par.world, m.grads, m.grads + m.dense_shard_start, m.dense_shard, m.stream);
+  if (m.par.expert_replicas.size > 1)
+    reduce_scatter_sum(m.par.expert_replicas, m.grads + m.dense_padded, m.grads + m.expert_shard_start, m.expert_shard,
+                       m.stream);
+}
+
+// Global gradient norm: every element of the model lies in exactly one rank's shard.
 float model_grad_norm(Model& m) {
   cudaCheck(cudaMemsetAsync(m.sumsq_partials, 0, SUMSQ_BLOCKS * sizeof(float), m.stream), "grad_norm", "P=%zu", m.num_params);
-  sumsq_accumulate(m.sumsq_partials, m.grads, m.num_params, m.stream);
+  sumsq_accumulate(m.sumsq_partials, m.grads + m.dense_shard_start, m.dense_shard, m.stream);
+  sumsq_accumulate(m.sumsq_partials, m.grads + m.expert_shard_start, m.expert_shard, m.stream);
   sumsq_finish(m.scalar_dev, m.sumsq_partials, m.stream);
+  if (m.par.world.size > 1) all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
+  comm_sync(m.par.world, m.stream, "grad_norm");
   float sumsq = 0.f;
-  cudaCheck(cudaMemcpyAsync(&sumsq, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToHost, m.stream), "grad_norm", "P=%zu", m.num_params);
-  cudaCheck(cudaStreamSynchronize(m.stream), "grad_norm", "P=%zu", m.num_params);
+  cudaCheck(cudaMemcpy(&sumsq, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToHost), "grad_norm", "P=%zu", m.num_params);
   return std::sqrt(sumsq);
 }
 
-// Clip by global norm, one AdamW step on every tensor, then the router bias update from the
-// step's loads. Returns the gradient norm before clipping.
+// Adds the step's per-expert loads of every rank (the router bias sees the global batch).
+void all_reduce_loads(Model& m) {
+  if (m.par.world.size == 1) return;
+  const size_t n = m.step_loads.size();
+  std::vector<int> loads(m.step_loads.begin(), m.step_loads.end());
+  int* loads_dev = pool().alloc_t<int>(n, Mem::CommStaging, "step_loads");
+  cudaCheck(cudaMemcpyAsync(loads_dev, loads.data(), n * sizeof(int), cudaMemcpyHostToDevice, m.stream), "all_reduce_loads", "n=%zu", n);
+  all_reduce_sum(m.par.world, loads_dev, loads_dev, n, m.stream);
+  comm_sync(m.par.world, m.stream, "all_reduce_loads");
+  cudaCheck(cudaMemcpy(loads.data(), loads_dev, n * sizeof(int), cudaMemcpyDeviceToHost), "all_reduce_loads", "n=%zu", n);
+  pool().free(loads_dev);
+  std::copy(loads.begin(), loads.end(), m.step_loads.begin());
+}
+
+// One optimizer step on this rank's shards: reduce-scatter the gradients, clip by the global norm,
+// AdamW on the fp32 master shard (per tensor, for its weight decay), all-gather the updated floatX
+// weights, then the router bias update from the global batch's loads. Returns the norm before
+// clipping.
 float model_update(Model& m, const TrainConfig& t, float lr) {
+  reduce_scatter_grads(m);
   float norm = model_grad_norm(m);
   float scale = clip_scale(norm, t.grad_clip);
   m.adam_t++;
-  for (size_t i = 0; i < m.specs.size(); i++) {
-    size_t off = m.offsets[i];
-    adamw_update(m.master + off, m.params + off, m.adam_m + off, m.adam_v + off, m.grads + off, m.specs[i].numel(), lr,
-                 t.beta1, t.beta2, t.adam_eps, m.specs[i].decay ? t.weight_decay : 0.f, m.adam_t, scale, m.stream);
-  }
-  // aux-loss-free balancing from the step's loads (config.hpp)
+  // shard [start, start + count) of the local buffer ↔ master [master_off, master_off + count)
+  auto update_shard = [&](size_t start, size_t count, size_t master_off) {
+    for (size_t i = 0; i < m.specs.size(); i++) {
+      size_t lo = std::max(start, m.offsets[i]), hi = std::min(start + count, m.offsets[i] + m.local_numel[i]);
+      if (lo >= hi) continue;
+      size_t mo = master_off + (lo - start);
+      adamw_update(m.master + mo, m.params + lo, m.adam_m + mo, m.adam_v + mo, m.grads + lo, hi - lo, lr, t.beta1,
+                   t.beta2, t.adam_eps, m.specs[i].decay ? t.weight_decay : 0.f, m.adam_t, scale, m.stream);
+    }
+  };
+  update_shard(m.dense_shard_start, m.dense_shard, 0);
+  update_shard(m.expert_shard_start, m.expert_shard, m.dense_shard);
+  if (m.par.world.size > 1) all_gather(m.par.world, m.params + m.dense_shard_start, m.params, m.dense_shard, m.stream);
+  if (m.par.expert_replicas.size > 1)
+    all_gather(m.par.expert_replicas, m.params + m.expert_shard_start, m.params + m.dense_padded, m.expert_shard, m.stream);
+  // aux-loss-free balancing from the step's loads over the whole global batch (config.hpp)
   if (t.bias_update > 0) {
+    all_reduce_loads(m);
     update_router_bias(m.router_bias, m.step_loads, m.cfg, t.bias_update);
     model_upload_router_bias(m);
   }
@@ -516,7 +659,7 @@ float train_step(Model& m, const TrainConfig& t, int step, int B, int T, int acc
   std::vector<int> x((size_t)B * T), y((size_t)B * T);
   model_zero_grads(m);
   PassOptions o;
-  o.dloss = 1.f / ((float)B * T * accum);
+  o.dloss = 1.f / ((float)B * T * accum * m.par.world.size);  // the mean over the global batch
   o.recompute = t.recompute != 0;
   double loss = 0;
   for (int micro = 0; micro < accum; micro++) {
@@ -526,18 +669,20 @@ float train_step(Model& m, const TrainConfig& t, int step, int B, int T, int acc
   }
   pool().mark("optimizer");
   float norm = model_update(m, t, lr_at(t, step));
-  cudaCheck(cudaStreamSynchronize(m.stream), "train_step", "step=%d", step);
+  comm_sync(m.par.world, m.stream, "train_step");
   if (grad_norm) *grad_norm = norm;
-  return (float)loss;
+  return mean_over_ranks(m, (float)loss);
 }
 
 // =============================================================================================
-// 6. Checkpoints: header of 256 int32 (magic, version, precision, config, step, data position),
-// then fp32 master weights, Adam m, Adam v, router biases. Written to a temporary file and renamed,
-// so an interrupted write never replaces a good checkpoint.
+// 6. Checkpoints. A checkpoint is a directory with one file per rank, rankR.bin: a header of 256
+// int32 (magic, version, precision, W, E_p, rank, step, shard sizes, model configuration, data
+// position), then this rank's shards of the fp32 master weights, Adam m and Adam v, then the router
+// biases. Every rank writes into DIR.tmp/, and after all have finished rank 0 renames it to DIR,
+// so an interrupted save never replaces a good checkpoint. Resume needs the same W and E_p.
 
 static const int CKPT_MAGIC = 20261130;
-static const int CKPT_VERSION = 1;
+static const int CKPT_VERSION = 2;
 
 struct TrainState {
   int step = 0;              // optimizer steps completed
@@ -566,42 +711,75 @@ ModelConfig header_get_config(const int* h) {
 void put_u64(int* slot, unsigned long long v) { memcpy(slot, &v, 8); }
 unsigned long long get_u64(const int* slot) { unsigned long long v; memcpy(&v, slot, 8); return v; }
 
-void checkpoint_save(const std::string& path, const Model& m, const TrainState& st) {
-  const size_t P = m.num_params;
+std::string rank_file(const std::string& dir, int rank) { return dir + "/rank" + std::to_string(rank) + ".bin"; }
+
+// Every rank reaches this point before any goes on.
+void barrier(Model& m, const char* what) {
+  if (m.par.world.size == 1) return;
+  all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
+  comm_sync(m.par.world, m.stream, what);
+}
+
+void checkpoint_save(const std::string& dir, Model& m, const TrainState& st) {
+  const size_t S = m.shard_count();
   std::vector<int> header(256, 0);
   header[0] = CKPT_MAGIC;
   header[1] = CKPT_VERSION;
   header[2] = sizeof(floatX) == 2 ? 1 : 0;
   header[3] = st.step;
   header[4] = m.adam_t;
-  put_u64(&header[5], P);
   header[7] = (int)m.router_bias.size();
+  header[8] = m.par.world.size;
+  header[9] = m.par.ep.size;
+  header[10] = m.par.world.rank;
+  put_u64(&header[11], m.dense_shard);
+  put_u64(&header[13], m.expert_shard);
   put_u64(&header[40], (unsigned long long)st.train_data.shard);
   put_u64(&header[42], (unsigned long long)st.train_data.position);
   put_u64(&header[44], (unsigned long long)st.train_data.epoch);
   put_u64(&header[46], st.sample_rng_draws);
   header_put_config(header.data(), m.cfg);
 
-  std::vector<float> buf(P);
-  std::string tmp = path + ".tmp";
-  FILE* f = fopen(tmp.c_str(), "wb");
-  if (!f) throw std::runtime_error("cannot write checkpoint " + tmp + ": " + strerror(errno));
+  const std::string tmp_dir = dir + ".tmp";
+  if (m.par.world.rank == 0) {
+    std::string cmd = "rm -rf '" + tmp_dir + "'";
+    if (system(cmd.c_str()) != 0 || mkdir(tmp_dir.c_str(), 0755) != 0)
+      throw std::runtime_error("cannot create checkpoint directory " + tmp_dir + ": " + strerror(errno));
+  }
+  barrier(m, "checkpoint_save.mkdir");
+  std::vector<float> buf(S);
+  const std::string path = rank_file(tmp_dir, m.par.world.rank), part = path + ".part";
+  FILE* f = fopen(part.c_str(), "wb");
+  if (!f) throw std::runtime_error("cannot write checkpoint " + part + ": " + strerror(errno));
   bool ok = fwrite(header.data(), sizeof(int), 256, f) == 256;
   for (const float* src : {m.master, m.adam_m, m.adam_v}) {
-    cudaCheck(cudaMemcpy(buf.data(), src, P * sizeof(float), cudaMemcpyDeviceToHost), "checkpoint_save", "P=%zu", P);
-    ok = ok && fwrite(buf.data(), sizeof(float), P, f) == P;
+    cudaCheck(cudaMemcpy(buf.data(), src, S * sizeof(float), cudaMemcpyDeviceToHost), "checkpoint_save", "shard=%zu", S);
+    ok = ok && fwrite(buf.data(), sizeof(float), S, f) == S;
   }
   ok = ok && fwrite(m.router_bias.data(), sizeof(float), m.router_bias.size(), f) == m.router_bias.size();
   ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
   ok = (fclose(f) == 0) && ok;
-  if (!ok || rename(tmp.c_str(), path.c_str()) != 0) {
-    remove(tmp.c_str());
+  if (!ok || rename(part.c_str(), path.c_str()) != 0) {
+    remove(part.c_str());
     throw std::runtime_error("writing checkpoint " + path + " failed: " + strerror(errno));
   }
+  barrier(m, "checkpoint_save.files");
+  if (m.par.world.rank == 0) {
+    const std::string old_dir = dir + ".old";
+    struct stat sb;
+    bool had_old = stat(dir.c_str(), &sb) == 0;
+    if ((had_old && rename(dir.c_str(), old_dir.c_str()) != 0) || rename(tmp_dir.c_str(), dir.c_str()) != 0)
+      throw std::runtime_error("cannot move checkpoint " + tmp_dir + " to " + dir + ": " + strerror(errno));
+    if (had_old && system(("rm -rf '" + old_dir + "'").c_str()) != 0)
+      fprintf(stderr, "warning: could not remove %s\n", old_dir.c_str());
+  }
+  barrier(m, "checkpoint_save.rename");
 }
 
-// Reads a checkpoint into a fresh model. Every mismatch is refused with a message.
-Model checkpoint_load(const std::string& path, TrainState& st, cudaStream_t stream = 0) {
+// Reads this rank's file of a checkpoint directory into a fresh model. Every mismatch is refused
+// with a message that names the file; nothing touches the GPU before the file has been checked.
+Model checkpoint_load(const std::string& dir, TrainState& st, const Parallel& par = Parallel(), cudaStream_t stream = 0) {
+  const std::string path = rank_file(dir, par.world.rank);
   FILE* f = fopen(path.c_str(), "rb");
   if (!f) throw std::runtime_error("cannot open checkpoint " + path + ": " + strerror(errno));
   std::vector<int> header(256);
@@ -610,7 +788,7 @@ Model checkpoint_load(const std::string& path, TrainState& st, cudaStream_t stre
     throw std::runtime_error("checkpoint " + path + " is truncated (no complete 1024-byte header)");
   }
   auto refuse = [&](const std::string& why) {
-    fclose(f);
+    if (f) fclose(f);
     throw std::runtime_error("checkpoint " + path + ": " + why);
   };
   if (header[0] != CKPT_MAGIC) refuse("bad magic number (not a flatmoe checkpoint)");
@@ -621,26 +799,44 @@ Model checkpoint_load(const std::string& path, TrainState& st, cudaStream_t stre
   } catch (const std::exception& e) {
     refuse(std::string("invalid model configuration in header: ") + e.what());
   }
-  const size_t P = get_u64(&header[5]);
-  if (P != param_count(cfg)) refuse("parameter count does not match its configuration");
+  if (header[2] != (sizeof(floatX) == 2 ? 1 : 0))
+    refuse(std::string("written by the ") + (header[2] ? "BF16" : "FP32") + " build; this is the " + FLATMOE_PRECISION_NAME + " build");
+  if (header[8] != par.world.size || header[9] != par.ep.size || header[10] != par.world.rank)
+    refuse("written by rank " + std::to_string(header[10]) + " of W=" + std::to_string(header[8]) + " (E_p=" +
+           std::to_string(header[9]) + "); this is rank " + std::to_string(par.world.rank) + " of W=" +
+           std::to_string(par.world.size) + " (E_p=" + std::to_string(par.ep.size) + ")");
   if (header[7] != cfg.layers * cfg.experts) refuse("router bias count does not match its configuration");
+  const size_t dense_shard = get_u64(&header[11]), expert_shard = get_u64(&header[13]), S = dense_shard + expert_shard;
+  if (S > param_count(cfg)) refuse("shard sizes do not match its configuration");
   struct stat sb;
-  size_t expected = 1024 + (3 * P + (size_t)header[7]) * sizeof(float);
+  size_t expected = 1024 + (3 * S + (size_t)header[7]) * sizeof(float);
   if (fstat(fileno(f), &sb) != 0 || (size_t)sb.st_size != expected)
     refuse("size " + std::to_string((long long)sb.st_size) + " bytes, expected " + std::to_string(expected) +
            " (truncated or corrupt)");
-  std::vector<float> master(P), moments(P);
-  if (fread(master.data(), sizeof(float), P, f) != P) refuse("truncated master weights");
-  Model m = model_create(cfg, 0);
-  m.stream = stream;
-  model_set_master(m, master);
-  for (float* dst : {m.adam_m, m.adam_v}) {
-    if (fread(moments.data(), sizeof(float), P, f) != P) refuse("truncated optimizer state");
-    cudaCheck(cudaMemcpy(dst, moments.data(), P * sizeof(float), cudaMemcpyHostToDevice), "checkpoint_load", "P=%zu", P);
-  }
-  if (fread(m.router_bias.data(), sizeof(float), m.router_bias.size(), f) != m.router_bias.size())
-    refuse("truncated router biases");
+  std::vector<float> master(S), adam_m(S), adam_v(S);
+  bool ok = fread(master.data(), sizeof(float), S, f) == S && fread(adam_m.data(), sizeof(float), S, f) == S &&
+            fread(adam_v.data(), sizeof(float), S, f) == S;
+  std::vector<float> bias(header[7]);
+  ok = ok && fread(bias.data(), sizeof(float), bias.size(), f) == bias.size();
   fclose(f);
+  f = nullptr;
+  if (!ok) refuse("cannot read its contents");
+
+  Model m = model_create(cfg, 0, par, stream);
+  if (m.dense_shard != dense_shard || m.expert_shard != expert_shard) {
+    model_destroy(m);
+    refuse("shard sizes do not match this build's layout");
+  }
+  for (auto [dst, src] : {std::pair<float*, float*>{m.master, master.data()}, {m.adam_m, adam_m.data()}, {m.adam_v, adam_v.data()}})
+    cudaCheck(cudaMemcpy(dst, src, S * sizeof(float), cudaMemcpyHostToDevice), "checkpoint_load", "shard=%zu", S);
+  // the floatX weights of this rank's shards, then everyone's
+  convert(m.params + m.dense_shard_start, m.master, m.dense_shard, m.stream);
+  convert(m.params + m.expert_shard_start, m.master + m.dense_shard, m.expert_shard, m.stream);
+  if (m.par.world.size > 1) all_gather(m.par.world, m.params + m.dense_shard_start, m.params, m.dense_shard, m.stream);
+  if (m.par.expert_replicas.size > 1)
+    all_gather(m.par.expert_replicas, m.params + m.expert_shard_start, m.params + m.dense_padded, m.expert_shard, m.stream);
+  comm_sync(m.par.world, m.stream, "checkpoint_load");
+  m.router_bias = bias;
   model_upload_router_bias(m);
   m.adam_t = header[4];
   st.step = header[3];
@@ -701,7 +897,7 @@ float validation_loss(Model& m, DataLoader& val, int batches, int B, int T) {
     val.next_batch(x.data(), y.data());
     sum += model_pass(m, x.data(), y.data(), B, T, o);
   }
-  return batches > 0 ? (float)(sum / batches) : 0.f;
+  return mean_over_ranks(m, batches > 0 ? (float)(sum / batches) : 0.f);
 }
 
 void make_dirs(const std::string& path) {
@@ -728,9 +924,10 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("expert_dim I", std::to_string(c.expert_dim) + (c.shared_expert ? " (+ shared expert)" : ""));
   row("router", std::string(c.score_fn ? "sigmoid" : "softmax") + (c.renorm ? ", renormalised" : ""));
   row("seq_len T", std::to_string(c.seq_len));
-  row("parameters", std::to_string(m.num_params) + " (" + std::to_string(active_param_count(c)) + " active)");
-  row("batch B / accum", std::to_string(t.batch) + " / " + std::to_string(accum));
-  row("tokens per step", std::to_string((long long)t.batch * c.seq_len * accum));
+  row("parameters", std::to_string(param_count(c)) + " (" + std::to_string(active_param_count(c)) + " active)");
+  row("ranks W / E_p", std::to_string(m.par.world.size) + " / " + std::to_string(m.par.ep.size));
+  row("batch B / accum", std::to_string(t.batch) + " / " + std::to_string(accum) + " per rank");
+  row("tokens per step", std::to_string((long long)t.batch * c.seq_len * accum * m.par.world.size));
   row("steps / warmup", std::to_string(t.steps) + " / " + std::to_string(t.warmup));
   char buf[64];
   snprintf(buf, sizeof buf, "%.2e -> %.2e", t.lr, t.lr * t.min_lr_frac);
@@ -740,6 +937,7 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   snprintf(buf, sizeof buf, "%.3g", t.bias_update);
   row("router bias u", buf);
   row("recompute", t.recompute ? "layer-level" : "off");
+  row("routing", t.routing);
   snprintf(buf, sizeof buf, "%.0f TFLOP/s", peak_flops / 1e12);
   row("MFU peak basis", buf);
   row("out dir", t.out_dir);
@@ -764,6 +962,24 @@ void write_timeline(const std::string& out_dir, int step) {
   printf("memory timeline of step %d: %s%s\n", step, csv.c_str(), plotted ? (", plot " + png).c_str() : " (no plot: gnuplot missing)");
 }
 
+// The communicators of W ranks: the world, the expert-parallel groups (contiguous blocks of E_p
+// ranks) and the groups of ranks that hold the same expert shard.
+Parallel parallel_init(const LaunchInfo& li, int ep_size) {
+  Parallel par;
+  if (li.world == 1) {
+    cudaCheck(cudaSetDevice(0), "parallel_init", "W=1");
+    return par;
+  }
+  par.world = comm_world_init(li);
+  par.ep = comm_block_group(par.world, ep_size, "ep");
+  par.expert_replicas = comm_split(par.world, par.world.rank % ep_size, par.world.rank, "expert_replicas");
+  return par;
+}
+
+void parallel_destroy(Parallel& par) {
+  for (Comm* c : {&par.expert_replicas, &par.ep, &par.world}) comm_destroy(*c);
+}
+
 int train_main(int argc, char** argv) {
   ModelConfig mc;
   TrainConfig tc;
@@ -785,12 +1001,32 @@ int train_main(int argc, char** argv) {
                                   std::to_string(tok.vocab_size()));
     validate(mc);
     validate(tc, mc);
-    DataLoader train_data(tc.train_pattern, tc.batch, mc.seq_len);
-    DataLoader val_data(tc.val_pattern, tc.batch, mc.seq_len);
-    if (gpu_count() == 0) {
+    { DataLoader check_train(tc.train_pattern, tc.batch, mc.seq_len), check_val(tc.val_pattern, tc.batch, mc.seq_len); }
+    RoutingProfile routing;
+    if (tc.routing != "router") {
+      routing = parse_routing_profile(tc.routing);
+      routing_profile_indices(routing, tc.batch * mc.seq_len, mc.experts, mc.topk);  // refuses h > E
+    }
+    const int gpus = gpu_count();
+    if (gpus == 0) {
       fprintf(stderr, "train: error: no CUDA device found; flatmoe trains on NVIDIA GPUs (see README)\n");
       return 1;
     }
+    // W processes, one per GPU: started here (--gpus W) or by mpirun/srun; the launching parent
+    // waits for its children and never returns from launch().
+    if (tc.gpus > gpus && getenv("FLATMOE_RANK") == nullptr)
+      throw std::invalid_argument("--gpus " + std::to_string(tc.gpus) + " but this node has " + std::to_string(gpus) + " CUDA devices");
+    LaunchInfo li = launch(argc, argv, tc.gpus);
+    if (tc.gpus != 1 && tc.gpus != li.world)
+      throw std::invalid_argument("--gpus " + std::to_string(tc.gpus) + " differs from the " + std::to_string(li.world) +
+                                  " ranks started by the launcher");
+    tc.gpus = li.world;
+    validate(tc, mc);
+    Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus);
+    const bool main_rank = par.world.rank == 0;
+    const int W = par.world.size;
+    DataLoader train_data(tc.train_pattern, tc.batch, mc.seq_len, par.world.rank, W);
+    DataLoader val_data(tc.val_pattern, tc.batch, mc.seq_len, par.world.rank, W);
     make_dirs(tc.out_dir);
 
     const int B = tc.batch, T = mc.seq_len;
@@ -800,26 +1036,30 @@ int train_main(int argc, char** argv) {
     TrainState st;
     Model m;
     if (!tc.resume.empty()) {
-      m = checkpoint_load(tc.resume, st, stream);
+      m = checkpoint_load(tc.resume, st, par, stream);
       if (memcmp(&m.cfg, &mc, sizeof(ModelConfig)) != 0)
         throw std::invalid_argument("--resume " + tc.resume + ": its model configuration differs from the flags");
       train_data.set_state(st.train_data);
-      printf("resumed from %s at step %d\n", tc.resume.c_str(), st.step);
+      if (main_rank) printf("resumed from %s at step %d\n", tc.resume.c_str(), st.step);
     } else {
-      m = model_create(mc, tc.seed);
-      m.stream = stream;
+      m = model_create(mc, tc.seed, par, stream);
     }
-    const double peak_flops = peak_flops_for_build();
-    print_config(mc, tc, m, accum, peak_flops);
+    m.routing_override = tc.routing != "router";
+    m.routing = routing;
+    const double peak_flops = peak_flops_for_build() * W;
+    if (main_rank) print_config(mc, tc, m, accum, peak_flops / W);
 
     std::mt19937_64 sample_rng(tc.seed ^ 0x5eedULL);
     sample_rng.discard(st.sample_rng_draws);
-    const double tokens_per_step = (double)B * T * accum;
+    const double tokens_per_step = (double)B * T * accum * W;
     const double flops_per_step = flops_per_token(mc) * tokens_per_step;
-    std::string log_path = tc.out_dir + "/log.csv";
-    FILE* log = fopen(log_path.c_str(), st.step > 0 ? "a" : "w");
-    if (!log) throw std::runtime_error("cannot write " + log_path);
-    if (st.step == 0) fprintf(log, "step,train_loss,val_loss,lr,grad_norm,ms,tokens_per_s,mfu,peak_alloc_mib\n");
+    FILE* log = nullptr;
+    if (main_rank) {
+      std::string log_path = tc.out_dir + "/log.csv";
+      log = fopen(log_path.c_str(), st.step > 0 ? "a" : "w");
+      if (!log) throw std::runtime_error("cannot write " + log_path);
+      if (st.step == 0) fprintf(log, "step,train_loss,val_loss,lr,grad_norm,ms,tokens_per_s,mfu,peak_alloc_mib\n");
+    }
 
     const int first_step = st.step;
     for (int step = first_step; step <= tc.steps; step++) {
@@ -827,25 +1067,29 @@ int train_main(int argc, char** argv) {
       bool resumed_here = step == first_step && first_step > 0;  // already sampled/saved before the resume
       if (tc.val_every > 0 && (step % tc.val_every == 0 || last)) {
         float val_loss = validation_loss(m, val_data, tc.val_batches, B, T);
-        printf("step %5d | val loss %.4f\n", step, val_loss);
-        fprintf(log, "%d,nan,%.6f,nan,nan,nan,nan,nan,nan\n", step, val_loss);
+        if (main_rank) {
+          printf("step %5d | val loss %.4f\n", step, val_loss);
+          fprintf(log, "%d,nan,%.6f,nan,nan,nan,nan,nan,nan\n", step, val_loss);
+        }
       }
       if (tc.sample_every > 0 && step > 0 && !resumed_here && (step % tc.sample_every == 0 || last)) {
+        // every rank samples the same context (same weights, same generator): expert-parallel
+        // layers need all of them in every collective
         std::string text = generate_sample(m, tok, tc.sample_len, sample_rng, st.sample_rng_draws);
-        printf("---- sample at step %d ----\n%s\n---------------------------\n", step, text.c_str());
+        if (main_rank) printf("---- sample at step %d ----\n%s\n---------------------------\n", step, text.c_str());
       }
       if (step > 0 && !resumed_here && tc.ckpt_every > 0 && (step % tc.ckpt_every == 0 || last)) {
         st.step = step;
         st.train_data = train_data.state();
         char name[64];
-        snprintf(name, sizeof name, "/ckpt_%06d.bin", step);
+        snprintf(name, sizeof name, "/ckpt_%06d", step);
         checkpoint_save(tc.out_dir + name, m, st);
-        printf("checkpoint written: %s%s\n", tc.out_dir.c_str(), name);
+        if (main_rank) printf("checkpoint written: %s%s\n", tc.out_dir.c_str(), name);
       }
       if (last) break;
 
-      // one optimizer step: accumulate gradients over `accum` micro-batches
-      bool timeline = step == tc.timeline_step;
+      // one optimizer step: accumulate gradients over `accum` micro-batches on every rank
+      bool timeline = step == tc.timeline_step && main_rank;
       pool().reset_peak();
       if (timeline) { pool().clear_timeline(); pool().set_timeline(true); }
       cudaCheck(cudaStreamSynchronize(stream), "train", "step=%d", step);
@@ -855,21 +1099,23 @@ int train_main(int argc, char** argv) {
       double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       if (timeline) { pool().set_timeline(false); write_timeline(tc.out_dir, step); }
       if (!std::isfinite(loss)) throw std::runtime_error("loss is not finite at step " + std::to_string(step));
+      if (!main_rank) continue;
       double tok_s = tokens_per_step / (ms / 1e3);
       double mfu = flops_per_step / (ms / 1e3) / peak_flops;
       size_t free_b = 0, total_b = 0;
       cudaCheck(cudaMemGetInfo(&free_b, &total_b), "train", "meminfo");
       if (step % tc.log_every == 0 || step == tc.steps - 1)
         printf("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | peak %.1f MiB "
-               "(device used %.1f MiB)\n",
+               "(device used %.1f MiB)%s\n",
                step + 1, tc.steps, loss, lr, norm, ms, tok_s, 100 * mfu, pool().peak() / 1048576.0,
-               (total_b - free_b) / 1048576.0);
+               (total_b - free_b) / 1048576.0, W > 1 ? " [rank 0]" : "");
       fprintf(log, "%d,%.6f,nan,%.6e,%.6f,%.3f,%.1f,%.5f,%.2f\n", step + 1, loss, lr, norm, ms, tok_s, mfu,
               pool().peak() / 1048576.0);
       fflush(log);
     }
-    fclose(log);
+    if (log) fclose(log);
     model_destroy(m);
+    parallel_destroy(par);
     cudaCheck(cudaStreamDestroy(stream), "train", "stream");
   } catch (const std::exception& e) {
     fprintf(stderr, "train: error: %s\n", e.what());

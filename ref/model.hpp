@@ -123,16 +123,13 @@ Mat<T> ref_ffn_forward(Model<T>& m, int l, RefLayerActs<T>& a, bool count_loads)
     if (!m.forced_routes) continue;
     const std::vector<int>& forced = (*m.forced_routes)[l];
     bool same = true;
-    T sum = 0;
     for (int j = 0; j < k; j++) {
       same = same && forced[(size_t)n * k + j] == a.route.topk_idx(n, j);
       a.route.topk_idx(n, j) = forced[(size_t)n * k + j];
-      a.route.topk_w(n, j) = a.route.scores(n, a.route.topk_idx(n, j));
-      sum += a.route.topk_w(n, j);
     }
-    if (c.renorm) a.route.topk_w.row(n) /= sum;
     if (!same && margin > T(1e-3)) m.route_disagreements++;
   }
+  if (m.forced_routes) a.route.topk_w = router_weights(a.route.scores, a.route.topk_idx, c.renorm != 0);
   if (count_loads) {
     std::vector<int> loads = router_count_loads(a.route.topk_idx, E);
     for (int e = 0; e < E; e++) m.step_loads[(size_t)l * E + e] += loads[e];

@@ -92,6 +92,36 @@ TEST(ConfigDims, RefusesBatchNotDividingTotal) {
   EXPECT_NO_THROW(validate(t, m));
 }
 
+TEST(ConfigDims, RefusesRankLayoutsThatDoNotDivide) {
+  ModelConfig m = valid_model();
+  TrainConfig t;
+  t.gpus = 4; t.ep = 3;
+  EXPECT_THROW(validate(t, m), std::invalid_argument);  // E_p must divide W
+  t.gpus = 6; t.ep = 3;                                 // divides W, but not E = 8
+  EXPECT_THROW(validate(t, m), std::invalid_argument);
+  t.gpus = 4; t.ep = 2;
+  EXPECT_NO_THROW(validate(t, m));
+  t.ep = 0;  // default: E_p = W = 4
+  EXPECT_NO_THROW(validate(t, m));
+  t.gpus = 0;
+  EXPECT_THROW(validate(t, m), std::invalid_argument);
+}
+
+TEST(ConfigLayout, ExpertStacksComeLastAndAreMarked) {
+  ModelConfig m = valid_model();
+  m.n_dense = 1; m.shared_expert = 1;
+  std::vector<ParamSpec> specs = param_specs(m);
+  size_t first_expert = specs.size();
+  for (size_t i = 0; i < specs.size(); i++)
+    if (specs[i].expert) { first_expert = std::min(first_expert, i); }
+  ASSERT_LT(first_expert, specs.size());
+  for (size_t i = first_expert; i < specs.size(); i++) {
+    EXPECT_TRUE(specs[i].expert) << specs[i].name;
+    EXPECT_EQ(specs[i].rows % m.experts, 0u) << specs[i].name;
+  }
+  EXPECT_EQ(specs.size() - first_expert, 2u * (m.layers - m.n_dense));
+}
+
 TEST(ConfigLayout, ParamCountMatchesClosedForm) {
   ModelConfig m = valid_model();
   m.hidden = 128; m.layers = 3; m.n_dense = 1; m.experts = 4; m.topk = 2; m.expert_dim = 64; m.dense_dim = 200;

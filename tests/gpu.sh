@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [bench] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [train-steps=N]   (default: test)
+#   train2: the default model on every GPU of the machine; bench-ep: expert-parallel MoE layer benchmark
 # Dependencies come from .deps/ (Debian packages unpacked: Eigen, GoogleTest sources, fortunes),
 # since the GPU machine has no package registry.
 set -uo pipefail
@@ -23,7 +24,8 @@ summary+=("build: $(( $(date +%s) - t0 )) s")
 if [[ " $want " == *" test "* ]]; then
   make $vars test > "$OUT/test.log" 2>&1
   for p in fp32 bf16; do
-    grep -h "^\[err\]\|^\[mem\]\|^\[train\]\|^\[overfit\]" build/test-logs/build_test_cpu.log build/test-logs/build_${p}_test_gpu.log > "$OUT/errors-$p.txt"
+    grep -h "^\[err\]\|^\[mem\]\|^\[train\]\|^\[overfit\]" build/test-logs/build_test_cpu.log build/test-logs/build_${p}_test_gpu.log \
+      build/test-logs/build_${p}_test_dist.log > "$OUT/errors-$p.txt"
   done
   grep -h "FAILED\|Failure\|error" build/test-logs/*.log | head -40
   summary+=("tests: $(tail -1 "$OUT/test.log")")
@@ -35,6 +37,19 @@ if [[ " $want " == *" train "* ]]; then
   summary+=("train: exit $? | $(grep -c '^step' "$OUT/train.log") log lines | $(grep 'val loss' "$OUT/train.log" | sed -n '1p;$p' | tr '\n' ' ')")
   cp build/run-default/log.csv "$OUT/train_log.csv" 2>/dev/null
   cp build/run-default/timeline_step5.csv "$OUT/" 2>/dev/null
+fi
+
+if [[ " $want " == *" train2 "* ]]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  build/bf16/train --gpus "$gpus" --data data/fortunes --out build/run-multi ${steps:+--steps $steps} > "$OUT/train_multi.log" 2>&1
+  summary+=("train on $gpus GPUs: exit $? | $(grep 'val loss' "$OUT/train_multi.log" | sed -n '1p;$p' | tr '\n' ' ')")
+  cp build/run-multi/log.csv "$OUT/train_multi_log.csv" 2>/dev/null
+fi
+
+if [[ " $want " == *" bench-ep "* ]]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  build/bf16/bench_ep_moe --gpus "$gpus" > "$OUT/bench_ep.md" 2> build/bench_ep.err || tail -20 build/bench_ep.err
+  cat "$OUT/bench_ep.md"
 fi
 
 if [[ " $want " == *" bench "* ]]; then

@@ -290,11 +290,11 @@ TEST(GpuModel, SaveThenResumeContinuesBitIdentically) {
   TrainState st;
   st.step = 3;
   st.train_data = data_b.state();
-  checkpoint_save(dir + "/ckpt.bin", b, st);
+  checkpoint_save(dir + "/ckpt", b, st);
   model_destroy(b);
 
   TrainState loaded;
-  Model r = checkpoint_load(dir + "/ckpt.bin", loaded);
+  Model r = checkpoint_load(dir + "/ckpt", loaded);
   EXPECT_EQ(loaded.step, 3);
   DataLoader data_r(dir + "/train_*.bin", B, T);
   data_r.set_state(loaded.train_data);
@@ -312,44 +312,51 @@ TEST(GpuModel, SaveThenResumeContinuesBitIdentically) {
 // Bad checkpoint files are refused with a message before anything touches the GPU.
 TEST(Checkpoint, RefusesMissingTruncatedAndForeignFiles) {
   std::string dir = "build/test-out-ckpt";
-  make_dirs(dir);
   TrainState st;
-  auto message = [&](const std::string& path) {
+  auto message = [&](const std::string& name) {
     try {
-      checkpoint_load(path, st);
+      checkpoint_load(dir + "/" + name, st);
     } catch (const std::exception& e) {
       return std::string(e.what());
     }
     return std::string("accepted");
   };
-  EXPECT_NE(message(dir + "/missing.bin").find("cannot open"), std::string::npos);
-  {
-    FILE* f = fopen((dir + "/short.bin").c_str(), "wb");
-    fwrite("abc", 1, 3, f);
+  auto write = [&](const std::string& name, const void* data, size_t bytes) {
+    make_dirs(dir + "/" + name);
+    FILE* f = fopen(rank_file(dir + "/" + name, 0).c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    fwrite(data, 1, bytes, f);
     fclose(f);
-  }
-  EXPECT_NE(message(dir + "/short.bin").find("truncated"), std::string::npos);
+  };
+  EXPECT_NE(message("missing").find("cannot open"), std::string::npos);
+  write("short", "abc", 3);
+  EXPECT_NE(message("short").find("truncated"), std::string::npos);
   std::vector<int> header(256, 0);
   header[0] = 12345;
-  FILE* f = fopen((dir + "/foreign.bin").c_str(), "wb");
-  fwrite(header.data(), 4, 256, f);
-  fclose(f);
-  EXPECT_NE(message(dir + "/foreign.bin").find("bad magic"), std::string::npos);
+  write("foreign", header.data(), 1024);
+  EXPECT_NE(message("foreign").find("bad magic"), std::string::npos);
+  ModelConfig c = config_variant(0);
   header[0] = CKPT_MAGIC;
   header[1] = CKPT_VERSION;
-  ModelConfig c = config_variant(0);
-  header_put_config(header.data(), c);
-  put_u64(&header[5], param_count(c));
+  header[2] = sizeof(floatX) == 2 ? 1 : 0;
   header[7] = c.layers * c.experts;
-  f = fopen((dir + "/cut.bin").c_str(), "wb");
-  fwrite(header.data(), 4, 256, f);
-  std::vector<float> some(1000, 1.f);
-  fwrite(some.data(), 4, some.size(), f);
-  fclose(f);
-  EXPECT_NE(message(dir + "/cut.bin").find("truncated or corrupt"), std::string::npos);
+  header[8] = 1;  // W
+  header[9] = 1;  // E_p
+  put_u64(&header[11], param_count(c));
+  header_put_config(header.data(), c);
+  std::vector<int> cut(header);
+  cut.resize(256 + 1000, 0);
+  write("cut", cut.data(), cut.size() * 4);
+  EXPECT_NE(message("cut").find("truncated or corrupt"), std::string::npos);
+  std::vector<int> other_world(header);
+  other_world[8] = 2;
+  write("other_world", other_world.data(), 1024);
+  EXPECT_NE(message("other_world").find("of W=2"), std::string::npos);
+  std::vector<int> other_precision(header);
+  other_precision[2] = 1 - header[2];
+  write("other_precision", other_precision.data(), 1024);
+  EXPECT_NE(message("other_precision").find("build"), std::string::npos);
   header[1] = 99;
-  f = fopen((dir + "/version.bin").c_str(), "wb");
-  fwrite(header.data(), 4, 256, f);
-  fclose(f);
-  EXPECT_NE(message(dir + "/version.bin").find("unsupported version"), std::string::npos);
+  write("version", header.data(), 1024);
+  EXPECT_NE(message("version").find("unsupported version"), std::string::npos);
 }

@@ -68,9 +68,9 @@ inline void report(const char* what, const char* tensor, double err, double tol)
 #define EXPECT_REL(what, tensor, err, tol)                          \
   do {                                                              \
     double e_ = (err);                                              \
-    testutil::report(what, tensor, e_, tol);                        \
-    EXPECT_TRUE(std::isfinite(e_)) << what << " " << tensor;        \
-    EXPECT_LE(e_, tol) << what << " " << tensor;                    \
+    testutil::report((what), (tensor), e_, (tol));                  \
+    EXPECT_TRUE(std::isfinite(e_)) << (what) << " " << (tensor);    \
+    EXPECT_LE(e_, (tol)) << (what) << " " << (tensor);              \
   } while (0)
 
 // Central finite differences of a scalar function f over every element of `x` (in place,
