@@ -26,6 +26,7 @@
 #pragma once
 #include <nccl.h>
 #include <unistd.h>
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -135,7 +136,8 @@ inline std::string comm_wait_ready(ncclComm_t nccl) {
     if (state != ncclInProgress) return nccl_why(state, nccl);
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (waited > comm_timeout_s())
-      return comm_format("still in progress after %.0f s (FLATMOE_COMM_TIMEOUT_S): a rank is missing or stuck", waited);
+      return comm_format("timed out: still in progress after %.0f s (FLATMOE_COMM_TIMEOUT_S): a rank is missing or stuck",
+                         waited);
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
@@ -213,18 +215,44 @@ inline Comm comm_world_init(const LaunchInfo& info) {
   return world;
 }
 
-// ncclCommSplit: the ranks of `parent` that pass the same color (>= 0) form one new communicator,
-// ordered by key. Every rank of the parent must call it.
+// The ranks of `parent` that pass the same color (>= 0) form one new communicator, ordered by key
+// (then by parent rank). Every rank of the parent must call it. Built with ncclCommInitRankConfig
+// rather than ncclCommSplit (whose non-blocking form left the new communicator unset on NCCL here):
+// every rank's (color, key, a fresh NCCL id) is all-gathered over the parent, and each group uses the
+// id of its first member.
 inline Comm comm_split(const Comm& parent, int color, int key, const char* name) {
   Comm group;
   group.name = name;
   if (color < 0) comm_fail(parent, "comm_split", comm_format("color %d < 0 for group %s", color, name));
+  struct Entry {
+    int color, key;
+    ncclUniqueId id;
+  };
+  static_assert(sizeof(Entry) % sizeof(int) == 0, "Entry is gathered as ints");
+  const size_t ints = sizeof(Entry) / sizeof(int);
+  Entry mine{color, key, {}};
+  comm_check(parent, ncclGetUniqueId(&mine.id), "comm_split", "ncclGetUniqueId for group %s", name);
+  std::vector<Entry> all(parent.size);
+  int* mine_dev = pool().alloc_t<int>(ints, Mem::CommStaging, "comm_split");
+  int* all_dev = pool().alloc_t<int>(ints * parent.size, Mem::CommStaging, "comm_split");
+  comm_cuda_check(parent, cudaMemcpy(mine_dev, &mine, sizeof mine, cudaMemcpyHostToDevice), "comm_split", "upload");
+  comm_check(parent, ncclAllGather(mine_dev, all_dev, ints, ncclInt32, parent.nccl, 0), "comm_split",
+             "all-gather of (color, key, id) over %s, %d ranks", parent.name.c_str(), parent.size);
+  comm_sync(parent, 0, "comm_split");
+  comm_cuda_check(parent, cudaMemcpy(all.data(), all_dev, sizeof(Entry) * parent.size, cudaMemcpyDeviceToHost),
+                  "comm_split", "download");
+  pool().free(mine_dev);
+  pool().free(all_dev);
+  std::vector<int> members;  // parent ranks of this group, in (key, parent rank) order
+  for (int r = 0; r < parent.size; r++)
+    if (all[r].color == color) members.push_back(r);
+  std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[a].key < all[b].key; });
+  group.size = (int)members.size();
+  group.rank = (int)(std::find(members.begin(), members.end(), parent.rank) - members.begin());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
-  comm_check(group, ncclCommSplit(parent.nccl, color, key, &group.nccl, &config), "comm_split",
-             "parent %s (rank %d of %d) color=%d key=%d", parent.name.c_str(), parent.rank, parent.size, color, key);
-  comm_check(group, ncclCommUserRank(group.nccl, &group.rank), "comm_split", "ncclCommUserRank");
-  comm_check(group, ncclCommCount(group.nccl, &group.size), "comm_split", "ncclCommCount");
+  comm_check(group, ncclCommInitRankConfig(&group.nccl, group.size, all[members[0]].id, group.rank, &config),
+             "comm_split", "ncclCommInitRankConfig group %s: rank %d of %d (color %d)", name, group.rank, group.size, color);
   return group;
 }
 

@@ -166,18 +166,22 @@ TEST(DistModel, TenStepsAgreeWithOneGpuOnTheSameGlobalBatch) {
     double e = std::fabs(dist_loss - single_loss) / single_loss;
     worst = std::max(worst, e);
     if (world.rank == 0) printf("[dist] step %d loss W=%d %.7f one GPU %.7f rel %.2e\n", step + 1, world.size, dist_loss, single_loss, e);
+#if !defined(FLATMOE_BF16)
+    // identical routing, so identical integer loads (in BF16 a near-tie may route differently)
     EXPECT_EQ(dist.router_bias, single.router_bias) << "step " << step + 1;
+#endif
   }
   char what[64];
   snprintf(what, sizeof what, "dist_vs_single_rank%d", world.rank);
-  EXPECT_REL(what, "max loss", worst, OP_TOL);
+  // whole-model training compared over ten Adam steps: the whole-model tolerance of DESIGN §3
+  EXPECT_REL(what, "max loss", worst, MODEL_TOL);
   // this rank's master shards against the single GPU's master at the same parameters
   std::vector<float> single_master = testutil::download_vec(single.master, single.num_params);
   std::vector<float> single_local = local_from_global(dist, single_master);
   std::vector<float> dist_local(dist.num_params, 0.f), dist_shards = testutil::download_vec(dist.master, dist.shard_count());
   std::copy_n(dist_shards.begin(), dist.dense_shard, dist_local.begin() + dist.dense_shard_start);
   std::copy_n(dist_shards.begin() + dist.dense_shard, dist.expert_shard, dist_local.begin() + dist.expert_shard_start);
-  EXPECT_REL(what, "master shards", shard_err(dist, dist_local, single_local), OP_TOL);
+  EXPECT_REL(what, "master shards", shard_err(dist, dist_local, single_local), MODEL_TOL);
   model_destroy(single);
   model_destroy(dist);
   release(par);
