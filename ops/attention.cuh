@@ -55,6 +55,29 @@ __device__ inline void attention_load_tile(float* dst, const floatX* src, size_t
 }
 
 // Reductions over the 16 threads (tx = 0 … 15) that share a row; every lane gets the same value.
+// acc[r][c] = Σ_d rows_s[ty + 16r][d] · cols_s[tx + 16c][d] over the head dim (fp32 FMA in d
+// order), for the 4×4 (row, column) pairs of thread (ty, tx) in a 64×64 tile pair.
+template <int HD, int LD>
+__device__ __forceinline__ void attention_tile_dot(float (&acc)[4][4], const float* rows_s, const float* cols_s, int ty,
+                                                   int tx) {
+#pragma unroll
+  for (int r = 0; r < 4; r++)
+#pragma unroll
+    for (int c = 0; c < 4; c++) acc[r][c] = 0.f;
+#pragma unroll 4
+  for (int d = 0; d < HD; d++) {
+    float rv[4], cv[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) rv[r] = rows_s[(ty + 16 * r) * LD + d];
+#pragma unroll
+    for (int c = 0; c < 4; c++) cv[c] = cols_s[(tx + 16 * c) * LD + d];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+      for (int c = 0; c < 4; c++) acc[r][c] = fmaf(rv[r], cv[c], acc[r][c]);
+  }
+}
+
 __device__ inline float attention_row_max(float v) {
   for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
   return v;
@@ -102,22 +125,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
     __syncthreads();
 
     float s[4][4];  // s[r][c]: query q0 + ty + 16r, key k0 + tx + 16c
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-#pragma unroll
-      for (int c = 0; c < 4; c++) s[r][c] = 0.f;
-#pragma unroll 8
-    for (int d = 0; d < HD; d++) {
-      float qv[4], kv[4];
-#pragma unroll
-      for (int r = 0; r < 4; r++) qv[r] = Q_s[(ty + 16 * r) * LD + d];
-#pragma unroll
-      for (int c = 0; c < 4; c++) kv[c] = K_s[(tx + 16 * c) * LD + d];
-#pragma unroll
-      for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) s[r][c] = fmaf(qv[r], kv[c], s[r][c]);
-    }
+    attention_tile_dot<HD, LD>(s, Q_s, K_s, ty, tx);
 
     // Online softmax. Key 0 is visible to every query, so after tile 0 each row max is finite
     // and exp(−inf − m) = 0 handles masked keys and the first rescale (m = −inf).
@@ -238,31 +246,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
     __syncthreads();
 
     float s[4][4], dp[4][4];  // [r][c]: key k0 + ty + 16r, query q0 + tx + 16c
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-#pragma unroll
-      for (int c = 0; c < 4; c++) s[r][c] = dp[r][c] = 0.f;
-#pragma unroll 4
-    for (int d = 0; d < HD; d++) {
-      float kv[4], vv[4], qv[4], dov[4];
-#pragma unroll
-      for (int r = 0; r < 4; r++) {
-        kv[r] = K_s[(ty + 16 * r) * LD + d];
-        vv[r] = V_s[(ty + 16 * r) * LD + d];
-      }
-#pragma unroll
-      for (int c = 0; c < 4; c++) {
-        qv[c] = Q_s[(tx + 16 * c) * LD + d];
-        dov[c] = dO_s[(tx + 16 * c) * LD + d];
-      }
-#pragma unroll
-      for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-          s[r][c] = fmaf(kv[r], qv[c], s[r][c]);
-          dp[r][c] = fmaf(vv[r], dov[c], dp[r][c]);
-        }
-    }
+    attention_tile_dot<HD, LD>(s, K_s, Q_s, ty, tx);
+    attention_tile_dot<HD, LD>(dp, V_s, dO_s, ty, tx);
 #pragma unroll
     for (int r = 0; r < 4; r++)
 #pragma unroll
@@ -364,31 +349,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
     __syncthreads();
 
     float s[4][4], dp[4][4];  // [r][c]: query q0 + ty + 16r, key k0 + tx + 16c
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-#pragma unroll
-      for (int c = 0; c < 4; c++) s[r][c] = dp[r][c] = 0.f;
-#pragma unroll 4
-    for (int d = 0; d < HD; d++) {
-      float qv[4], dov[4], kv[4], vv[4];
-#pragma unroll
-      for (int r = 0; r < 4; r++) {
-        qv[r] = Q_s[(ty + 16 * r) * LD + d];
-        dov[r] = dO_s[(ty + 16 * r) * LD + d];
-      }
-#pragma unroll
-      for (int c = 0; c < 4; c++) {
-        kv[c] = K_s[(tx + 16 * c) * LD + d];
-        vv[c] = V_s[(tx + 16 * c) * LD + d];
-      }
-#pragma unroll
-      for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-          s[r][c] = fmaf(qv[r], kv[c], s[r][c]);
-          dp[r][c] = fmaf(dov[r], vv[c], dp[r][c]);
-        }
-    }
+    attention_tile_dot<HD, LD>(s, Q_s, K_s, ty, tx);
+    attention_tile_dot<HD, LD>(dp, dO_s, V_s, ty, tx);
 #pragma unroll
     for (int r = 0; r < 4; r++)
 #pragma unroll

@@ -224,10 +224,7 @@ inline void ep_saved_free(EPSaved& saved) {
 // One problem per local expert with at least one received route; make(l, first_row, rows) builds it.
 template <typename F>
 std::vector<GroupedGemmProblem> ep_local_expert_problems(const EPPlan& plan, F make) {
-  std::vector<GroupedGemmProblem> problems;
-  for (int l = 0; l < plan.local_experts; l++)
-    if (plan.expert_rows[l] > 0) problems.push_back(make(l, (size_t)plan.expert_offsets[l], plan.expert_rows[l]));
-  return problems;
+  return expert_problems(plan.expert_rows, plan.expert_offsets, make);
 }
 
 // out [N,H] (=); fills `saved` (which must be empty: ep_saved_free it after backward). Collective

@@ -375,13 +375,19 @@ inline void moe_saved_free(MoESaved& saved) {
   saved = MoESaved();
 }
 
-// One problem per expert with at least one route; make(e, first_row, rows) builds it.
+// One grouped-GEMM problem per expert with at least one row (rows [offsets[e], offsets[e] + counts[e])
+// of the expert-sorted buffers); make(e, first_row, rows) builds it. Shared with ops/ep_moe.cuh.
+template <typename F>
+std::vector<GroupedGemmProblem> expert_problems(const std::vector<int>& counts, const std::vector<int>& offsets, F make) {
+  std::vector<GroupedGemmProblem> problems;
+  for (size_t e = 0; e < counts.size(); e++)
+    if (counts[e] > 0) problems.push_back(make((int)e, (size_t)offsets[e], counts[e]));
+  return problems;
+}
+
 template <typename F>
 std::vector<GroupedGemmProblem> moe_expert_problems(const MoESaved& saved, F make) {
-  std::vector<GroupedGemmProblem> problems;
-  for (int e = 0; e < saved.E; e++)
-    if (saved.expert_counts[e] > 0) problems.push_back(make(e, (size_t)saved.expert_offsets[e], saved.expert_counts[e]));
-  return problems;
+  return expert_problems(saved.expert_counts, saved.expert_offsets, make);
 }
 
 // out [N,H] (=); fills `saved` (which must be empty: moe_saved_free it after backward).

@@ -1,6 +1,7 @@
 // tests/cpu_router.cpp — the router reference (ref/router.hpp) as a specification: what it
 // selects, what it weighs, how ties break, its loads, and its gradient against finite differences.
 #include <algorithm>
+#include "router_util.hpp"
 #include "test_util.hpp"
 #include "../ref/router.hpp"
 
@@ -9,29 +10,6 @@ namespace {
 using testutil::Rng;
 using Mat = ref::Mat<double>;
 using Vec = ref::Vec<double>;
-
-// Logits [N,E] whose selection keys s + bias are well separated: among the k+1 largest keys of
-// every token, consecutive keys differ by at least min_gap (a row is redrawn until they do), so a
-// perturbation of 1e-5 can never change the selection.
-Mat well_separated_logits(Rng& rng, int N, int E, int k, const Vec& bias, int score_fn, double min_gap = 1e-3) {
-  Mat logits(N, E);
-  for (int n = 0; n < N; n++) {
-    for (;;) {
-      Mat row = rng.mat<double>(1, E, 1.5);
-      Mat s = ref::router_scores(row, score_fn);
-      std::vector<double> keys(E);
-      for (int e = 0; e < E; e++) keys[e] = s(0, e) + bias(e);
-      std::sort(keys.begin(), keys.end(), std::greater<double>());
-      bool separated = true;
-      for (int j = 0; j < std::min(k, E - 1); j++) separated &= keys[j] - keys[j + 1] >= min_gap;
-      if (separated) {
-        logits.row(n) = row;
-        break;
-      }
-    }
-  }
-  return logits;
-}
 
 Vec random_bias(Rng& rng, int E, double stddev) {
   Vec b(E);
@@ -55,7 +33,7 @@ TEST(RouterRef, SelectsLargestScorePlusBiasAndWeighsByScore) {
   for (int score_fn : {ref::ROUTER_SOFTMAX, ref::ROUTER_SIGMOID}) {
     for (bool renorm : {false, true}) {
       Vec bias = random_bias(rng, E, score_fn == ref::ROUTER_SOFTMAX ? 0.05 : 0.2);
-      Mat logits = well_separated_logits(rng, N, E, k, bias, score_fn);
+      Mat logits = testutil::well_separated_logits(rng, N, E, k, bias, score_fn, 1e-3);
       auto r = ref::router_forward(logits, bias, k, score_fn, renorm);
       for (int n = 0; n < N; n++) {
         double sum = 0;
@@ -99,7 +77,7 @@ TEST(RouterRef, BiasChangesSelectionNotWeights) {
   const int N = 64, E = 16, k = 2;
   Vec zero = Vec::Zero(E);
   Vec bias = random_bias(rng, E, 0.3);
-  Mat logits = well_separated_logits(rng, N, E, k, bias, ref::ROUTER_SIGMOID);
+  Mat logits = testutil::well_separated_logits(rng, N, E, k, bias, ref::ROUTER_SIGMOID, 1e-3);
   auto with_bias = ref::router_forward(logits, bias, k, ref::ROUTER_SIGMOID, false);
   auto without = ref::router_forward(logits, zero, k, ref::ROUTER_SIGMOID, false);
   EXPECT_NE(with_bias.topk_idx, without.topk_idx) << "a bias of this size should change some selection";
@@ -133,7 +111,7 @@ TEST(RouterRef, BackwardMatchesFiniteDifferences) {
   for (int score_fn : {ref::ROUTER_SOFTMAX, ref::ROUTER_SIGMOID}) {
     for (bool renorm : {false, true}) {
       Vec bias = random_bias(rng, E, 0.05);
-      Mat logits = well_separated_logits(rng, N, E, k, bias, score_fn);
+      Mat logits = testutil::well_separated_logits(rng, N, E, k, bias, score_fn, 1e-3);
       Mat dtopk_w = rng.mat<double>(N, k);
       auto r = ref::router_forward(logits, bias, k, score_fn, renorm);
       Mat dlogits = ref::router_backward(dtopk_w, r.scores, r.topk_idx, score_fn, renorm);

@@ -6,8 +6,13 @@
 #include "../ref/model.hpp"
 #include "dist_util.cuh"
 #include "gpu_util.cuh"
+#include "model_util.cuh"
 
 namespace {
+
+using testutil::as_seen_by_gpu;
+using testutil::random_master;
+using testutil::random_tokens;
 
 ModelConfig dist_config() {
   ModelConfig c;
@@ -29,26 +34,6 @@ Parallel test_parallel() {
 void release(Parallel& par) {
   comm_destroy(par.ep);
   comm_destroy(par.expert_replicas);
-}
-
-std::vector<float> random_master(const ModelConfig& c, testutil::Rng& rng) {
-  std::vector<float> w;
-  for (const ParamSpec& s : param_specs(c))
-    for (size_t i = 0; i < s.numel(); i++)
-      w.push_back((float)(s.decay ? rng.normal(c.init_std) : 1.0 + rng.normal(0.1)));
-  return w;
-}
-
-std::vector<double> as_seen_by_gpu(const std::vector<float>& master) {
-  std::vector<double> w(master.size());
-  for (size_t i = 0; i < w.size(); i++) w[i] = to_float(from_float<floatX>(master[i]));
-  return w;
-}
-
-// Global batch [W·B sequences]: rank r reads sequences r·B .. r·B + B − 1.
-void global_batch(int N_global, int V, testutil::Rng& rng, std::vector<int>& x, std::vector<int>& y) {
-  x.resize(N_global); y.resize(N_global);
-  for (int n = 0; n < N_global; n++) { x[n] = rng.integer(0, V - 1); y[n] = rng.integer(0, V - 1); }
 }
 
 // Every rank's top-k choices of every MoE layer, in global token order ([L][N_global·k]).
@@ -98,7 +83,7 @@ TEST(DistModel, FirstStepShardsMatchReferenceOverGlobalBatch) {
   testutil::Rng rng;  // the harness gives every rank the same seed
   std::vector<float> master = random_master(c, rng);
   std::vector<int> x, y;
-  global_batch(N_global, c.vocab, rng, x, y);
+  random_tokens(N_global, c.vocab, rng, x, y);
 
   Model m = model_create(c, 1, par);
   model_set_master(m, master);
@@ -148,7 +133,7 @@ TEST(DistModel, TenStepsAgreeWithOneGpuOnTheSameGlobalBatch) {
   std::vector<std::vector<int>> xs, ys;
   for (int i = 0; i < t.steps * accum; i++) {
     xs.emplace_back(); ys.emplace_back();
-    global_batch(N_global, c.vocab, rng, xs.back(), ys.back());
+    random_tokens(N_global, c.vocab, rng, xs.back(), ys.back());
   }
   double worst = 0;
   for (int step = 0; step < t.steps; step++) {
@@ -200,7 +185,7 @@ TEST(DistModel, SaveThenResumeAtWRanksIsBitIdentical) {
   std::vector<std::vector<int>> xs, ys;
   for (int i = 0; i < t.steps; i++) {
     xs.emplace_back(); ys.emplace_back();
-    global_batch(N * world.size, c.vocab, rng, xs.back(), ys.back());
+    random_tokens(N * world.size, c.vocab, rng, xs.back(), ys.back());
   }
   auto run = [&](Model& m, int from, int to, std::vector<float>& losses) {
     for (int step = from; step < to; step++) {

@@ -6,8 +6,13 @@
 #include "../data/shards.hpp"
 #include "../ref/model.hpp"
 #include "gpu_util.cuh"
+#include "model_util.cuh"
 
 namespace {
+
+using testutil::as_seen_by_gpu;
+using testutil::random_master;
+using testutil::random_tokens;
 
 // Two configurations: every feature of the model, at sizes that are multiples of nothing.
 ModelConfig config_variant(int variant) {
@@ -20,27 +25,6 @@ ModelConfig config_variant(int variant) {
     c.shared_expert = 1;
   }
   return c;
-}
-
-// Random weights (norm gains near 1), as fp32 master weights.
-std::vector<float> random_master(const ModelConfig& c, testutil::Rng& rng) {
-  std::vector<float> w;
-  for (const ParamSpec& s : param_specs(c))
-    for (size_t i = 0; i < s.numel(); i++)
-      w.push_back((float)(s.decay ? rng.normal(c.init_std) : 1.0 + rng.normal(0.1)));
-  return w;
-}
-
-// The weights the GPU kernels see (floatX), as doubles for the reference.
-std::vector<double> as_seen_by_gpu(const std::vector<float>& master) {
-  std::vector<double> w(master.size());
-  for (size_t i = 0; i < w.size(); i++) w[i] = to_float(from_float<floatX>(master[i]));
-  return w;
-}
-
-void random_batch(int N, int V, testutil::Rng& rng, std::vector<int>& x, std::vector<int>& y) {
-  x.resize(N); y.resize(N);
-  for (int n = 0; n < N; n++) { x[n] = rng.integer(0, V - 1); y[n] = rng.integer(0, V - 1); }
 }
 
 std::vector<float> download_grads(const Model& m) {
@@ -68,7 +52,7 @@ void first_step_matches_reference(int variant) {
   const int B = 2, T = c.seq_len, N = B * T;
   std::vector<float> master = random_master(c, rng);
   std::vector<int> x, y;
-  random_batch(N, c.vocab, rng, x, y);
+  random_tokens(N, c.vocab, rng, x, y);
 
   Model m = model_create(c, 1);
   model_set_master(m, master);
@@ -135,7 +119,7 @@ TEST(GpuModel, TenTrainingStepsMatchReferenceTrainer) {
     double gpu_loss = 0, ref_loss = 0;
     for (int micro = 0; micro < accum; micro++) {
       std::vector<int> x, y;
-      random_batch(N, c.vocab, rng, x, y);
+      random_tokens(N, c.vocab, rng, x, y);
       PassOptions o;
       o.dloss = 1.f / (N * accum);
       o.routes_out = &routes;
@@ -170,7 +154,7 @@ TEST(GpuModel, RecomputeIsBitIdenticalAndLowersPeak) {
   const int B = 4, T = c.seq_len, N = B * T;
   testutil::Rng rng;
   std::vector<int> x, y;
-  random_batch(N, c.vocab, rng, x, y);
+  random_tokens(N, c.vocab, rng, x, y);
   Model m = model_create(c, 3);
   model_set_master(m, random_master(c, rng));
   size_t peak[2];
@@ -207,7 +191,7 @@ TEST(GpuModel, PoolPeakEqualsLargestLiveTotalInTimeline) {
   const int B = 2, T = c.seq_len, N = B * T;
   testutil::Rng rng;
   std::vector<int> x, y;
-  random_batch(N, c.vocab, rng, x, y);
+  random_tokens(N, c.vocab, rng, x, y);
   Model m = model_create(c, 5);
   model_zero_grads(m);
   pool().reset_peak();

@@ -3,6 +3,7 @@
 // warp; plus exact ties, which must pick the lower expert index on GPU and CPU alike.
 #include <algorithm>
 #include "gpu_util.cuh"
+#include "router_util.hpp"
 #include "../ops/router.cuh"
 #include "../ref/router.hpp"
 
@@ -11,29 +12,6 @@ namespace {
 using testutil::Rng;
 using Mat = ref::Mat<double>;
 using Vec = ref::Vec<double>;
-
-// Logits [N,E], already rounded through floatX, whose selection keys s + bias are well separated:
-// among the k+1 largest keys of every token, consecutive keys differ by at least min_gap (far above
-// fp32 rounding), so the fp32 GPU and the double reference must select the same experts.
-Mat well_separated_logits(Rng& rng, int N, int E, int k, const Vec& bias, int score_fn, double min_gap = 1e-4) {
-  Mat logits(N, E);
-  for (int n = 0; n < N; n++) {
-    for (;;) {
-      Mat row = testutil::round_to_floatX(rng.mat<double>(1, E, 1.5));
-      Mat s = ref::router_scores(row, score_fn);
-      std::vector<double> keys(E);
-      for (int e = 0; e < E; e++) keys[e] = s(0, e) + bias(e);
-      std::sort(keys.begin(), keys.end(), std::greater<double>());
-      bool separated = true;
-      for (int j = 0; j < std::min(k, E - 1); j++) separated &= keys[j] - keys[j + 1] >= min_gap;
-      if (separated) {
-        logits.row(n) = row;
-        break;
-      }
-    }
-  }
-  return logits;
-}
 
 // A float-representable random bias (the GPU holds it as float).
 Vec random_bias(Rng& rng, int E, double stddev) {
@@ -58,7 +36,7 @@ int count_mismatches(const std::vector<int>& gpu, const ref::MatI& expected) {
 void check_router(const char* name, int N, int E, int k, int score_fn, bool renorm) {
   Rng rng;
   Vec bias = random_bias(rng, E, score_fn == ROUTER_SOFTMAX ? 0.3 / E : 0.2);
-  Mat logits = well_separated_logits(rng, N, E, k, bias, score_fn);
+  Mat logits = testutil::well_separated_logits(rng, N, E, k, bias, score_fn, 1e-4, testutil::round_to_floatX);
   Mat dtopk_w = rng.mat<double>(N, k).cast<float>().cast<double>();
   auto r = ref::router_forward(logits, bias, k, score_fn, renorm);
   Mat dlogits_ref = ref::router_backward(dtopk_w, r.scores, r.topk_idx, score_fn, renorm);

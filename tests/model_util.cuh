@@ -1,0 +1,34 @@
+// tests/model_util.cuh — weights shared by the whole-model tests (one GPU and W ranks).
+#pragma once
+#include "../config.hpp"
+#include "gpu_util.cuh"
+
+namespace testutil {
+
+// Random weights (norm gains near 1), as fp32 master weights in param_specs order.
+inline std::vector<float> random_master(const ModelConfig& c, Rng& rng) {
+  std::vector<float> w;
+  for (const ParamSpec& s : param_specs(c))
+    for (size_t i = 0; i < s.numel(); i++)
+      w.push_back((float)(s.decay ? rng.normal(c.init_std) : 1.0 + rng.normal(0.1)));
+  return w;
+}
+
+// The weights the GPU kernels see (floatX), as doubles for the reference.
+inline std::vector<double> as_seen_by_gpu(const std::vector<float>& master) {
+  std::vector<double> w(master.size());
+  for (size_t i = 0; i < w.size(); i++) w[i] = to_float(from_float<floatX>(master[i]));
+  return w;
+}
+
+// Random input tokens x and targets y, N of each, in [0, V).
+inline void random_tokens(int N, int V, Rng& rng, std::vector<int>& x, std::vector<int>& y) {
+  x.resize(N);
+  y.resize(N);
+  for (int n = 0; n < N; n++) {
+    x[n] = rng.integer(0, V - 1);
+    y[n] = rng.integer(0, V - 1);
+  }
+}
+
+}  // namespace testutil
