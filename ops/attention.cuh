@@ -78,6 +78,25 @@ __device__ __forceinline__ void attention_tile_dot(float (&acc)[4][4], const flo
   }
 }
 
+// acc[r][c] += Σ_{j < count} A_s[ty + 16r][j] · B_s[j][tx + 16c] (A's rows ATTN_LDP apart, B's
+// LDB apart; fp32 FMA in j order): a 64×count by count×(16·C) tile product, 4×C outputs per thread.
+template <int C, int LDB>
+__device__ __forceinline__ void attention_tile_accumulate(float (&acc)[4][C], const float* A_s, const float* B_s,
+                                                          int count, int ty, int tx) {
+#pragma unroll 4
+  for (int j = 0; j < count; j++) {
+    float av[4], bv[C];
+#pragma unroll
+    for (int r = 0; r < 4; r++) av[r] = A_s[(ty + 16 * r) * ATTN_LDP + j];
+#pragma unroll
+    for (int c = 0; c < C; c++) bv[c] = B_s[j * LDB + tx + 16 * c];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+      for (int c = 0; c < C; c++) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
+  }
+}
+
 __device__ inline float attention_row_max(float v) {
   for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
   return v;
@@ -154,18 +173,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
     }
     __syncthreads();
 
-#pragma unroll 4
-    for (int j = 0; j < keys_valid; j++) {
-      float pv[4], vv[C];
-#pragma unroll
-      for (int r = 0; r < 4; r++) pv[r] = P_s[(ty + 16 * r) * ATTN_LDP + j];
-#pragma unroll
-      for (int c = 0; c < C; c++) vv[c] = V_s[j * HD + tx + 16 * c];
-#pragma unroll
-      for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int c = 0; c < C; c++) o[r][c] = fmaf(pv[r], vv[c], o[r][c]);
-    }
+    attention_tile_accumulate<C, HD>(o, P_s, V_s, keys_valid, ty, tx);  // o += P V
     __syncthreads();  // K_s, V_s, P_s are overwritten by the next tile
   }
 
@@ -263,27 +271,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
       }
     __syncthreads();
 
-#pragma unroll 4
-    for (int j = 0; j < queries_valid; j++) {
-      float pv[4], dsv[4], dov[C], qv[C];
-#pragma unroll
-      for (int r = 0; r < 4; r++) {
-        pv[r] = Pt_s[(ty + 16 * r) * ATTN_LDP + j];
-        dsv[r] = dSt_s[(ty + 16 * r) * ATTN_LDP + j];
-      }
-#pragma unroll
-      for (int c = 0; c < C; c++) {
-        dov[c] = dO_s[j * LD + tx + 16 * c];
-        qv[c] = Q_s[j * LD + tx + 16 * c];
-      }
-#pragma unroll
-      for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int c = 0; c < C; c++) {
-          dv[r][c] = fmaf(pv[r], dov[c], dv[r][c]);
-          dk[r][c] = fmaf(dsv[r], qv[c], dk[r][c]);
-        }
-    }
+    attention_tile_accumulate<C, LD>(dv, Pt_s, dO_s, queries_valid, ty, tx);   // dV += Pᵀ dO
+    attention_tile_accumulate<C, LD>(dk, dSt_s, Q_s, queries_valid, ty, tx);   // dK += dSᵀ Q
     __syncthreads();  // Q_s, dO_s, Pt_s, dSt_s, lse_s, delta_s are overwritten by the next tile
   }
 
@@ -365,18 +354,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
       }
     __syncthreads();
 
-#pragma unroll 4
-    for (int j = 0; j < keys_valid; j++) {
-      float dsv[4], kv[C];
-#pragma unroll
-      for (int r = 0; r < 4; r++) dsv[r] = dS_s[(ty + 16 * r) * ATTN_LDP + j];
-#pragma unroll
-      for (int c = 0; c < C; c++) kv[c] = K_s[j * LD + tx + 16 * c];
-#pragma unroll
-      for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int c = 0; c < C; c++) dq[r][c] = fmaf(dsv[r], kv[c], dq[r][c]);
-    }
+    attention_tile_accumulate<C, LD>(dq, dS_s, K_s, keys_valid, ty, tx);  // dQ += dS K
     __syncthreads();  // K_s, V_s, dS_s are overwritten by the next tile
   }
 
