@@ -167,13 +167,6 @@ static __global__ void ep_scatter_rows_kernel(floatX* dst, const floatX* src, co
 // ---------------------------------------------------------------------------------------------
 // Launchers: pieces
 
-// A pool buffer of `count` elements, or nullptr when count is 0 (so that a rank that receives
-// nothing holds nothing, and the pool's live bytes match the closed form exactly).
-template <typename T>
-T* ep_alloc(size_t count, Mem cat, const char* tag) {
-  return count ? pool().alloc_t<T>(count, cat, tag) : nullptr;
-}
-
 // recv_row_of_slot [R_d] (=) from the plan's block tables (uploaded to a Workspace buffer).
 inline void ep_recv_row_map(int* recv_row_of_slot, const EPPlan& plan, cudaStream_t stream) {
   const int R_d = (int)plan.received, blocks = plan.local_experts * plan.ranks;
@@ -242,52 +235,47 @@ inline void ep_moe_forward(floatX* out, EPSaved& saved, const floatX* x, const i
   if (saved.plan.ranks != 0)
     fm_fail(op, "EPSaved still holds a forward: call ep_saved_free after backward", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
   const int R = N * k, E_l = E / ep.size;
-  const size_t w13_stride = (size_t)2 * I * H, w2_stride = (size_t)H * I;
+  const size_t w13_stride = (size_t)2 * I * H;
   saved.N = N; saved.H = H; saved.I = I; saved.E = E; saved.k = k;
 
   // plan: sort routes by expert (= by destination rank, then local expert), exchange the counts
-  saved.route_of_slot = ep_alloc<int>(R, Mem::Dispatch, "ep_moe.route_of_slot");
-  saved.slot_of_route = ep_alloc<int>(R, Mem::Dispatch, "ep_moe.slot_of_route");
+  saved.route_of_slot = alloc_rows<int>(R, Mem::Dispatch, "ep_moe.route_of_slot");
+  saved.slot_of_route = alloc_rows<int>(R, Mem::Dispatch, "ep_moe.slot_of_route");
   std::vector<int> routes_per_expert = moe_route_plan(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream);
   std::vector<long long> sent_per_expert(routes_per_expert.begin(), routes_per_expert.end());
   std::vector<long long> received_per_source_expert = all_to_all_host(ep, sent_per_expert, E_l, stream);
   saved.plan = ep_plan(routes_per_expert, received_per_source_expert, ep.size);
   const EPPlan& plan = saved.plan;
   const int R_d = (int)plan.received;
-  saved.recv_row_of_slot = ep_alloc<int>(R_d, Mem::Dispatch, "ep_moe.recv_row_of_slot");
+  saved.recv_row_of_slot = alloc_rows<int>(R_d, Mem::Dispatch, "ep_moe.recv_row_of_slot");
   ep_recv_row_map(saved.recv_row_of_slot, plan, stream);
 
   // dispatch: x rows in sorted order → their experts' ranks (source-major) → expert-major xe [R_d,H]
-  floatX* x_sent = ep_alloc<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe_forward.x_sent");
+  floatX* x_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe_forward.x_sent");
   moe_permute_rows(x_sent, x, saved.route_of_slot, R, H, k, stream);
-  floatX* x_recv = ep_alloc<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_forward.x_recv");
+  floatX* x_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_forward.x_recv");
   all_to_all_v(ep, x_sent, plan.send_rows, x_recv, plan.recv_rows, (size_t)H, stream);
   pool().free(x_sent);
-  saved.xe = ep_alloc<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe.xe");
+  saved.xe = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe.xe");
   moe_permute_rows(saved.xe, x_recv, saved.recv_row_of_slot, R_d, H, 1, stream);
   pool().free(x_recv);
 
   // local experts: h13_l [R_l,2I] = xe_l W13_lᵀ;  a = swiglu(h13);  y_l [R_l,H] = a_l W2_lᵀ
-  saved.h13 = ep_alloc<floatX>((size_t)R_d * 2 * I, Mem::ExpertIntermediates, "ep_moe.h13");
+  saved.h13 = alloc_rows<floatX>((size_t)R_d * 2 * I, Mem::ExpertIntermediates, "ep_moe.h13");
   grouped_gemm("ep_moe_forward.h13", ep_local_expert_problems(plan, [&](int l, size_t first, int rows) {
                  return GroupedGemmProblem{saved.xe + first * H, W13_local + l * w13_stride, saved.h13 + first * 2 * I,
                                            rows, 2 * I, H};
                }),
                false, true, H, H, 2 * I, 0.f, stream);
-  floatX* a = ep_alloc<floatX>((size_t)R_d * I, Mem::ExpertIntermediates, "ep_moe_forward.a");
-  swiglu_forward(a, saved.h13, R_d, I, stream);
-  floatX* y_expert = ep_alloc<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_forward.y_expert");
-  grouped_gemm("ep_moe_forward.y", ep_local_expert_problems(plan, [&](int l, size_t first, int rows) {
-                 return GroupedGemmProblem{a + first * I, W2_local + l * w2_stride, y_expert + first * H, rows, H, I};
-               }),
-               false, true, I, I, H, 0.f, stream);
-  pool().free(a);
+  floatX* y_expert = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_forward.y_expert");
+  experts_swiglu_down(y_expert, saved.h13, W2_local, plan.expert_rows, plan.expert_offsets, R_d, H, I, "ep_moe_forward",
+                      stream);
 
   // return: expert-major → source-major → back to the sources (sorted order) → weighted combine
-  floatX* y_recv = ep_alloc<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_forward.y_recv");
+  floatX* y_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_forward.y_recv");
   ep_scatter_rows(y_recv, y_expert, saved.recv_row_of_slot, R_d, H, stream);
   pool().free(y_expert);
-  saved.y = ep_alloc<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe.y");
+  saved.y = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe.y");
   all_to_all_v(ep, y_recv, plan.recv_rows, saved.y, plan.send_rows, (size_t)H, stream);
   pool().free(y_recv);
   moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
@@ -303,41 +291,27 @@ inline void ep_moe_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floa
     fm_fail("ep_moe_backward", "EPSaved is empty or from another group: run ep_moe_forward on this group first",
             "saved ranks=%d group=%s size=%d", plan.ranks, ep.name.c_str(), ep.size);
   const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k, R_d = (int)plan.received;
-  const size_t w13_stride = (size_t)2 * I * H, w2_stride = (size_t)H * I;
+  const size_t w13_stride = (size_t)2 * I * H;
 
   // dy = w·dout at the source (sorted order), dtopk_w = dout·y → the experts' ranks → expert-major
-  floatX* dy_sent = ep_alloc<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe_backward.dy_sent");
+  floatX* dy_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe_backward.dy_sent");
   moe_combine_backward(dy_sent, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
-  floatX* dy_recv = ep_alloc<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dy_recv");
+  floatX* dy_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dy_recv");
   all_to_all_v(ep, dy_sent, plan.send_rows, dy_recv, plan.recv_rows, (size_t)H, stream);
   pool().free(dy_sent);
-  floatX* dy = ep_alloc<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dy");
+  floatX* dy = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dy");
   moe_permute_rows(dy, dy_recv, saved.recv_row_of_slot, R_d, H, 1, stream);
   pool().free(dy_recv);
 
   // local experts: da_l = dy_l W2_l;  dW2_l += dy_lᵀ a_l;  dh13 = swiglu'(da);  dW13_l += dh13_lᵀ xe_l;  dxe_l = dh13_l W13_l
-  floatX* a = ep_alloc<floatX>((size_t)R_d * I, Mem::ExpertIntermediates, "ep_moe_backward.a");
-  swiglu_forward(a, saved.h13, R_d, I, stream);
-  floatX* da = ep_alloc<floatX>((size_t)R_d * I, Mem::ExpertIntermediates, "ep_moe_backward.da");
-  grouped_gemm("ep_moe_backward.da", ep_local_expert_problems(plan, [&](int l, size_t first, int rows) {
-                 return GroupedGemmProblem{dy + first * H, W2_local + l * w2_stride, da + first * I, rows, I, H};
-               }),
-               false, false, H, I, I, 0.f, stream);
-  grouped_gemm("ep_moe_backward.dW2", ep_local_expert_problems(plan, [&](int l, size_t first, int rows) {
-                 return GroupedGemmProblem{dy + first * H, a + first * I, dW2_local + l * w2_stride, H, I, rows};
-               }),
-               true, false, H, I, I, 1.f, stream);
-  pool().free(a);
-  pool().free(dy);
-  floatX* dh13 = ep_alloc<floatX>((size_t)R_d * 2 * I, Mem::ExpertIntermediates, "ep_moe_backward.dh13");
-  swiglu_backward(dh13, da, saved.h13, R_d, I, stream);
-  pool().free(da);
+  floatX* dh13 = experts_backward_to_h13(dy, dW2_local, saved.h13, W2_local, plan.expert_rows, plan.expert_offsets,
+                                         R_d, H, I, "ep_moe_backward", stream);
   grouped_gemm("ep_moe_backward.dW13", ep_local_expert_problems(plan, [&](int l, size_t first, int rows) {
                  return GroupedGemmProblem{dh13 + first * 2 * I, saved.xe + first * H, dW13_local + l * w13_stride,
                                            2 * I, H, rows};
                }),
                true, false, 2 * I, H, H, 1.f, stream);
-  floatX* dxe = ep_alloc<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dxe");
+  floatX* dxe = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dxe");
   grouped_gemm("ep_moe_backward.dxe", ep_local_expert_problems(plan, [&](int l, size_t first, int rows) {
                  return GroupedGemmProblem{dh13 + first * 2 * I, W13_local + l * w13_stride, dxe + first * H, rows, H,
                                            2 * I};
@@ -346,10 +320,10 @@ inline void ep_moe_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floa
   pool().free(dh13);
 
   // input gradients: expert-major → source-major → back to the sources → dx[n] = Σ_j dxp[route n·k+j]
-  floatX* dx_recv = ep_alloc<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dx_recv");
+  floatX* dx_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dx_recv");
   ep_scatter_rows(dx_recv, dxe, saved.recv_row_of_slot, R_d, H, stream);
   pool().free(dxe);
-  floatX* dx_sent = ep_alloc<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe_backward.dx_sent");
+  floatX* dx_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe_backward.dx_sent");
   all_to_all_v(ep, dx_recv, plan.recv_rows, dx_sent, plan.send_rows, (size_t)H, stream);
   pool().free(dx_recv);
   moe_combine(dx, dx_sent, saved.slot_of_route, nullptr, N, H, k, stream);

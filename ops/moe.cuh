@@ -390,6 +390,58 @@ std::vector<GroupedGemmProblem> moe_expert_problems(const MoESaved& saved, F mak
   return expert_problems(saved.expert_counts, saved.expert_offsets, make);
 }
 
+// A pool buffer of `count` elements, or nullptr when count is 0 (a rank that receives no routes
+// holds nothing, so the pool's live bytes match the closed forms exactly).
+template <typename T>
+T* alloc_rows(size_t count, Mem cat, const std::string& tag) {
+  return count ? pool().alloc_t<T>(count, cat, tag.c_str()) : nullptr;
+}
+
+// The experts' second half, shared by moe_forward and ep_moe_forward: on R expert-sorted routes
+// (counts/offsets per expert), y_e [R_e,H] (=) = swiglu(h13_e) [R_e,I] · W2_eᵀ. The activation a
+// [R,I] lives only inside (ExpertIntermediates).
+inline void experts_swiglu_down(floatX* y, const floatX* h13, const floatX* W2, const std::vector<int>& counts,
+                                const std::vector<int>& offsets, int R, int H, int I, const std::string& op,
+                                cudaStream_t stream) {
+  const size_t w2_stride = (size_t)H * I;
+  floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
+  swiglu_forward(a, h13, R, I, stream);
+  grouped_gemm((op + ".y").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
+                 return GroupedGemmProblem{a + first * I, W2 + e * w2_stride, y + first * H, rows, H, I};
+               }),
+               false, true, I, I, H, 0.f, stream);
+  pool().free(a);
+}
+
+// The experts' backward down to the gate/up gradients, shared by moe_backward and ep_moe_backward:
+// da_e = dy_e · W2_e; dW2_e (+=) dy_eᵀ · a_e; returns dh13 [R,2I] = swiglu'(h13) ⊙ da
+// (ExpertIntermediates, the caller frees it). Frees dy as soon as it is consumed, before dh13 is
+// allocated, so that the two are never live together.
+inline floatX* experts_backward_to_h13(floatX* dy, floatX* dW2, const floatX* h13, const floatX* W2,
+                                       const std::vector<int>& counts, const std::vector<int>& offsets, int R, int H,
+                                       int I, const std::string& op, cudaStream_t stream) {
+  const size_t w2_stride = (size_t)H * I;
+  floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
+  swiglu_forward(a, h13, R, I, stream);
+  // da_e [R_e,I] = dy_e [R_e,H] · W2_e [H,I]
+  floatX* da = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".da");
+  grouped_gemm((op + ".da").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
+                 return GroupedGemmProblem{dy + first * H, W2 + e * w2_stride, da + first * I, rows, I, H};
+               }),
+               false, false, H, I, I, 0.f, stream);
+  // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
+  grouped_gemm((op + ".dW2").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
+                 return GroupedGemmProblem{dy + first * H, a + first * I, dW2 + e * w2_stride, H, I, rows};
+               }),
+               true, false, H, I, I, 1.f, stream);
+  pool().free(a);
+  pool().free(dy);
+  floatX* dh13 = alloc_rows<floatX>((size_t)R * 2 * I, Mem::ExpertIntermediates, op + ".dh13");
+  swiglu_backward(dh13, da, h13, R, I, stream);
+  pool().free(da);
+  return dh13;
+}
+
 // out [N,H] (=); fills `saved` (which must be empty: moe_saved_free it after backward).
 // Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host).
 inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
@@ -401,7 +453,7 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
   if (saved.route_of_slot || saved.slot_of_route || saved.h13 || saved.y)
     fm_fail("moe_forward", "MoESaved still holds buffers: call moe_saved_free after backward", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
   const int R = N * k;
-  const size_t w13_stride = (size_t)2 * I * H, w2_stride = (size_t)H * I;
+  const size_t w13_stride = (size_t)2 * I * H;
   saved.N = N; saved.H = H; saved.I = I; saved.E = E; saved.k = k;
   saved.route_of_slot = pool().alloc_t<int>(R, Mem::Dispatch, "moe.route_of_slot");
   saved.slot_of_route = pool().alloc_t<int>(R, Mem::Dispatch, "moe.slot_of_route");
@@ -418,15 +470,9 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
                }),
                false, true, H, H, 2 * I, 0.f, stream);
   pool().free(xp);
-  floatX* a = pool().alloc_t<floatX>((size_t)R * I, Mem::ExpertIntermediates, "moe_forward.a");
-  swiglu_forward(a, saved.h13, R, I, stream);
-  // y_e [R_e,H] = a_e [R_e,I] · W2_eᵀ
+  // y_e [R_e,H] = swiglu(h13_e) [R_e,I] · W2_eᵀ
   saved.y = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe.y");
-  grouped_gemm("moe_forward.y", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
-                 return GroupedGemmProblem{a + first * I, W2 + e * w2_stride, saved.y + first * H, rows, H, I};
-               }),
-               false, true, I, I, H, 0.f, stream);
-  pool().free(a);
+  experts_swiglu_down(saved.y, saved.h13, W2, saved.expert_counts, saved.expert_offsets, R, H, I, "moe_forward", stream);
   moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
 }
 
@@ -439,28 +485,12 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
   if (!saved.route_of_slot || !saved.h13 || !saved.y)
     fm_fail("moe_backward", "MoESaved is empty: run moe_forward first", "N=%d", saved.N);
   const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k;
-  const size_t w13_stride = (size_t)2 * I * H, w2_stride = (size_t)H * I;
+  const size_t w13_stride = (size_t)2 * I * H;
 
   floatX* dy = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dy");
   moe_combine_backward(dy, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
-  floatX* a = pool().alloc_t<floatX>((size_t)R * I, Mem::ExpertIntermediates, "moe_backward.a");
-  swiglu_forward(a, saved.h13, R, I, stream);
-  // da_e [R_e,I] = dy_e [R_e,H] · W2_e [H,I]
-  floatX* da = pool().alloc_t<floatX>((size_t)R * I, Mem::ExpertIntermediates, "moe_backward.da");
-  grouped_gemm("moe_backward.da", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
-                 return GroupedGemmProblem{dy + first * H, W2 + e * w2_stride, da + first * I, rows, I, H};
-               }),
-               false, false, H, I, I, 0.f, stream);
-  // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
-  grouped_gemm("moe_backward.dW2", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
-                 return GroupedGemmProblem{dy + first * H, a + first * I, dW2 + e * w2_stride, H, I, rows};
-               }),
-               true, false, H, I, I, 1.f, stream);
-  pool().free(a);
-  pool().free(dy);
-  floatX* dh13 = pool().alloc_t<floatX>((size_t)R * 2 * I, Mem::ExpertIntermediates, "moe_backward.dh13");
-  swiglu_backward(dh13, da, saved.h13, R, I, stream);
-  pool().free(da);
+  floatX* dh13 = experts_backward_to_h13(dy, dW2, saved.h13, W2, saved.expert_counts, saved.expert_offsets, R, H, I,
+                                         "moe_backward", stream);
   // dxp_e [R_e,H] = dh13_e [R_e,2I] · W13_e [2I,H];  dx[n] = Σ_j dxp[route n·k+j]
   floatX* dxp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dxp");
   grouped_gemm("moe_backward.dxp", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
