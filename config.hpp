@@ -63,6 +63,10 @@ struct TrainConfig {
   int gpus = 1;                            // W: ranks (one process per GPU) started on this node
   int ep = 0;                              // E_p: expert-parallel group size (0 = W)
   std::string routing = "router";          // "router", or a profile that overrides its choice: "balanced", "hot:r/h"
+  // Seams (DESIGN §1.1): which implementation serves each; chosen once, at start-up.
+  std::string moe = "";                    // MoE dispatcher: local (E_p = 1) | ep; "" = local at E_p = 1, else ep
+  std::string head = "full";               // output head: full (logits [N,V] inside the head)
+  std::string optimizer = "adamw";         // optimizer: adamw (fp32 master weights and moments on the GPU)
   unsigned long long seed = 1337;
 };
 
@@ -182,6 +186,22 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
                                         std::to_string(t.gpus) + ")");
   need(c.n_dense == c.layers || c.experts % ep == 0,
        "experts (" + std::to_string(c.experts) + ") must be divisible by ep (" + std::to_string(ep) + ")");
+  // Seams: what exists is accepted, what a paper operator will add later is refused by name.
+  auto refuse_unbuilt = [&](const std::string& flag, const std::string& v, const std::vector<std::string>& built,
+                            const std::vector<std::string>& planned) {
+    for (const std::string& b : built)
+      if (v == b) return;
+    std::string list;
+    for (const std::string& b : built) list += (list.empty() ? "" : ", ") + b;
+    for (const std::string& p : planned)
+      if (v == p) throw std::invalid_argument(flag + " " + v + " is not built yet (available: " + list + ")");
+    throw std::invalid_argument(flag + " expects one of " + list + ", got '" + v + "'");
+  };
+  refuse_unbuilt("--moe", t.moe.empty() ? "ep" : t.moe, {"local", "ep"}, {"llep", "pllep", "relay"});
+  need(t.moe != "local" || ep == 1, "--moe local keeps every expert on each rank: it needs --ep 1 (got ep " +
+                                        std::to_string(ep) + ")");
+  refuse_unbuilt("--head", t.head, {"full"}, {"ring_dtp"});
+  refuse_unbuilt("--optimizer", t.optimizer, {"adamw"}, {"cpu_adamw", "offload_adamw"});
   need(t.val_every >= 0 && t.val_batches >= 0 && t.sample_every >= 0 && t.sample_len >= 0 &&
            t.ckpt_every >= 0 && t.log_every > 0,
        "val_every, val_batches, sample_every, sample_len, ckpt_every must be >= 0, log_every > 0");
@@ -204,6 +224,7 @@ inline std::string usage() {
          "        --recompute 0|1 --seed S\n"
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h (a profile overrides the router's expert choice)\n"
+         "seams:  --moe local|ep (default: local at E_p = 1, else ep) --head full --optimizer adamw\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
          "        --ckpt_every S --log_every S --timeline_step S --resume FILE\n";
@@ -246,7 +267,7 @@ inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
   std::map<std::string, std::string*> strings = {
       {"--data", &t.data_dir}, {"--train", &t.train_pattern},   {"--val", &t.val_pattern},
       {"--tokenizer", &t.tokenizer}, {"--out", &t.out_dir}, {"--resume", &t.resume},
-      {"--routing", &t.routing}};
+      {"--routing", &t.routing}, {"--moe", &t.moe}, {"--head", &t.head}, {"--optimizer", &t.optimizer}};
   for (int i = 1; i < argc; i++) {
     std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") throw FlagError("help");
@@ -275,6 +296,13 @@ inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
   if (t.train_pattern.empty()) t.train_pattern = t.data_dir + "/train_*.bin";
   if (t.val_pattern.empty()) t.val_pattern = t.data_dir + "/val_*.bin";
   if (t.tokenizer.empty()) t.tokenizer = t.data_dir + "/tokenizer.bin";
+}
+
+// The MoE dispatcher that --moe names, with its default resolved: local at E_p = 1, else ep.
+inline std::string moe_dispatcher(const TrainConfig& t) {
+  if (!t.moe.empty()) return t.moe;
+  const int ep = t.ep ? t.ep : t.gpus;
+  return ep == 1 ? "local" : "ep";
 }
 
 // Learning rate at optimizer step s (0-based): linear warmup, then cosine to lr·min_lr_frac.

@@ -35,7 +35,7 @@
 #pragma once
 #include <cmath>
 #include "common.cuh"
-#include "pool.cuh"
+#include "../runtime/pool.cuh"
 
 static const int ATTN_TILE = 64;       // query and key rows per tile
 static const int ATTN_THREADS = 256;   // 16 × 16

@@ -1,6 +1,7 @@
-// common.cuh — what every operator shares: the activation type, error checks that name the
-// operator and its sizes, the cuBLAS handle, small element-wise kernels, and reductions that are
-// deterministic (fixed order, no float atomics) so that a resumed run replays bit for bit.
+// common.cuh — what every operator shares: the activation type, its conversions, the GEMM types,
+// small element-wise kernels, and reductions that are deterministic (fixed order, no float atomics)
+// so that a resumed run replays bit for bit. Error checks live in runtime/check.cuh, the cuBLAS
+// handle with its pooled workspace in runtime/pool.cuh.
 //
 // Precision (DESIGN §3), chosen at compile time:
 //   -DFLATMOE_BF16  floatX = __nv_bfloat16 (weights/activations); fp32 master weights, optimizer
@@ -16,6 +17,7 @@
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cublas_v2.h>
+#include "../runtime/check.cuh"
 
 #if defined(FLATMOE_BF16)
 typedef __nv_bfloat16 floatX;
@@ -26,42 +28,6 @@ typedef float floatX;
 #define FLATMOE_PRECISION_NAME "FP32"
 static const cudaDataType_t CUBLAS_FLOATX = CUDA_R_32F;
 #endif
-
-// ---------------------------------------------------------------------------------------------
-// Errors: every failure names the operator and its sizes, then exits non-zero.
-
-inline std::string fm_format(const char* fmt, va_list ap) {
-  char buf[1024];
-  vsnprintf(buf, sizeof(buf), fmt, ap);
-  return buf;
-}
-
-[[noreturn]] inline void fm_fail(const char* op, const char* what, const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  std::string sizes = fm_format(fmt, ap);
-  va_end(ap);
-  fprintf(stderr, "flatmoe error in %s (%s): %s\n", op, sizes.c_str(), what);
-  fflush(stderr);
-  exit(EXIT_FAILURE);
-}
-
-// cudaCheck(call, "operator", "N=%d H=%d", N, H)
-#define cudaCheck(call, op, ...)                                                    \
-  do {                                                                              \
-    cudaError_t fm_err_ = (call);                                                   \
-    if (fm_err_ != cudaSuccess) fm_fail(op, cudaGetErrorString(fm_err_), __VA_ARGS__); \
-  } while (0)
-
-#define cublasCheck(call, op, ...)                                                  \
-  do {                                                                              \
-    cublasStatus_t fm_st_ = (call);                                                 \
-    if (fm_st_ != CUBLAS_STATUS_SUCCESS)                                            \
-      fm_fail(op, cublasGetStatusString(fm_st_), __VA_ARGS__);                      \
-  } while (0)
-
-// After every kernel launch: catches bad launch configurations at the launch site.
-#define launchCheck(op, ...) cudaCheck(cudaGetLastError(), op, __VA_ARGS__)
 
 // ---------------------------------------------------------------------------------------------
 // Conversions between floatX and float inside kernels.
@@ -75,23 +41,6 @@ template <> __device__ __host__ inline __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 
 inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
-
-// ---------------------------------------------------------------------------------------------
-// cuBLAS: one handle per process (one process per GPU). The FP32 build runs pedantic FP32.
-
-inline cublasHandle_t cublas_handle() {
-  static cublasHandle_t handle = [] {
-    cublasHandle_t h;
-    cublasCheck(cublasCreate(&h), "cublas_handle", "create");
-#if defined(FLATMOE_BF16)
-    cublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublas_handle", "math mode");
-#else
-    cublasCheck(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH), "cublas_handle", "math mode");
-#endif
-    return h;
-  }();
-  return handle;
-}
 
 // The compute type of every GEMM: fp32 accumulation; pedantic in the FP32 build.
 static const cublasComputeType_t CUBLAS_COMPUTE = CUBLAS_COMPUTE_32F;
@@ -171,16 +120,4 @@ inline void sumsq_accumulate(float* partials, const T* x, size_t n, cudaStream_t
 inline void sumsq_finish(float* out, const float* partials, cudaStream_t stream) {
   sum_partials_kernel<<<1, 32, 0, stream>>>(out, partials, SUMSQ_BLOCKS);
   launchCheck("sumsq_finish", "blocks=%d", SUMSQ_BLOCKS);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Device presence (tests skip GPU cases when this is false).
-
-inline int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no device" error
-    return 0;
-  }
-  return n;
 }

@@ -45,10 +45,10 @@
 #include <algorithm>
 #include <climits>
 #include <vector>
-#include "comm.cuh"
+#include "../runtime/comm.cuh"
 #include "common.cuh"
 #include "moe.cuh"
-#include "pool.cuh"
+#include "../runtime/pool.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // Host-side plan (pure C++: no CUDA call; the plan tests drive it for up to 64 ranks without a GPU)

@@ -17,7 +17,7 @@
 // Memory: none of its own (cuBLAS's workspace is the pool's, set by cublas_on).
 #pragma once
 #include "common.cuh"
-#include "pool.cuh"
+#include "../runtime/pool.cuh"
 
 // C [m, n] (column-major, ldc) = alpha · op(A) · op(B) + beta · C, on `stream`.
 inline void matmul_gemm(const char* op_name, cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k,

@@ -35,7 +35,7 @@
 #include <cstring>
 #include <vector>
 #include "common.cuh"
-#include "pool.cuh"
+#include "../runtime/pool.cuh"
 
 static const int MOE_PLAN_TILE = 256;          // routes per tile of the stable sort
 static const int MOE_MAX_E = 12288;            // the plan keeps one int per expert in shared memory (48 KiB)

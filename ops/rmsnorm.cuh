@@ -20,7 +20,7 @@
 // Limits: backward needs H·4 bytes of shared memory per block (H <= ~57000 on sm_90).
 #pragma once
 #include "common.cuh"
-#include "pool.cuh"
+#include "../runtime/pool.cuh"
 
 static const int RMSNORM_BACKWARD_MAX_BLOCKS = 1024;
 

@@ -1,4 +1,4 @@
-// tests/dist_comm.cu — ops/comm.cuh and ops/launch.cuh.
+// tests/dist_comm.cu — runtime/comm.cuh and runtime/launch.cuh.
 //   Host-only (every machine, every rank): the NCCL id's hex text, comm_block_group's index math, the
 //   timeout and launcher variables (our launcher, mpirun, srun; missing FLATMOE_MASTER_ADDR refused),
 //   the TCP rendezvous between processes on 127.0.0.1, and the launcher stopping a job when one rank
@@ -14,7 +14,7 @@
 #include <fcntl.h>
 #include <map>
 #include "dist_util.cuh"
-#include "../ops/launch.cuh"
+#include "../runtime/launch.cuh"
 
 namespace {
 

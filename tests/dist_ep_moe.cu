@@ -14,6 +14,7 @@
 #include "gpu_util.cuh"
 #include "../ops/ep_moe.cuh"
 #include "../ops/router.cuh"
+#include "../data/routing_profile.hpp"
 #include "../ref/ep_moe.hpp"
 
 namespace {

@@ -1,7 +1,7 @@
 // tests/dist_main.cu — main() of build/{fp32,bf16}/test_dist, whose tests are tests/dist_*.cu.
 //
 // W = FLATMOE_TEST_WORLD, or min(2, CUDA devices) when it is unset.
-//   W >= 2: this process is the launcher (ops/launch.cuh). It starts W ranks of itself and waits. Each
+//   W >= 2: this process is the launcher (runtime/launch.cuh). It starts W ranks of itself and waits. Each
 //     rank makes the world communicator (test_world()), runs every test, writes its output to
 //     LOGDIR/dist_rankR.log and each test's outcome to LOGDIR/dist_rankR.results (LOGDIR =
 //     FLATMOE_TEST_LOG_DIR, default build/test-logs), and exits 0 once it has run them all. Then this
@@ -19,7 +19,7 @@
 #include <map>
 #include <random>
 #include "dist_util.cuh"
-#include "../ops/launch.cuh"
+#include "../runtime/launch.cuh"
 
 namespace {
 

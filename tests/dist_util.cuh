@@ -16,7 +16,7 @@
 #include <sstream>
 #include <string>
 #include "gpu_util.cuh"
-#include "../ops/comm.cuh"
+#include "../runtime/comm.cuh"
 
 // The world communicator over all ranks of the run. Exits with a message when there is none
 // (no CUDA device): guard the test with REQUIRE_WORLD(n).

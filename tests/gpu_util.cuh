@@ -4,7 +4,7 @@
 #pragma once
 #include "test_util.hpp"
 #include "../ops/common.cuh"
-#include "../ops/pool.cuh"
+#include "../runtime/pool.cuh"
 
 // Per-operator tolerance (DESIGN §3): 1e-5 in FP32, 2e-2 in BF16; the whole model 1e-4 in FP32.
 #if defined(FLATMOE_BF16)

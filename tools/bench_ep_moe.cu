@@ -19,11 +19,12 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-#include "../ops/comm.cuh"
+#include "../runtime/comm.cuh"
 #include "../ops/ep_moe.cuh"
-#include "../ops/launch.cuh"
+#include "../runtime/launch.cuh"
 #include "../ops/moe.cuh"
 #include "../ops/router.cuh"
+#include "../data/routing_profile.hpp"
 
 struct BenchFlags {
   int gpus = 1, tokens = 8192, hidden = 2048, inter = 1408, experts = 16, topk = 4, warmup = 5, iters = 20;

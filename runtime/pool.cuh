@@ -18,7 +18,7 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
-#include "common.cuh"
+#include "check.cuh"
 
 enum class Mem : int {
   Weights,
@@ -225,6 +225,23 @@ struct DeviceBuffer {
   T* get() const { return ptr; }
   size_t bytes() const { return count * sizeof(T); }
 };
+
+// ---------------------------------------------------------------------------------------------
+// cuBLAS: one handle per process (one process per GPU). The FP32 build runs pedantic FP32.
+
+inline cublasHandle_t cublas_handle() {
+  static cublasHandle_t handle = [] {
+    cublasHandle_t h;
+    cublasCheck(cublasCreate(&h), "cublas_handle", "create");
+#if defined(FLATMOE_BF16)
+    cublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublas_handle", "math mode");
+#else
+    cublasCheck(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH), "cublas_handle", "math mode");
+#endif
+    return h;
+  }();
+  return handle;
+}
 
 // cuBLAS on a stream, with its workspace taken from the pool (category Workspace). cublasSetStream
 // resets cuBLAS to a workspace of its own (allocated outside the pool), so every GEMM launcher

@@ -1,5 +1,5 @@
 // launch.cuh — starting the W ranks of a job (one process per GPU) and giving each its LaunchInfo
-// (ops/comm.cuh: rank, world size, local rank = CUDA device, NCCL id). launch() finds out how this
+// (runtime/comm.cuh: rank, world size, local rank = CUDA device, NCCL id). launch() finds out how this
 // process was started:
 //   * by nobody, gpus > 1 (one node): it is the launcher. It creates the NCCL id, forks and execs
 //     /proc/self/exe W times with the same argv and FLATMOE_RANK, FLATMOE_WORLD, FLATMOE_LOCAL_RANK,
@@ -30,9 +30,75 @@
 #include <algorithm>
 #include <cerrno>
 #include <functional>
-#include "comm.cuh"
+#include <nccl.h>
+#include <cstdarg>
+#include <cstring>
+#include <string>
+#include <vector>
+#include "check.cuh"
 
 extern char** environ;
+
+// What a process learns from the launcher (runtime/launch.cuh).
+struct LaunchInfo {
+  int rank = 0, world = 1, local_rank = 0;
+  ncclUniqueId id{};
+};
+
+// ---------------------------------------------------------------------------------------------
+// Settings from the environment
+
+// NCCL_NVLS_ENABLE=0 unless already 0; any other value is refused. Called before the first NCCL call
+// of the process (by launch() and comm_world_init()).
+inline void comm_set_nccl_env() {
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+  const char* nvls = getenv("NCCL_NVLS_ENABLE");
+  if (strcmp(nvls, "0") != 0) {
+    fprintf(stderr, "flatmoe: NCCL_NVLS_ENABLE=%s: NVLink multicast must stay off; unset it or set it to 0\n", nvls);
+    exit(EXIT_FAILURE);
+  }
+}
+
+// Parses a timeout in seconds: a finite number > 0 and nothing else. Returns false when malformed.
+inline bool parse_timeout_s(const char* text, double* seconds) {
+  if (text == nullptr || text[0] == '\0') return false;
+  char* end = nullptr;
+  double v = strtod(text, &end);
+  if (*end != '\0' || !(v > 0) || v > 1e9) return false;
+  *seconds = v;
+  return true;
+}
+
+// FLATMOE_COMM_TIMEOUT_S (default 600 s): the longest any communication wait may take.
+inline double comm_timeout_s() {
+  static const double timeout = [] {
+    const char* text = getenv("FLATMOE_COMM_TIMEOUT_S");
+    double v = 600;
+    if (text != nullptr && !parse_timeout_s(text, &v)) {
+      fprintf(stderr, "flatmoe: FLATMOE_COMM_TIMEOUT_S='%s' is not a positive number of seconds\n", text);
+      exit(EXIT_FAILURE);
+    }
+    return v;
+  }();
+  return timeout;
+}
+
+__attribute__((format(printf, 1, 2))) inline std::string comm_format(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::string s = fm_format(fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+
+// NCCL's name of a result, with its last error message when it has one.
+inline std::string nccl_why(ncclResult_t result, ncclComm_t nccl) {
+  std::string why = ncclGetErrorString(result);
+  const char* last = ncclGetLastError(nccl);
+  if (last != nullptr && last[0] != '\0') why += std::string(" (") + last + ")";
+  return why;
+}
 
 [[noreturn]] __attribute__((format(printf, 1, 2))) inline void launch_fail(const char* fmt, ...) {
   va_list ap;

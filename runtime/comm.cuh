@@ -2,7 +2,7 @@
 // the world's W ranks (one process per GPU) and over sub-groups of them, the collectives the model
 // uses, and waits that cannot hang.
 //
-// Communicators: comm_world_init makes the world communicator from a LaunchInfo (ops/launch.cuh);
+// Communicators: comm_world_init makes the world communicator from a LaunchInfo (runtime/launch.cuh);
 // sub-groups ("ep", "dp", "vocab", ...) are NCCL splits of it, usually contiguous blocks of ranks
 // (comm_block_group: group index = world.rank / size, rank within = world.rank % size).
 // Every communicator is non-blocking (ncclConfig_t blocking = 0): an NCCL call may return
@@ -32,7 +32,8 @@
 #include <string>
 #include <thread>
 #include <vector>
-#include "common.cuh"
+#include "check.cuh"
+#include "launch.cuh"
 #include "pool.cuh"
 
 // One NCCL communicator over a subset of the world's ranks.
@@ -41,50 +42,6 @@ struct Comm {
   int rank = 0, size = 1;  // this process's index in the group, group size
   std::string name;        // "world", "ep", "dp", "vocab", ... (named in every error message)
 };
-
-// What a process learns from the launcher (ops/launch.cuh).
-struct LaunchInfo {
-  int rank = 0, world = 1, local_rank = 0;
-  ncclUniqueId id{};
-};
-
-// ---------------------------------------------------------------------------------------------
-// Settings from the environment
-
-// NCCL_NVLS_ENABLE=0 unless already 0; any other value is refused. Called before the first NCCL call
-// of the process (by launch() and comm_world_init()).
-inline void comm_set_nccl_env() {
-  setenv("NCCL_NVLS_ENABLE", "0", 0);
-  const char* nvls = getenv("NCCL_NVLS_ENABLE");
-  if (strcmp(nvls, "0") != 0) {
-    fprintf(stderr, "flatmoe: NCCL_NVLS_ENABLE=%s: NVLink multicast must stay off; unset it or set it to 0\n", nvls);
-    exit(EXIT_FAILURE);
-  }
-}
-
-// Parses a timeout in seconds: a finite number > 0 and nothing else. Returns false when malformed.
-inline bool parse_timeout_s(const char* text, double* seconds) {
-  if (text == nullptr || text[0] == '\0') return false;
-  char* end = nullptr;
-  double v = strtod(text, &end);
-  if (*end != '\0' || !(v > 0) || v > 1e9) return false;
-  *seconds = v;
-  return true;
-}
-
-// FLATMOE_COMM_TIMEOUT_S (default 600 s): the longest any communication wait may take.
-inline double comm_timeout_s() {
-  static const double timeout = [] {
-    const char* text = getenv("FLATMOE_COMM_TIMEOUT_S");
-    double v = 600;
-    if (text != nullptr && !parse_timeout_s(text, &v)) {
-      fprintf(stderr, "flatmoe: FLATMOE_COMM_TIMEOUT_S='%s' is not a positive number of seconds\n", text);
-      exit(EXIT_FAILURE);
-    }
-    return v;
-  }();
-  return timeout;
-}
 
 // The world rank of this process, named in every failure message (set by comm_world_init).
 inline int& comm_process_rank() {
@@ -95,21 +52,6 @@ inline int& comm_process_rank() {
 // ---------------------------------------------------------------------------------------------
 // Failures
 
-__attribute__((format(printf, 1, 2))) inline std::string comm_format(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  std::string s = fm_format(fmt, ap);
-  va_end(ap);
-  return s;
-}
-
-// NCCL's name of a result, with its last error message when it has one.
-inline std::string nccl_why(ncclResult_t result, ncclComm_t nccl) {
-  std::string why = ncclGetErrorString(result);
-  const char* last = ncclGetLastError(nccl);
-  if (last != nullptr && last[0] != '\0') why += std::string(" (") + last + ")";
-  return why;
-}
 
 // Prints the failure, aborts the communicator and exits non-zero. The abort makes NCCL's kernels and
 // threads stop; an alarm ends the process should the abort itself hang (its result is not checked:

@@ -1,0 +1,57 @@
+// check.cuh — error checks that name the operator and its sizes, and device presence. No math:
+// every operator and every runtime piece includes it.
+#pragma once
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+
+// ---------------------------------------------------------------------------------------------
+// Errors: every failure names the operator and its sizes, then exits non-zero.
+
+inline std::string fm_format(const char* fmt, va_list ap) {
+  char buf[1024];
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  return buf;
+}
+
+[[noreturn]] inline void fm_fail(const char* op, const char* what, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::string sizes = fm_format(fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "flatmoe error in %s (%s): %s\n", op, sizes.c_str(), what);
+  fflush(stderr);
+  exit(EXIT_FAILURE);
+}
+
+// cudaCheck(call, "operator", "N=%d H=%d", N, H)
+#define cudaCheck(call, op, ...)                                                    \
+  do {                                                                              \
+    cudaError_t fm_err_ = (call);                                                   \
+    if (fm_err_ != cudaSuccess) fm_fail(op, cudaGetErrorString(fm_err_), __VA_ARGS__); \
+  } while (0)
+
+#define cublasCheck(call, op, ...)                                                  \
+  do {                                                                              \
+    cublasStatus_t fm_st_ = (call);                                                 \
+    if (fm_st_ != CUBLAS_STATUS_SUCCESS)                                            \
+      fm_fail(op, cublasGetStatusString(fm_st_), __VA_ARGS__);                      \
+  } while (0)
+
+// After every kernel launch: catches bad launch configurations at the launch site.
+#define launchCheck(op, ...) cudaCheck(cudaGetLastError(), op, __VA_ARGS__)
+
+// ---------------------------------------------------------------------------------------------
+// Device presence (tests skip GPU cases when this is false).
+
+inline int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return 0;
+  }
+  return n;
+}
