@@ -6,9 +6,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
+#include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 // The model (DESIGN §2). Every dimension is a flag.
@@ -208,7 +209,8 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Flags: --name value. Unknown flags, missing values and malformed numbers are refused.
+// Flags: --name value. Unknown flags, words that are not flags, missing values and malformed
+// numbers are refused.
 
 struct FlagError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
@@ -230,68 +232,189 @@ inline std::string usage() {
          "        --ckpt_every S --log_every S --timeline_step S --resume FILE\n";
 }
 
+// The flag tables: every flag once, with how its value is read from text and written as text.
+// parse_flags reads the command line through them; a checkpoint keeps the training flags as text
+// (train_flag_values) and reads them back (set_train_flag): the text of a value reads back as the
+// same value, bit for bit.
+
+template <typename Config>
+struct Flag {
+  std::string name;  // "--hidden"
+  bool free_text;    // a path, pattern or word, kept as given: the command line refuses it empty
+  std::function<void(Config&, const std::string&)> set;  // from text; throws FlagError naming the flag
+  std::function<std::string(const Config&)> text;
+};
+
+inline int int_from_flag(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  long x = strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || x < -2147483647L || x > 2147483647L)
+    throw FlagError("flag " + flag + " expects an integer, got '" + v + "'");
+  return (int)x;
+}
+
+inline float float_from_flag(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  float x = strtof(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(x))
+    throw FlagError("flag " + flag + " expects a number, got '" + v + "'");
+  return x;
+}
+
+// The shortest decimal text that reads back as exactly x: "0.001", not "0.00100000005".
+inline std::string float_text(float x) {
+  char text[32];
+  for (int digits = 1;; digits++) {
+    snprintf(text, sizeof text, "%.*g", digits, x);
+    if (strtof(text, nullptr) == x || digits == 9) return text;  // 9 significant digits always suffice
+  }
+}
+
+template <typename Config>
+Flag<Config> int_flag(const std::string& name, int Config::*field) {
+  return {name, false, [name, field](Config& c, const std::string& v) { c.*field = int_from_flag(name, v); },
+          [field](const Config& c) { return std::to_string(c.*field); }};
+}
+
+template <typename Config>
+Flag<Config> float_flag(const std::string& name, float Config::*field) {
+  return {name, false, [name, field](Config& c, const std::string& v) { c.*field = float_from_flag(name, v); },
+          [field](const Config& c) { return float_text(c.*field); }};
+}
+
+template <typename Config>
+Flag<Config> text_flag(const std::string& name, std::string Config::*field) {
+  return {name, true, [field](Config& c, const std::string& v) { c.*field = v; },
+          [field](const Config& c) { return c.*field; }};
+}
+
+// Every ModelConfig field, in the struct's order.
+inline const std::vector<Flag<ModelConfig>>& model_flags() {
+  using M = ModelConfig;
+  static const std::vector<Flag<M>> flags = {
+      int_flag("--vocab", &M::vocab),
+      int_flag("--hidden", &M::hidden),
+      int_flag("--layers", &M::layers),
+      int_flag("--heads", &M::heads),
+      int_flag("--experts", &M::experts),
+      int_flag("--topk", &M::topk),
+      int_flag("--expert_dim", &M::expert_dim),
+      int_flag("--n_dense", &M::n_dense),
+      int_flag("--dense_dim", &M::dense_dim),
+      int_flag("--shared_expert", &M::shared_expert),
+      int_flag("--seq_len", &M::seq_len),
+      {"--score", false,
+       [](M& m, const std::string& v) {
+         if (v == "softmax") m.score_fn = 0;
+         else if (v == "sigmoid") m.score_fn = 1;
+         else throw FlagError("flag --score expects softmax or sigmoid, got '" + v + "'");
+       },
+       [](const M& m) {
+         if (m.score_fn == 0) return std::string("softmax");
+         if (m.score_fn == 1) return std::string("sigmoid");
+         return std::to_string(m.score_fn);  // not a valid configuration, but written as it is
+       }},
+      int_flag("--renorm", &M::renorm),
+      float_flag("--rope_theta", &M::rope_theta),
+      float_flag("--norm_eps", &M::norm_eps),
+      float_flag("--init_std", &M::init_std)};
+  return flags;
+}
+
+// Every TrainConfig field, in the struct's order.
+inline const std::vector<Flag<TrainConfig>>& train_flags() {
+  using T = TrainConfig;
+  static const std::vector<Flag<T>> flags = {
+      text_flag("--data", &T::data_dir),
+      text_flag("--train", &T::train_pattern),
+      text_flag("--val", &T::val_pattern),
+      text_flag("--tokenizer", &T::tokenizer),
+      text_flag("--out", &T::out_dir),
+      text_flag("--resume", &T::resume),
+      int_flag("--batch", &T::batch),
+      int_flag("--total_batch", &T::total_batch),
+      int_flag("--steps", &T::steps),
+      float_flag("--lr", &T::lr),
+      float_flag("--min_lr_frac", &T::min_lr_frac),
+      int_flag("--warmup", &T::warmup),
+      float_flag("--weight_decay", &T::weight_decay),
+      float_flag("--beta1", &T::beta1),
+      float_flag("--beta2", &T::beta2),
+      float_flag("--adam_eps", &T::adam_eps),
+      float_flag("--grad_clip", &T::grad_clip),
+      float_flag("--bias_update", &T::bias_update),
+      int_flag("--recompute", &T::recompute),
+      int_flag("--val_every", &T::val_every),
+      int_flag("--val_batches", &T::val_batches),
+      int_flag("--sample_every", &T::sample_every),
+      int_flag("--sample_len", &T::sample_len),
+      int_flag("--ckpt_every", &T::ckpt_every),
+      int_flag("--log_every", &T::log_every),
+      int_flag("--timeline_step", &T::timeline_step),
+      int_flag("--gpus", &T::gpus),
+      int_flag("--ep", &T::ep),
+      text_flag("--routing", &T::routing),
+      text_flag("--moe", &T::moe),
+      text_flag("--head", &T::head),
+      text_flag("--optimizer", &T::optimizer),
+      {"--seed", false,
+       [](T& t, const std::string& v) {
+         char* end = nullptr;
+         unsigned long long s = strtoull(v.c_str(), &end, 10);
+         if (v.empty() || *end != '\0' || v[0] == '-')
+           throw FlagError("flag --seed expects a non-negative integer, got '" + v + "'");
+         t.seed = s;
+       },
+       [](const T& t) { return std::to_string(t.seed); }}};
+  return flags;
+}
+
+template <typename Config>
+const Flag<Config>* find_flag(const std::vector<Flag<Config>>& flags, const std::string& name) {
+  for (const Flag<Config>& f : flags)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+template <typename Config>
+std::vector<std::pair<std::string, std::string>> flag_values(const std::vector<Flag<Config>>& flags, const Config& c) {
+  std::vector<std::pair<std::string, std::string>> values;
+  for (const Flag<Config>& f : flags) values.emplace_back(f.name, f.text(c));
+  return values;
+}
+
+// Every training flag and its value as text, in the table's order: {"--data", "data/fortunes"}, ...
+inline std::vector<std::pair<std::string, std::string>> train_flag_values(const TrainConfig& t) {
+  return flag_values(train_flags(), t);
+}
+
+// Every model flag and its value as text: {"--vocab", "4096"}, ..., {"--score", "softmax"}, ...
+inline std::vector<std::pair<std::string, std::string>> model_flag_values(const ModelConfig& m) {
+  return flag_values(model_flags(), m);
+}
+
+// The inverse of train_flag_values, one flag at a time: reads `value` as the command line would,
+// except that a free-text flag may be empty (train_flag_values writes an unset --resume as "").
+inline void set_train_flag(TrainConfig& t, const std::string& flag, const std::string& value) {
+  const Flag<TrainConfig>* f = find_flag(train_flags(), flag);
+  if (!f) throw FlagError("unknown flag " + flag);
+  f->set(t, value);
+}
+
 inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
-  auto as_int = [](const std::string& flag, const std::string& v) {
-    char* end = nullptr;
-    long x = strtol(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || x < -2147483647L || x > 2147483647L)
-      throw FlagError("flag " + flag + " expects an integer, got '" + v + "'");
-    return (int)x;
-  };
-  auto as_float = [](const std::string& flag, const std::string& v) {
-    char* end = nullptr;
-    float x = strtof(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || !std::isfinite(x))
-      throw FlagError("flag " + flag + " expects a number, got '" + v + "'");
-    return x;
-  };
-  std::map<std::string, int*> ints = {
-      {"--vocab", &m.vocab},           {"--hidden", &m.hidden},
-      {"--layers", &m.layers},         {"--heads", &m.heads},
-      {"--experts", &m.experts},       {"--topk", &m.topk},
-      {"--expert_dim", &m.expert_dim}, {"--n_dense", &m.n_dense},
-      {"--dense_dim", &m.dense_dim},   {"--shared_expert", &m.shared_expert},
-      {"--seq_len", &m.seq_len},       {"--renorm", &m.renorm},
-      {"--batch", &t.batch},           {"--total_batch", &t.total_batch},
-      {"--steps", &t.steps},           {"--warmup", &t.warmup},
-      {"--recompute", &t.recompute},   {"--val_every", &t.val_every},
-      {"--val_batches", &t.val_batches}, {"--sample_every", &t.sample_every},
-      {"--sample_len", &t.sample_len}, {"--ckpt_every", &t.ckpt_every},
-      {"--log_every", &t.log_every},   {"--timeline_step", &t.timeline_step},
-      {"--gpus", &t.gpus},             {"--ep", &t.ep}};
-  std::map<std::string, float*> floats = {
-      {"--rope_theta", &m.rope_theta}, {"--norm_eps", &m.norm_eps},     {"--init_std", &m.init_std},
-      {"--lr", &t.lr},                 {"--min_lr_frac", &t.min_lr_frac}, {"--weight_decay", &t.weight_decay},
-      {"--beta1", &t.beta1},           {"--beta2", &t.beta2},           {"--adam_eps", &t.adam_eps},
-      {"--grad_clip", &t.grad_clip},   {"--bias_update", &t.bias_update}};
-  std::map<std::string, std::string*> strings = {
-      {"--data", &t.data_dir}, {"--train", &t.train_pattern},   {"--val", &t.val_pattern},
-      {"--tokenizer", &t.tokenizer}, {"--out", &t.out_dir}, {"--resume", &t.resume},
-      {"--routing", &t.routing}, {"--moe", &t.moe}, {"--head", &t.head}, {"--optimizer", &t.optimizer}};
   for (int i = 1; i < argc; i++) {
-    std::string flag = argv[i];
+    const std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") throw FlagError("help");
+    if (flag.rfind("--", 0) != 0) throw FlagError("unexpected argument '" + flag + "'");
     if (i + 1 >= argc) throw FlagError("flag " + flag + " needs a value");
-    std::string v = argv[++i];
-    if (ints.count(flag)) {
-      *ints[flag] = as_int(flag, v);
-    } else if (floats.count(flag)) {
-      *floats[flag] = as_float(flag, v);
-    } else if (strings.count(flag)) {
-      if (v.empty()) throw FlagError("flag " + flag + " expects a non-empty value");
-      *strings[flag] = v;
-    } else if (flag == "--score") {
-      if (v == "softmax") m.score_fn = 0;
-      else if (v == "sigmoid") m.score_fn = 1;
-      else throw FlagError("flag --score expects softmax or sigmoid, got '" + v + "'");
-    } else if (flag == "--seed") {
-      char* end = nullptr;
-      unsigned long long s = strtoull(v.c_str(), &end, 10);
-      if (v.empty() || *end != '\0' || v[0] == '-') throw FlagError("flag --seed expects a non-negative integer, got '" + v + "'");
-      t.seed = s;
-    } else {
-      throw FlagError("unknown flag " + flag);
-    }
+    const std::string v = argv[++i];
+    const auto set = [&](const auto* f, auto& config) {
+      if (f->free_text && v.empty()) throw FlagError("flag " + flag + " expects a non-empty value");
+      f->set(config, v);
+    };
+    if (const Flag<ModelConfig>* model_flag = find_flag(model_flags(), flag)) set(model_flag, m);
+    else if (const Flag<TrainConfig>* train_flag = find_flag(train_flags(), flag)) set(train_flag, t);
+    else throw FlagError("unknown flag " + flag);
   }
   if (t.train_pattern.empty()) t.train_pattern = t.data_dir + "/train_*.bin";
   if (t.val_pattern.empty()) t.val_pattern = t.data_dir + "/val_*.bin";

@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <cstdlib>
+#include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 #include "../config.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -39,6 +42,51 @@ ModelConfig valid_model() {
   return m;
 }
 
+// Every TrainConfig field, each once.
+using T = TrainConfig;
+const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_pattern, &T::val_pattern, &T::tokenizer,
+                                                   &T::out_dir,  &T::resume,        &T::routing,     &T::moe,
+                                                   &T::head,     &T::optimizer};
+const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
+                                          &T::recompute,  &T::val_every,    &T::val_batches, &T::sample_every,
+                                          &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step,
+                                          &T::gpus,       &T::ep};
+const std::vector<float T::*> kTrainFloats = {&T::lr,    &T::min_lr_frac, &T::weight_decay, &T::beta1,
+                                              &T::beta2, &T::adam_eps,    &T::grad_clip,    &T::bias_update};
+const size_t kTrainFields = kTrainTexts.size() + kTrainInts.size() + kTrainFloats.size() + 1;  // + seed
+
+float random_finite_float(testutil::Rng& rng) {  // any finite bit pattern, denormals included
+  for (;;) {
+    const uint32_t bits = (uint32_t)rng.gen();
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    if (std::isfinite(x)) return x;
+  }
+}
+
+// Every field random, and (with overwhelming probability) different from its default.
+TrainConfig random_train(testutil::Rng& rng) {
+  TrainConfig t;
+  for (std::string T::*field : kTrainTexts) {
+    t.*field = std::string(rng.integer(8, 24), ' ');
+    for (char& c : t.*field) c = char(rng.integer(32, 126));  // printable ASCII, spaces included
+  }
+  for (int T::*field : kTrainInts) t.*field = rng.integer(-2147483647, 2147483647);
+  for (float T::*field : kTrainFloats) t.*field = random_finite_float(rng);
+  t.seed = rng.gen();
+  return t;
+}
+
+std::string set_train_flag_error(const std::string& flag, const std::string& value) {
+  TrainConfig t;
+  try {
+    set_train_flag(t, flag, value);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace
 
 TEST(ConfigFlags, AcceptsEveryDocumentedFlag) {
@@ -58,6 +106,73 @@ TEST(ConfigFlags, RefusesUnknownMissingAndMalformed) {
   EXPECT_NE(parse_error({"--score", "relu"}).find("softmax or sigmoid"), std::string::npos);
   EXPECT_NE(parse_error({"--seed", "-3"}).find("non-negative"), std::string::npos);
   EXPECT_NE(parse_error({"--out", ""}).find("non-empty"), std::string::npos);
+}
+
+TEST(ConfigFlags, RefusesWordsThatAreNotFlags) {
+  EXPECT_EQ(parse_error({"12"}), "unexpected argument '12'");
+  EXPECT_EQ(parse_error({"--steps", "5", "foo"}), "unexpected argument 'foo'");
+}
+
+TEST(ConfigFlags, TrainFlagValuesReadBackAsEveryField) {
+  testutil::Rng rng;
+  const TrainConfig written = random_train(rng);
+  const std::vector<std::pair<std::string, std::string>> values = train_flag_values(written);
+  const std::vector<std::pair<std::string, std::string>> defaults = train_flag_values(TrainConfig());
+  std::set<std::string> flags;
+  TrainConfig read;  // defaults, then every value set from its text
+  for (size_t i = 0; i < values.size(); i++) {
+    flags.insert(values[i].first);
+    EXPECT_NE(values[i].second, defaults[i].second) << values[i].first;
+    set_train_flag(read, values[i].first, values[i].second);
+  }
+  EXPECT_EQ(values.size(), kTrainFields) << "one flag per TrainConfig field";
+  EXPECT_EQ(flags.size(), values.size()) << "no flag twice";
+  for (std::string T::*field : kTrainTexts) EXPECT_EQ(read.*field, written.*field);
+  for (int T::*field : kTrainInts) EXPECT_EQ(read.*field, written.*field);
+  for (float T::*field : kTrainFloats) EXPECT_EQ(std::memcmp(&(read.*field), &(written.*field), sizeof(float)), 0);
+  EXPECT_EQ(read.seed, written.seed);
+}
+
+TEST(ConfigFlags, ModelFlagValuesParseBackAsEveryField) {
+  testutil::Rng rng;
+  ModelConfig written;
+  for (int ModelConfig::*field : {&ModelConfig::vocab, &ModelConfig::hidden, &ModelConfig::layers, &ModelConfig::heads,
+                                  &ModelConfig::experts, &ModelConfig::topk, &ModelConfig::expert_dim,
+                                  &ModelConfig::n_dense, &ModelConfig::dense_dim, &ModelConfig::shared_expert,
+                                  &ModelConfig::seq_len, &ModelConfig::renorm})
+    written.*field = rng.integer(-2147483647, 2147483647);
+  written.score_fn = 1 - ModelConfig().score_fn;
+  for (float ModelConfig::*field : {&ModelConfig::rope_theta, &ModelConfig::norm_eps, &ModelConfig::init_std})
+    written.*field = random_finite_float(rng);
+  std::vector<std::string> args;
+  for (const auto& [flag, value] : model_flag_values(written)) args.insert(args.end(), {flag, value});
+  EXPECT_EQ(args.size(), 2 * 16u) << "one flag per ModelConfig field";
+  args.insert(args.begin(), "train");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(&a[0]);
+  ModelConfig read;
+  TrainConfig t;
+  parse_flags((int)argv.size(), argv.data(), read, t);
+  EXPECT_EQ(std::memcmp(&read, &written, sizeof(ModelConfig)), 0);
+}
+
+TEST(ConfigFlags, SetTrainFlagRefusesUnknownFlagsAndMalformedValues) {
+  EXPECT_EQ(set_train_flag_error("--hidden", "128"), "unknown flag --hidden");  // a model flag
+  EXPECT_EQ(set_train_flag_error("--lr", "fast"), "flag --lr expects a number, got 'fast'");
+  EXPECT_EQ(set_train_flag_error("--seed", "-1"), "flag --seed expects a non-negative integer, got '-1'");
+  EXPECT_EQ(set_train_flag_error("--resume", ""), "") << "a free-text flag may be empty: an unset --resume is";
+}
+
+TEST(ConfigFlags, FloatsAreWrittenAsTheShortestTextThatReadsBackExactly) {
+  EXPECT_EQ(float_text(1e-3f), "0.001");
+  EXPECT_EQ(float_text(0.95f), "0.95");
+  EXPECT_EQ(float_text(1e-8f), "1e-08");
+  EXPECT_EQ(float_text(10000.f), "1e+04");  // printf's %g: the fewest significant digits
+  testutil::Rng rng;
+  for (int i = 0; i < 1000; i++) {
+    const float x = random_finite_float(rng), back = strtof(float_text(x).c_str(), nullptr);
+    EXPECT_EQ(std::memcmp(&x, &back, sizeof x), 0) << float_text(x);
+  }
 }
 
 TEST(ConfigDims, RefusesInconsistentDimensions) {
