@@ -6,8 +6,9 @@
 //   p = position + r·B·T,  inputs = tokens[p, p + B·T),  targets = tokens[p + 1, p + B·T + 1)
 // (row b of the B×T batch is tokens[p + b·T, p + (b+1)·T)). Then position += W·B·T; when the next
 // window would not fit (position + W·B·T + 1 > shard size) the loader moves to the next shard at
-// position 0, and after the last shard back to the first with epoch + 1. A shard shorter than one
-// window (W·B·T + 1 tokens) is refused at construction.
+// position 0, and after the last shard back to the first with epoch + 1. Refused at construction,
+// before any batch (DESIGN §9): a shard shorter than one window (W·B·T + 1 tokens), and a shard
+// holding a token id outside the vocabulary [0, V) (every shard is read once to check it).
 //
 // State {shard, position, epoch} names the next batch and is the same on every rank; saving it in
 // a checkpoint and restoring it with set_state() replays exactly the batches that would have come.
@@ -32,12 +33,13 @@ class DataLoader {
     long long epoch;
   };
 
-  DataLoader(const std::string& pattern, int B, int T, int rank = 0, int world = 1)
+  // vocab: V, the model's vocabulary size; every token of every shard must be in [0, V).
+  DataLoader(const std::string& pattern, int B, int T, int vocab, int rank = 0, int world = 1)
       : B_(B), T_(T), rank_(rank), world_(world) {
-    if (B <= 0 || T <= 0 || world <= 0 || rank < 0 || rank >= world)
-      throw std::runtime_error("data loader: need B > 0, T > 0, 0 <= rank < world; got B=" + std::to_string(B) +
-                               " T=" + std::to_string(T) + " rank=" + std::to_string(rank) +
-                               " world=" + std::to_string(world));
+    if (B <= 0 || T <= 0 || vocab <= 0 || world <= 0 || rank < 0 || rank >= world)
+      throw std::runtime_error("data loader: need B > 0, T > 0, vocab > 0, 0 <= rank < world; got B=" +
+                               std::to_string(B) + " T=" + std::to_string(T) + " vocab=" + std::to_string(vocab) +
+                               " rank=" + std::to_string(rank) + " world=" + std::to_string(world));
     glob_t matches;
     const int rc = glob(pattern.c_str(), 0, nullptr, &matches);
     if (rc == GLOB_NOMATCH) throw std::runtime_error("data loader: no file matches " + pattern);
@@ -49,14 +51,20 @@ class DataLoader {
     globfree(&matches);
     const long long window = window_tokens();
     for (const std::string& file : files_) {
-      const ShardInfo info = read_shard_header(file);
-      if (info.num_tokens < window + 1)
-        throw std::runtime_error("data loader: shard " + file + " has " + std::to_string(info.num_tokens) +
+      const std::vector<int> tokens = read_shard(file);
+      const long long num_tokens = (long long)tokens.size();
+      if (num_tokens < window + 1)
+        throw std::runtime_error("data loader: shard " + file + " has " + std::to_string(num_tokens) +
                                  " tokens, too few for one batch: world " + std::to_string(world) + " × B " +
                                  std::to_string(B) + " × T " + std::to_string(T) + " + 1 = " +
                                  std::to_string(window + 1));
-      shard_tokens_.push_back(info.num_tokens);
-      total_tokens_ += info.num_tokens;
+      for (size_t i = 0; i < tokens.size(); i++)
+        if (tokens[i] >= vocab)
+          throw std::runtime_error("data loader: shard " + file + ": token id " + std::to_string(tokens[i]) +
+                                   " at position " + std::to_string(i) + " is outside the vocabulary [0, V = " +
+                                   std::to_string(vocab) + ")");
+      shard_tokens_.push_back(num_tokens);
+      total_tokens_ += num_tokens;
     }
     reset();
   }

@@ -10,14 +10,24 @@
 // The documents are shuffled with --seed (own Fisher–Yates over mt19937_64, the same on every
 // platform); the last --val-frac of them are the validation set. The tokenizer is trained on the
 // training documents only. Every document is encoded and followed by <|endoftext|>.
-// Writes DIR/tokenizer.bin, DIR/train_000.bin, DIR/val_000.bin (each via a .tmp file + rename).
+// Writes the set DIR/tokenizer.bin, DIR/train_000.bin, DIR/val_000.bin as one (DESIGN §9): into the
+// folder DIR.tmp beside DIR, which becomes DIR once every file is out (an existing DIR is moved to
+// DIR.old first and removed after). A failure removes DIR.tmp and leaves the previous DIR intact.
+// An existing DIR may hold only those three files (anything else is refused before any work), and
+// a DIR.old left by an interrupted run is refused (it holds the previous set).
 // Build: g++ -std=c++17 -O2 -I. data/prepare.cpp -o build/prepare
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -73,8 +83,9 @@ Options parse_args(int argc, char** argv) {
     if (flag == "--input") {
       opt.input = value;
     } else if (flag == "--out") {
-      if (value.empty()) throw UsageError("--out needs a folder");
       opt.out = value;
+      while (opt.out.size() > 1 && opt.out.back() == '/') opt.out.pop_back();  // DIR.tmp beside DIR, not in it
+      if (opt.out.empty() || opt.out == "/") throw UsageError("--out needs a folder, got '" + value + "'");
     } else if (flag == "--vocab") {
       const long long vocab = parse_integer(flag, value);
       if (vocab < 257 || vocab > 1000000)
@@ -226,6 +237,91 @@ std::string show_tokens(const data::Tokenizer& tok, const std::vector<int>& ids,
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The output set
+
+const char* const kTokenizerFile = "tokenizer.bin";
+const char* const kTrainFile = "train_000.bin";
+const char* const kValFile = "val_000.bin";
+const char* const kSetFiles[] = {kTokenizerFile, kTrainFile, kValFile};
+
+bool path_exists(const std::string& path) {
+  std::error_code ec;
+  return fs::exists(fs::symlink_status(path, ec));
+}
+
+// Refuses, before any work, an output that cannot be replaced as a set: DIR that is not a folder or
+// that holds anything but the set's files, and a DIR.old left by a run interrupted while swapping.
+void check_output(const std::string& out) {
+  const std::string old = out + ".old";
+  if (path_exists(old))
+    throw std::runtime_error(old + " exists: an interrupted prepare left the previous set there; move it back to " +
+                             out + " or remove it");
+  if (!path_exists(out)) return;
+  std::error_code ec;
+  if (!fs::is_directory(fs::symlink_status(out, ec))) throw std::runtime_error("output " + out + " exists and is not a folder");
+  for (const fs::directory_entry& entry : fs::directory_iterator(out, ec)) {
+    const std::string name = entry.path().filename().string();
+    const bool set_file = std::find_if(std::begin(kSetFiles), std::end(kSetFiles),
+                                       [&](const char* file) { return name == file; }) != std::end(kSetFiles);
+    if (!set_file || !fs::is_regular_file(entry.symlink_status(ec)))
+      throw std::runtime_error("output folder " + out + " holds " + name +
+                               ", which is not one of the files prepare writes; refusing to replace the folder");
+  }
+  if (ec) throw std::runtime_error("output folder " + out + ": cannot list it: " + ec.message());
+}
+
+// Unlinks every entry of `folder` (files only; a folder inside is not removed), then removes it.
+// Returns "" or what could not be removed.
+std::string remove_folder_of_files(const std::string& folder) {
+  std::error_code ec;
+  std::vector<fs::path> entries;
+  for (const fs::directory_entry& entry : fs::directory_iterator(folder, ec)) entries.push_back(entry.path());
+  if (ec) return "cannot list " + folder + ": " + ec.message();
+  for (const fs::path& path : entries)
+    if (::unlink(path.c_str()) != 0) return "cannot remove " + path.string() + ": " + std::strerror(errno);
+  if (::rmdir(folder.c_str()) != 0) return "cannot remove the folder " + folder + ": " + std::strerror(errno);
+  return "";
+}
+
+void rename_or_throw(const std::string& from, const std::string& to) {
+  if (std::rename(from.c_str(), to.c_str()) != 0)
+    throw std::runtime_error("cannot rename " + from + " to " + to + ": " + std::strerror(errno));
+}
+
+// write_files(folder) writes the set into `folder` = OUT.tmp; then OUT.tmp becomes OUT (an existing
+// OUT goes to OUT.old first, removed once the new set is in place). On a failure OUT.tmp is removed
+// and OUT is what it was.
+void write_as_set(const std::string& out, const std::function<void(const std::string& folder)>& write_files) {
+  const std::string tmp = out + ".tmp", old = out + ".old";
+  const fs::path parent = fs::path(out).parent_path();
+  std::error_code ec;
+  if (!parent.empty()) fs::create_directories(parent, ec);
+  if (ec) throw std::runtime_error("output folder " + out + ": cannot create " + parent.string() + ": " + ec.message());
+  if (path_exists(tmp)) {  // left by an interrupted run
+    const std::string left = remove_folder_of_files(tmp);
+    if (!left.empty()) throw std::runtime_error("a stale " + tmp + " is in the way: " + left);
+  }
+  if (::mkdir(tmp.c_str(), 0777) != 0) throw std::runtime_error("cannot create " + tmp + ": " + std::strerror(errno));
+  const bool replace = path_exists(out);
+  try {
+    write_files(tmp);
+    if (replace) rename_or_throw(out, old);
+    if (std::rename(tmp.c_str(), out.c_str()) != 0) {
+      const std::string why = "cannot rename " + tmp + " to " + out + ": " + std::strerror(errno);
+      if (replace) rename_or_throw(old, out);  // the previous set back in place
+      throw std::runtime_error(why);
+    }
+  } catch (const std::exception& e) {
+    const std::string left = remove_folder_of_files(tmp);
+    throw std::runtime_error(std::string(e.what()) + (left.empty() ? "" : "; and " + left));
+  }
+  if (replace) {
+    const std::string left = remove_folder_of_files(old);
+    if (!left.empty()) throw std::runtime_error("the new set is in " + out + ", but the previous one stays in " + old + ": " + left);
+  }
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -249,6 +345,7 @@ Split encode_split(const data::Tokenizer& tok, const std::vector<std::string>& d
 
 void run(const Options& opt) {
   const auto t_start = std::chrono::steady_clock::now();
+  check_output(opt.out);
   std::vector<std::string> documents = load_documents(opt.input);
 
   std::mt19937_64 rng(opt.seed);
@@ -259,12 +356,9 @@ void run(const Options& opt) {
   const size_t n_train = n_docs - n_val;
   const std::vector<std::string> train_docs(documents.begin(), documents.begin() + n_train);
 
-  std::error_code ec;
-  fs::create_directories(opt.out, ec);
-  if (ec) throw std::runtime_error("output folder " + opt.out + ": " + ec.message());
-  const std::string tok_path = (fs::path(opt.out) / "tokenizer.bin").string();
-  const std::string train_path = (fs::path(opt.out) / "train_000.bin").string();
-  const std::string val_path = (fs::path(opt.out) / "val_000.bin").string();
+  const std::string tok_path = (fs::path(opt.out) / kTokenizerFile).string();
+  const std::string train_path = (fs::path(opt.out) / kTrainFile).string();
+  const std::string val_path = (fs::path(opt.out) / kValFile).string();
 
   const auto t_train = std::chrono::steady_clock::now();
   const data::Tokenizer tok = data::Tokenizer::train(train_docs, opt.vocab);
@@ -275,9 +369,11 @@ void run(const Options& opt) {
   const Split val = encode_split(tok, documents, n_train, n_docs);
   const double encode_s = seconds_since(t_encode);
 
-  tok.save(tok_path);
-  data::write_shard(train_path, train.tokens, tok.vocab_size());
-  data::write_shard(val_path, val.tokens, tok.vocab_size());
+  write_as_set(opt.out, [&](const std::string& folder) {
+    tok.save((fs::path(folder) / kTokenizerFile).string());
+    data::write_shard((fs::path(folder) / kTrainFile).string(), train.tokens, tok.vocab_size());
+    data::write_shard((fs::path(folder) / kValFile).string(), val.tokens, tok.vocab_size());
+  });
 
   std::printf("prepare: %zu documents (train %zu, val %zu), seed %llu\n", n_docs, n_train, n_val, opt.seed);
   std::printf("prepare: tokenizer: vocab %d (%zu merges + 256 bytes + <|endoftext|> = id %d), trained in %.2f s -> %s\n",

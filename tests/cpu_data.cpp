@@ -451,6 +451,9 @@ TEST(DataShards, ReadsTheLayoutLlmcPythonWrites) {
 
 namespace {
 
+// The vocabularies of the shards below: every token id is below them.
+const int kCountingVocab = 1 << 20, kRandomVocab = 4096;
+
 // Writes shards dir/train_NNN.bin with the given sizes; token i of the whole stream is
 // `offset + i` (distinct values, so a batch names the positions it came from).
 std::vector<std::vector<int>> write_counting_shards(const TempDir& dir, const std::vector<int>& sizes, int offset) {
@@ -461,7 +464,7 @@ std::vector<std::vector<int>> write_counting_shards(const TempDir& dir, const st
     for (int& t : tokens) t = next++;
     char name[32];
     std::snprintf(name, sizeof name, "train_%03zu.bin", s);
-    data::write_shard(dir.file(name), tokens, 1 << 20);
+    data::write_shard(dir.file(name), tokens, kCountingVocab);
     shards.push_back(tokens);
   }
   return shards;
@@ -471,10 +474,10 @@ std::vector<std::vector<int>> write_random_shards(const TempDir& dir, testutil::
   std::vector<std::vector<int>> shards;
   for (size_t s = 0; s < sizes.size(); s++) {
     std::vector<int> tokens(size_t(sizes[s]));
-    for (int& t : tokens) t = rng.integer(0, 4095);
+    for (int& t : tokens) t = rng.integer(0, kRandomVocab - 1);
     char name[32];
     std::snprintf(name, sizeof name, "train_%03zu.bin", s);
-    data::write_shard(dir.file(name), tokens, 4096);
+    data::write_shard(dir.file(name), tokens, kRandomVocab);
     shards.push_back(tokens);
   }
   return shards;
@@ -499,7 +502,7 @@ TEST(DataLoader, BatchesAreConsecutiveTokensAcrossShardsAndEpochs) {
   const int B = 2, T = 8;
   const auto shards = write_random_shards(dir, rng, {100, 70, 17});
   data::write_shard(dir.file("val_000.bin"), {1, 2, 3}, 10);  // not matched (too small if it were)
-  data::DataLoader loader(dir.file("train_*.bin"), B, T);
+  data::DataLoader loader(dir.file("train_*.bin"), B, T, kRandomVocab);
   EXPECT_EQ(loader.num_tokens(), 187);
   EXPECT_EQ(loader.files().size(), 3u);
   // The spec: windows start at 0, B·T, 2·B·T, … while start + B·T + 1 ≤ shard size; shards in
@@ -525,7 +528,7 @@ TEST(DataLoader, RanksReadDisjointSlicesOfEachWindow) {
   const int B = 3, T = 5, W = 4, BT = B * T;
   const auto shards = write_counting_shards(dir, {W * BT * 3 + 11, W * BT + 1}, 1000);
   std::vector<data::DataLoader> loaders;
-  for (int r = 0; r < W; r++) loaders.emplace_back(dir.file("train_*.bin"), B, T, r, W);
+  for (int r = 0; r < W; r++) loaders.emplace_back(dir.file("train_*.bin"), B, T, kCountingVocab, r, W);
   for (int step = 0; step < 10; step++) {
     const data::DataLoader::State st = loaders[0].state();
     std::vector<int> window;  // the ranks' inputs in rank order
@@ -549,19 +552,19 @@ TEST(DataLoader, StateResumesTheSameBatches) {
   TempDir dir;
   const int B = 2, T = 7, W = 2, rank = 1;
   write_random_shards(dir, rng, {200, 90, 120});
-  data::DataLoader first(dir.file("train_*.bin"), B, T, rank, W);
+  data::DataLoader first(dir.file("train_*.bin"), B, T, kRandomVocab, rank, W);
   const int before = rng.integer(3, 20);
   for (int i = 0; i < before; i++) next(first, B, T);
   const data::DataLoader::State saved = first.state();
   std::vector<Batch> expected;
   for (int i = 0; i < 40; i++) expected.push_back(next(first, B, T));  // crosses shards and epochs
 
-  data::DataLoader resumed(dir.file("train_*.bin"), B, T, rank, W);
+  data::DataLoader resumed(dir.file("train_*.bin"), B, T, kRandomVocab, rank, W);
   resumed.set_state(saved);
   for (int i = 0; i < 40; i++) ASSERT_TRUE(next(resumed, B, T) == expected[i]) << "batch " << i << " after resume";
   EXPECT_EQ(resumed.state().epoch, first.state().epoch);
 
-  data::DataLoader fresh(dir.file("train_*.bin"), B, T, rank, W);
+  data::DataLoader fresh(dir.file("train_*.bin"), B, T, kRandomVocab, rank, W);
   const Batch one = next(fresh, B, T);
   resumed.reset();
   EXPECT_TRUE(next(resumed, B, T) == one);
@@ -572,14 +575,40 @@ TEST(DataLoader, StateResumesTheSameBatches) {
 TEST(DataLoader, RefusesMissingAndTooSmallShards) {
   testutil::Rng rng;
   TempDir dir;
-  expect_refused([&] { data::DataLoader(dir.file("train_*.bin"), 2, 4); }, {"no file matches", dir.file("train_*.bin")});
+  const int V = kRandomVocab;
+  expect_refused([&] { data::DataLoader(dir.file("train_*.bin"), 2, 4, V); }, {"no file matches", dir.file("train_*.bin")});
   write_random_shards(dir, rng, {100, 16});
-  data::DataLoader one_file(dir.file("train_000.bin"), 2, 4);  // a plain path works too
+  data::DataLoader one_file(dir.file("train_000.bin"), 2, 4, V);  // a plain path works too
   EXPECT_EQ(one_file.num_tokens(), 100);
-  expect_refused([&] { data::DataLoader(dir.file("train_*.bin"), 2, 8); },
+  expect_refused([&] { data::DataLoader(dir.file("train_*.bin"), 2, 8, V); },
                  {dir.file("train_001.bin"), "16 tokens", "too few for one batch", "= 17"});
-  expect_refused([&] { data::DataLoader(dir.file("train_000.bin"), 5, 10, 0, 2); }, {"100 tokens", "= 101"});
-  expect_refused([&] { data::DataLoader(dir.file("train_000.bin"), 2, 4, 2, 2); }, {"rank=2 world=2"});
+  expect_refused([&] { data::DataLoader(dir.file("train_000.bin"), 5, 10, V, 0, 2); }, {"100 tokens", "= 101"});
+  expect_refused([&] { data::DataLoader(dir.file("train_000.bin"), 2, 4, V, 2, 2); }, {"rank=2 world=2"});
+  expect_refused([&] { data::DataLoader(dir.file("train_000.bin"), 2, 4, 0); }, {"vocab=0"});
+}
+
+// Token ids are checked against V when the loader opens the shards, before any batch: a shard whose
+// tokens are read only after many batches is refused at construction, naming the file, the id, its
+// position and V; the largest valid id, V − 1, is accepted. Both shard variants (uint16, uint32).
+TEST(DataLoader, RefusesTokenIdsOutsideTheVocabularyWhenOpened) {
+  testutil::Rng rng;
+  for (const int V : {300, 70000}) {
+    TempDir dir;
+    const int n = 200;
+    std::vector<std::vector<int>> shards(3, std::vector<int>(n));
+    for (std::vector<int>& shard : shards)
+      for (int& t : shard) t = rng.integer(0, V - 1);
+    shards[0][rng.integer(0, n - 1)] = V - 1;
+    const int bad_shard = rng.integer(1, 2), bad_position = rng.integer(0, n - 1), bad_id = V + rng.integer(0, 5);
+    shards[bad_shard][bad_position] = bad_id;
+    for (size_t s = 0; s < shards.size(); s++)
+      data::write_shard(dir.file("train_00" + std::to_string(s) + ".bin"), shards[s], bad_id + 1);
+    expect_refused([&] { data::DataLoader(dir.file("train_*.bin"), 2, 8, V); },
+                   {dir.file("train_00" + std::to_string(bad_shard) + ".bin"), "token id " + std::to_string(bad_id),
+                    "position " + std::to_string(bad_position), "V = " + std::to_string(V)});
+    data::DataLoader with_room(dir.file("train_*.bin"), 2, 8, bad_id + 1);
+    EXPECT_EQ(with_room.num_tokens(), 3 * n);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -587,19 +616,47 @@ TEST(DataLoader, RefusesMissingAndTooSmallShards) {
 
 namespace {
 
-std::string prepare_binary() {
+// A tool built by the Makefile into FLATMOE_BIN (default build/).
+std::string built_tool(const std::string& name) {
   const char* dir = std::getenv("FLATMOE_BIN");
   std::string bin = dir ? dir : "build/";
   if (!bin.empty() && bin.back() != '/') bin += '/';
-  return bin + "prepare";
+  return bin + name;
 }
 
-// Runs prepare with `args`; returns its exit status, stdout+stderr in `output`.
-int run_prepare(const TempDir& dir, const std::string& args, std::string& output) {
+std::string prepare_binary() { return built_tool("prepare"); }
+
+// Runs prepare with `args` after the shell commands `shell_setup` (e.g. limits); returns its exit
+// status, stdout+stderr in `output`.
+int run_prepare(const TempDir& dir, const std::string& args, std::string& output, const std::string& shell_setup = "") {
   const std::string log = dir.file("prepare.log");
-  const int status = std::system((prepare_binary() + " " + args + " > " + log + " 2>&1").c_str());
+  const int status = std::system((shell_setup + prepare_binary() + " " + args + " > " + log + " 2>&1").c_str());
   output = read_bytes(log);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// A fortune file of `n_docs` random English documents; returns its path.
+std::string write_fortune_corpus(const TempDir& dir, testutil::Rng& rng, int n_docs) {
+  const std::string path = dir.file("corpus.txt");
+  std::string text;
+  for (int d = 0; d < n_docs; d++) text += english(rng, rng.integer(1, 4)) + "\n%\n";
+  write_bytes(path, text);
+  return path;
+}
+
+// The names in a folder.
+std::set<std::string> names_in(const std::string& folder) {
+  std::set<std::string> names;
+  for (const fs::directory_entry& entry : fs::directory_iterator(folder)) names.insert(entry.path().filename().string());
+  return names;
+}
+
+const std::vector<std::string> kSetFiles = {"tokenizer.bin", "train_000.bin", "val_000.bin"};
+
+std::vector<std::string> read_set(const std::string& out) {
+  std::vector<std::string> bytes;
+  for (const std::string& file : kSetFiles) bytes.push_back(read_bytes(out + "/" + file));
+  return bytes;
 }
 
 }  // namespace
@@ -631,6 +688,7 @@ TEST(DataPrepare, RefusesBadFlags) {
     EXPECT_NE(output.find("usage: prepare"), std::string::npos) << args << ": " << output;
   }
   EXPECT_FALSE(fs::exists(dir.file("out")));
+  EXPECT_FALSE(fs::exists(dir.file("out.tmp")));
 }
 
 TEST(DataPrepare, WritesTokenizerAndShardsOfTheDocuments) {
@@ -682,10 +740,102 @@ TEST(DataPrepare, WritesTokenizerAndShardsOfTheDocuments) {
   std::multiset<std::string> want(expected.begin(), expected.end()), have(got.begin(), got.end());
   EXPECT_TRUE(want == have) << "the shards hold exactly the documents, each followed by <|endoftext|>";
 
-  // Same seed → the same files, rewritten in place.
-  const std::string train_before = read_bytes(out + "/train_000.bin");
+  // Same seed → the same files; the set replaced leaves nothing beside or inside it.
+  const std::vector<std::string> before = read_set(out);
   ASSERT_EQ(run_prepare(dir, args, output), 0) << output;
-  EXPECT_EQ(read_bytes(out + "/train_000.bin"), train_before);
-  for (const auto& entry : fs::directory_iterator(out))
-    EXPECT_NE(entry.path().extension(), ".tmp") << entry.path();
+  EXPECT_EQ(read_set(out), before);
+  EXPECT_EQ(names_in(out), std::set<std::string>(kSetFiles.begin(), kSetFiles.end()));
+  EXPECT_EQ(names_in(dir.path.string()), (std::set<std::string>{"corpus", "out", "prepare.log"}));
+}
+
+// The set is written into DIR.tmp and renamed to DIR at the end: a run that fails while writing
+// (here the train shard hits a file-size limit, as on a full disk) leaves the previous set byte for
+// byte and nothing beside it; the next good run replaces the whole set.
+TEST(DataPrepare, AFailedRunLeavesThePreviousSetIntact) {
+  if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
+  testutil::Rng rng;
+  TempDir dir;
+  const std::string input = write_fortune_corpus(dir, rng, 80), out = dir.file("out");
+  const std::string args = "--input " + input + " --out " + out + " --vocab 300 --val-frac 0.1 --seed ";
+  std::string output;
+  ASSERT_EQ(run_prepare(dir, args + "1", output), 0) << output;
+  const std::vector<std::string> first = read_set(out);
+  // ulimit -f counts 512- or 1024-byte blocks (dash or bash): 4 blocks hold the tokenizer, not the train shard
+  ASSERT_LT(first[0].size(), 2048u);
+  ASSERT_GT(first[1].size(), 8192u);
+
+  const std::string file_size_limit = "ulimit -f 4; trap '' XFSZ; ";
+  EXPECT_EQ(run_prepare(dir, args + "2", output, file_size_limit), 1) << output;
+  printf("%s", output.c_str());
+  EXPECT_NE(output.find("prepare: error: "), std::string::npos) << output;
+  EXPECT_NE(output.find("train_000.bin"), std::string::npos) << output;
+  EXPECT_NE(output.find("File too large"), std::string::npos) << output;
+  EXPECT_EQ(read_set(out), first) << "the previous set must stay as it was";
+  EXPECT_EQ(names_in(dir.path.string()), (std::set<std::string>{"corpus.txt", "out", "prepare.log"}));
+
+  ASSERT_EQ(run_prepare(dir, args + "2", output), 0) << output;
+  EXPECT_NE(read_set(out)[1], first[1]) << "another seed shuffles the documents differently";
+  EXPECT_EQ(names_in(out), std::set<std::string>(kSetFiles.begin(), kSetFiles.end()));
+  EXPECT_EQ(names_in(dir.path.string()), (std::set<std::string>{"corpus.txt", "out", "prepare.log"}));
+}
+
+// Before any work, prepare refuses an output folder that holds anything but its three files, and a
+// DIR.old (the previous set, left by a run interrupted between its two renames); neither is touched.
+// A stale DIR.tmp (a run killed while writing) is cleared.
+TEST(DataPrepare, ReplacesOnlyItsOwnSet) {
+  if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
+  testutil::Rng rng;
+  TempDir dir;
+  const std::string input = write_fortune_corpus(dir, rng, 20), out = dir.file("out");
+  const std::string args = "--input " + input + " --out " + out + " --vocab 280 --val-frac 0.2 --seed 3";
+  std::string output;
+  ASSERT_EQ(run_prepare(dir, args, output), 0) << output;
+  const std::vector<std::string> first = read_set(out);
+
+  write_bytes(out + "/notes.txt", "mine\n");
+  EXPECT_EQ(run_prepare(dir, args, output), 1) << output;
+  EXPECT_NE(output.find("output folder " + out + " holds notes.txt"), std::string::npos) << output;
+  EXPECT_EQ(read_set(out), first);
+  EXPECT_EQ(read_bytes(out + "/notes.txt"), "mine\n");
+  fs::remove(out + "/notes.txt");
+
+  fs::create_directory(out + ".old");
+  EXPECT_EQ(run_prepare(dir, args, output), 1) << output;
+  EXPECT_NE(output.find(out + ".old exists"), std::string::npos) << output;
+  EXPECT_EQ(read_set(out), first);
+  fs::remove(out + ".old");
+
+  fs::create_directory(out + ".tmp");
+  write_bytes(out + ".tmp/train_000.bin.tmp", "half a shard");
+  ASSERT_EQ(run_prepare(dir, args, output), 0) << output;
+  EXPECT_EQ(read_set(out), first);
+  EXPECT_EQ(names_in(dir.path.string()), (std::set<std::string>{"corpus.txt", "out", "prepare.log"}));
+}
+
+// The benchmark's corpus (tools/synthetic_tokens.cpp): a shard of TOKENS uniform tokens in [0, VOCAB),
+// the same for the same seed; malformed arguments exit non-zero and write nothing.
+TEST(SyntheticTokens, WritesUniformTokensInTheVocabulary) {
+  const std::string bin = built_tool("synthetic_tokens");
+  if (!fs::exists(bin)) GTEST_SKIP() << bin << " not built (set FLATMOE_BIN to its folder)";
+  TempDir dir;
+  const std::string a = dir.file("a.bin"), b = dir.file("b.bin"), c = dir.file("c.bin");
+  ASSERT_EQ(std::system((bin + " " + a + " 20000 300 7").c_str()), 0);
+  ASSERT_EQ(std::system((bin + " " + b + " 20000 300 7").c_str()), 0);
+  ASSERT_EQ(std::system((bin + " " + c + " 20000 300 8").c_str()), 0);
+  const std::vector<int> tokens = data::read_shard(a);
+  ASSERT_EQ(tokens.size(), 20000u);
+  std::vector<int> seen(300, 0);
+  for (int t : tokens) {
+    ASSERT_GE(t, 0);
+    ASSERT_LT(t, 300);
+    seen[t]++;
+  }
+  for (int v = 0; v < 300; v++) EXPECT_GT(seen[v], 20) << "token " << v << " (expected about 67 of each)";
+  EXPECT_EQ(read_bytes(a), read_bytes(b));
+  EXPECT_NE(read_bytes(a), read_bytes(c));
+  for (const std::string& args : {std::string(" 0 300"), std::string(" 100 0"), std::string(" 10x 300"), std::string(" 100")}) {
+    const std::string out = dir.file("bad.bin");
+    EXPECT_NE(std::system((bin + " " + out + args + " > /dev/null 2>&1").c_str()), 0) << args;
+    EXPECT_FALSE(fs::exists(out)) << args;
+  }
 }

@@ -29,13 +29,8 @@ done
 big="--hidden 1024 --layers 4 --heads 16 --experts 8 --topk 2 --expert_dim 1024"
 synthetic="$out/synthetic"
 mkdir -p "$synthetic"
-python3 - "$synthetic/train_000.bin" <<'PY'
-import sys, numpy as np
-n = 100_000_000
-header = np.zeros(256, dtype=np.int32); header[0] = 20240520; header[1] = 1; header[2] = n
-tokens = np.random.default_rng(0).integers(0, 4095, n, dtype=np.uint16)
-with open(sys.argv[1], "wb") as f: f.write(header.tobytes()); f.write(tokens.tobytes())
-PY
+"$(dirname "$train")/../synthetic_tokens" "$synthetic/train_000.bin" 100000000 4095 0 ||
+  { echo "could not write the synthetic shard"; exit 1; }
 ln -sf train_000.bin "$synthetic/val_000.bin"
 fits() {  # B T recompute
   "$train" --data "$data" --train "$synthetic/train_*.bin" --val "$synthetic/val_*.bin" $big --batch "$1" --seq_len "$2" \
