@@ -11,6 +11,10 @@
 // the pool holds from CUDA; `live_total()` is what is in use. Reuse after free is ordered by the
 // host: a block freed by one stream and reused by another needs an event between them (callers
 // that use several streams synchronise before freeing).
+//
+// The process's runtime (bottom of this file): runtime_prepare() after cudaSetDevice, before any
+// measurement, creates the shared cuBLAS handle and its pooled workspace; runtime_release() at exit
+// gives everything back to CUDA and refuses to when anything else is still live (a leak, DESIGN §4).
 #pragma once
 #include <chrono>
 #include <cstring>
@@ -122,6 +126,21 @@ class Pool {
   size_t reserved() const { return reserved_; }
   size_t blocks_live() const { return blocks_.size(); }
 
+  // The live blocks grouped by tag: "tag (category): N blocks, B bytes; ..." — what a leak report names.
+  std::string describe_live() const {
+    std::map<std::string, std::pair<size_t, size_t>> by_tag;  // "tag (category)" -> (blocks, bytes)
+    for (const auto& kv : blocks_) {
+      auto& entry = by_tag[kv.second.tag + " (" + mem_name(kv.second.cat) + ")"];
+      entry.first++;
+      entry.second += kv.second.bytes;
+    }
+    std::string text;
+    for (const auto& kv : by_tag)
+      text += (text.empty() ? "" : "; ") + kv.first + ": " + std::to_string(kv.second.first) + " blocks, " +
+              std::to_string(kv.second.second) + " bytes";
+    return text;
+  }
+
   // Starts a new measurement window: peaks become the current live bytes.
   void reset_peak() {
     peak_total_ = live_total_;
@@ -227,30 +246,60 @@ struct DeviceBuffer {
 };
 
 // ---------------------------------------------------------------------------------------------
-// cuBLAS: one handle per process (one process per GPU). The FP32 build runs pedantic FP32.
+// The runtime of the process (one process per GPU): the cuBLAS handle and its workspace, taken from
+// the pool (category Workspace). The FP32 build runs pedantic FP32.
 
-inline cublasHandle_t cublas_handle() {
-  static cublasHandle_t handle = [] {
-    cublasHandle_t h;
-    cublasCheck(cublasCreate(&h), "cublas_handle", "create");
-#if defined(FLATMOE_BF16)
-    cublasCheck(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublas_handle", "math mode");
-#else
-    cublasCheck(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH), "cublas_handle", "math mode");
-#endif
-    return h;
-  }();
-  return handle;
+struct CublasRuntime {
+  static constexpr size_t workspace_bytes = 32u << 20;  // cuBLAS's recommendation for Hopper
+  cublasHandle_t handle = nullptr;
+  void* workspace = nullptr;  // [workspace_bytes], from the pool
+};
+
+inline CublasRuntime& cublas_runtime() {
+  static CublasRuntime runtime;
+  return runtime;
 }
 
-// cuBLAS on a stream, with its workspace taken from the pool (category Workspace). cublasSetStream
-// resets cuBLAS to a workspace of its own (allocated outside the pool), so every GEMM launcher
-// sets both together through this function.
+// Creates the cuBLAS handle and allocates its workspace from the pool (once; later calls do nothing).
+// Call it after cudaSetDevice and before measuring the pool, so that no measurement sees the
+// workspace appear; cublas_on calls it too, for programs that do not.
+inline void runtime_prepare() {
+  CublasRuntime& rt = cublas_runtime();
+  if (rt.handle != nullptr) return;
+  cublasCheck(cublasCreate(&rt.handle), "runtime_prepare", "cublasCreate");
+#if defined(FLATMOE_BF16)
+  cublasCheck(cublasSetMathMode(rt.handle, CUBLAS_DEFAULT_MATH), "runtime_prepare", "math mode default");
+#else
+  cublasCheck(cublasSetMathMode(rt.handle, CUBLAS_PEDANTIC_MATH), "runtime_prepare", "math mode pedantic");
+#endif
+  rt.workspace = pool().alloc(CublasRuntime::workspace_bytes, Mem::Workspace, "cublas_workspace");
+}
+
+// At exit: waits for the device, returns the cuBLAS workspace to the pool, destroys the handle and
+// returns every cached block to CUDA (cudaFree), so that the pool holds nothing. Refuses (exits
+// naming the blocks, their bytes and tags) when anything else is still live: that is a leak.
+// runtime_prepare() may be called again afterwards.
+inline void runtime_release() {
+  CublasRuntime& rt = cublas_runtime();
+  cudaCheck(cudaDeviceSynchronize(), "runtime_release", "live blocks=%zu", pool().blocks_live());
+  pool().free(rt.workspace);
+  rt.workspace = nullptr;
+  if (rt.handle != nullptr) cublasCheck(cublasDestroy(rt.handle), "runtime_release", "cublasDestroy");
+  rt.handle = nullptr;
+  if (pool().blocks_live() != 0)
+    fm_fail("runtime_release", ("device memory still live at exit (a leak): " + pool().describe_live()).c_str(),
+            "live blocks=%zu bytes=%zu", pool().blocks_live(), pool().live_total());
+  pool().release_cached();
+}
+
+// cuBLAS on a stream, with the runtime's pooled workspace. cublasSetStream resets cuBLAS to a
+// workspace of its own (allocated outside the pool), so every GEMM launcher sets both together
+// through this function.
 inline cublasHandle_t cublas_on(cudaStream_t stream, const char* op) {
-  static const size_t workspace_bytes = 32u << 20;  // cuBLAS's recommendation for Hopper
-  static void* workspace = pool().alloc(workspace_bytes, Mem::Workspace, "cublas_workspace");
-  cublasHandle_t handle = cublas_handle();
-  cublasCheck(cublasSetStream(handle, stream), op, "stream");
-  cublasCheck(cublasSetWorkspace(handle, workspace, workspace_bytes), op, "workspace=%zu", workspace_bytes);
-  return handle;
+  runtime_prepare();
+  const CublasRuntime& rt = cublas_runtime();
+  cublasCheck(cublasSetStream(rt.handle, stream), op, "stream");
+  cublasCheck(cublasSetWorkspace(rt.handle, rt.workspace, CublasRuntime::workspace_bytes), op, "workspace=%zu",
+              CublasRuntime::workspace_bytes);
+  return rt.handle;
 }

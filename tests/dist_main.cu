@@ -10,11 +10,14 @@
 //     and exits non-zero if anything failed (with the first failing rank's
 //     status when a rank failed). All ranks get one FLATMOE_SEED (printed) and, unless it is set,
 //     FLATMOE_COMM_TIMEOUT_S=300, so that a rank stuck in a collective ends the run.
-//   W < 2: the tests run in this process; the world is the one GPU (REQUIRE_WORLD(2) skips), or
-//     absent without a CUDA device (REQUIRE_WORLD(1) skips too).
+//   W < 2: the tests run in this process; the world is the one GPU (REQUIRE_WORLD(2) skips, also with
+//     FLATMOE_REQUIRE_GPU=1), or absent without a CUDA device (REQUIRE_WORLD(1) skips too, or fails
+//     with FLATMOE_REQUIRE_GPU=1).
 // Started by mpirun or srun, each rank runs the tests with its output where that launcher puts it.
 // Ranks without a CUDA device (FLATMOE_TEST_WORLD=2 on a machine without GPUs) make no communicator:
-// they run the host-only tests.
+// they run the host-only tests (and fail the others with FLATMOE_REQUIRE_GPU=1).
+// At exit every process that ran the tests has released the runtime (the global test environment of
+// gpu_util.cuh: cuBLAS, every pool block back to CUDA, a leak fails) and destroys its communicator.
 #include <fcntl.h>
 #include <map>
 #include <random>

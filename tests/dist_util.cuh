@@ -1,7 +1,8 @@
 // tests/dist_util.cuh — what the distributed tests (tests/dist_*.cu, one binary test_dist whose main()
 // is tests/dist_main.cu) share: the world communicator of the run, this process's rank, the folder of
 // the rank logs, and REQUIRE_WORLD(n), which skips a test when the run has fewer than n ranks (on
-// every rank alike, so that the ranks never diverge).
+// every rank alike, so that the ranks never diverge). With FLATMOE_REQUIRE_GPU=1 a run without a
+// usable CUDA device fails such a test instead; a run with fewer GPUs than the test needs still skips it.
 //
 // Rules for tests that communicate: every rank runs every test, in the same order, and calls the
 // same collectives; check with EXPECT_* (not ASSERT_*) before a collective, so that a failed check on
@@ -51,8 +52,19 @@ inline std::string read_text_file(const std::string& path) {
   return text.str();
 }
 
-#define REQUIRE_WORLD(n)                                                                        \
-  do {                                                                                          \
-    if (test_world_size() < (n))                                                                \
-      GTEST_SKIP() << "needs " << (n) << " GPUs (ranks); this run has " << test_world_size(); \
+// Why a test that needs n ranks skips in this run, which has fewer.
+inline std::string world_skip_message(int n) {
+  const int world = test_world_size();
+  const std::string text = "needs " + std::to_string(n) + " GPUs (ranks); this run has " + std::to_string(world);
+  if (world == 0) return text + " (no usable CUDA device: " + testutil::gpu_unusable_reason() + ")";
+  if (testutil::gpu_required())
+    return text + " (FLATMOE_REQUIRE_GPU=1 requires one usable GPU, which this run has, not " + std::to_string(n) + ")";
+  return text;
+}
+
+#define REQUIRE_WORLD(n)                                                                                 \
+  do {                                                                                                   \
+    if (test_world_size() == 0 && testutil::gpu_required())                                              \
+      FAIL() << "FLATMOE_REQUIRE_GPU=1 but no usable CUDA device: " << testutil::gpu_unusable_reason(); \
+    if (test_world_size() < (n)) GTEST_SKIP() << world_skip_message(n);                                  \
   } while (0)

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [sanitize] [train-steps=N]   (default: test)
+#   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine; bench-ep: expert-parallel MoE layer benchmark
+#   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
+# FLATMOE_REQUIRE_GPU=1: a GPU test that finds no usable device fails instead of skipping.
+# Exit status: non-zero when the build, a test run or a sanitizer run failed (the other parts still run).
 # Dependencies come from .deps/ (Debian packages unpacked: Eigen, GoogleTest sources, fortunes),
 # since the GPU machine has no package registry.
 set -uo pipefail
@@ -10,11 +14,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
+export FLATMOE_REQUIRE_GPU=1
 deps=.deps/usr
 vars="EIGEN_DIR=$deps/include/eigen3 GTEST_DIR=$deps/src/googletest/googletest FORTUNES=$deps/share/games/fortunes"
 want=${*:-test}
 steps=$(echo "$want" | sed -n 's/.*train-steps=\([0-9]*\).*/\1/p')
 summary=()
+status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 t0=$(date +%s)
@@ -22,13 +28,20 @@ make -j"$(nproc)" $vars all data > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/bui
 summary+=("build: $(( $(date +%s) - t0 )) s")
 
 if [[ " $want " == *" test "* ]]; then
-  make $vars test > "$OUT/test.log" 2>&1
+  make $vars test > "$OUT/test.log" 2>&1 || status=1
   for p in fp32 bf16; do
     grep -h "^\[err\]\|^\[mem\]\|^\[train\]\|^\[overfit\]" build/test-logs/build_test_cpu.log build/test-logs/build_${p}_test_gpu.log \
       build/test-logs/build_${p}_test_dist.log > "$OUT/errors-$p.txt"
   done
   grep -h "FAILED\|Failure\|error" build/test-logs/*.log | head -40
   summary+=("tests: $(tail -1 "$OUT/test.log")")
+  for p in fp32 bf16; do
+    build/$p/test_gpu --gtest_shuffle > "$OUT/test_gpu_shuffled_$p.log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("$p test_gpu shuffled: exit $rc | $(grep -o 'seed of [0-9]*' "$OUT/test_gpu_shuffled_$p.log" | head -1) | $(
+      grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$OUT/test_gpu_shuffled_$p.log" | tr '\n' ' ')")
+  done
 fi
 
 if [[ " $want " == *" train "* ]]; then
@@ -57,9 +70,29 @@ if [[ " $want " == *" bench "* ]]; then
   cat "$OUT/bench.md"
 fi
 
+# sanitize NAME COMMAND...: compute-sanitizer memcheck with leak check; log in $OUT/sanitize_NAME.log,
+# its ERROR SUMMARY line in the summary; anything but "0 errors" and exit 0 is a failure.
+sanitize() {
+  local name=$1 rc errors
+  shift
+  "$sanitizer" --tool memcheck --leak-check full "$@" > "$OUT/sanitize_$name.log" 2>&1
+  rc=$?
+  errors=$(grep 'ERROR SUMMARY' "$OUT/sanitize_$name.log" | tail -1)
+  [[ "$rc" -eq 0 && "$errors" == *"ERROR SUMMARY: 0 errors"* ]] || status=1
+  summary+=("sanitize $*: exit $rc | ${errors:-no ERROR SUMMARY line}")
+}
+
+if [[ " $want " == *" sanitize "* ]]; then
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  sanitize test_gpu build/fp32/test_gpu --gtest_filter='GpuModel.*'
+  sanitize train build/fp32/train --data data/fortunes --steps 3 --out build/run-sanitize --val_every 0 \
+    --sample_every 0 --ckpt_every 0
+fi
+
 echo
 echo "==== summary"
 for s in "${summary[@]}"; do echo "$s"; done
 for p in fp32 bf16; do
   [ -f "$OUT/errors-$p.txt" ] && { echo "largest errors, $p:"; grep '^\[err\]' "$OUT/errors-$p.txt" | sed 's/ tol=.*//' | sort -t= -k2 -g | tail -4; }
 done
+exit $status

@@ -1,6 +1,8 @@
 // GPU tests of ops/adamw.cuh against ref/adamw.hpp: several steps of AdamW over two parameter
 // tensors from a random mid-training state (t > 1, non-zero moments), with the global gradient
 // norm from common.cuh's deterministic sumsq, clipping on in some steps and off in others.
+// Every step's update θ_new − θ_old is compared with the reference's (θ_new itself is dominated by
+// θ_old, so a wrong update would hide in it); then the final master, moments and weights.
 #include "gpu_util.cuh"
 #include "../ops/adamw.cuh"
 #include "../ref/adamw.hpp"
@@ -60,10 +62,17 @@ void check_adamw(const char* name, int n1, int n2) {
     double max_norm = (t % 2 == 0) ? 0.5 * norm_ref : 0.0;  // clipping on even steps only
     float scale = clip_scale(norm, (float)max_norm);
     double scale_ref = ref::clip_scale(norm_ref, max_norm);
-    for (ParamTensor& p : tensors) {
+    for (int i = 0; i < 2; i++) {
+      ParamTensor& p = tensors[i];
+      const ref::Mat<double> master_old = download(p.d_master.ptr, p.n, 1);  // [n, 1]
+      const ref::Vec<double> master_old_ref = p.master;                      // [n]
       adamw_update(p.d_master.ptr, p.d_param.ptr, p.d_m.ptr, p.d_v.ptr, p.d_grad.ptr, p.n, lr, beta1, beta2, eps, wd,
                    t, scale, 0);
       ref::adamw_update<double>(p.master, p.m, p.v, p.grad, lr, beta1, beta2, eps, wd, t, scale_ref);
+      const ref::Mat<double> update = download(p.d_master.ptr, p.n, 1) - master_old;
+      const ref::Vec<double> update_ref = p.master - master_old_ref;
+      const std::string tensor = "update t" + std::to_string(t) + " p" + std::to_string(i);
+      EXPECT_REL(name, tensor.c_str(), rel_err(update, update_ref), OP_TOL);
     }
   }
 

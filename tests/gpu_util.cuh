@@ -1,12 +1,16 @@
-// tests/gpu_util.cuh — GPU-side helpers for the tests: skip when there is no device, move
-// reference matrices to and from floatX device buffers (through the pool), and the tolerance
-// of DESIGN §3 for the build.
+// tests/gpu_util.cuh — GPU-side helpers for the tests: skip (or, with FLATMOE_REQUIRE_GPU=1, fail)
+// when there is no usable device, the runtime prepared before the first test and released after the
+// last, moving reference matrices to and from floatX device buffers (through the pool), and the
+// tolerance of DESIGN §3 for the build.
 #pragma once
+#include <string>
 #include "test_util.hpp"
 #include "../ops/common.cuh"
 #include "../runtime/pool.cuh"
 
 // Per-operator tolerance (DESIGN §3): 1e-5 in FP32, 2e-2 in BF16; the whole model 1e-4 in FP32.
+// Computation in fp32 (the router, float GEMMs) is held to the FP32 per-operator tolerance in both builds.
+static const double FP32_TOL = 1e-5;
 #if defined(FLATMOE_BF16)
 static const double OP_TOL = 2e-2;
 static const double MODEL_TOL = 2e-2;
@@ -15,9 +19,59 @@ static const double OP_TOL = 1e-5;
 static const double MODEL_TOL = 1e-4;
 #endif
 
-#define REQUIRE_GPU()                                                  \
-  do {                                                                 \
-    if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device: GPU test skipped"; \
+namespace testutil {
+
+// FLATMOE_REQUIRE_GPU=1 (set by the device scripts, DESIGN §3): a test that needs a GPU fails
+// instead of skipping when none is usable.
+inline bool gpu_required() {
+  const char* value = getenv("FLATMOE_REQUIRE_GPU");
+  return value != nullptr && std::string(value) == "1";
+}
+
+// "" when this process can use its current CUDA device, else why not (the CUDA call and its error).
+// Asked once; creates the device's context.
+inline const std::string& gpu_unusable_reason() {
+  static const std::string why = []() -> std::string {
+    int devices = 0;
+    cudaError_t err = cudaGetDeviceCount(&devices);
+    if (err == cudaSuccess && devices == 0) return "cudaGetDeviceCount found 0 devices";
+    const char* call = "cudaGetDeviceCount";
+    if (err == cudaSuccess) {
+      err = cudaFree(nullptr);  // creates the context: a device that is listed but broken fails here
+      call = "cudaFree(nullptr) (context creation)";
+    }
+    if (err == cudaSuccess) return "";
+    cudaGetLastError();  // clear the sticky error
+    return std::string(call) + ": " + cudaGetErrorString(err);
+  }();
+  return why;
+}
+
+// Prepares the runtime (runtime/pool.cuh) before the first test, so that the shared cuBLAS workspace
+// never appears inside a test's pool measurement, and releases it after the last, which fails on
+// any device memory that a test left live.
+class RuntimeEnvironment : public testing::Environment {
+ public:
+  void SetUp() override {
+    if (gpu_unusable_reason().empty()) runtime_prepare();
+  }
+  void TearDown() override {
+    if (gpu_unusable_reason().empty()) runtime_release();
+  }
+};
+
+// Registered once per binary, whichever translation units include this file.
+inline testing::Environment* const runtime_environment = testing::AddGlobalTestEnvironment(new RuntimeEnvironment);
+
+}  // namespace testutil
+
+#define REQUIRE_GPU()                                                                                   \
+  do {                                                                                                  \
+    const std::string& fm_unusable_ = testutil::gpu_unusable_reason();                                  \
+    if (!fm_unusable_.empty()) {                                                                        \
+      if (testutil::gpu_required()) FAIL() << "FLATMOE_REQUIRE_GPU=1 but no usable CUDA device: " << fm_unusable_; \
+      GTEST_SKIP() << "no usable CUDA device (" << fm_unusable_ << "): GPU test skipped";              \
+    }                                                                                                   \
   } while (0)
 
 namespace testutil {
