@@ -48,15 +48,15 @@ static const cublasComputeType_t CUBLAS_COMPUTE = CUBLAS_COMPUTE_32F;
 // ---------------------------------------------------------------------------------------------
 // Small element-wise kernels shared by the model.
 
-template <typename T>
-__global__ void add_kernel(T* out, const T* a, const T* b, size_t n) {
+template <typename T, typename TB>
+__global__ void add_kernel(T* out, const T* a, const TB* b, size_t n) {
   size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
 }
 
-// out = a + b (out may alias a or b)
-template <typename T>
-inline void add_inplace_or_out(T* out, const T* a, const T* b, size_t n, cudaStream_t stream) {
+// out = a + b in fp32, rounded once to T (out may alias a or b); b may be fp32 beside T operands.
+template <typename T, typename TB>
+inline void add_inplace_or_out(T* out, const T* a, const TB* b, size_t n, cudaStream_t stream) {
   if (n == 0) return;
   add_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(out, a, b, n);
   launchCheck("add", "n=%zu", n);

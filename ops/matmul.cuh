@@ -1,8 +1,9 @@
 // matmul.cuh — bias-free linear layer through cuBLAS (twin: ref/matmul.hpp).
 //
-//   forward:  out = x · Wᵀ                    out [N, OC] (=)
-//   backward: dx  = dout · W                  dx  [N, IC] (=), skipped when dx == nullptr
-//             dW += doutᵀ · x                 dW  [OC, IC] (+=)
+//   forward:  out = x · Wᵀ                    out [N, OC] (=)                 matmul_forward
+//   backward: dx  = dout · W                  dx  [N, IC] (=)                 matmul_backward_dx
+//             dW += doutᵀ · x                 dW  [OC, IC] (+=)               matmul_backward_dW
+//             both                            dx skipped when dx == nullptr   matmul_backward
 //
 // Shapes (row-major, weights [out, in] like PyTorch / llm.c): x [N, IC], W [OC, IC], dout [N, OC].
 // cuBLAS is column-major: a row-major [R, C] matrix is a column-major [C, R] one with leading
@@ -10,38 +11,87 @@
 //   outᵀ [OC, N] = op_T(W as [IC, OC]) · xᵀ [IC, N]
 //   dxᵀ  [IC, N] = W as [IC, OC] · doutᵀ [OC, N]
 //   dWᵀ  [IC, OC] += xᵀ [IC, N] · op_T(doutᵀ as [OC, N])
-// Operands are CUBLAS_FLOATX, accumulation CUBLAS_COMPUTE (fp32; pedantic FP32 in the FP32
-// build), alpha/beta fp32 on the host. cuBLAS GEMMs are bit-reproducible run to run on the same
-// GPU model and toolkit.
+// Element type: every launcher is a template over the type T of all its operands — floatX (the
+// model's layers) or float (the router, FP32 in both builds, DESIGN §3); MatmulTypes<T> gives the
+// cuBLAS types. bf16 operands (CUDA_R_16BF) accumulate in fp32 (CUBLAS_COMPUTE_32F, tensor cores).
+// float operands (CUDA_R_32F) run CUBLAS_COMPUTE_32F in both builds: FP32 arithmetic, never TF32 —
+// the shared handle's math mode is pedantic in the FP32 build and CUBLAS_DEFAULT_MATH in the BF16
+// build, and TF32 would need CUBLAS_TF32_TENSOR_OP_MATH or a FAST_TF32 compute type (the float
+// cases of tests/gpu_matmul.cu hold both builds to 1e-5, which a TF32 GEMM misses).
+// alpha/beta are fp32 on the host. cuBLAS GEMMs are bit-reproducible run to run on the same GPU
+// model and toolkit.
 //
 // Memory: none of its own (cuBLAS's workspace is the pool's, set by cublas_on).
 #pragma once
 #include "common.cuh"
 #include "../runtime/pool.cuh"
 
-// C [m, n] (column-major, ldc) = alpha · op(A) · op(B) + beta · C, on `stream`.
+// The cuBLAS operand and compute types of a GEMM whose operands are all T.
+template <typename T>
+struct MatmulTypes;
+template <>
+struct MatmulTypes<float> {
+  static constexpr cudaDataType_t data = CUDA_R_32F;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  static constexpr const char* name = "fp32";
+};
+template <>
+struct MatmulTypes<__nv_bfloat16> {
+  static constexpr cudaDataType_t data = CUDA_R_16BF;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  static constexpr const char* name = "bf16";
+};
+
+// T in a non-deduced context: matmul_backward's dx takes its type from the other operands, so
+// that it may be a literal nullptr.
+template <typename T>
+struct MatmulSameType {
+  typedef T type;
+};
+
+// C [m, n] (column-major, ldc) = alpha · op(A) · op(B) + beta · C, on `stream`; N, IC, OC name the
+// layer's sizes in the error message.
+template <typename T>
 inline void matmul_gemm(const char* op_name, cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k,
-                        const floatX* A, int lda, const floatX* B, int ldb, float beta, floatX* C, int ldc,
-                        int N, int IC, int OC, cudaStream_t stream) {
+                        const T* A, int lda, const T* B, int ldb, float beta, T* C, int ldc, int N, int IC, int OC,
+                        cudaStream_t stream) {
   const float alpha = 1.0f;
+  const cudaDataType_t type = MatmulTypes<T>::data;
   cublasHandle_t handle = cublas_on(stream, op_name);
-  cublasCheck(cublasGemmEx(handle, op_a, op_b, m, n, k, &alpha, A, CUBLAS_FLOATX, lda, B, CUBLAS_FLOATX, ldb, &beta,
-                           C, CUBLAS_FLOATX, ldc, CUBLAS_COMPUTE, CUBLAS_GEMM_DEFAULT),
-              op_name, "N=%d IC=%d OC=%d", N, IC, OC);
+  cublasCheck(cublasGemmEx(handle, op_a, op_b, m, n, k, &alpha, A, type, lda, B, type, ldb, &beta, C, type, ldc,
+                           MatmulTypes<T>::compute, CUBLAS_GEMM_DEFAULT),
+              op_name, "N=%d IC=%d OC=%d type=%s", N, IC, OC, MatmulTypes<T>::name);
 }
 
 // out [N, OC] (=) = x [N, IC] · W [OC, IC]ᵀ
-inline void matmul_forward(floatX* out, const floatX* x, const floatX* W, int N, int IC, int OC, cudaStream_t stream) {
+template <typename T>
+inline void matmul_forward(T* out, const T* x, const T* W, int N, int IC, int OC, cudaStream_t stream) {
   if (N == 0 || OC == 0) return;
   if (IC <= 0) fm_fail("matmul_forward", "IC must be positive", "N=%d IC=%d OC=%d", N, IC, OC);
   matmul_gemm("matmul_forward", CUBLAS_OP_T, CUBLAS_OP_N, OC, N, IC, W, IC, x, IC, 0.0f, out, OC, N, IC, OC, stream);
 }
 
-// dx [N, IC] (=) = dout · W (skipped when dx == nullptr); dW [OC, IC] (+=) doutᵀ · x.
-inline void matmul_backward(floatX* dx, floatX* dW, const floatX* dout, const floatX* x, const floatX* W, int N, int IC,
-                            int OC, cudaStream_t stream) {
+// dx [N, IC] (=) = dout [N, OC] · W [OC, IC]
+template <typename T>
+inline void matmul_backward_dx(T* dx, const T* dout, const T* W, int N, int IC, int OC, cudaStream_t stream) {
+  if (N == 0 || IC == 0) return;
+  if (OC <= 0) fm_fail("matmul_backward.dx", "OC must be positive", "N=%d IC=%d OC=%d", N, IC, OC);
+  matmul_gemm("matmul_backward.dx", CUBLAS_OP_N, CUBLAS_OP_N, IC, N, OC, W, IC, dout, OC, 0.0f, dx, IC, N, IC, OC,
+              stream);
+}
+
+// dW [OC, IC] (+=) doutᵀ [OC, N] · x [N, IC]
+template <typename T>
+inline void matmul_backward_dW(T* dW, const T* dout, const T* x, int N, int IC, int OC, cudaStream_t stream) {
   if (N == 0 || IC == 0 || OC == 0) return;
-  if (dx != nullptr)
-    matmul_gemm("matmul_backward.dx", CUBLAS_OP_N, CUBLAS_OP_N, IC, N, OC, W, IC, dout, OC, 0.0f, dx, IC, N, IC, OC, stream);
-  matmul_gemm("matmul_backward.dW", CUBLAS_OP_N, CUBLAS_OP_T, IC, OC, N, x, IC, dout, OC, 1.0f, dW, IC, N, IC, OC, stream);
+  matmul_gemm("matmul_backward.dW", CUBLAS_OP_N, CUBLAS_OP_T, IC, OC, N, x, IC, dout, OC, 1.0f, dW, IC, N, IC, OC,
+              stream);
+}
+
+// dx [N, IC] (=) = dout · W (skipped when dx == nullptr); dW [OC, IC] (+=) doutᵀ · x.
+template <typename T>
+inline void matmul_backward(typename MatmulSameType<T>::type* dx, T* dW, const T* dout, const T* x, const T* W, int N,
+                            int IC, int OC, cudaStream_t stream) {
+  if (dx != nullptr) matmul_backward_dx(dx, dout, W, N, IC, OC, stream);
+  matmul_backward_dW(dW, dout, x, N, IC, OC, stream);
 }

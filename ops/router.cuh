@@ -1,8 +1,14 @@
-// router.cuh — MoE router: scores, top-k selection with aux-loss-free bias, combine weights,
-// and their backward (DESIGN §2). Twin of ref/router.hpp.
+// router.cuh — MoE router: logits, scores, top-k selection with aux-loss-free bias, combine
+// weights, and their backward (DESIGN §2). Twin of ref/router.hpp (scores, selection, weights,
+// dlogits) and ref/matmul.hpp (the logits GEMM and its gradients).
 //
-// Per token n (N tokens, E experts, k top-k), from logits [N,E] (a bias-free linear H→E done by
-// the caller), in fp32:
+// Precision: FP32 in both builds (DESIGN §3). Only the inputs x, W and the gradients dx, dW are
+// floatX; logits, scores, selection keys, weights, dlogits and the three GEMMs are fp32 (pedantic:
+// ops/matmul.cuh on float operands): bf16 logits change routing decisions, and bf16 dlogits with a
+// bf16 weight-gradient GEMM put the router-weight gradient at 2e-2 of the double reference.
+//
+// Per token n (N tokens, H hidden, E experts, k top-k):
+//   logits[n] = x[n] · Wᵀ (router_logits_forward: x and W converted exactly to fp32, fp32 GEMM)
 //   s = softmax(logits[n]) over E (score_fn ROUTER_SOFTMAX) or sigmoid(logits[n]) (ROUTER_SIGMOID)
 //   topk_idx[n,:] = the k experts with the largest s_e + bias_e, in descending order of s + bias;
 //                   equal keys go to the LOWER expert index first (same rule as the reference)
@@ -13,14 +19,24 @@
 //   ds_e   = dtopk_w[n,j] for e = topk_idx[n,j]; with renorm ds_e = (dtopk_w[n,j] − Σ_m dtopk_w[n,m] w_m) / S
 //   dlogit = s ⊙ (ds − Σ_f s_f ds_f)            (softmax)
 //   dlogit = ds ⊙ s ⊙ (1 − s)                   (sigmoid)
+// and through the logits GEMM (router_logits_backward):
+//   dx  = dlogits · W      fp32 GEMM, then rounded once to floatX
+//   dW += dlogitsᵀ · x     ΔW = dlogitsᵀ · x in fp32, then dW[i] = floatX(float(dW[i]) + ΔW[i]) (one rounding)
 //
 // A routing profile (data/routing_profile.hpp) may replace the selection: router_weights then gives
 // the weights of the given choice from the same scores.
 //
-// Outputs (all "="): topk_idx [N,k] int, topk_w [N,k] float, scores [N,E] float (saved for
-// backward), dlogits [N,E] floatX, loads [E] int.
-// Limits: E ≤ ROUTER_MAX_E (256), k ≤ ROUTER_MAX_K (8), k ≤ E; larger sizes are refused.
-// Memory: none beyond the outputs (no pool allocations).
+// Shapes: x [N,H] floatX; W [E,H] floatX; logits [N,E] float; bias [E] float; dtopk_w [N,k] float.
+// Outputs: logits (=), topk_idx [N,k] int (=), topk_w [N,k] float (=), scores [N,E] float (=, saved
+// for backward), dlogits [N,E] float (=), dx [N,H] floatX (=), dW [E,H] floatX (+=), loads [E] int (=).
+// Limits of the selection and its backward: E ≤ ROUTER_MAX_E (256), k ≤ ROUTER_MAX_K (8), k ≤ E;
+// larger sizes are refused.
+// Memory: router_forward, router_backward, router_weights, router_count_loads allocate nothing.
+// router_logits_forward / router_logits_backward take fp32 copies from the pool (Workspace), at
+// most router_logits_workspace_bytes(N,H,E) = 4·H·(N + E) bytes live at once (forward: x and W;
+// backward: W and dx, then x and ΔW), all freed before they return (stream-ordered: later work on
+// the same stream may reuse them); cuBLAS's own workspace is the pool's (cublas_on). The FP32 build
+// runs the same code: its conversions are plain copies.
 // Kernels: one warp per token; every reduction is a fixed xor-butterfly over the warp (all lanes end
 // with the same bits), so results are deterministic. Loads use integer atomics (exact).
 #pragma once
@@ -28,6 +44,8 @@
 #include <climits>
 #include <cmath>
 #include "common.cuh"
+#include "matmul.cuh"
+#include "../runtime/pool.cuh"
 
 static const int ROUTER_SOFTMAX = 0;
 static const int ROUTER_SIGMOID = 1;
@@ -50,19 +68,19 @@ __device__ inline float router_warp_sum(float v) {
 }
 
 // Grid: ceil(N / ROUTER_WARPS_PER_BLOCK) blocks of 32·ROUTER_WARPS_PER_BLOCK threads; warp = token.
-static __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float* scores, const floatX* logits,
+static __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float* scores, const float* logits,
                                              const float* bias, int N, int E, int k, int score_fn, bool renorm) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * ROUTER_WARPS_PER_BLOCK + (threadIdx.x >> 5);
   if (n >= N) return;  // n is the same for the whole warp: warps leave together
-  const floatX* row = logits + (size_t)n * E;
+  const float* row = logits + (size_t)n * E;
 
   float s[ROUTER_SLOTS];  // this lane's scores, expert e = lane + 32·i
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < ROUTER_SLOTS; i++) {
     int e = lane + 32 * i;
-    s[i] = e < E ? to_float(row[e]) : -INFINITY;
+    s[i] = e < E ? row[e] : -INFINITY;
     mx = fmaxf(mx, s[i]);
   }
   if (score_fn == ROUTER_SOFTMAX) {
@@ -135,8 +153,8 @@ static __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float
 }
 
 // Grid as router_forward_kernel. Every lane computes the same k-long ds (k ≤ 8), then writes its experts.
-static __global__ void router_backward_kernel(floatX* dlogits, const float* dtopk_w, const float* scores, const int* topk_idx,
-                                              int N, int E, int k, int score_fn, bool renorm) {
+static __global__ void router_backward_kernel(float* dlogits, const float* dtopk_w, const float* scores,
+                                              const int* topk_idx, int N, int E, int k, int score_fn, bool renorm) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * ROUTER_WARPS_PER_BLOCK + (threadIdx.x >> 5);
   if (n >= N) return;
@@ -173,7 +191,7 @@ static __global__ void router_backward_kernel(floatX* dlogits, const float* dtop
       if (sel_e[j] == e) d += ds[j];
     float se = s_row[e];
     float dl = score_fn == ROUTER_SOFTMAX ? se * (d - s_dot_ds) : d * se * (1.f - se);
-    dlogits[(size_t)n * E + e] = from_float<floatX>(dl);
+    dlogits[(size_t)n * E + e] = dl;
   }
 }
 
@@ -215,8 +233,32 @@ inline void router_check_sizes(const char* op, int N, int E, int k, int score_fn
     fm_fail(op, "score_fn must be 0 (softmax) or 1 (sigmoid)", "score_fn=%d", score_fn);
 }
 
+inline void router_check_logits_sizes(const char* op, int N, int H, int E) {
+  if (N < 0 || H < 1 || E < 1) fm_fail(op, "need N >= 0, H >= 1, E >= 1", "N=%d H=%d E=%d", N, H, E);
+}
+
+// Workspace bytes that router_logits_forward / router_logits_backward hold at most at once: fp32
+// copies of x [N,H] and W [E,H] (forward); of W and dx [N,H], then of x and ΔW [E,H] (backward).
+inline size_t router_logits_workspace_bytes(int N, int H, int E) {
+  return sizeof(float) * (size_t)H * ((size_t)N + (size_t)E);
+}
+
+// logits [N,E] (=, fp32) = x [N,H] · W [E,H]ᵀ in pedantic FP32: x and W are converted (exactly) to
+// fp32 Workspace copies, freed before return.
+inline void router_logits_forward(float* logits, const floatX* x, const floatX* W, int N, int H, int E,
+                                  cudaStream_t stream) {
+  router_check_logits_sizes("router_logits_forward", N, H, E);
+  if (N == 0) return;
+  const size_t NH = (size_t)N * H, EH = (size_t)E * H;
+  DeviceBuffer<float> x_fp32(NH, Mem::Workspace, "router_logits_forward.x_fp32");
+  DeviceBuffer<float> W_fp32(EH, Mem::Workspace, "router_logits_forward.W_fp32");
+  convert(x_fp32.ptr, x, NH, stream);
+  convert(W_fp32.ptr, W, EH, stream);
+  matmul_forward(logits, x_fp32.ptr, W_fp32.ptr, N, H, E, stream);
+}
+
 // topk_idx [N,k] (=), topk_w [N,k] (=), scores [N,E] (=, saved for backward) from logits [N,E], bias [E].
-inline void router_forward(int* topk_idx, float* topk_w, float* scores, const floatX* logits, const float* bias,
+inline void router_forward(int* topk_idx, float* topk_w, float* scores, const float* logits, const float* bias,
                            int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
   router_check_sizes("router_forward", N, E, k, score_fn);
   if (N == 0) return;
@@ -226,13 +268,39 @@ inline void router_forward(int* topk_idx, float* topk_w, float* scores, const fl
 }
 
 // dlogits [N,E] (=) from dtopk_w [N,k] and the forward's scores and topk_idx.
-inline void router_backward(floatX* dlogits, const float* dtopk_w, const float* scores, const int* topk_idx,
+inline void router_backward(float* dlogits, const float* dtopk_w, const float* scores, const int* topk_idx,
                             int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
   router_check_sizes("router_backward", N, E, k, score_fn);
   if (N == 0) return;
   router_backward_kernel<<<ceil_div(N, ROUTER_WARPS_PER_BLOCK), 32 * ROUTER_WARPS_PER_BLOCK, 0, stream>>>(
       dlogits, dtopk_w, scores, topk_idx, N, E, k, score_fn, renorm);
   launchCheck("router_backward", "N=%d E=%d k=%d", N, E, k);
+}
+
+// dx [N,H] (=) = dlogits [N,E] · W [E,H], in fp32, rounded once to floatX;
+// dW [E,H] (+=) dlogitsᵀ · x: ΔW summed in fp32, then added to dW with one rounding.
+// The fp32 copies are Workspace, freed before return (see router_logits_workspace_bytes).
+inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits, const floatX* x, const floatX* W,
+                                   int N, int H, int E, cudaStream_t stream) {
+  const char* op = "router_logits_backward";
+  router_check_logits_sizes(op, N, H, E);
+  if (N == 0) return;  // dx has no rows, ΔW = 0
+  const size_t NH = (size_t)N * H, EH = (size_t)E * H;
+  {  // dx: fp32 copies of W and dx live
+    DeviceBuffer<float> W_fp32(EH, Mem::Workspace, "router_logits_backward.W_fp32");
+    DeviceBuffer<float> dx_fp32(NH, Mem::Workspace, "router_logits_backward.dx_fp32");
+    convert(W_fp32.ptr, W, EH, stream);
+    matmul_backward_dx(dx_fp32.ptr, dlogits, W_fp32.ptr, N, H, E, stream);
+    convert(dx, dx_fp32.ptr, NH, stream);
+  }
+  {  // dW: fp32 copies of x and ΔW live
+    DeviceBuffer<float> x_fp32(NH, Mem::Workspace, "router_logits_backward.x_fp32");
+    DeviceBuffer<float> dW_fp32(EH, Mem::Workspace, "router_logits_backward.dW_fp32");
+    convert(x_fp32.ptr, x, NH, stream);
+    cudaCheck(cudaMemsetAsync(dW_fp32.ptr, 0, EH * sizeof(float), stream), op, "N=%d H=%d E=%d", N, H, E);
+    matmul_backward_dW(dW_fp32.ptr, dlogits, x_fp32.ptr, N, H, E, stream);  // ΔW = 0 + dlogitsᵀ · x
+    add_inplace_or_out(dW, dW, dW_fp32.ptr, EH, stream);  // dW = floatX(float(dW) + ΔW): one rounding
+  }
 }
 
 // topk_w [N,k] (=) for a choice topk_idx [N,k] made elsewhere (a routing profile): the selected
