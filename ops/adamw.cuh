@@ -12,10 +12,17 @@
 // The gradient norm for clipping comes from common.cuh's deterministic sumsq_accumulate /
 // sumsq_finish over all gradient tensors; clip_scale turns it into grad_scale on the host.
 //
-// Memory: none of its own.
+// Memory: adamw_update has none of its own. The optimizer seam at the end of this file (DESIGN
+// §1.1, --optimizer adamw) owns this rank's shard of the state: master, m, v, 3·S·4 B (Optimizer).
 #pragma once
 #include <cmath>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 #include "common.cuh"
+#include "../runtime/pool.cuh"
 
 // grad_scale for clipping the global gradient norm to max_norm: min(1, max_norm / (norm + 1e-6));
 // max_norm <= 0 disables clipping (1).
@@ -57,3 +64,98 @@ inline void adamw_update(float* master, floatX* param, float* m, float* v, const
                                                                        bias_correction2, grad_scale);
   launchCheck("adamw_update", "n=%zu t=%d", n, t);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The optimizer seam (DESIGN §1.1): one unit owns the fp32 master weights and the moments of this
+// rank's shards (ZeRO-1), steps them, and saves/loads them in the one checkpoint format (named
+// sections "master", "adam_m", "adam_v", each [S] floats, S = the shard's element count, and the
+// step count). The shard is a list of segments of the local flat parameter buffer, each one
+// tensor's part of this rank's shard (so that weight decay is per tensor).
+
+struct ShardSegment {
+  size_t param_offset;  // first element in the local flat buffers (params, grads)
+  size_t state_offset;  // first element in the optimizer state [S]
+  size_t count;
+  bool decay;           // weight decay applies (not norm gains)
+};
+
+struct AdamWSettings {
+  float beta1, beta2, eps, weight_decay;
+};
+
+using StateSections = std::vector<std::pair<std::string, std::vector<float>>>;
+
+struct Optimizer {
+  std::vector<ShardSegment> segments;
+  size_t state_count = 0;  // S
+  long long steps = 0;     // steps taken (AdamW's t)
+  Optimizer(std::vector<ShardSegment> segs, size_t S) : segments(std::move(segs)), state_count(S) {}
+  virtual ~Optimizer() = default;
+  // master (=) local_weights at the segments (device fp32, the local flat layout)
+  virtual void set_master(const float* local_weights, cudaStream_t stream) = 0;
+  // params (=) floatX(master) at the segments
+  virtual void write_weights(floatX* params, cudaStream_t stream) = 0;
+  // one step from the gradients at the segments (× grad_scale); writes master, moments and params there
+  virtual void step(floatX* params, const floatX* grads, float lr, const AdamWSettings& s, float grad_scale,
+                    cudaStream_t stream) = 0;
+  virtual StateSections save(cudaStream_t stream) = 0;
+  virtual void load(const StateSections& sections, long long steps_taken, cudaStream_t stream) = 0;
+};
+
+// --optimizer adamw: the state on the GPU.
+struct DeviceAdamW : Optimizer {
+  float *master = nullptr, *m = nullptr, *v = nullptr;  // [S] each (Optimizer)
+
+  DeviceAdamW(std::vector<ShardSegment> segs, size_t S) : Optimizer(std::move(segs), S) {
+    master = pool().alloc_t<float>(S, Mem::Optimizer, "master");
+    m = pool().alloc_t<float>(S, Mem::Optimizer, "adam_m");
+    v = pool().alloc_t<float>(S, Mem::Optimizer, "adam_v");
+    cudaCheck(cudaMemset(master, 0, S * sizeof(float)), "adamw", "S=%zu", S);  // the shard's padding stays 0
+    cudaCheck(cudaMemset(m, 0, S * sizeof(float)), "adamw", "S=%zu", S);
+    cudaCheck(cudaMemset(v, 0, S * sizeof(float)), "adamw", "S=%zu", S);
+  }
+  ~DeviceAdamW() override {
+    for (float* p : {master, m, v}) pool().free(p);
+  }
+  void set_master(const float* local_weights, cudaStream_t stream) override {
+    for (const ShardSegment& g : segments)
+      cudaCheck(cudaMemcpyAsync(master + g.state_offset, local_weights + g.param_offset, g.count * sizeof(float),
+                                cudaMemcpyDeviceToDevice, stream), "adamw.set_master", "count=%zu", g.count);
+  }
+  void write_weights(floatX* params, cudaStream_t stream) override {
+    for (const ShardSegment& g : segments) convert(params + g.param_offset, master + g.state_offset, g.count, stream);
+  }
+  void step(floatX* params, const floatX* grads, float lr, const AdamWSettings& s, float grad_scale,
+            cudaStream_t stream) override {
+    steps++;
+    for (const ShardSegment& g : segments)
+      adamw_update(master + g.state_offset, params + g.param_offset, m + g.state_offset, v + g.state_offset,
+                   grads + g.param_offset, g.count, lr, s.beta1, s.beta2, s.eps, g.decay ? s.weight_decay : 0.f,
+                   (int)steps, grad_scale, stream);
+  }
+  StateSections save(cudaStream_t stream) override {
+    StateSections out;
+    for (auto [name, src] : {std::pair<const char*, float*>{"master", master}, {"adam_m", m}, {"adam_v", v}}) {
+      std::vector<float> host(state_count);
+      cudaCheck(cudaMemcpyAsync(host.data(), src, state_count * sizeof(float), cudaMemcpyDeviceToHost, stream),
+                "adamw.save", "S=%zu", state_count);
+      cudaCheck(cudaStreamSynchronize(stream), "adamw.save", "S=%zu", state_count);
+      out.emplace_back(name, std::move(host));
+    }
+    return out;
+  }
+  void load(const StateSections& sections, long long steps_taken, cudaStream_t stream) override {
+    for (auto [name, dst] : {std::pair<const char*, float*>{"master", master}, {"adam_m", m}, {"adam_v", v}}) {
+      const std::vector<float>* found = nullptr;
+      for (const auto& sec : sections)
+        if (sec.first == name) found = &sec.second;
+      if (found == nullptr || found->size() != state_count)
+        throw std::runtime_error(std::string("optimizer state: section ") + name + (found ? " has the wrong size" : " is missing") +
+                                 " (expected " + std::to_string(state_count) + " floats)");
+      cudaCheck(cudaMemcpyAsync(dst, found->data(), state_count * sizeof(float), cudaMemcpyHostToDevice, stream),
+                "adamw.load", "S=%zu", state_count);
+      cudaCheck(cudaStreamSynchronize(stream), "adamw.load", "S=%zu", state_count);
+    }
+    steps = steps_taken;
+  }
+};

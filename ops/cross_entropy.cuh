@@ -16,9 +16,11 @@
 // (max, sum-exp) pair, and the pairs are combined by a warp xor butterfly (the combine is
 // commutative, so every lane gets the same value) and then across warps in warp order.
 //
-// Memory: none of its own.
+// Memory: none of its own in the three launchers. The output head at the end of this file (the
+// seam of DESIGN §1.1, --head full) owns its logits: N·V·b (Logits) + 2·N·4 B (losses, lse).
 #pragma once
 #include "common.cuh"
+#include "matmul.cuh"
 
 static const int CROSS_ENTROPY_THREADS = 512;
 static const int LOSS_SUM_THREADS = 1024;
@@ -130,3 +132,33 @@ inline void loss_sum(float* out, const float* losses, int N, cudaStream_t stream
   loss_sum_kernel<<<1, LOSS_SUM_THREADS, 0, stream>>>(out, losses, N);
   launchCheck("loss_sum", "N=%d", N);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The output head seam (DESIGN §1.1): from the final normed hidden states x [N,H], the vocabulary
+// projection W [V,H] and the targets [N] (device), the summed token loss *loss_sum (=, device fp32);
+// with dx != nullptr also the backward of the objective dloss · Σ_n loss_n: dx [N,H] (=) and
+// dW [V,H] (+=). Logits exist only inside a head. A head is chosen once (--head).
+
+struct OutputHead {
+  virtual ~OutputHead() = default;
+  virtual void forward_backward(float* loss_sum, floatX* dx, floatX* dW, const floatX* x, const floatX* W,
+                                const int* targets, float dloss, int N, int H, int V, cudaStream_t stream) = 0;
+};
+
+// --head full: logits [N,V] = x Wᵀ, cross-entropy over all of them (the Ring-DTP baseline).
+struct FullHead : OutputHead {
+  void forward_backward(float* loss_sum, floatX* dx, floatX* dW, const floatX* x, const floatX* W, const int* targets,
+                        float dloss, int N, int H, int V, cudaStream_t stream) override {
+    floatX* logits = pool().alloc_t<floatX>((size_t)N * V, Mem::Logits, "logits");
+    float* losses = pool().alloc_t<float>(N, Mem::Logits, "losses");
+    float* lse = pool().alloc_t<float>(N, Mem::Logits, "lse");
+    matmul_forward(logits, x, W, N, H, V, stream);
+    cross_entropy_forward(losses, lse, logits, targets, N, V, stream);
+    ::loss_sum(loss_sum, losses, N, stream);
+    if (dx != nullptr) {
+      cross_entropy_backward(logits, logits, lse, targets, dloss, N, V, stream);
+      matmul_backward(dx, dW, logits, x, W, N, H, V, stream);
+    }
+    for (void* p : {(void*)logits, (void*)losses, (void*)lse}) pool().free(p);
+  }
+};

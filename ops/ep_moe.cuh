@@ -329,3 +329,25 @@ inline void ep_moe_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floa
   moe_combine(dx, dx_sent, saved.slot_of_route, nullptr, N, H, k, stream);
   pool().free(dx_sent);
 }
+
+// --moe ep: the dispatcher seam (ops/moe.cuh) over this rank's expert-parallel group. Holds a copy
+// of the group's Comm (a handle; the trainer owns and destroys the communicator).
+struct EPDispatcher : MoEDispatcher {
+  struct Saved : DispatchSaved {
+    EPSaved ep;
+    ~Saved() override { ep_saved_free(ep); }
+  };
+  Comm group;
+  EPDispatcher(int H_, int I_, int E_, int k_, const Comm& ep_group) : MoEDispatcher(H_, I_, E_, k_), group(ep_group) {}
+  std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
+                                         const floatX* W13, const floatX* W2, int N, cudaStream_t stream) override {
+    auto saved = std::make_unique<Saved>();
+    ep_moe_forward(out, saved->ep, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, group, stream);
+    return saved;
+  }
+  void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const DispatchSaved& saved,
+                const floatX*, const int*, const float* topk_w, const floatX* W13, const floatX* W2,
+                cudaStream_t stream) override {
+    ep_moe_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).ep, topk_w, W13, W2, group, stream);
+  }
+};

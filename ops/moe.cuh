@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <memory>
 #include <vector>
 #include "common.cuh"
 #include "../runtime/pool.cuh"
@@ -509,3 +510,48 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
   pool().free(xp);
   pool().free(dh13);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The MoE dispatcher seam (DESIGN §1.1): how a layer's routed experts are computed. Every
+// dispatcher (ops/moe.cuh: local; ops/ep_moe.cuh: ep; later llep, pllep, relay) has the same three
+// entry points: forward returns its own saved state, backward reads it, and destroying the saved
+// state frees it (back to the pool). The model picks one dispatcher at start-up (--moe) and calls
+// it in one place. Sizes H, I, E, k are fixed at construction; N may change per call.
+//   forward:  out [N,H] (=) = Σ_j topk_w[n,j] · expert_{topk_idx[n,j]}(x[n])
+//   backward: dx [N,H] (=), dtopk_w [N,k] (=), dW13 (+=), dW2 (+=) on this rank's experts
+
+struct DispatchSaved {
+  virtual ~DispatchSaved() = default;  // frees the dispatcher's saved buffers
+};
+
+struct MoEDispatcher {
+  int H = 0, I = 0, E = 0, k = 0;
+  MoEDispatcher(int H_, int I_, int E_, int k_) : H(H_), I(I_), E(E_), k(k_) {}
+  virtual ~MoEDispatcher() = default;
+  virtual std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
+                                                 const floatX* W13, const floatX* W2, int N, cudaStream_t stream) = 0;
+  virtual void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout,
+                        const DispatchSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
+                        const floatX* W13, const floatX* W2, cudaStream_t stream) = 0;
+};
+
+// --moe local: every expert on this rank (moe_forward / moe_backward).
+struct LocalDispatcher : MoEDispatcher {
+  struct Saved : DispatchSaved {
+    MoESaved moe;
+    ~Saved() override { moe_saved_free(moe); }
+  };
+  using MoEDispatcher::MoEDispatcher;
+  std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
+                                         const floatX* W13, const floatX* W2, int N, cudaStream_t stream) override {
+    auto saved = std::make_unique<Saved>();
+    moe_forward(out, saved->moe, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, stream);
+    return saved;
+  }
+  void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const DispatchSaved& saved,
+                const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
+                cudaStream_t stream) override {
+    moe_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).moe, x, topk_idx, topk_w, W13, W2,
+                 stream);
+  }
+};

@@ -1,8 +1,11 @@
-// The whole GPU model against the CPU reference model (ref/model.hpp) on identical weights and
-// tokens: first-step loss and every parameter gradient, ten training steps, recomputation,
-// pool accounting, and save → resume continuing bit for bit.
-#define FLATMOE_NO_MAIN
-#include "../train.cu"
+// The whole GPU model (model.cuh) against the CPU reference model (ref/model.hpp) on identical
+// weights and tokens: first-step loss and every parameter gradient, ten training steps,
+// recomputation, pool accounting, the model's state saved and restored bit for bit, and the trainer
+// binary resuming from a checkpoint folder bit for bit at W = 1 and W = 2.
+#include <sys/stat.h>
+#include "../model.cuh"
+#include "../checkpoint.hpp"
+#include "../data/dataloader.hpp"
 #include "../data/shards.hpp"
 #include "../ref/model.hpp"
 #include "gpu_util.cuh"
@@ -14,16 +17,19 @@ using testutil::as_seen_by_gpu;
 using testutil::random_master;
 using testutil::random_tokens;
 
-// Two configurations: every feature of the model, at sizes that are multiples of nothing.
+// Configurations covering every feature of the model, at sizes that are multiples of nothing:
+//   0 softmax scores, renormalised;  1 sigmoid, renormalised, a dense layer and a shared expert;
+//   2 softmax, not renormalised;     3 sigmoid, not renormalised, a shared expert
 ModelConfig config_variant(int variant) {
   ModelConfig c;
   c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40; c.init_std = 0.1f;
-  if (variant == 0) {
-    c.layers = 2; c.experts = 5; c.topk = 2; c.score_fn = 0; c.renorm = 1;
+  if (variant == 0 || variant == 2) {
+    c.layers = 2; c.experts = 5; c.topk = 2; c.score_fn = ROUTER_SOFTMAX;
   } else {
-    c.layers = 3; c.experts = 7; c.topk = 3; c.score_fn = 1; c.renorm = 1; c.n_dense = 1; c.dense_dim = 72;
-    c.shared_expert = 1;
+    c.layers = 3; c.experts = 7; c.topk = 3; c.score_fn = ROUTER_SIGMOID; c.n_dense = variant == 1 ? 1 : 0;
+    c.dense_dim = 72; c.shared_expert = 1;
   }
+  c.renorm = variant < 2 ? 1 : 0;
   return c;
 }
 
@@ -34,7 +40,13 @@ std::vector<float> download_grads(const Model& m) {
   return out;
 }
 
-std::vector<float> download_master(const Model& m) { return testutil::download_vec(m.master, m.num_params); }
+// One of the optimizer's state sections ("master", "adam_m", "adam_v": this rank's shard).
+std::vector<float> optimizer_section(Model& m, const std::string& name) {
+  for (auto& sec : m.opt->save(m.stream))
+    if (sec.first == name) return sec.second;
+  ADD_FAILURE() << "no optimizer section " << name;
+  return {};
+}
 
 // Normwise error of one tensor of a flat GPU buffer against the reference's flat buffer.
 double tensor_err(const std::vector<float>& gpu, const std::vector<double>& ref, size_t off, size_t n) {
@@ -59,10 +71,9 @@ void first_step_matches_reference(int variant) {
   for (float& b : m.router_bias) b = (float)rng.normal(0.02);
   model_upload_router_bias(m);
   model_zero_grads(m);
-  std::vector<std::vector<int>> routes;
+  std::vector<std::vector<int>> routes = model_routes(m, x.data(), B, T);
   PassOptions o;
   o.dloss = 1.f / N;
-  o.routes_out = &routes;
   float loss = model_pass(m, x.data(), y.data(), B, T, o);
   std::vector<float> grads = download_grads(m);
 
@@ -74,21 +85,12 @@ void first_step_matches_reference(int variant) {
   char what[64];
   snprintf(what, sizeof what, "model_v%d_first_step", variant);
   EXPECT_REL(what, "loss", std::fabs(loss - ref_loss) / std::fabs(ref_loss), MODEL_TOL);
-  for (size_t i = 0; i < m.specs.size(); i++) {
-    double e = tensor_err(grads, r.grads, m.offsets[i], m.specs[i].numel());
-#if defined(FLATMOE_BF16)
-    // bf16 activations and gradients through every layer: a small tensor whose gradient is a sum
-    // with heavy cancellation (the router's) reaches 2e-2 on its own (measured 1.4e-2 to 2.02e-2);
-    // DESIGN §3's whole-model criterion, the normwise error over all parameters, is asserted below.
-    testutil::report(what, ("d" + m.specs[i].name).c_str(), e, MODEL_TOL);
-#else
-    EXPECT_REL(what, ("d" + m.specs[i].name).c_str(), e, MODEL_TOL);
-#endif
-  }
-  EXPECT_REL(what, "d(all params)", tensor_err(grads, r.grads, 0, m.num_params), MODEL_TOL);
-#if !defined(FLATMOE_BF16)
+  for (size_t i = 0; i < m.specs.size(); i++)
+    EXPECT_REL(what, ("d" + m.specs[i].name).c_str(), tensor_err(grads, r.grads, m.offsets[i], m.specs[i].numel()), MODEL_TOL);
+  // the router runs in FP32 in both builds; a choice that differs where the reference's margin is
+  // clear (> 1e-3) is a bug in either build
+  printf("[route] %s: %lld top-k choices differ from the reference's (margin > 1e-3)\n", what, r.route_disagreements);
   EXPECT_EQ(r.route_disagreements, 0) << "GPU and reference chose different experts with a clear margin";
-#endif
   model_destroy(m);
 }
 
@@ -102,6 +104,16 @@ TEST(GpuModel, FirstStepLossAndEveryGradientMatchReference) {
 TEST(GpuModel, FirstStepDenseLayersSharedExpertSigmoidRouter) {
   REQUIRE_GPU();
   first_step_matches_reference(1);
+}
+
+TEST(GpuModel, FirstStepSoftmaxRouterWithoutRenormalisation) {
+  REQUIRE_GPU();
+  first_step_matches_reference(2);
+}
+
+TEST(GpuModel, FirstStepSigmoidRouterWithoutRenormalisation) {
+  REQUIRE_GPU();
+  first_step_matches_reference(3);
 }
 
 // Ten optimizer steps with gradient accumulation, clipping, weight decay and the router bias
@@ -126,9 +138,9 @@ TEST(GpuModel, TenTrainingStepsMatchReferenceTrainer) {
     for (int micro = 0; micro < accum; micro++) {
       std::vector<int> x, y;
       random_tokens(N, c.vocab, rng, x, y);
+      routes = model_routes(m, x.data(), B, T);
       PassOptions o;
       o.dloss = 1.f / (N * accum);
-      o.routes_out = &routes;
       gpu_loss += model_pass(m, x.data(), y.data(), B, T, o) / accum;
       r.forced_routes = &routes;
       ref_loss += ref_pass(r, x, y, B, T, true, 1.0 / (N * accum)) / accum;
@@ -143,11 +155,10 @@ TEST(GpuModel, TenTrainingStepsMatchReferenceTrainer) {
     EXPECT_EQ(m.router_bias, r.router_bias) << "router bias updates diverged at step " << step + 1;
   }
   EXPECT_REL("model_ten_steps", "max loss", worst, MODEL_TOL);
-  std::vector<float> gpu_master = download_master(m);
+  std::vector<float> gpu_master = optimizer_section(m, "master");
   EXPECT_REL("model_ten_steps", "master weights", tensor_err(gpu_master, r.params, 0, m.num_params), MODEL_TOL);
-#if !defined(FLATMOE_BF16)
+  printf("[route] model_ten_steps: %lld top-k choices differ from the reference's (margin > 1e-3)\n", r.route_disagreements);
   EXPECT_EQ(r.route_disagreements, 0);
-#endif
   model_destroy(m);
 }
 
@@ -219,7 +230,8 @@ TEST(GpuModel, PoolPeakEqualsLargestLiveTotalInTimeline) {
   EXPECT_EQ(live, start);
   EXPECT_GT(pool().peak(Mem::Logits), (size_t)N * c.vocab * sizeof(floatX) - 1);
   // the CSV's per-category columns add up to the live total on every row
-  make_dirs("build/test-out-pool");
+  mkdir("build", 0755);
+  mkdir("build/test-out-pool", 0755);
   ASSERT_TRUE(pool().write_csv("build/test-out-pool/timeline.csv"));
   FILE* f = fopen("build/test-out-pool/timeline.csv", "r");
   ASSERT_NE(f, nullptr);
@@ -245,108 +257,142 @@ TEST(GpuModel, PoolPeakEqualsLargestLiveTotalInTimeline) {
   model_destroy(m);
 }
 
-// Train 6 steps from a token shard; separately train 3, save, load into a fresh model and data
-// loader, train 3 more: the losses and the final weights and optimizer state agree bit for bit.
-TEST(GpuModel, SaveThenResumeContinuesBitIdentically) {
+// The model's whole state — the optimizer's sections (master weights, m, v), its step count and the
+// router biases — saved after 3 steps and restored into a fresh model continues exactly like the
+// model that never stopped: the same losses, and every state section bit for bit after 6 steps.
+TEST(GpuModel, StateSavedAndRestoredContinuesBitIdentically) {
   REQUIRE_GPU();
   ModelConfig c = config_variant(1);
   TrainConfig t;
   t.lr = 2e-3f; t.warmup = 1; t.steps = 6; t.bias_update = 1e-2f;
-  const int B = 2, T = c.seq_len, accum = 2;
+  const int B = 2, T = c.seq_len, N = B * T, accum = 2;
   testutil::Rng rng;
-  std::string dir = "build/test-out-resume";
-  make_dirs(dir);
-  std::vector<int> tokens(20000);
-  for (int& tk : tokens) tk = rng.integer(0, c.vocab - 1);
-  data::write_shard(dir + "/train_000.bin", tokens, c.vocab);
-
-  auto run = [&](Model& m, DataLoader& data, int from, int to, std::vector<float>& losses) {
-    for (int step = from; step < to; step++)
-      losses.push_back(train_step(m, t, step, B, T, accum, [&](int* xb, int* yb) { data.next_batch(xb, yb); }, nullptr));
+  std::vector<std::vector<int>> xs(t.steps * accum), ys(t.steps * accum);
+  for (size_t i = 0; i < xs.size(); i++) random_tokens(N, c.vocab, rng, xs[i], ys[i]);
+  auto run = [&](Model& m, int from, int to, std::vector<float>& losses) {
+    for (int step = from; step < to; step++) {
+      int micro = step * accum;
+      losses.push_back(model_train_step(m, t, step, B, T, accum, [&](int* xb, int* yb) {
+        std::copy(xs[micro].begin(), xs[micro].end(), xb);
+        std::copy(ys[micro].begin(), ys[micro].end(), yb);
+        micro++;
+      }, nullptr));
+    }
   };
-  std::vector<float> straight_losses, resumed_losses;
+  std::vector<float> straight_losses, first_half, resumed_losses;
   Model a = model_create(c, 11);
-  DataLoader data_a(dir + "/train_*.bin", B, T);
-  run(a, data_a, 0, 6, straight_losses);
-  std::vector<float> straight_master = download_master(a);
-  std::vector<float> straight_m = testutil::download_vec(a.adam_m, a.num_params);
+  run(a, 0, 6, straight_losses);
+  StateSections straight = a.opt->save(a.stream);
   std::vector<float> straight_bias = a.router_bias;
   model_destroy(a);
 
   Model b = model_create(c, 11);
-  DataLoader data_b(dir + "/train_*.bin", B, T);
-  std::vector<float> first_half;
-  run(b, data_b, 0, 3, first_half);
-  TrainState st;
-  st.step = 3;
-  st.train_data = data_b.state();
-  checkpoint_save(dir + "/ckpt", b, st);
+  run(b, 0, 3, first_half);
+  StateSections saved = b.opt->save(b.stream);
+  const long long saved_steps = b.opt->steps;
+  std::vector<float> saved_bias = b.router_bias;
   model_destroy(b);
 
-  TrainState loaded;
-  Model r = checkpoint_load(dir + "/ckpt", loaded);
-  EXPECT_EQ(loaded.step, 3);
-  DataLoader data_r(dir + "/train_*.bin", B, T);
-  data_r.set_state(loaded.train_data);
-  run(r, data_r, 3, 6, resumed_losses);
+  Model r = model_create(c, 99);  // other initial weights: everything must come from the saved state
+  r.opt->load(saved, saved_steps, r.stream);
+  r.opt->write_weights(r.params, r.stream);
+  r.router_bias = saved_bias;
+  model_upload_router_bias(r);
+  run(r, 3, 6, resumed_losses);
   for (int i = 0; i < 3; i++) {
     EXPECT_EQ(first_half[i], straight_losses[i]);
     EXPECT_EQ(resumed_losses[i], straight_losses[3 + i]) << "step " << 4 + i;
   }
-  EXPECT_EQ(0, memcmp(download_master(r).data(), straight_master.data(), straight_master.size() * sizeof(float)));
-  EXPECT_EQ(0, memcmp(testutil::download_vec(r.adam_m, r.num_params).data(), straight_m.data(), straight_m.size() * sizeof(float)));
-  EXPECT_EQ(r.router_bias, straight_bias);
+  StateSections resumed = r.opt->save(r.stream);
+  ASSERT_EQ(resumed.size(), straight.size());
+  for (size_t i = 0; i < straight.size(); i++) {
+    EXPECT_EQ(resumed[i].first, straight[i].first);
+    ASSERT_EQ(resumed[i].second.size(), straight[i].second.size());
+    EXPECT_EQ(0, memcmp(resumed[i].second.data(), straight[i].second.data(), straight[i].second.size() * sizeof(float)))
+        << "optimizer section " << straight[i].first;
+  }
+  EXPECT_EQ(r.opt->steps, 6);
+  EXPECT_EQ(0, memcmp(r.router_bias.data(), straight_bias.data(), straight_bias.size() * sizeof(float)));
   model_destroy(r);
 }
 
-// Bad checkpoint files are refused with a message before anything touches the GPU.
-TEST(Checkpoint, RefusesMissingTruncatedAndForeignFiles) {
-  std::string dir = "build/test-out-ckpt";
-  TrainState st;
-  auto message = [&](const std::string& name) {
-    try {
-      checkpoint_load(dir + "/" + name, st);
-    } catch (const std::exception& e) {
-      return std::string(e.what());
+// The trainer as a user runs it (FLATMOE_TRAIN, the FP32 build's binary, on the prepared corpus):
+// 6 steps straight, and 3 steps + --resume from the step-3 checkpoint + 3 more, at W = 1 and W = 2.
+// The two step-6 checkpoints hold the same state bit for bit (every optimizer section and the router
+// biases of every rank, the data position, the sample generator) and the losses of steps 4..6 agree.
+namespace {
+struct TrainerRun {
+  std::string out;
+  int rc;
+};
+
+TrainerRun run_trainer(const std::string& out, int gpus, const std::string& extra) {
+  const char* bin = getenv("FLATMOE_TRAIN");
+  const std::string cmd = std::string(bin) + " --gpus " + std::to_string(gpus) +
+                          " --data data/fortunes --hidden 64 --layers 2 --heads 2 --experts 4 --topk 2"
+                          " --expert_dim 64 --seq_len 32 --batch 4 --total_batch 256 --steps 6 --warmup 2"
+                          " --val_every 0 --sample_every 0 --log_every 1 --ckpt_every 3 --out " + out + " " + extra +
+                          " > " + out + ".log 2>&1";
+  return TrainerRun{out, system(cmd.c_str())};
+}
+
+std::vector<std::string> csv_losses(const std::string& path) {
+  std::vector<std::string> losses;
+  FILE* f = fopen(path.c_str(), "r");
+  if (!f) return losses;
+  char line[1024];
+  while (fgets(line, sizeof line, f)) {
+    std::string row(line);
+    size_t a = row.find(','), b = row.find(',', a + 1);
+    if (a != std::string::npos && b != std::string::npos && row.compare(0, 4, "step") != 0)
+      losses.push_back(row.substr(0, a) + ":" + row.substr(a + 1, b - a - 1));
+  }
+  fclose(f);
+  return losses;
+}
+
+void trainer_resume_is_bit_identical(int gpus) {
+  if (getenv("FLATMOE_TRAIN") == nullptr) GTEST_SKIP() << "FLATMOE_TRAIN (the trainer binary) is not set";
+  if (gpu_count() < gpus) GTEST_SKIP() << "needs " << gpus << " GPUs; this machine has " << gpu_count();
+  const std::string dir = "build/test-out-trainer-resume-w" + std::to_string(gpus);
+  ckpt::remove_tree(dir);
+  mkdir("build", 0755);
+  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  TrainerRun straight = run_trainer(dir + "/straight", gpus, "");
+  ASSERT_EQ(straight.rc, 0) << "see " << straight.out << ".log";
+  TrainerRun resumed = run_trainer(dir + "/resumed", gpus, "--resume " + dir + "/straight/ckpt_000003");
+  ASSERT_EQ(resumed.rc, 0) << "see " << resumed.out << ".log";
+  for (int rank = 0; rank < gpus; rank++) {
+    ckpt::RankFile a = ckpt::read_rank_file(ckpt::rank_file(straight.out + "/ckpt_000006", rank));
+    ckpt::RankFile b = ckpt::read_rank_file(ckpt::rank_file(resumed.out + "/ckpt_000006", rank));
+    EXPECT_EQ(a.step, 6);
+    EXPECT_EQ(b.step, 6);
+    EXPECT_EQ(a.optimizer_steps, b.optimizer_steps);
+    EXPECT_EQ(a.data.shard, b.data.shard);
+    EXPECT_EQ(a.data.position, b.data.position);
+    EXPECT_EQ(a.data.epoch, b.data.epoch);
+    EXPECT_EQ(a.sample_rng_draws, b.sample_rng_draws);
+    ASSERT_EQ(a.sections.size(), b.sections.size());
+    for (size_t i = 0; i < a.sections.size(); i++) {
+      EXPECT_EQ(a.sections[i].first, b.sections[i].first);
+      ASSERT_EQ(a.sections[i].second.size(), b.sections[i].second.size());
+      EXPECT_EQ(0, memcmp(a.sections[i].second.data(), b.sections[i].second.data(), a.sections[i].second.size() * 4))
+          << "rank " << rank << " section " << a.sections[i].first;
     }
-    return std::string("accepted");
-  };
-  auto write = [&](const std::string& name, const void* data, size_t bytes) {
-    make_dirs(dir + "/" + name);
-    FILE* f = fopen(rank_file(dir + "/" + name, 0).c_str(), "wb");
-    ASSERT_NE(f, nullptr);
-    fwrite(data, 1, bytes, f);
-    fclose(f);
-  };
-  EXPECT_NE(message("missing").find("cannot open"), std::string::npos);
-  write("short", "abc", 3);
-  EXPECT_NE(message("short").find("truncated"), std::string::npos);
-  std::vector<int> header(256, 0);
-  header[0] = 12345;
-  write("foreign", header.data(), 1024);
-  EXPECT_NE(message("foreign").find("bad magic"), std::string::npos);
-  ModelConfig c = config_variant(0);
-  header[0] = CKPT_MAGIC;
-  header[1] = CKPT_VERSION;
-  header[2] = sizeof(floatX) == 2 ? 1 : 0;
-  header[7] = c.layers * c.experts;
-  header[8] = 1;  // W
-  header[9] = 1;  // E_p
-  put_u64(&header[11], param_count(c));
-  header_put_config(header.data(), c);
-  std::vector<int> cut(header);
-  cut.resize(256 + 1000, 0);
-  write("cut", cut.data(), cut.size() * 4);
-  EXPECT_NE(message("cut").find("truncated or corrupt"), std::string::npos);
-  std::vector<int> other_world(header);
-  other_world[8] = 2;
-  write("other_world", other_world.data(), 1024);
-  EXPECT_NE(message("other_world").find("of W=2"), std::string::npos);
-  std::vector<int> other_precision(header);
-  other_precision[2] = 1 - header[2];
-  write("other_precision", other_precision.data(), 1024);
-  EXPECT_NE(message("other_precision").find("build"), std::string::npos);
-  header[1] = 99;
-  write("version", header.data(), 1024);
-  EXPECT_NE(message("version").find("unsupported version"), std::string::npos);
+  }
+  std::vector<std::string> all = csv_losses(straight.out + "/log.csv"), tail = csv_losses(resumed.out + "/log.csv");
+  ASSERT_EQ(all.size(), 6u);
+  ASSERT_EQ(tail.size(), 3u);
+  for (int i = 0; i < 3; i++) EXPECT_EQ(tail[i], all[3 + i]);
+}
+}  // namespace
+
+TEST(Trainer, ResumeFromCheckpointIsBitIdenticalOneRank) {
+  REQUIRE_GPU();
+  trainer_resume_is_bit_identical(1);
+}
+
+TEST(Trainer, ResumeFromCheckpointIsBitIdenticalTwoRanks) {
+  REQUIRE_GPU();
+  trainer_resume_is_bit_identical(2);
 }

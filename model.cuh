@@ -1,0 +1,799 @@
+// model.cuh — the GPU model: parameters in regions, forward, backward, recomputation, update.
+// Twin of ref/model.hpp (the same model in plain Eigen math). Header-only: train.cu, the tests and
+// the benchmarks include it.
+//
+//   forward:  embedding → L × [x_mid = x + wo·Attn(RoPE(wqkv·RMSNorm(x))); x = x_mid + FFN(RMSNorm(x_mid))]
+//             → RMSNorm → output head (vocabulary projection + cross-entropy)
+//   backward: the same in reverse; with recompute only each layer's input is kept (LayerBoundaries)
+//             and the layer is run forward again just before its backward
+//   update:   gradients reduce-scattered per region (ZeRO-1), global-norm clipping, the optimizer on
+//             this rank's shards, weights all-gathered per region, aux-loss-free router-bias update
+//
+// Seams (DESIGN §1.1), each chosen once at model_create from the flags: the MoE dispatcher
+// (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep), the output head (--head: ops/cross_entropy.cuh
+// full) and the optimizer (--optimizer: ops/adamw.cuh adamw). The model calls each in one place.
+//
+// Parallel layout (DESIGN §5): W ranks, one process per GPU. Dense tensors are replicated over
+// the world; routed experts are split over the E_p ranks of an expert-parallel group (contiguous
+// blocks of E_p ranks) and replicated over the W/E_p groups.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config.hpp"
+#include "data/routing_profile.hpp"
+#include "ops/adamw.cuh"
+#include "ops/attention.cuh"
+#include "ops/common.cuh"
+#include "ops/cross_entropy.cuh"
+#include "ops/embedding.cuh"
+#include "ops/ep_moe.cuh"
+#include "ops/matmul.cuh"
+#include "ops/moe.cuh"
+#include "ops/rmsnorm.cuh"
+#include "ops/rope.cuh"
+#include "ops/router.cuh"
+#include "runtime/comm.cuh"
+#include "runtime/pool.cuh"
+
+// =============================================================================================
+// Parameters
+
+// Pointers of one layer's tensors inside a flat buffer (parameters or their gradients).
+struct LayerTensors {
+  floatX *ln1, *wqkv, *wo, *ln2;
+  floatX *router, *w13, *w2;             // MoE layers
+  floatX *shared_w13, *shared_w2;        // MoE layers with a shared expert
+  floatX *dense_w13, *dense_w2;          // dense FFN layers
+};
+
+struct ModelTensors {
+  floatX *wte, *lnf, *lm_head;
+  std::vector<LayerTensors> layers;
+};
+
+// This process's place among the W ranks. At W = 1 every group has size 1 and no NCCL
+// communicator exists.
+struct Parallel {
+  Comm world;            // all W ranks
+  Comm ep;               // the E_p ranks that hold disjoint expert shards (contiguous block of ranks)
+  Comm expert_replicas;  // the W/E_p ranks that hold the same expert shard (same rank in their ep group)
+};
+
+// A region of the local flat parameter buffer whose tensors are shared by the same ranks: the
+// gradient reduction, the norm, the optimizer, the weight all-gather and the checkpoint each loop
+// over the regions once. (A vocabulary-sharded kind comes with the Ring-DTP head.)
+enum class Sharding { Replicated, Expert };
+
+struct ParamRegion {
+  Sharding sharding;
+  size_t offset = 0;        // first element in the local flat buffers
+  size_t count = 0;         // elements of its tensors
+  size_t padded = 0;        // count rounded up to a multiple of the group size
+  size_t shard = 0;         // padded / group size: the elements this rank updates
+  size_t shard_offset = 0;  // where this rank's shard starts in the local flat buffers
+};
+
+// The seams' choices (--moe, --head, --optimizer); moe "" = local at E_p = 1, else ep.
+struct Seams {
+  std::string moe, head = "full", optimizer = "adamw";
+};
+inline Seams seams_from(const TrainConfig& t) { return Seams{moe_dispatcher(t), t.head, t.optimizer}; }
+
+struct Model {
+  ModelConfig cfg;
+  Parallel par;
+  std::vector<ParamSpec> specs;     // config.hpp: dense tensors, then routed-expert stacks
+  std::vector<size_t> offsets;      // element offset of each spec in the local flat buffers
+  std::vector<size_t> local_numel;  // expert stacks hold E/E_p experts here
+  std::vector<ParamRegion> regions; // [replicated, expert], in buffer order
+  size_t num_params = 0;            // local flat buffer length (regions padded)
+
+  floatX* params = nullptr;  // [num_params] floatX weights the kernels read      (Weights)
+  floatX* grads = nullptr;   // [num_params] gradients, accumulated over a step   (Grads)
+  ModelTensors p, g;         // views into params / grads
+
+  std::unique_ptr<MoEDispatcher> moe;  // routed experts (--moe)
+  std::unique_ptr<OutputHead> head;    // vocabulary projection + loss (--head)
+  std::unique_ptr<Optimizer> opt;      // master weights and moments of this rank's shards (--optimizer)
+
+  // Router biases (aux-loss-free balancing): [L, E] floats, host copy is the source of truth.
+  std::vector<float> router_bias;       // host [L·E]
+  float* router_bias_dev = nullptr;     // device [L·E]                           (Weights)
+  std::vector<long long> step_loads;    // host [L·E] routes per expert over the current step (global after model_update)
+
+  // Trivial routing for dense FFNs and the shared expert (every token → expert 0, weight 1).
+  int* dense_idx = nullptr;
+  float* dense_w = nullptr;
+  int dense_rows = 0;
+
+  float* sumsq_partials = nullptr;  // [SUMSQ_BLOCKS]                          (Workspace)
+  float* scalar_dev = nullptr;      // [1]                                      (Workspace)
+  cudaStream_t stream = 0;
+
+  // --routing: a profile (paper appendix B.2) that replaces the router's expert choice
+  bool routing_override = false;
+  RoutingProfile routing;
+
+  int experts_local() const { return cfg.experts / par.ep.size; }
+};
+
+// The ranks that share a region (and shard its optimizer state).
+inline const Comm& region_group(const Model& m, const ParamRegion& r) {
+  return r.sharding == Sharding::Expert ? m.par.expert_replicas : m.par.world;
+}
+
+inline floatX* tensor_at(floatX* base, const Model& m, const std::string& name) {
+  for (size_t i = 0; i < m.specs.size(); i++)
+    if (m.specs[i].name == name) return base + m.offsets[i];
+  return nullptr;
+}
+
+inline ModelTensors view_tensors(floatX* base, const Model& m) {
+  ModelTensors t;
+  t.wte = tensor_at(base, m, "wte");
+  t.lnf = tensor_at(base, m, "lnf");
+  t.lm_head = tensor_at(base, m, "lm_head");
+  for (int l = 0; l < m.cfg.layers; l++) {
+    std::string p = "layer" + std::to_string(l) + ".";
+    LayerTensors lt;
+    lt.ln1 = tensor_at(base, m, p + "ln1");
+    lt.wqkv = tensor_at(base, m, p + "wqkv");
+    lt.wo = tensor_at(base, m, p + "wo");
+    lt.ln2 = tensor_at(base, m, p + "ln2");
+    lt.router = tensor_at(base, m, p + "router");
+    lt.w13 = tensor_at(base, m, p + "w13");
+    lt.w2 = tensor_at(base, m, p + "w2");
+    lt.shared_w13 = tensor_at(base, m, p + "shared_w13");
+    lt.shared_w2 = tensor_at(base, m, p + "shared_w2");
+    lt.dense_w13 = tensor_at(base, m, p + "dense_w13");
+    lt.dense_w2 = tensor_at(base, m, p + "dense_w2");
+    t.layers.push_back(lt);
+  }
+  return t;
+}
+
+// GPT-2 style initialisation on the host, deterministic in the seed: normal(0, init_std) for
+// matrices, output projections (wo, w2) scaled by 1/sqrt(2L), norms = 1. Element i of the flat
+// buffer draws from a counter-based generator (splitmix64 of seed and i, Box-Muller), so the
+// result does not depend on the order of generation and a 100M-parameter model starts in a second.
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+inline float normal_at(uint64_t seed, uint64_t i) {
+  uint64_t a = splitmix64(seed ^ splitmix64(2 * i)), b = splitmix64(seed ^ splitmix64(2 * i + 1));
+  double u1 = ((a >> 11) + 1.0) / 9007199254740993.0;  // (0, 1]
+  double u2 = (b >> 11) / 9007199254740992.0;          // [0, 1)
+  return (float)(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}
+
+inline std::vector<float> init_master_weights(const ModelConfig& c, unsigned long long seed) {
+  std::vector<float> w(param_count(c));
+  size_t off = 0;
+  for (const ParamSpec& s : param_specs(c)) {
+    bool is_norm = !s.decay;
+    bool is_out_proj = s.name.find(".wo") != std::string::npos || s.name.find("w2") != std::string::npos;
+    float std = c.init_std * (is_out_proj ? 1.f / std::sqrt(2.f * c.layers) : 1.f);
+    for (size_t i = 0; i < s.numel(); i++, off++) w[off] = is_norm ? 1.f : std * normal_at(seed, off);
+  }
+  return w;
+}
+
+// The local flat buffer (this rank's experts) from a global one in param_specs order.
+inline std::vector<float> local_from_global(const Model& m, const std::vector<float>& global) {
+  std::vector<float> local(m.num_params, 0.f);
+  size_t global_off = 0;
+  for (size_t i = 0; i < m.specs.size(); i++) {
+    const size_t n = m.local_numel[i];
+    const size_t first = m.specs[i].expert ? (size_t)m.par.ep.rank * n : 0;  // this rank's contiguous experts
+    std::copy(global.begin() + global_off + first, global.begin() + global_off + first + n, local.begin() + m.offsets[i]);
+    global_off += m.specs[i].numel();
+  }
+  return local;
+}
+
+// Sets the weights from global host fp32 master weights (param_specs order, all experts): the
+// floatX copy of everything this rank holds, and the optimizer's fp32 master weights of its shards.
+inline void model_set_master(Model& m, const std::vector<float>& global) {
+  if (global.size() != param_count(m.cfg))
+    fm_fail("model_set_master", "wrong number of parameters", "got=%zu expected=%zu", global.size(), param_count(m.cfg));
+  std::vector<float> local = local_from_global(m, global);
+  float* staging = pool().alloc_t<float>(m.num_params, Mem::Workspace, "set_master");
+  cudaCheck(cudaMemcpy(staging, local.data(), m.num_params * sizeof(float), cudaMemcpyHostToDevice),
+            "model_set_master", "P=%zu", m.num_params);
+  convert(m.params, staging, m.num_params, m.stream);
+  m.opt->set_master(staging, m.stream);
+  cudaCheck(cudaStreamSynchronize(m.stream), "model_set_master", "P=%zu", m.num_params);
+  pool().free(staging);
+}
+
+inline void model_upload_router_bias(Model& m) {
+  if (m.router_bias.empty()) return;
+  cudaCheck(cudaMemcpy(m.router_bias_dev, m.router_bias.data(), m.router_bias.size() * sizeof(float),
+                       cudaMemcpyHostToDevice),
+            "router_bias", "n=%zu", m.router_bias.size());
+}
+
+// Lays the local flat buffer out as regions: [replicated | pad | expert | pad], each padded to a
+// multiple of the size of the group that shares it, each rank updating one shard of each.
+inline void model_layout(Model& m) {
+  const int ep = m.par.ep.size;
+  m.regions = {ParamRegion{Sharding::Replicated}, ParamRegion{Sharding::Expert}};
+  auto region_of = [&](const ParamSpec& s) -> ParamRegion& { return m.regions[s.expert ? 1 : 0]; };
+  for (const ParamSpec& s : m.specs) region_of(s).count += s.expert ? s.numel() / ep : s.numel();
+  size_t next = 0;
+  for (ParamRegion& r : m.regions) {
+    const size_t group = (size_t)region_group(m, r).size, rank = (size_t)region_group(m, r).rank;
+    r.offset = next;
+    r.padded = ceil_div(r.count, group) * group;
+    r.shard = r.padded / group;
+    r.shard_offset = r.offset + rank * r.shard;
+    next += r.padded;
+  }
+  m.num_params = next;
+  std::vector<size_t> region_next = {m.regions[0].offset, m.regions[1].offset};
+  for (const ParamSpec& s : m.specs) {
+    size_t& at = region_next[s.expert ? 1 : 0];
+    m.offsets.push_back(at);
+    m.local_numel.push_back(s.expert ? s.numel() / ep : s.numel());
+    at += m.local_numel.back();
+  }
+}
+
+// This rank's shard as optimizer segments: each tensor's part of each region's shard, in order.
+inline std::vector<ShardSegment> shard_segments(const Model& m, size_t* state_count) {
+  std::vector<ShardSegment> segments;
+  size_t state = 0;
+  for (const ParamRegion& r : m.regions) {
+    for (size_t i = 0; i < m.specs.size(); i++) {
+      size_t lo = std::max(r.shard_offset, m.offsets[i]), hi = std::min(r.shard_offset + r.shard, m.offsets[i] + m.local_numel[i]);
+      if (lo < hi) segments.push_back(ShardSegment{lo, state + (lo - r.shard_offset), hi - lo, m.specs[i].decay});
+    }
+    state += r.shard;
+  }
+  *state_count = state;
+  return segments;
+}
+
+// The seams, from their names (validate(TrainConfig) has refused unknown or unbuilt ones).
+inline void model_make_seams(Model& m, const Seams& seams) {
+  const ModelConfig& c = m.cfg;
+  const std::string moe = seams.moe.empty() ? (m.par.ep.size == 1 ? "local" : "ep") : seams.moe;
+  if (moe == "local" && m.par.ep.size == 1) m.moe = std::make_unique<LocalDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk);
+  else if (moe == "ep" && m.par.world.size > 1)
+    m.moe = std::make_unique<EPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, m.par.ep);
+  else fm_fail("model_create", ("--moe " + moe + " does not fit this layout (local needs E_p = 1, ep needs W > 1)").c_str(),
+               "W=%d E_p=%d", m.par.world.size, m.par.ep.size);
+  if (seams.head != "full") fm_fail("model_create", ("--head " + seams.head + " is not built").c_str(), "V=%d", c.vocab);
+  m.head = std::make_unique<FullHead>();
+  if (seams.optimizer != "adamw")
+    fm_fail("model_create", ("--optimizer " + seams.optimizer + " is not built").c_str(), "P=%zu", m.num_params);
+  size_t S = 0;
+  std::vector<ShardSegment> segments = shard_segments(m, &S);
+  m.opt = std::make_unique<DeviceAdamW>(std::move(segments), S);
+}
+
+inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const Parallel& par = Parallel(),
+                          cudaStream_t stream = 0, const Seams& seams = Seams()) {
+  validate(cfg);
+  Model m;
+  m.cfg = cfg;
+  m.par = par;
+  m.stream = stream;
+  m.specs = param_specs(cfg);
+  if (cfg.experts % par.ep.size != 0)
+    fm_fail("model_create", "experts must be divisible by the expert-parallel size", "E=%d E_p=%d", cfg.experts, par.ep.size);
+  model_layout(m);
+  const size_t P = m.num_params;
+  m.params = pool().alloc_t<floatX>(P, Mem::Weights, "params");
+  m.grads = pool().alloc_t<floatX>(P, Mem::Grads, "grads");
+  cudaCheck(cudaMemset(m.grads, 0, P * sizeof(floatX)), "model_create", "P=%zu", P);
+  model_make_seams(m, seams);
+  m.p = view_tensors(m.params, m);
+  m.g = view_tensors(m.grads, m);
+  const size_t LE = (size_t)cfg.layers * cfg.experts;
+  m.router_bias.assign(LE, 0.f);
+  m.step_loads.assign(LE, 0);
+  m.router_bias_dev = pool().alloc_t<float>(LE, Mem::Weights, "router_bias");
+  model_upload_router_bias(m);
+  m.sumsq_partials = pool().alloc_t<float>(SUMSQ_BLOCKS, Mem::Workspace, "sumsq_partials");
+  m.scalar_dev = pool().alloc_t<float>(1, Mem::Workspace, "scalar");
+  model_set_master(m, init_master_weights(cfg, seed));  // every rank draws the same global weights
+  return m;
+}
+
+inline void model_destroy(Model& m) {
+  for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.sumsq_partials,
+                  (void*)m.scalar_dev, (void*)m.dense_idx, (void*)m.dense_w})
+    pool().free(p);
+  m = Model();
+}
+
+// The trivial routing buffers (token → expert 0, weight 1) for N tokens.
+inline void ensure_dense_routes(Model& m, int N) {
+  if (m.dense_rows >= N) return;
+  pool().free(m.dense_idx);
+  pool().free(m.dense_w);
+  m.dense_idx = pool().alloc_t<int>(N, Mem::Workspace, "dense_routes_idx");
+  m.dense_w = pool().alloc_t<float>(N, Mem::Workspace, "dense_routes_w");
+  dense_routes(m.dense_idx, m.dense_w, N, m.stream);
+  m.dense_rows = N;
+}
+
+// =============================================================================================
+// Forward
+
+// What one layer's backward needs, kept from its forward (or recomputed).
+struct LayerActs {
+  floatX* ln1 = nullptr;        // [N, H]
+  float* ln1_rstd = nullptr;    // [N]
+  floatX* qkv = nullptr;        // [N, 3H] after RoPE
+  floatX* att = nullptr;        // [N, H] attention output (before wo)
+  float* lse = nullptr;         // [B, nh, T]
+  floatX* x_mid = nullptr;      // [N, H] residual after attention
+  floatX* ln2 = nullptr;        // [N, H]
+  float* ln2_rstd = nullptr;    // [N]
+  float* scores = nullptr;      // [N, E] router scores (MoE layers)
+  int* topk_idx = nullptr;      // [N, k]
+  float* topk_w = nullptr;      // [N, k]
+  std::unique_ptr<DispatchSaved> routed;  // the dispatcher's saved state (MoE layers)
+  MoESaved dense{};             // the dense FFN (dense layers)
+  MoESaved shared{};            // the shared expert (MoE layers with one)
+};
+
+inline void free_acts(LayerActs& a) {
+  for (void* p : {(void*)a.ln1, (void*)a.ln1_rstd, (void*)a.qkv, (void*)a.att, (void*)a.lse, (void*)a.x_mid,
+                  (void*)a.ln2, (void*)a.ln2_rstd, (void*)a.scores, (void*)a.topk_idx, (void*)a.topk_w})
+    pool().free(p);
+  a.routed.reset();
+  moe_saved_free(a.dense);
+  moe_saved_free(a.shared);
+  a = LayerActs();
+}
+
+// The layer-boundary seam (DESIGN §1.1): input[l] is layer l's input, input[L] the final hidden
+// state; each is kept until its layer's backward (the only activation kept across the whole pass
+// under recomputation). One object owns them, so that SCO can place some in host memory.
+struct LayerBoundaries {
+  std::vector<floatX*> input;  // [L + 1] × [N, H]                                   (Checkpoints)
+  LayerBoundaries(int L, size_t NH) : input(L + 1) {
+    for (floatX*& x : input) x = pool().alloc_t<floatX>(NH, Mem::Checkpoints, "residual");
+  }
+  void release(int l) {
+    pool().free(input[l]);
+    input[l] = nullptr;
+  }
+  ~LayerBoundaries() {
+    for (floatX* x : input) pool().free(x);
+  }
+  LayerBoundaries(const LayerBoundaries&) = delete;
+  LayerBoundaries& operator=(const LayerBoundaries&) = delete;
+};
+
+// Router of MoE layer l on ln2 (N×H), in FP32 in both builds (logits, scores, top-k, bias; its
+// backward too): scores, top-k choice and weights into `a`; the choice of a
+// routing profile instead when one is set. Counts routes per expert into m.step_loads when asked.
+inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) {
+  const ModelConfig& c = m.cfg;
+  const int E = c.experts, k = c.topk;
+  cudaStream_t s = m.stream;
+  float* logits = pool().alloc_t<float>((size_t)N * E, Mem::Activations, "router_logits");  // FP32 in both builds
+  a.scores = pool().alloc_t<float>((size_t)N * E, Mem::Activations, "router_scores");
+  a.topk_idx = pool().alloc_t<int>((size_t)N * k, Mem::Activations, "topk_idx");
+  a.topk_w = pool().alloc_t<float>((size_t)N * k, Mem::Activations, "topk_w");
+  router_logits_forward(logits, a.ln2, m.p.layers[l].router, N, c.hidden, E, s);
+  router_forward(a.topk_idx, a.topk_w, a.scores, logits, m.router_bias_dev + (size_t)l * E, N, E, k, c.score_fn,
+                 c.renorm != 0, s);
+  pool().free(logits);
+  if (m.routing_override) {  // the profile's experts, weighted by the router's scores for them
+    std::vector<int> idx = routing_profile_indices(m.routing, N, E, k);
+    cudaCheck(cudaMemcpyAsync(a.topk_idx, idx.data(), idx.size() * sizeof(int), cudaMemcpyHostToDevice, s),
+              "routing_profile", "N=%d k=%d", N, k);
+    router_weights(a.topk_w, a.scores, a.topk_idx, N, E, k, c.renorm != 0, s);
+    cudaCheck(cudaStreamSynchronize(s), "routing_profile", "N=%d", N);  // idx (host) must outlive the copy
+  }
+  if (count_loads) {
+    int* loads_dev = pool().alloc_t<int>(E, Mem::Workspace, "loads");
+    std::vector<int> loads(E);
+    router_count_loads(loads_dev, a.topk_idx, N, E, k, s);
+    cudaCheck(cudaMemcpyAsync(loads.data(), loads_dev, E * sizeof(int), cudaMemcpyDeviceToHost, s), "count_loads", "E=%d", E);
+    cudaCheck(cudaStreamSynchronize(s), "count_loads", "E=%d", E);
+    pool().free(loads_dev);
+    for (int e = 0; e < E; e++) m.step_loads[(size_t)l * E + e] += loads[e];
+  }
+}
+
+// FFN of layer l on ln2 (N×H) → out (N×H, =): a dense SwiGLU, or router + routed experts through
+// the dispatcher (+ the shared expert).
+inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool count_loads) {
+  const ModelConfig& c = m.cfg;
+  const LayerTensors& P = m.p.layers[l];
+  cudaStream_t s = m.stream;
+  if (!c.is_moe_layer(l)) {
+    ensure_dense_routes(m, N);
+    moe_forward(out, a.dense, a.ln2, m.dense_idx, m.dense_w, P.dense_w13, P.dense_w2, N, c.hidden, c.dense_dim, 1, 1, s);
+    return;
+  }
+  router_step(m, l, a, N, count_loads);
+  a.routed = m.moe->forward(out, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, N, s);
+  if (c.shared_expert) {
+    ensure_dense_routes(m, N);
+    floatX* shared_out = pool().alloc_t<floatX>((size_t)N * c.hidden, Mem::Activations, "shared_out");
+    moe_forward(shared_out, a.shared, a.ln2, m.dense_idx, m.dense_w, P.shared_w13, P.shared_w2, N, c.hidden,
+                c.expert_dim, 1, 1, s);
+    add_inplace_or_out(out, out, shared_out, (size_t)N * c.hidden, s);
+    pool().free(shared_out);
+  }
+}
+
+// The attention step (DESIGN §1.1): ln1 (N×H) → att (N×H, before wo); q, k, v with RoPE kept in a.qkv.
+inline void attention_step(Model& m, int l, LayerActs& a, int B, int T) {
+  const ModelConfig& c = m.cfg;
+  const int N = B * T, H = c.hidden;
+  cudaStream_t s = m.stream;
+  matmul_forward(a.qkv, a.ln1, m.p.layers[l].wqkv, N, H, 3 * H, s);
+  rope_forward(a.qkv, a.qkv, B, T, c.heads, c.head_dim(), c.rope_theta, s);
+  attention_forward(a.att, a.lse, a.qkv, B, T, c.heads, c.head_dim(), s);
+}
+
+// One transformer layer: x_out = x_mid + FFN(ln2(x_mid)), x_mid = x_in + wo·Attn(RoPE(wqkv·ln1(x_in))).
+inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, LayerActs& a, int B, int T, bool count_loads) {
+  const ModelConfig& c = m.cfg;
+  const LayerTensors& P = m.p.layers[l];
+  const int N = B * T, H = c.hidden, nh = c.heads;
+  cudaStream_t s = m.stream;
+  a.ln1 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln1");
+  a.ln1_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln1_rstd");
+  a.qkv = pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Activations, "qkv");
+  a.att = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att");
+  a.lse = pool().alloc_t<float>((size_t)N * nh, Mem::Activations, "att_lse");
+  a.x_mid = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "x_mid");
+  a.ln2 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln2");
+  a.ln2_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln2_rstd");
+
+  rmsnorm_forward(a.ln1, a.ln1_rstd, x_in, P.ln1, N, H, c.norm_eps, s);
+  attention_step(m, l, a, B, T);
+  floatX* att_proj = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att_proj");
+  matmul_forward(att_proj, a.att, P.wo, N, H, H, s);
+  add_inplace_or_out(a.x_mid, x_in, att_proj, (size_t)N * H, s);
+  pool().free(att_proj);
+
+  rmsnorm_forward(a.ln2, a.ln2_rstd, a.x_mid, P.ln2, N, H, c.norm_eps, s);
+  floatX* ffn_out = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ffn_out");
+  ffn_forward(m, l, a, ffn_out, N, count_loads);
+  add_inplace_or_out(x_out, a.x_mid, ffn_out, (size_t)N * H, s);
+  pool().free(ffn_out);
+}
+
+// =============================================================================================
+// Backward
+
+// d_ln2 (=) from d_out (gradient of the FFN output); weight gradients +=.
+inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, const floatX* d_out, int N) {
+  const ModelConfig& c = m.cfg;
+  const LayerTensors& P = m.p.layers[l];
+  const LayerTensors& G = m.g.layers[l];
+  cudaStream_t s = m.stream;
+  const size_t NH = (size_t)N * c.hidden;
+  if (!c.is_moe_layer(l)) {
+    float* d_dense_w = pool().alloc_t<float>(N, Mem::Workspace, "d_dense_w");
+    moe_backward(d_ln2, d_dense_w, G.dense_w13, G.dense_w2, d_out, a.dense, a.ln2, m.dense_idx, m.dense_w,
+                 P.dense_w13, P.dense_w2, s);
+    pool().free(d_dense_w);
+    return;
+  }
+  const int E = c.experts, k = c.topk;
+  float* d_topk_w = pool().alloc_t<float>((size_t)N * k, Mem::Workspace, "d_topk_w");
+  m.moe->backward(d_ln2, d_topk_w, G.w13, G.w2, d_out, *a.routed, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, s);
+  floatX* d_part = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_ln2_part");
+  if (c.shared_expert) {
+    float* d_shared_w = pool().alloc_t<float>(N, Mem::Workspace, "d_shared_w");
+    moe_backward(d_part, d_shared_w, G.shared_w13, G.shared_w2, d_out, a.shared, a.ln2, m.dense_idx, m.dense_w,
+                 P.shared_w13, P.shared_w2, s);
+    add_inplace_or_out(d_ln2, d_ln2, d_part, NH, s);
+    pool().free(d_shared_w);
+  }
+  float* d_logits = pool().alloc_t<float>((size_t)N * E, Mem::Workspace, "d_router_logits");
+  router_backward(d_logits, d_topk_w, a.scores, a.topk_idx, N, E, k, c.score_fn, c.renorm != 0, s);
+  router_logits_backward(d_part, G.router, d_logits, a.ln2, P.router, N, c.hidden, E, s);
+  add_inplace_or_out(d_ln2, d_ln2, d_part, NH, s);
+  for (void* p : {(void*)d_topk_w, (void*)d_part, (void*)d_logits}) pool().free(p);
+}
+
+// d_x (in: gradient of the layer output; out: gradient of the layer input).
+inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_in, floatX* d_x, int B, int T) {
+  const ModelConfig& c = m.cfg;
+  const LayerTensors& P = m.p.layers[l];
+  const LayerTensors& G = m.g.layers[l];
+  const int N = B * T, H = c.hidden, nh = c.heads, hd = c.head_dim();
+  const size_t NH = (size_t)N * H;
+  cudaStream_t s = m.stream;
+  floatX* d_norm_out = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_norm_out");
+  floatX* d_branch = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_branch");
+  floatX* d_qkv = pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Workspace, "d_qkv");
+
+  // FFN branch: d_x_mid = d_x + ln2ᵀ(FFNᵀ(d_x))
+  ffn_backward(m, l, a, d_norm_out, d_x, N);
+  rmsnorm_backward(d_branch, G.ln2, d_norm_out, a.x_mid, P.ln2, a.ln2_rstd, N, H, s);
+  add_inplace_or_out(d_x, d_x, d_branch, NH, s);
+
+  // Attention branch: d_x_in = d_x_mid + ln1ᵀ(wqkvᵀ(RoPEᵀ(Attnᵀ(woᵀ d_x_mid))))
+  matmul_backward(d_norm_out, G.wo, d_x, a.att, P.wo, N, H, H, s);
+  attention_backward(d_qkv, d_norm_out, a.qkv, a.att, a.lse, B, T, nh, hd, s);
+  rope_backward(d_qkv, d_qkv, B, T, nh, hd, c.rope_theta, s);
+  matmul_backward(d_norm_out, G.wqkv, d_qkv, a.ln1, P.wqkv, N, H, 3 * H, s);
+  rmsnorm_backward(d_branch, G.ln1, d_norm_out, x_in, P.ln1, a.ln1_rstd, N, H, s);
+  add_inplace_or_out(d_x, d_x, d_branch, NH, s);
+  for (void* p : {(void*)d_norm_out, (void*)d_branch, (void*)d_qkv}) pool().free(p);
+}
+
+// =============================================================================================
+// A pass over one micro-batch
+
+// What a forward(+backward) pass over one micro-batch does.
+struct PassOptions {
+  bool backward = true;       // accumulate gradients (+=) into m.grads
+  bool count_loads = true;    // add routes per expert into m.step_loads
+  float dloss = 0.f;          // d(objective)/d(loss of one token), e.g. 1/(B·T·accum)
+  bool recompute = false;     // layer-level activation checkpointing
+};
+
+// Embedding and the L layers on device tokens [B·T]: fills boundaries.input[0..L]. With keep_acts
+// each layer's activations stay in acts[l] for its backward, else they are freed at once;
+// after_layer(l, acts[l]) runs after each layer (sampling and test paths read from it).
+inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, LayerBoundaries& boundaries,
+                           std::vector<LayerActs>& acts, bool keep_acts, bool count_loads,
+                           const std::function<void(int, const LayerActs&)>& after_layer = nullptr) {
+  const ModelConfig& c = m.cfg;
+  const int N = B * T;
+  embedding_forward(boundaries.input[0], tokens_dev, m.p.wte, N, c.hidden, c.vocab, m.stream);
+  for (int l = 0; l < c.layers; l++) {
+    layer_forward(m, l, boundaries.input[l], boundaries.input[l + 1], acts[l], B, T, count_loads);
+    if (after_layer) after_layer(l, acts[l]);
+    if (!keep_acts) free_acts(acts[l]);
+  }
+}
+
+inline int* upload_tokens(const int* host, int N, const char* tag, cudaStream_t s) {
+  int* dev = pool().alloc_t<int>(N, Mem::Activations, tag);
+  cudaCheck(cudaMemcpyAsync(dev, host, N * sizeof(int), cudaMemcpyHostToDevice, s), "upload_tokens", "N=%d", N);
+  return dev;
+}
+
+inline void check_seq_len(const Model& m, int T) {
+  if (T > m.cfg.seq_len || T < 1) fm_fail("model_pass", "sequence longer than the model's seq_len", "T=%d seq_len=%d", T, m.cfg.seq_len);
+}
+
+// inputs/targets: host [B·T]. Returns the mean loss over the B·T tokens; with o.backward the
+// gradients of dloss · Σ losses are added (+=) into m.grads.
+inline float model_pass(Model& m, const int* inputs, const int* targets, int B, int T, const PassOptions& o) {
+  const ModelConfig& c = m.cfg;
+  const int N = B * T, H = c.hidden, V = c.vocab, L = c.layers;
+  const size_t NH = (size_t)N * H;
+  cudaStream_t s = m.stream;
+  check_seq_len(m, T);
+  int* tokens_dev = upload_tokens(inputs, N, "tokens", s);
+  int* targets_dev = upload_tokens(targets, N, "targets", s);
+  LayerBoundaries boundaries(L, NH);
+  std::vector<LayerActs> acts(L);
+  forward_layers(m, tokens_dev, B, T, boundaries, acts, o.backward && !o.recompute, o.count_loads);
+
+  floatX* lnf = pool().alloc_t<floatX>(NH, Mem::Activations, "lnf");
+  float* lnf_rstd = pool().alloc_t<float>(N, Mem::Activations, "lnf_rstd");
+  rmsnorm_forward(lnf, lnf_rstd, boundaries.input[L], m.p.lnf, N, H, c.norm_eps, s);
+  floatX* d_lnf = o.backward ? pool().alloc_t<floatX>(NH, Mem::Workspace, "d_lnf") : nullptr;
+  m.head->forward_backward(m.scalar_dev, d_lnf, m.g.lm_head, lnf, m.p.lm_head, targets_dev, o.dloss, N, H, V, s);
+  float loss_total = 0.f;
+  cudaCheck(cudaMemcpyAsync(&loss_total, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToHost, s), "model_pass", "N=%d", N);
+
+  if (o.backward) {
+    floatX* d_x = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_residual");
+    rmsnorm_backward(d_x, m.g.lnf, d_lnf, boundaries.input[L], m.p.lnf, lnf_rstd, N, H, s);
+    pool().free(d_lnf);
+    // layers in reverse; with recompute, rebuild each layer's activations from its input first
+    for (int l = L - 1; l >= 0; l--) {
+      if (o.recompute) layer_forward(m, l, boundaries.input[l], boundaries.input[l + 1], acts[l], B, T, false);
+      layer_backward(m, l, acts[l], boundaries.input[l], d_x, B, T);
+      free_acts(acts[l]);
+      boundaries.release(l + 1);
+    }
+    // embedding: deterministic per-token sums over host-built buckets
+    TokenBuckets buckets = build_token_buckets(inputs, N, V);
+    std::vector<int*> bucket_dev;
+    for (const std::vector<int>* v : {&buckets.offsets, &buckets.positions, &buckets.used_ids}) {
+      bucket_dev.push_back(pool().alloc_t<int>(v->size(), Mem::Workspace, "token_buckets"));
+      cudaCheck(cudaMemcpyAsync(bucket_dev.back(), v->data(), v->size() * sizeof(int), cudaMemcpyHostToDevice, s),
+                "embedding_backward", "N=%d V=%d", N, V);
+    }
+    embedding_backward(m.g.wte, d_x, bucket_dev[0], bucket_dev[1], bucket_dev[2], (int)buckets.used_ids.size(), V, H, s);
+    cudaCheck(cudaStreamSynchronize(s), "model_pass", "N=%d", N);  // the host buckets must outlive the copies
+    pool().free(d_x);
+    for (int* p : bucket_dev) pool().free(p);
+  }
+  cudaCheck(cudaStreamSynchronize(s), "model_pass", "N=%d", N);
+  for (void* p : {(void*)tokens_dev, (void*)targets_dev, (void*)lnf, (void*)lnf_rstd}) pool().free(p);
+  return loss_total / N;
+}
+
+// The sampling path: the logits [V] of token row `row` of the forward over inputs [T] (host, one
+// sequence). Only that row is projected: no [T,V] tensor.
+inline std::vector<float> model_logits_row(Model& m, const int* inputs, int T, int row) {
+  const ModelConfig& c = m.cfg;
+  const int H = c.hidden, V = c.vocab;
+  cudaStream_t s = m.stream;
+  check_seq_len(m, T);
+  int* tokens_dev = upload_tokens(inputs, T, "tokens", s);
+  LayerBoundaries boundaries(c.layers, (size_t)T * H);
+  std::vector<LayerActs> acts(c.layers);
+  forward_layers(m, tokens_dev, 1, T, boundaries, acts, false, false);
+  floatX* lnf = pool().alloc_t<floatX>(H, Mem::Activations, "lnf_row");
+  float* lnf_rstd = pool().alloc_t<float>(1, Mem::Activations, "lnf_row_rstd");
+  floatX* logits = pool().alloc_t<floatX>(V, Mem::Logits, "logits_row");
+  rmsnorm_forward(lnf, lnf_rstd, boundaries.input[c.layers] + (size_t)row * H, m.p.lnf, 1, H, c.norm_eps, s);
+  matmul_forward(logits, lnf, m.p.lm_head, 1, H, V, s);
+  std::vector<floatX> host(V);
+  cudaCheck(cudaMemcpyAsync(host.data(), logits, V * sizeof(floatX), cudaMemcpyDeviceToHost, s), "model_logits_row", "V=%d", V);
+  cudaCheck(cudaStreamSynchronize(s), "model_logits_row", "V=%d", V);
+  for (void* p : {(void*)tokens_dev, (void*)lnf, (void*)lnf_rstd, (void*)logits}) pool().free(p);
+  std::vector<float> out(V);
+  for (int v = 0; v < V; v++) out[v] = to_float(host[v]);
+  return out;
+}
+
+// The test path for routing: each MoE layer's top-k choice [N·k] on inputs [B·T] (host), from a
+// forward that counts no loads. The forward is deterministic, so a training pass over the same
+// tokens with the same weights and biases chooses the same experts.
+inline std::vector<std::vector<int>> model_routes(Model& m, const int* inputs, int B, int T) {
+  const ModelConfig& c = m.cfg;
+  const int N = B * T;
+  check_seq_len(m, T);
+  int* tokens_dev = upload_tokens(inputs, N, "tokens", m.stream);
+  LayerBoundaries boundaries(c.layers, (size_t)N * c.hidden);
+  std::vector<LayerActs> acts(c.layers);
+  std::vector<std::vector<int>> routes(c.layers);
+  forward_layers(m, tokens_dev, B, T, boundaries, acts, false, false, [&](int l, const LayerActs& a) {
+    if (!c.is_moe_layer(l)) return;
+    routes[l].resize((size_t)N * c.topk);
+    cudaCheck(cudaMemcpy(routes[l].data(), a.topk_idx, routes[l].size() * sizeof(int), cudaMemcpyDeviceToHost),
+              "model_routes", "N=%d k=%d", N, c.topk);
+  });
+  pool().free(tokens_dev);
+  return routes;
+}
+
+// =============================================================================================
+// Update
+
+inline void model_zero_grads(Model& m) {
+  cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "zero_grads", "P=%zu", m.num_params);
+  std::fill(m.step_loads.begin(), m.step_loads.end(), 0);
+}
+
+// The mean of a per-rank value over all ranks (losses are averaged this way).
+inline float mean_over_ranks(Model& m, float x) {
+  if (m.par.world.size == 1) return x;
+  cudaCheck(cudaMemcpyAsync(m.scalar_dev, &x, sizeof(float), cudaMemcpyHostToDevice, m.stream), "mean_over_ranks", "W=%d", m.par.world.size);
+  all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
+  comm_sync(m.par.world, m.stream, "mean_over_ranks");  // before the copy: a pageable copy would wait without a timeout
+  cudaCheck(cudaMemcpy(&x, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToHost), "mean_over_ranks", "W=%d", m.par.world.size);
+  return x / m.par.world.size;
+}
+
+// Sums each region's gradients over the ranks that hold it, leaving this rank's shard (ZeRO-1:
+// in-place reduce-scatter; the rest of the buffer is not used until the next zeroing).
+inline void reduce_scatter_grads(Model& m) {
+  for (const ParamRegion& r : m.regions)
+    if (region_group(m, r).size > 1)
+      reduce_scatter_sum(region_group(m, r), m.grads + r.offset, m.grads + r.shard_offset, r.shard, m.stream);
+}
+
+// Every rank's floatX weights from the shards their owners updated.
+inline void all_gather_weights(Model& m) {
+  for (const ParamRegion& r : m.regions)
+    if (region_group(m, r).size > 1)
+      all_gather(region_group(m, r), m.params + r.shard_offset, m.params + r.offset, r.shard, m.stream);
+}
+
+// Global gradient norm: every element of the model lies in exactly one rank's shard.
+inline float model_grad_norm(Model& m) {
+  cudaCheck(cudaMemsetAsync(m.sumsq_partials, 0, SUMSQ_BLOCKS * sizeof(float), m.stream), "grad_norm", "P=%zu", m.num_params);
+  for (const ParamRegion& r : m.regions) sumsq_accumulate(m.sumsq_partials, m.grads + r.shard_offset, r.shard, m.stream);
+  sumsq_finish(m.scalar_dev, m.sumsq_partials, m.stream);
+  if (m.par.world.size > 1) all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
+  comm_sync(m.par.world, m.stream, "grad_norm");
+  float sumsq = 0.f;
+  cudaCheck(cudaMemcpy(&sumsq, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToHost), "grad_norm", "P=%zu", m.num_params);
+  return std::sqrt(sumsq);
+}
+
+// Adds the step's per-expert loads of every rank (the router bias sees the global batch).
+inline void all_reduce_loads(Model& m) {
+  if (m.par.world.size == 1) return;
+  const size_t n = m.step_loads.size();
+  std::vector<int> loads(m.step_loads.begin(), m.step_loads.end());
+  int* loads_dev = pool().alloc_t<int>(n, Mem::CommStaging, "step_loads");
+  cudaCheck(cudaMemcpyAsync(loads_dev, loads.data(), n * sizeof(int), cudaMemcpyHostToDevice, m.stream), "all_reduce_loads", "n=%zu", n);
+  all_reduce_sum(m.par.world, loads_dev, loads_dev, n, m.stream);
+  comm_sync(m.par.world, m.stream, "all_reduce_loads");
+  cudaCheck(cudaMemcpy(loads.data(), loads_dev, n * sizeof(int), cudaMemcpyDeviceToHost), "all_reduce_loads", "n=%zu", n);
+  pool().free(loads_dev);
+  std::copy(loads.begin(), loads.end(), m.step_loads.begin());
+}
+
+// One optimizer step on this rank's shards: reduce-scatter the gradients, clip by the global norm,
+// the optimizer on the shards, weights all-gathered, then the router bias update from the global
+// batch's loads (m.step_loads holds the global loads afterwards). Returns the norm before clipping.
+inline float model_update(Model& m, const TrainConfig& t, float lr) {
+  reduce_scatter_grads(m);
+  float norm = model_grad_norm(m);
+  m.opt->step(m.params, m.grads, lr, AdamWSettings{t.beta1, t.beta2, t.adam_eps, t.weight_decay},
+              clip_scale(norm, t.grad_clip), m.stream);
+  all_gather_weights(m);
+  all_reduce_loads(m);
+  if (t.bias_update > 0) {  // aux-loss-free balancing from the step's loads over the whole global batch (config.hpp)
+    update_router_bias(m.router_bias, m.step_loads, m.cfg, t.bias_update);
+    model_upload_router_bias(m);
+  }
+  return norm;
+}
+
+// One optimizer step: zero the gradients, accumulate over `accum` micro-batches drawn from
+// next_batch(inputs, targets), then update. Returns the mean loss over every rank's tokens;
+// *grad_norm gets the norm.
+template <typename NextBatch>
+float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, int accum, NextBatch next_batch,
+                       float* grad_norm) {
+  std::vector<int> x((size_t)B * T), y((size_t)B * T);
+  model_zero_grads(m);
+  PassOptions o;
+  o.dloss = 1.f / ((float)B * T * accum * m.par.world.size);  // the mean over the global batch
+  o.recompute = t.recompute != 0;
+  double loss = 0;
+  for (int micro = 0; micro < accum; micro++) {
+    next_batch(x.data(), y.data());
+    pool().mark(("micro-batch " + std::to_string(micro)).c_str());
+    loss += model_pass(m, x.data(), y.data(), B, T, o) / accum;
+  }
+  pool().mark("optimizer");
+  float norm = model_update(m, t, lr_at(t, step));
+  comm_sync(m.par.world, m.stream, "train_step");
+  if (grad_norm) *grad_norm = norm;
+  return mean_over_ranks(m, (float)loss);
+}
+
+// Expert balance of the last step (global loads): the worst MoE layer's max/mean expert load
+// (1 = perfectly even), and the range of the router biases.
+struct ExpertBalance {
+  double worst_max_over_mean = 0;
+  float bias_min = 0, bias_max = 0;
+};
+
+inline ExpertBalance expert_balance(const Model& m) {
+  const ModelConfig& c = m.cfg;
+  ExpertBalance b;
+  bool first = true;
+  for (int l = 0; l < c.layers; l++) {
+    if (!c.is_moe_layer(l)) continue;
+    long long total = 0, most = 0;
+    for (int e = 0; e < c.experts; e++) {
+      const long long load = m.step_loads[(size_t)l * c.experts + e];
+      total += load;
+      most = std::max(most, load);
+      const float bias = m.router_bias[(size_t)l * c.experts + e];
+      b.bias_min = first ? bias : std::min(b.bias_min, bias);
+      b.bias_max = first ? bias : std::max(b.bias_max, bias);
+      first = false;
+    }
+    if (total > 0) b.worst_max_over_mean = std::max(b.worst_max_over_mean, (double)most * c.experts / total);
+  }
+  return b;
+}
