@@ -22,30 +22,9 @@ using ckpt::RankFile;
 
 namespace {
 
-// A fresh folder under the system temp folder, removed with everything in it at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("flatmoe_cpu_checkpoint_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), (std::streamsize)bytes.size());
-  ASSERT_TRUE(out.good()) << path;
-}
+using testutil::read_bytes;
+using testutil::TempDir;
+using testutil::write_bytes;
 
 // XORs byte `pos` of the file with `mask` in place (the same call again restores it).
 void flip_byte(const std::string& path, size_t pos, unsigned char mask) {

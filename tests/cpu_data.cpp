@@ -19,28 +19,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh folder under the system temp folder, removed with everything in it at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("flatmoe_cpu_data_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  ASSERT_NE(f, nullptr) << path;
-  ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
-  std::fclose(f);
-}
-
-std::string read_bytes(const std::string& path) { return data::read_whole_file(path); }
+using testutil::read_bytes;
+using testutil::TempDir;
+using testutil::write_bytes;
 
 // Little-endian int32 written out byte by byte (independent of data/file_io.hpp).
 void put_i32(std::string& out, uint32_t v) {

@@ -30,7 +30,7 @@ summary+=("build: $(( $(date +%s) - t0 )) s")
 if [[ " $want " == *" test "* ]]; then
   make $vars test > "$OUT/test.log" 2>&1 || status=1
   for p in fp32 bf16; do
-    grep -h "^\[err\]\|^\[mem\]\|^\[train\]\|^\[overfit\]" build/test-logs/build_test_cpu.log build/test-logs/build_${p}_test_gpu.log \
+    grep -h "^\[err\]\|^\[mem\]\|^\[train\]\|^\[overfit\]\|^\[route\]\|^\[dist\] step" build/test-logs/build_test_cpu.log build/test-logs/build_${p}_test_gpu.log \
       build/test-logs/build_${p}_test_dist.log > "$OUT/errors-$p.txt"
   done
   grep -h "FAILED\|Failure\|error" build/test-logs/*.log | head -40

@@ -2,9 +2,14 @@
 // DESIGN §3, its tolerance for the build, and a line that reports the measured error.
 #pragma once
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 #include <vector>
 #include "../ref/common.hpp"
 
@@ -92,5 +97,31 @@ ref::Mat<double> finite_diff(ref::Mat<double>& x, F f, double h = 1e-5) {
 
 // Tolerance for finite-difference checks of the references (double, h = 1e-5).
 static const double FD_TOL = 1e-6;
+
+// A fresh folder under the system temp folder, removed with everything in it at scope exit.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    static int counter = 0;
+    path = std::filesystem::temp_directory_path() /
+           ("flatmoe_test_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+// A whole file as bytes ("" when it cannot be read).
+inline std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+inline void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), (std::streamsize)bytes.size());
+  EXPECT_TRUE(out.good()) << "cannot write " << path;
+}
 
 }  // namespace testutil
