@@ -257,6 +257,11 @@ int train_main(int argc, char** argv) {
       routing = parse_routing_profile(tc.routing);
       routing_profile_indices(routing, tc.batch * mc.seq_len, mc.experts, mc.topk);  // refuses h > E
     }
+    if (!tc.resume.empty()) {  // the whole checkpoint set, before any GPU or NCCL work
+      LaunchEnv started;
+      if (parse_launch_env([](const char* name) -> const char* { return getenv(name); }, tc.gpus, &started).empty())
+        ckpt::check_checkpoint_set(tc.resume, started.world, sizeof(floatX) == 2);  // (else launch() names the problem)
+    }
     const int gpus = gpu_count();
     if (gpus == 0) {
       fprintf(stderr, "train: error: no CUDA device found; flatmoe trains on NVIDIA GPUs (see README)\n");
@@ -272,7 +277,6 @@ int train_main(int argc, char** argv) {
                                   " ranks started by the launcher");
     tc.gpus = li.world;
     validate(tc, mc);
-    if (!tc.resume.empty()) ckpt::check_checkpoint_set(tc.resume, li.world, sizeof(floatX) == 2);  // before NCCL and the GPU
     Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus);
     runtime_prepare();  // the cuBLAS handle and its pooled workspace, before anything is measured
     const bool main_rank = par.world.rank == 0;

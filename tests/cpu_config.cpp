@@ -282,3 +282,29 @@ TEST(ConfigTrainBinary, BadFlagsExitNonZeroAndWriteNothing) {
   EXPECT_NE(system(cmd.c_str()), 0);
   EXPECT_NE(stat(out.c_str(), &sb), 0);
 }
+
+// --resume is checked before any GPU work: on a machine without a GPU a missing or corrupt
+// checkpoint is named (not "no CUDA device"), and nothing is written.
+TEST(ConfigTrainBinary, BadResumeRefusedBeforeTheGpu) {
+  const char* bin = getenv("FLATMOE_TRAIN");
+  std::string train = bin ? bin : "build/fp32/train";
+  struct stat sb;
+  if (stat(train.c_str(), &sb) != 0) GTEST_SKIP() << "trainer binary " << train << " not built";
+  if (stat("data/fortunes/tokenizer.bin", &sb) != 0) GTEST_SKIP() << "data/fortunes not prepared (make data)";
+  testutil::TempDir dir;
+  const std::string out = dir.file("out"), ckpt_dir = dir.file("ckpt"), err = dir.file("stderr.txt");
+  ASSERT_EQ(mkdir(ckpt_dir.c_str(), 0755), 0);
+  auto run = [&]() {
+    std::string cmd = train + " --data data/fortunes --out " + out + " --resume " + ckpt_dir + " 2> " + err;
+    EXPECT_NE(system(cmd.c_str()), 0);
+    EXPECT_NE(stat(out.c_str(), &sb), 0) << "nothing is written when --resume is refused";
+    return testutil::read_bytes(err);
+  };
+  std::string message = run();
+  EXPECT_NE(message.find(ckpt_dir + "/rank0.bin"), std::string::npos) << message;
+  EXPECT_EQ(message.find("CUDA"), std::string::npos) << message;
+  testutil::write_bytes(ckpt_dir + "/rank0.bin", std::string(2000, 'x'));
+  message = run();
+  EXPECT_NE(message.find(ckpt_dir + "/rank0.bin"), std::string::npos) << message;
+  EXPECT_NE(message.find("bad magic"), std::string::npos) << message;
+}

@@ -16,7 +16,7 @@ using testutil::random_tokens;
 
 ModelConfig dist_config() {
   ModelConfig c;
-  c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40; c.init_std = 0.1f;
+  c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;  // init_std: the trainer's (model_util.cuh)
   c.layers = 3; c.experts = 6; c.topk = 2; c.score_fn = 0; c.n_dense = 1; c.dense_dim = 48; c.shared_expert = 1;
   return c;
 }

@@ -22,7 +22,7 @@ using testutil::random_tokens;
 //   2 softmax, not renormalised;     3 sigmoid, not renormalised, a shared expert
 ModelConfig config_variant(int variant) {
   ModelConfig c;
-  c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40; c.init_std = 0.1f;
+  c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;  // init_std: the trainer's (model_util.cuh)
   if (variant == 0 || variant == 2) {
     c.layers = 2; c.experts = 5; c.topk = 2; c.score_fn = ROUTER_SOFTMAX;
   } else {
