@@ -229,7 +229,7 @@ inline std::string usage() {
          "seams:  --moe local|ep (default: local at E_p = 1, else ep) --head full --optimizer adamw\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
-         "        --ckpt_every S --log_every S --timeline_step S --resume FILE\n";
+         "        --ckpt_every S --log_every S --timeline_step S --resume DIR (a checkpoint folder)\n";
 }
 
 // The flag tables: every flag once, with how its value is read from text and written as text.

@@ -119,8 +119,6 @@ struct Model {
   // --routing: a profile (paper appendix B.2) that replaces the router's expert choice
   bool routing_override = false;
   RoutingProfile routing;
-
-  int experts_local() const { return cfg.experts / par.ep.size; }
 };
 
 // The ranks that share a region (and shard its optimizer state).
