@@ -597,7 +597,14 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     floatX* d_x = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_residual");
     rmsnorm_backward(d_x, m.g.lnf, d_lnf, boundaries.input[L], m.p.lnf, lnf_rstd, N, H, s);
     pool().free(d_lnf);
-    // layers in reverse; with recompute, rebuild each layer's activations from its input first
+    // layers in reverse; with recompute, rebuild each layer's activations from its input first.
+    // Rerunning the layer (router and dispatcher included) reproduces the forward bit for bit: every
+    // step is deterministic given the layer input (FP32 router, top-k ties to the lower index, a
+    // stable route sort, a dispatch plan that depends only on the counts, fixed-order combines,
+    // deterministic cuBLAS and NCCL point-to-point copies), so no routing needs to be saved. The cost
+    // under --moe ep is a second forward exchange per MoE layer: the counts, then R·H·b bytes out and
+    // R·H·b back per rank (R = N·k routes), besides the backward's own two exchanges. Tested at W = 1
+    // (tests/gpu_model.cu) and W = 2 (tests/dist_model.cu), gradients compared with memcmp.
     for (int l = L - 1; l >= 0; l--) {
       if (o.recompute) layer_forward(m, l, boundaries.input[l], boundaries.input[l + 1], acts[l], B, T, false);
       layer_backward(m, l, acts[l], boundaries.input[l], d_x, B, T);
