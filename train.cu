@@ -216,7 +216,7 @@ void write_timeline(const std::string& out_dir, int step) {
 Parallel parallel_init(const LaunchInfo& li, int ep_size) {
   Parallel par;
   if (li.world == 1) {
-    cudaCheck(cudaSetDevice(0), "parallel_init", "W=1");
+    cudaCheck(cudaSetDevice(li.device), "parallel_init", "W=1 device=%d", li.device);
     return par;
   }
   par.world = comm_world_init(li);

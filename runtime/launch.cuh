@@ -7,13 +7,17 @@
 //     signal), the others get SIGTERM (SIGKILL after 10 s) and the launcher exits with the failing
 //     rank's status, naming the rank. Ranks die with the launcher (PR_SET_PDEATHSIG), so none is left.
 //   * by our launcher (FLATMOE_RANK set): it reads the variables above.
-//   * by mpirun or srun (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK or SLURM_PROCID/NTASKS/LOCALID, many
-//     nodes): rank 0 creates the NCCL id and serves it over TCP (IPv4) at
+//   * by mpirun, mpiexec or srun (Open MPI OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK, MVAPICH2
+//     MV2_COMM_WORLD_RANK/SIZE/LOCAL_RANK, MPICH and Intel MPI PMI_RANK/PMI_SIZE/MPI_LOCALRANKID, Slurm
+//     SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID; many nodes; a launcher's variables present but
+//     incomplete, or PMIx's PMIX_RANK alone, are refused rather than run as one silent rank): rank 0
+//     creates the NCCL id and serves it over TCP (IPv4) at
 //     FLATMOE_MASTER_ADDR:FLATMOE_MASTER_PORT (like torchrun's MASTER_ADDR/PORT; refused when missing);
 //     the others connect, retrying until rank 0 listens. A job of one task (srun -n1, an sbatch script)
 //     counts as started by nobody.
 //   * by nobody, gpus == 1: rank 0 of 1 (comm_world_init makes its own NCCL id).
-// Under mpirun/srun, gpus must be 1 (left out) or the job's size. The rendezvous gives up after
+// Under mpirun/srun, gpus must be 1 (left out) or the job's size. Each rank's CUDA device: FLATMOE_DEVICE
+// when set, the only visible one when a task sees one GPU, else its local rank (choose_device). The rendezvous gives up after
 // FLATMOE_COMM_TIMEOUT_S (default 600 s). Malformed variables are refused with a message naming them
 // ("flatmoe launch: ..."), exit status 1. Call launch() first in main(), before anything creates a
 // CUDA context (the launching parent needs none).
@@ -42,6 +46,7 @@ extern char** environ;
 // What a process learns from the launcher (runtime/launch.cuh).
 struct LaunchInfo {
   int rank = 0, world = 1, local_rank = 0;
+  int device = 0;  // the CUDA device of this rank (choose_device)
   ncclUniqueId id{};
 };
 
@@ -192,13 +197,23 @@ inline std::string parse_launch_env(const EnvLookup& env, int gpus, LaunchEnv* o
     *out = e;
     return "";
   }
+  // The launchers whose variables are read, in this order (mpirun inside a Slurm allocation sets
+  // both its own and Slurm's: the MPI's describe the job). Under srun the step's task count is the
+  // world (SLURM_STEP_NUM_TASKS; SLURM_NTASKS where an older Slurm does not set it).
   struct Source {
     const char *rank, *size, *local_rank, *launcher;
   };
-  const Source sources[] = {{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "mpirun"},
-                            {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "srun"}};
+  const Source sources[] = {
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "mpirun"},
+      {"MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "mpirun (MVAPICH2)"},
+      {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "mpiexec (MPICH / Intel MPI)"},
+      {"SLURM_PROCID", env("SLURM_STEP_NUM_TASKS") != nullptr ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS", "SLURM_LOCALID",
+       "srun"}};
   for (const Source& s : sources) {
-    if (env(s.rank) == nullptr) continue;
+    if (env(s.rank) == nullptr && env(s.size) == nullptr) continue;
+    if (env(s.rank) == nullptr)  // a launcher is there, but which rank this is cannot be told
+      return comm_format("%s is set but %s is missing: started by %s, this process cannot tell its rank", s.size, s.rank,
+                         s.launcher);
     if (!parse_int_in(env(s.size), 1, 1 << 20, &e.world))
       return comm_format("%s is set but %s='%s' is not a world size >= 1", s.rank, s.size, env(s.size) ? env(s.size) : "");
     if (e.world == 1) break;  // one task: started by nobody
@@ -223,9 +238,38 @@ inline std::string parse_launch_env(const EnvLookup& env, int gpus, LaunchEnv* o
     *out = e;
     return "";
   }
+  // A PMIx launcher that sets none of the variables above: running as a silent one-rank job
+  // would leave every other rank waiting.
+  if (env("PMIX_RANK") != nullptr)
+    return comm_format("PMIX_RANK=%s is set (a PMIx launcher) but none of the rank and size variables that flatmoe reads "
+                       "(OMPI_COMM_WORLD_*, MV2_COMM_WORLD_*, PMI_RANK/PMI_SIZE/MPI_LOCALRANKID, SLURM_PROCID/"
+                       "SLURM_STEP_NUM_TASKS/SLURM_LOCALID): start the job with mpirun or srun",
+                       env("PMIX_RANK"));
   e = LaunchEnv();
   e.world = gpus;
   *out = e;
+  return "";
+}
+
+// The CUDA device of a rank that sees `visible` devices: FLATMOE_DEVICE when set; the only one when
+// the process sees exactly one (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per task); else
+// its local rank. Returns "" and sets *device, or why no device fits.
+inline std::string choose_device(const EnvLookup& env, int local_rank, int visible, int* device) {
+  if (visible < 1) return "no CUDA device is visible to this process";
+  if (const char* chosen = env("FLATMOE_DEVICE")) {
+    if (!parse_int_in(chosen, 0, visible - 1, device))
+      return comm_format("FLATMOE_DEVICE='%s' is not a device in [0, %d) (this process sees %d)", chosen, visible, visible);
+    return "";
+  }
+  if (visible == 1) {
+    *device = 0;
+    return "";
+  }
+  if (local_rank >= visible)
+    return comm_format("local rank %d needs CUDA device %d, but this process sees %d; give each task one GPU or set "
+                       "FLATMOE_DEVICE",
+                       local_rank, local_rank, visible);
+  *device = local_rank;
   return "";
 }
 
@@ -504,6 +548,11 @@ inline LaunchInfo launch(int argc, char** argv, int gpus) {
   info.rank = env.rank;
   info.world = env.world;
   info.local_rank = env.local_rank;
+  if (env.mode != LaunchMode::Launcher || gpus == 1) {  // a rank (the launching parent needs no device)
+    why = choose_device([](const char* name) -> const char* { return getenv(name); }, info.local_rank, gpu_count(),
+                        &info.device);
+    if (!why.empty()) launch_fail("rank %d: %s", info.rank, why.c_str());
+  }
   switch (env.mode) {
     case LaunchMode::Child:
       info.id = env.id;

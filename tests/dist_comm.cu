@@ -188,6 +188,68 @@ TEST(LaunchEnvironment, StartedByMpirunOrSrun) {
   EXPECT_EQ(e.world, 2);
 }
 
+// MVAPICH2, MPICH / Intel MPI and Slurm's step task count are read like Open MPI's variables; a
+// launcher's variables that are present but incomplete, or PMIx's rank alone, are refused instead of
+// running as one silent rank.
+TEST(LaunchEnvironment, OtherLaunchersAndIncompleteVariables) {
+  const std::map<std::string, std::string> master = {{"FLATMOE_MASTER_ADDR", "node0"}, {"FLATMOE_MASTER_PORT", "29500"}};
+  struct Case {
+    std::map<std::string, std::string> vars;
+    int rank, world, local_rank;
+  };
+  const Case cases[] = {
+      {{{"MV2_COMM_WORLD_RANK", "6"}, {"MV2_COMM_WORLD_SIZE", "16"}, {"MV2_COMM_WORLD_LOCAL_RANK", "6"}}, 6, 16, 6},
+      {{{"PMI_RANK", "9"}, {"PMI_SIZE", "12"}, {"MPI_LOCALRANKID", "1"}}, 9, 12, 1},
+      // srun inside an allocation of 8 tasks running a step of 4: the step's count is the world
+      {{{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "8"}, {"SLURM_STEP_NUM_TASKS", "4"}, {"SLURM_LOCALID", "0"}}, 2, 4, 0},
+  };
+  for (const Case& c : cases) {
+    Env env{c.vars};
+    env.vars.insert(master.begin(), master.end());
+    LaunchEnv e;
+    ASSERT_EQ(env.parse(1, &e), "") << c.vars.begin()->first;
+    EXPECT_EQ(e.mode, LaunchMode::External);
+    EXPECT_EQ(e.rank, c.rank);
+    EXPECT_EQ(e.world, c.world);
+    EXPECT_EQ(e.local_rank, c.local_rank);
+  }
+  LaunchEnv e;
+  Env no_local{{{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"FLATMOE_MASTER_ADDR", "a"}, {"FLATMOE_MASTER_PORT", "1"}}};
+  EXPECT_NE(no_local.parse(1, &e).find("MPI_LOCALRANKID"), std::string::npos);
+  for (const char* size : {"OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"}) {
+    Env size_only{{{size, "4"}}};
+    const std::string why = size_only.parse(1, &e);
+    EXPECT_NE(why.find("cannot tell its rank"), std::string::npos) << size << ": " << why;
+  }
+  Env pmix{{{"PMIX_RANK", "3"}, {"PMIX_NAMESPACE", "job"}}};
+  const std::string why = pmix.parse(1, &e);
+  EXPECT_NE(why.find("PMIX_RANK=3"), std::string::npos) << why;
+  EXPECT_NE(why.find("mpirun or srun"), std::string::npos) << why;
+}
+
+// A rank's device: FLATMOE_DEVICE, else the only visible one, else its local rank.
+TEST(LaunchEnvironment, DeviceChoice) {
+  auto choose = [](const Env& env, int local_rank, int visible, int* device) {
+    return choose_device(
+        [&env](const char* name) -> const char* {
+          auto it = env.vars.find(name);
+          return it == env.vars.end() ? nullptr : it->second.c_str();
+        },
+        local_rank, visible, device);
+  };
+  int device = -1;
+  EXPECT_EQ(choose(Env{}, 3, 8, &device), "");
+  EXPECT_EQ(device, 3) << "the local rank on a node whose GPUs every task sees";
+  EXPECT_EQ(choose(Env{}, 3, 1, &device), "");
+  EXPECT_EQ(device, 0) << "srun --gpus-per-task=1: the only visible GPU";
+  EXPECT_EQ(choose(Env{{{"FLATMOE_DEVICE", "5"}}}, 3, 8, &device), "");
+  EXPECT_EQ(device, 5);
+  EXPECT_NE(choose(Env{{{"FLATMOE_DEVICE", "8"}}}, 0, 8, &device).find("FLATMOE_DEVICE='8'"), std::string::npos);
+  EXPECT_NE(choose(Env{{{"FLATMOE_DEVICE", "x"}}}, 0, 8, &device).find("FLATMOE_DEVICE='x'"), std::string::npos);
+  EXPECT_NE(choose(Env{}, 2, 2, &device).find("local rank 2"), std::string::npos);
+  EXPECT_NE(choose(Env{}, 0, 0, &device).find("no CUDA device"), std::string::npos);
+}
+
 // A TCP port that was free a moment ago (the kernel picks it).
 int free_tcp_port() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);

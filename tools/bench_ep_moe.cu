@@ -197,7 +197,7 @@ int main(int argc, char** argv) {
 
   if (world.rank == 0) {
     cudaDeviceProp prop;
-    cudaCheck(cudaGetDeviceProperties(&prop, info.local_rank), "bench_ep_moe", "device %d", info.local_rank);
+    cudaCheck(cudaGetDeviceProperties(&prop, info.device), "bench_ep_moe", "device %d", info.device);
     char date[32];
     time_t now = time(nullptr);
     strftime(date, sizeof(date), "%Y-%m-%d", localtime(&now));
