@@ -216,7 +216,8 @@ void write_timeline(const std::string& out_dir, int step) {
 Parallel parallel_init(const LaunchInfo& li, int ep_size) {
   Parallel par;
   if (li.world == 1) {
-    cudaCheck(cudaSetDevice(li.device), "parallel_init", "W=1 device=%d", li.device);
+    const int device = rank_device(li);
+    cudaCheck(cudaSetDevice(device), "parallel_init", "W=1 device=%d", device);
     return par;
   }
   par.world = comm_world_init(li);

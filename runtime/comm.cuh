@@ -131,7 +131,7 @@ inline void comm_sync(const Comm& c, cudaStream_t stream, const char* op) {
 // ---------------------------------------------------------------------------------------------
 // Communicators
 
-// The world communicator: cudaSetDevice(info.device) (runtime/launch.cuh: choose_device), then a non-blocking NCCL communicator over
+// The world communicator: cudaSetDevice(rank_device(info)) (runtime/launch.cuh), then a non-blocking NCCL communicator over
 // info.world ranks (a world of 1 makes its own NCCL id).
 inline Comm comm_world_init(const LaunchInfo& info) {
   comm_set_nccl_env();
@@ -142,18 +142,14 @@ inline Comm comm_world_init(const LaunchInfo& info) {
   world.name = "world";
   if (info.world < 1 || info.rank < 0 || info.rank >= info.world)
     comm_fail(world, "comm_world_init", comm_format("invalid rank %d of world %d", info.rank, info.world));
-  int devices = gpu_count();
-  if (info.device < 0 || info.device >= devices)
-    comm_fail(world, "comm_world_init",
-              comm_format("rank %d (local rank %d) needs CUDA device %d, but this process sees %d CUDA device(s)",
-                          info.rank, info.local_rank, info.device, devices));
-  comm_cuda_check(world, cudaSetDevice(info.device), "comm_world_init", comm_format("cudaSetDevice(%d)", info.device));
+  const int device = rank_device(info);
+  comm_cuda_check(world, cudaSetDevice(device), "comm_world_init", comm_format("cudaSetDevice(%d)", device));
   ncclUniqueId id = info.id;
   if (info.world == 1) comm_check(world, ncclGetUniqueId(&id), "comm_world_init", "ncclGetUniqueId, world=1");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   comm_check(world, ncclCommInitRankConfig(&world.nccl, info.world, id, info.rank, &config), "comm_world_init",
-             "ncclCommInitRankConfig rank=%d world=%d device=%d", info.rank, info.world, info.device);
+             "ncclCommInitRankConfig rank=%d world=%d device=%d", info.rank, info.world, device);
   return world;
 }
 

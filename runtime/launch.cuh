@@ -46,7 +46,6 @@ extern char** environ;
 // What a process learns from the launcher (runtime/launch.cuh).
 struct LaunchInfo {
   int rank = 0, world = 1, local_rank = 0;
-  int device = 0;  // the CUDA device of this rank (choose_device)
   ncclUniqueId id{};
 };
 
@@ -271,6 +270,16 @@ inline std::string choose_device(const EnvLookup& env, int local_rank, int visib
                        local_rank, local_rank, visible);
   *device = local_rank;
   return "";
+}
+
+// This rank's CUDA device (choose_device over the environment and the devices it sees); exits with
+// the reason when none fits. Asked when the rank starts using the GPU, not by launch().
+inline int rank_device(const LaunchInfo& info) {
+  int device = 0;
+  std::string why = choose_device([](const char* name) -> const char* { return getenv(name); }, info.local_rank,
+                                  gpu_count(), &device);
+  if (!why.empty()) launch_fail("rank %d: %s", info.rank, why.c_str());
+  return device;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -548,11 +557,6 @@ inline LaunchInfo launch(int argc, char** argv, int gpus) {
   info.rank = env.rank;
   info.world = env.world;
   info.local_rank = env.local_rank;
-  if (env.mode != LaunchMode::Launcher || gpus == 1) {  // a rank (the launching parent needs no device)
-    why = choose_device([](const char* name) -> const char* { return getenv(name); }, info.local_rank, gpu_count(),
-                        &info.device);
-    if (!why.empty()) launch_fail("rank %d: %s", info.rank, why.c_str());
-  }
   switch (env.mode) {
     case LaunchMode::Child:
       info.id = env.id;

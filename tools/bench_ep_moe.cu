@@ -197,7 +197,8 @@ int main(int argc, char** argv) {
 
   if (world.rank == 0) {
     cudaDeviceProp prop;
-    cudaCheck(cudaGetDeviceProperties(&prop, info.device), "bench_ep_moe", "device %d", info.device);
+    const int device = rank_device(info);
+    cudaCheck(cudaGetDeviceProperties(&prop, device), "bench_ep_moe", "device %d", device);
     char date[32];
     time_t now = time(nullptr);
     strftime(date, sizeof(date), "%Y-%m-%d", localtime(&now));
