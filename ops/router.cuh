@@ -3,9 +3,9 @@
 // dlogits) and ref/matmul.hpp (the logits GEMM and its gradients).
 //
 // Precision: FP32 in both builds (DESIGN §3). Only the inputs x, W and the gradients dx, dW are
-// floatX; logits, scores, selection keys, weights, dlogits and the three GEMMs are fp32 (pedantic:
-// ops/matmul.cuh on float operands): bf16 logits change routing decisions, and bf16 dlogits with a
-// bf16 weight-gradient GEMM put the router-weight gradient at 2e-2 of the double reference.
+// floatX; logits, scores, selection keys, weights, dlogits and the three GEMMs are fp32 (never TF32:
+// ops/matmul.cuh on float operands): bf16 logits change routing decisions, and the router's own
+// roundings should not add to the error its gradient inherits from its bf16 inputs.
 //
 // Per token n (N tokens, H hidden, E experts, k top-k):
 //   logits[n] = x[n] · Wᵀ (router_logits_forward: x and W converted exactly to fp32, fp32 GEMM)
@@ -243,7 +243,7 @@ inline size_t router_logits_workspace_bytes(int N, int H, int E) {
   return sizeof(float) * (size_t)H * ((size_t)N + (size_t)E);
 }
 
-// logits [N,E] (=, fp32) = x [N,H] · W [E,H]ᵀ in pedantic FP32: x and W are converted (exactly) to
+// logits [N,E] (=, fp32) = x [N,H] · W [E,H]ᵀ in FP32 (no TF32): x and W are converted (exactly) to
 // fp32 Workspace copies, freed before return.
 inline void router_logits_forward(float* logits, const floatX* x, const floatX* W, int N, int H, int E,
                                   cudaStream_t stream) {

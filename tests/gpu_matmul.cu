@@ -1,6 +1,6 @@
 // GPU tests of ops/matmul.cuh against ref/matmul.hpp: out, dx and the += dW at shapes that
 // are not multiples of any GEMM tile, and the dx == nullptr path (only dW accumulates); for floatX
-// operands (OP_TOL) and for float operands, which run pedantic FP32 in both builds and are held to
+// operands (OP_TOL) and for float operands, which run FP32 (no TF32) in both builds and are held to
 // the FP32 tolerance 1e-5 in both (TF32's 10-bit mantissa would miss it by over an order of magnitude).
 #include <type_traits>
 #include "gpu_util.cuh"
