@@ -45,6 +45,33 @@ inline std::string fm_format(const char* fmt, va_list ap) {
 #define launchCheck(op, ...) cudaCheck(cudaGetLastError(), op, __VA_ARGS__)
 
 // ---------------------------------------------------------------------------------------------
+// How long any wait on other ranks may take
+
+// Parses a timeout in seconds: a finite number > 0 and nothing else. Returns false when malformed.
+inline bool parse_timeout_s(const char* text, double* seconds) {
+  if (text == nullptr || text[0] == '\0') return false;
+  char* end = nullptr;
+  double v = strtod(text, &end);
+  if (*end != '\0' || !(v > 0) || v > 1e9) return false;
+  *seconds = v;
+  return true;
+}
+
+// FLATMOE_COMM_TIMEOUT_S (default 600 s): the longest any communication wait may take.
+inline double comm_timeout_s() {
+  static const double timeout = [] {
+    const char* text = getenv("FLATMOE_COMM_TIMEOUT_S");
+    double v = 600;
+    if (text != nullptr && !parse_timeout_s(text, &v)) {
+      fprintf(stderr, "flatmoe: FLATMOE_COMM_TIMEOUT_S='%s' is not a positive number of seconds\n", text);
+      exit(EXIT_FAILURE);
+    }
+    return v;
+  }();
+  return timeout;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Device presence (tests skip GPU cases when this is false).
 
 inline int gpu_count() {

@@ -63,30 +63,6 @@ inline void comm_set_nccl_env() {
   }
 }
 
-// Parses a timeout in seconds: a finite number > 0 and nothing else. Returns false when malformed.
-inline bool parse_timeout_s(const char* text, double* seconds) {
-  if (text == nullptr || text[0] == '\0') return false;
-  char* end = nullptr;
-  double v = strtod(text, &end);
-  if (*end != '\0' || !(v > 0) || v > 1e9) return false;
-  *seconds = v;
-  return true;
-}
-
-// FLATMOE_COMM_TIMEOUT_S (default 600 s): the longest any communication wait may take.
-inline double comm_timeout_s() {
-  static const double timeout = [] {
-    const char* text = getenv("FLATMOE_COMM_TIMEOUT_S");
-    double v = 600;
-    if (text != nullptr && !parse_timeout_s(text, &v)) {
-      fprintf(stderr, "flatmoe: FLATMOE_COMM_TIMEOUT_S='%s' is not a positive number of seconds\n", text);
-      exit(EXIT_FAILURE);
-    }
-    return v;
-  }();
-  return timeout;
-}
-
 __attribute__((format(printf, 1, 2))) inline std::string comm_format(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);

@@ -13,8 +13,7 @@
 //   the operation.
 #include <fcntl.h>
 #include <map>
-#include "dist_util.cuh"
-#include "../runtime/launch.cuh"
+#include "dist_jobs.cuh"
 
 namespace {
 
@@ -250,54 +249,6 @@ TEST(LaunchEnvironment, DeviceChoice) {
   EXPECT_NE(choose(Env{}, 0, 0, &device).find("no CUDA device"), std::string::npos);
 }
 
-// A TCP port that was free a moment ago (the kernel picks it).
-int free_tcp_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  EXPECT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  EXPECT_EQ(bind(fd, (sockaddr*)&addr, sizeof(addr)), 0) << strerror(errno);
-  EXPECT_EQ(getsockname(fd, (sockaddr*)&addr, &len), 0) << strerror(errno);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// Forks a process that runs `body` with its stdout and stderr sent into a pipe; returns its pid
-// and the read end.
-template <typename F>
-std::pair<pid_t, int> fork_capturing(F body) {
-  int fds[2];
-  EXPECT_EQ(pipe(fds), 0) << strerror(errno);
-  fflush(stdout);
-  fflush(stderr);
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(fds[0]);
-    dup2(fds[1], STDOUT_FILENO);
-    dup2(fds[1], STDERR_FILENO);
-    body();
-    fflush(stdout);
-    fflush(stderr);
-    _exit(0);
-  }
-  close(fds[1]);
-  return {pid, fds[0]};
-}
-
-std::string read_all_and_close(int fd) {
-  std::string text;
-  char buf[4096];
-  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) != 0;) {
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) break;
-    text.append(buf, n);
-  }
-  close(fd);
-  return text;
-}
-
 // Three processes on 127.0.0.1 started as mpirun would start them; rank 0 comes last, so the others
 // must retry. Every rank must come out with its own rank and the same NCCL id.
 TEST(LaunchRendezvous, ThreeProcessesOnLoopback) {
@@ -350,68 +301,6 @@ TEST(LaunchRendezvous, MissingRankTimesOut) {
   EXPECT_NE(exit_code_of(status), 0) << out;
   EXPECT_NE(out.find("ranks [1] of 2 had not connected"), std::string::npos) << out;
   EXPECT_LT(seconds_since(start), 10);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Sub-jobs: this binary started again as a job of `world` ranks that runs only the scenario test
-// DistScenario.DISABLED_<name>, with FLATMOE_COMM_TIMEOUT_S=10, its logs in
-// LOGDIR/dist_scenario_<name>/ and the NAME=VALUE entries of `env_add`. Killed after 120 s if it has
-// not ended.
-
-struct JobResult {
-  int exit_code = -1;
-  double seconds = 0;
-  std::string output;  // the job's stdout and stderr: the launcher's messages, rank logs, summary
-};
-
-JobResult run_scenario_job(const std::string& name, int world, std::vector<std::string> env_add = {}) {
-  std::string dir = test_log_dir() + "/dist_scenario_" + name;
-  std::string out_path = dir + "/job.out";
-  std::vector<std::string> args = {"test_dist", "--gtest_filter=DistScenario.DISABLED_" + name,
-                                   "--gtest_also_run_disabled_tests"};
-  env_add.insert(env_add.end(), {"FLATMOE_TEST_WORLD=" + std::to_string(world), "FLATMOE_COMM_TIMEOUT_S=10",
-                                 "FLATMOE_TEST_LOG_DIR=" + dir});
-  std::vector<std::string> env = environment_with(
-      {"FLATMOE_RANK", "FLATMOE_WORLD", "FLATMOE_LOCAL_RANK", "FLATMOE_NCCL_ID", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"},
-      env_add);
-  std::vector<char*> argv = exec_array(args), envp = exec_array(env);
-  make_test_dirs(dir);
-  int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  EXPECT_GE(out, 0) << out_path << ": " << strerror(errno);
-  JobResult job;
-  auto start = std::chrono::steady_clock::now();
-  fflush(stdout);
-  fflush(stderr);
-  pid_t pid = fork();
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);  // the job ends with this rank
-    dup2(out, STDOUT_FILENO);
-    dup2(out, STDERR_FILENO);
-    execve("/proc/self/exe", argv.data(), envp.data());
-    _exit(127);
-  }
-  close(out);
-  int status = 0;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
-    if (seconds_since(start) > 120) {
-      kill(pid, SIGKILL);  // its ranks follow (PR_SET_PDEATHSIG)
-      waitpid(pid, &status, 0);
-      ADD_FAILURE() << "scenario job " << name << " did not end within 120 s";
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  job.seconds = seconds_since(start);
-  job.exit_code = exit_code_of(status);
-  job.output = read_text_file(out_path);
-  printf("[dist] scenario %s: exit code %d after %.1f s (output: %s)\n", name.c_str(), job.exit_code, job.seconds,
-         out_path.c_str());
-  return job;
-}
-
-void expect_contains(const JobResult& job, const std::string& text) {
-  EXPECT_NE(job.output.find(text), std::string::npos) << "expected \"" << text << "\" in the job's output:\n"
-                                                      << job.output;
 }
 
 // Rank 1 exits (status 3) while rank 0 waits. The launcher must stop rank 0 and exit with status 3,
