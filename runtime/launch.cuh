@@ -1,6 +1,6 @@
 // launch.cuh — starting the W ranks of a job (one process per GPU) and giving each its LaunchInfo
-// (runtime/comm.cuh: rank, world size, local rank = CUDA device, NCCL id). launch() finds out how this
-// process was started:
+// (runtime/comm.cuh: rank, world size, local rank, NCCL id). launch() finds out how this process was
+// started:
 //   * by nobody, gpus > 1 (one node): it is the launcher. It creates the NCCL id, forks and execs
 //     /proc/self/exe W times with the same argv and FLATMOE_RANK, FLATMOE_WORLD, FLATMOE_LOCAL_RANK,
 //     FLATMOE_NCCL_ID (hex) added to the environment, and waits. When a rank fails (non-zero exit or a
@@ -11,16 +11,20 @@
 //     MV2_COMM_WORLD_RANK/SIZE/LOCAL_RANK, MPICH and Intel MPI PMI_RANK/PMI_SIZE/MPI_LOCALRANKID, Slurm
 //     SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID; many nodes; a launcher's variables present but
 //     incomplete, or PMIx's PMIX_RANK alone, are refused rather than run as one silent rank): rank 0
-//     creates the NCCL id and serves it over TCP (IPv4) at
-//     FLATMOE_MASTER_ADDR:FLATMOE_MASTER_PORT (like torchrun's MASTER_ADDR/PORT; refused when missing);
-//     the others connect, retrying until rank 0 listens. A job of one task (srun -n1, an sbatch script)
-//     counts as started by nobody.
+//     creates the NCCL id and serves it over TCP (IPv4) at FLATMOE_MASTER_ADDR:FLATMOE_MASTER_PORT
+//     (like torchrun's MASTER_ADDR/PORT; refused when missing), listening on that address only, which
+//     must be one of its host's; the others connect, retrying until rank 0 listens. Each side proves
+//     to the other that it knows the job's token (FLATMOE_JOB_TOKEN, else derived from the srun step,
+//     the PMIx namespace or Open MPI's job id: find_job_token; refused when there is none), so that two
+//     jobs on one port cannot mix and a stranger gets no id ("TCP rendezvous" below). A job of one task
+//     (srun -n1, an sbatch script) counts as started by nobody.
 //   * by nobody, gpus == 1: rank 0 of 1 (comm_world_init makes its own NCCL id).
-// Under mpirun/srun, gpus must be 1 (left out) or the job's size. Each rank's CUDA device: FLATMOE_DEVICE
-// when set, the only visible one when a task sees one GPU, else its local rank (choose_device). The rendezvous gives up after
-// FLATMOE_COMM_TIMEOUT_S (default 600 s). Malformed variables are refused with a message naming them
-// ("flatmoe launch: ..."), exit status 1. Call launch() first in main(), before anything creates a
-// CUDA context (the launching parent needs none).
+// Under mpirun/srun, gpus must be 1 (left out) or the job's size. Each rank's CUDA device (rank_device,
+// asked when the rank starts using the GPU): FLATMOE_DEVICE when set, else the only one the process
+// sees when it sees one, else its local rank. The rendezvous gives up after FLATMOE_COMM_TIMEOUT_S
+// (default 600 s). Malformed variables are refused with a message naming them ("flatmoe launch: ..."),
+// exit status 1. Call launch() first in main(), before anything creates a CUDA context (the launching
+// parent needs none).
 #pragma once
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -28,16 +32,21 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdarg>
+#include <cstdint>
+#include <cstring>
 #include <functional>
 #include <nccl.h>
-#include <cstdarg>
-#include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 #include "check.cuh"
 
@@ -144,12 +153,58 @@ enum class LaunchMode {
 struct LaunchEnv {
   LaunchMode mode = LaunchMode::Launcher;
   int rank = 0, world = 1, local_rank = 0;
-  ncclUniqueId id{};        // Child
-  std::string master_addr;  // External
-  int master_port = 0;      // External
+  ncclUniqueId id{};             // Child
+  std::string master_addr;       // External
+  int master_port = 0;           // External
+  std::string job_token;         // External: what the rendezvous proofs are keyed with
+  std::string job_token_source;  // External: where it came from ("FLATMOE_JOB_TOKEN", ...), for messages
 };
 
 using EnvLookup = std::function<const char*(const char*)>;
+
+// The job token of a rank (`rank` of `world`) started by mpirun or srun: the first of
+//   FLATMOE_JOB_TOKEN (set but empty is refused);
+//   SLURM_JOB_ID and SLURM_STEP_ID, when this process is a task of that srun step as the job counts
+//     them (SLURM_PROCID = rank, SLURM_STEP_NUM_TASKS = world): under mpirun inside an allocation the
+//     ranks that mpirun starts itself and those its daemons start belong to different steps, or none;
+//   PMIX_NAMESPACE (one per job: Open MPI 5, srun --mpi=pmix, other PMIx launchers);
+//   OMPI_MCA_ess_base_jobid (Open MPI 4).
+// A token derived from the launcher's job id tells two jobs apart but is no secret (anyone on the
+// cluster sees job ids); FLATMOE_JOB_TOKEN set to a secret also keeps strangers from the NCCL id.
+// Returns "" and sets *token and *source, or why there is none.
+inline std::string find_job_token(const EnvLookup& env, const char* launcher, int rank, int world, std::string* token,
+                                  std::string* source) {
+  auto value = [&env](const char* name) -> std::string {
+    const char* v = env(name);
+    return v != nullptr ? v : "";
+  };
+  if (env("FLATMOE_JOB_TOKEN") != nullptr) {
+    if (value("FLATMOE_JOB_TOKEN").empty())
+      return "FLATMOE_JOB_TOKEN is set but empty: set it to one value shared by every rank of the job, or unset it";
+    *token = value("FLATMOE_JOB_TOKEN");
+    *source = "FLATMOE_JOB_TOKEN";
+    return "";
+  }
+  int slurm_rank = -1, slurm_tasks = -1;
+  if (!value("SLURM_JOB_ID").empty() && !value("SLURM_STEP_ID").empty() &&
+      parse_int_in(env("SLURM_PROCID"), 0, INT_MAX, &slurm_rank) && slurm_rank == rank &&
+      parse_int_in(env("SLURM_STEP_NUM_TASKS"), 1, INT_MAX, &slurm_tasks) && slurm_tasks == world) {
+    *token = "slurm:" + value("SLURM_JOB_ID") + "." + value("SLURM_STEP_ID");
+    *source = "SLURM_JOB_ID.SLURM_STEP_ID";
+    return "";
+  }
+  for (const char* name : {"PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"}) {
+    if (value(name).empty()) continue;
+    *token = std::string(name) + ":" + value(name);
+    *source = name;
+    return "";
+  }
+  return comm_format("started by %s with %d ranks, but there is no job token for the rendezvous: set FLATMOE_JOB_TOKEN "
+                     "to one value on every rank (any string the job's ranks share, e.g. $(openssl rand -hex 16), "
+                     "passed to every rank, e.g. mpirun -x FLATMOE_JOB_TOKEN); none of SLURM_JOB_ID with "
+                     "SLURM_STEP_ID (srun), PMIX_NAMESPACE or OMPI_MCA_ess_base_jobid is there to derive one from",
+                     launcher, world);
+}
 
 // Reads the launcher variables through `env` (getenv in launch(); tests pass a table). Returns "" and
 // fills *out, or why the variables are refused.
@@ -208,6 +263,8 @@ inline std::string parse_launch_env(const EnvLookup& env, int gpus, LaunchEnv* o
                          s.launcher, e.world);
     if (!parse_int_in(port, 1, 65535, &e.master_port))
       return comm_format("FLATMOE_MASTER_PORT='%s' is not a TCP port in [1, 65535]", port);
+    std::string why = find_job_token(env, s.launcher, e.rank, e.world, &e.job_token, &e.job_token_source);
+    if (!why.empty()) return why;
     e.mode = LaunchMode::External;
     e.master_addr = addr;
     *out = e;
@@ -259,134 +316,516 @@ inline int rank_device(const LaunchInfo& info) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// TCP rendezvous (mpirun / srun): rank 0 sends the NCCL id to every other rank.
-// Each rank sends a hello {magic, rank, world} (network byte order); rank 0 checks it and answers
-// with the NCCL_UNIQUE_ID_BYTES bytes of the id.
-
-static const uint32_t RENDEZVOUS_MAGIC = 0x464d4f45;  // "FMOE"
-
-inline bool send_all(int fd, const void* data, size_t bytes) {
-  const char* p = (const char*)data;
-  while (bytes > 0) {
-    ssize_t n = send(fd, p, bytes, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    bytes -= n;
-  }
-  return true;
-}
-
-inline bool recv_all(int fd, void* data, size_t bytes) {
-  char* p = (char*)data;
-  while (bytes > 0) {
-    ssize_t n = recv(fd, p, bytes, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    bytes -= n;
-  }
-  return true;
-}
-
-inline void set_receive_timeout(int fd, double seconds) {
-  timeval tv;
-  tv.tv_sec = (time_t)seconds;
-  tv.tv_usec = (suseconds_t)((seconds - (double)tv.tv_sec) * 1e6);
-  if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0)
-    launch_fail("rendezvous: setsockopt(SO_RCVTIMEO): %s", strerror(errno));
-}
+// Time
 
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Rank 0: listens on `port` (all IPv4 interfaces) until ranks 1..world-1 have each fetched the id.
-inline void rendezvous_serve_id(int port, int world, const ncclUniqueId& id, double timeout_s) {
-  int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (listener < 0) launch_fail("rank 0: rendezvous socket: %s", strerror(errno));
-  int one = 1;
-  if (setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0)
-    launch_fail("rank 0: rendezvous setsockopt(SO_REUSEADDR): %s", strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons((uint16_t)port);
-  if (bind(listener, (sockaddr*)&addr, sizeof(addr)) != 0)
-    launch_fail("rank 0: cannot listen on TCP port %d (FLATMOE_MASTER_PORT): %s", port, strerror(errno));
-  if (listen(listener, world) != 0) launch_fail("rank 0: listen on TCP port %d: %s", port, strerror(errno));
-  std::vector<bool> served(world, false);
-  served[0] = true;
-  const auto start = std::chrono::steady_clock::now();
-  for (int waiting = world - 1; waiting > 0;) {
-    double left_s = timeout_s - seconds_since(start);
-    if (left_s <= 0) {
-      std::string missing;
-      for (int r = 0; r < world; r++)
-        if (!served[r]) missing += (missing.empty() ? "" : " ") + std::to_string(r);
-      launch_fail("rank 0: after %.0f s (FLATMOE_COMM_TIMEOUT_S) on port %d, ranks [%s] of %d had not connected",
-                  timeout_s, port, missing.c_str(), world);
-    }
-    pollfd p{listener, POLLIN, 0};
-    int ready = poll(&p, 1, (int)std::min(left_s * 1000 + 1, 1e9));
-    if (ready < 0 && errno != EINTR) launch_fail("rank 0: rendezvous poll: %s", strerror(errno));
-    if (ready <= 0) continue;
-    int conn = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      launch_fail("rank 0: rendezvous accept: %s", strerror(errno));
-    }
-    set_receive_timeout(conn, 10);
-    uint32_t hello[3];
-    if (!recv_all(conn, hello, sizeof(hello)) || ntohl(hello[0]) != RENDEZVOUS_MAGIC) {
-      fprintf(stderr, "flatmoe launch: rank 0: ignored a connection on port %d that is not a flatmoe rank\n", port);
-      close(conn);
-      continue;
-    }
-    int rank = (int)ntohl(hello[1]), their_world = (int)ntohl(hello[2]);
-    if (their_world != world || rank < 1 || rank >= world || served[rank])
-      launch_fail("rank 0: a rank %d of a world of %d connected to port %d, but this job has %d ranks%s "
-                  "(two jobs on one port?)",
-                  rank, their_world, port, world, rank >= 1 && rank < world && served[rank] ? " and that rank was served" : "");
-    if (!send_all(conn, id.internal, sizeof(id.internal)))
-      launch_fail("rank 0: sending the NCCL id to rank %d: %s", rank, strerror(errno));
-    close(conn);
-    served[rank] = true;
-    waiting--;
-  }
-  close(listener);
+inline std::chrono::steady_clock::duration seconds_duration(double seconds) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
 }
 
-// Ranks 1..world-1: connects to rank 0 (retrying every 100 ms while it does not listen yet) and
-// receives the id.
-inline ncclUniqueId rendezvous_fetch_id(const std::string& host, int port, int rank, int world, double timeout_s) {
+// poll()'s timeout until `deadline`: whole milliseconds rounded up (so that the wait does not end
+// just before it), 0 once it has passed.
+inline int poll_ms_until(std::chrono::steady_clock::time_point deadline) {
+  auto ms = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+  return (int)std::clamp<long long>(ms, 0, INT_MAX);
+}
+
+// ---------------------------------------------------------------------------------------------
+// TCP rendezvous (mpirun / srun): rank 0 hands the NCCL id to ranks 1..W-1.
+//
+// Rank 0 listens at FLATMOE_MASTER_ADDR:FLATMOE_MASTER_PORT and serves all connections at once (poll
+// over non-blocking sockets). On each one:
+//   rank 0 -> rank    challenge: magic, version, rank 0's nonce
+//   rank -> rank 0    hello:     magic, version, rank, world, the rank's nonce, the rank's proof
+//   rank 0 -> rank    answer:    status, rank 0's proof, NCCL id (both zero unless the status is Ok)
+// Integers are big-endian; nonces are random. A proof is a SipHash-2-4 keyed with the job token of
+// both nonces, the rank and the world, under a label that differs between the two directions: the
+// token never travels, a proof is good for one connection only, and each side checks the other's
+// proof before trusting it, so rank 0 gives the id only to ranks of its own job and a rank takes one
+// only from its own job's rank 0. A connection that is not a rank of the job (garbage, another
+// protocol version, another token, a world or rank that does not fit, a rank that already has the id)
+// or that has not sent its hello within the per-connection deadline is logged, one line naming the
+// peer and why, and dropped; the job goes on. The rendezvous as a whole ends after
+// FLATMOE_COMM_TIMEOUT_S, naming the ranks that have not fetched the id. This keeps jobs that meet
+// on one port apart and strangers away from the id; it does not hide the id from someone who can
+// read the network (NCCL's own traffic is not authenticated either).
+
+static const uint32_t RENDEZVOUS_MAGIC = 0x464d4f45;  // "FMOE"
+// 2: challenge, proofs, status. (1: a bare hello {magic, rank, world}, answered with the id.)
+static const uint32_t RENDEZVOUS_VERSION = 2;
+static const size_t RENDEZVOUS_CHALLENGE_BYTES = 16, RENDEZVOUS_HELLO_BYTES = 32,
+                    RENDEZVOUS_ANSWER_BYTES = 12 + NCCL_UNIQUE_ID_BYTES;
+// How long one connection may take, from accept (rank 0) or connect (a rank) to its last byte.
+static const double RENDEZVOUS_CONNECTION_TIMEOUT_S = 10;
+static const char RENDEZVOUS_HELLO_LABEL[] = "flatmoe rendezvous: rank's hello";
+static const char RENDEZVOUS_ANSWER_LABEL[] = "flatmoe rendezvous: rank 0's answer";
+
+// The answer's status: the id, or why rank 0 refused a hello of the right protocol.
+enum class RendezvousStatus : uint32_t { Ok = 0, WrongToken = 1, WrongWorld = 2, RankOutside = 3, RankServed = 4 };
+
+inline void put_be(uint8_t* at, uint64_t value, int bytes) {
+  for (int i = bytes - 1; i >= 0; i--, value >>= 8) at[i] = (uint8_t)value;
+}
+
+inline uint64_t get_be(const uint8_t* at, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; i++) value = value << 8 | at[i];
+  return value;
+}
+
+// SipHash-2-4 (Aumasson and Bernstein, 2012) of data[0, bytes) under the 128-bit key (k0, k1): a
+// keyed hash that cannot be computed without the key nor turned back into it.
+inline uint64_t siphash24(uint64_t k0, uint64_t k1, const uint8_t* data, size_t bytes) {
+  uint64_t v0 = k0 ^ 0x736f6d6570736575ull, v1 = k1 ^ 0x646f72616e646f6dull;
+  uint64_t v2 = k0 ^ 0x6c7967656e657261ull, v3 = k1 ^ 0x7465646279746573ull;
+  auto rotl = [](uint64_t x, int b) { return x << b | x >> (64 - b); };
+  auto round = [&] {
+    v0 += v1, v1 = rotl(v1, 13), v1 ^= v0, v0 = rotl(v0, 32);
+    v2 += v3, v3 = rotl(v3, 16), v3 ^= v2;
+    v0 += v3, v3 = rotl(v3, 21), v3 ^= v0;
+    v2 += v1, v1 = rotl(v1, 17), v1 ^= v2, v2 = rotl(v2, 32);
+  };
+  auto absorb = [&](uint64_t m) {
+    v3 ^= m;
+    round();
+    round();
+    v0 ^= m;
+  };
+  const size_t whole = bytes / 8 * 8;
+  for (size_t i = 0; i < whole; i += 8) {
+    uint64_t m = 0;
+    for (int b = 7; b >= 0; b--) m = m << 8 | data[i + b];  // little-endian words
+    absorb(m);
+  }
+  uint64_t last = (uint64_t)bytes << 56;
+  for (size_t i = whole; i < bytes; i++) last |= (uint64_t)data[i] << (8 * (i - whole));
+  absorb(last);
+  v2 ^= 0xff;
+  for (int i = 0; i < 4; i++) round();
+  return v0 ^ v1 ^ v2 ^ v3;
+}
+
+// The proof that a side knows `token` in one connection: SipHash-2-4 of the label, both nonces, the
+// rank and the world, keyed with the token (hashed to 128 bits, so that a token of any length keys it).
+inline uint64_t rendezvous_proof(const std::string& token, const char* label, uint64_t rank0_nonce,
+                                 uint64_t rank_nonce, uint32_t rank, uint32_t world) {
+  const uint8_t* t = (const uint8_t*)token.data();
+  const uint64_t k0 = siphash24(0, 0, t, token.size()), k1 = siphash24(0, 1, t, token.size());
+  std::vector<uint8_t> message(label, label + strlen(label));
+  const size_t at = message.size();
+  message.resize(at + 24);
+  put_be(&message[at], rank0_nonce, 8);
+  put_be(&message[at + 8], rank_nonce, 8);
+  put_be(&message[at + 16], rank, 4);
+  put_be(&message[at + 20], world, 4);
+  return siphash24(k0, k1, message.data(), message.size());
+}
+
+inline uint64_t rendezvous_nonce(int rank) {
+  uint64_t nonce = 0;
+  ssize_t got = -1;
+  do got = getrandom(&nonce, sizeof(nonce), 0);
+  while (got < 0 && errno == EINTR);
+  if (got != (ssize_t)sizeof(nonce))
+    launch_fail("rank %d: getrandom for a rendezvous nonce: %s", rank, got < 0 ? strerror(errno) : "short read");
+  return nonce;
+}
+
+// One step of moving bytes over a non-blocking socket.
+enum class IoStep {
+  Done,     // all bytes moved
+  Blocked,  // the socket would block (or, from transfer_by, the deadline came first)
+  Closed,   // the peer closed the connection (receiving)
+  Failed,   // errno says why
+};
+
+// Sends data[*done, bytes) until all is sent or the socket would block.
+inline IoStep send_some(int fd, const uint8_t* data, size_t bytes, size_t* done) {
+  while (*done < bytes) {
+    ssize_t n = send(fd, data + *done, bytes - *done, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? IoStep::Blocked : IoStep::Failed;
+    *done += n;
+  }
+  return IoStep::Done;
+}
+
+// Receives into data[*done, bytes) until it is full, the socket would block or the peer closed.
+inline IoStep recv_some(int fd, uint8_t* data, size_t bytes, size_t* done) {
+  while (*done < bytes) {
+    ssize_t n = recv(fd, data + *done, bytes - *done, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? IoStep::Blocked : IoStep::Failed;
+    if (n == 0) return IoStep::Closed;
+    *done += n;
+  }
+  return IoStep::Done;
+}
+
+// Waits until `fd` is ready for `events`; false when `deadline` comes first.
+inline bool wait_ready(int fd, short events, std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    pollfd p{fd, events, 0};
+    int ready = poll(&p, 1, poll_ms_until(deadline));
+    if (ready > 0) return true;
+    if (ready < 0 && errno != EINTR) launch_fail("rendezvous poll: %s", strerror(errno));
+  }
+}
+
+// Sends (or receives) all of data[0, bytes) by `deadline`; Blocked when the deadline came first.
+inline IoStep transfer_by(int fd, bool sending, uint8_t* data, size_t bytes,
+                          std::chrono::steady_clock::time_point deadline) {
+  size_t done = 0;
+  for (;;) {
+    IoStep step = sending ? send_some(fd, data, bytes, &done) : recv_some(fd, data, bytes, &done);
+    if (step != IoStep::Blocked) return step;
+    if (!wait_ready(fd, sending ? POLLOUT : POLLIN, deadline)) return IoStep::Blocked;
+  }
+}
+
+inline std::string ipv4_text(const sockaddr_in& addr) {
+  char ip[INET_ADDRSTRLEN];
+  if (inet_ntop(AF_INET, &addr.sin_addr, ip, sizeof(ip)) == nullptr) return "(unprintable address)";
+  return ip;
+}
+
+// "10.0.0.1:29500"
+inline std::string socket_address_text(const sockaddr_in& addr) {
+  return ipv4_text(addr) + ":" + std::to_string(ntohs(addr.sin_port));
+}
+
+// FLATMOE_MASTER_ADDR:FLATMOE_MASTER_PORT as an IPv4 socket address: the resolver's first answer, the
+// one that the ranks connect to and rank 0 listens at.
+inline sockaddr_in master_socket_address(const LaunchEnv& env) {
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
-  std::string port_text = std::to_string(port);
-  int gai = getaddrinfo(host.c_str(), port_text.c_str(), &hints, &found);
-  if (gai != 0) launch_fail("rank %d: cannot resolve FLATMOE_MASTER_ADDR '%s': %s", rank, host.c_str(), gai_strerror(gai));
-  const auto start = std::chrono::steady_clock::now();
+  int gai = getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &found);
+  if (gai != 0)
+    launch_fail("rank %d: cannot resolve FLATMOE_MASTER_ADDR '%s': %s", env.rank, env.master_addr.c_str(),
+                gai == EAI_SYSTEM ? strerror(errno) : gai_strerror(gai));
+  sockaddr_in addr;
+  memcpy(&addr, found->ai_addr, sizeof(addr));
+  freeaddrinfo(found);
+  addr.sin_port = htons((uint16_t)env.master_port);
+  return addr;
+}
+
+// "1 3-5 9" for {1, 3, 4, 5, 9} (sorted).
+inline std::string rank_ranges(const std::vector<int>& ranks) {
+  std::string text;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) j++;
+    text += (text.empty() ? "" : " ") + std::to_string(ranks[i]) + (j > i ? "-" + std::to_string(ranks[j]) : "");
+    i = j + 1;
+  }
+  return text;
+}
+
+// Why the first `received` bytes of a hello cannot be a flatmoe rank's of this protocol ("" while
+// they may be).
+inline std::string hello_format_problem(const uint8_t* hello, size_t received) {
+  if (received >= 4 && get_be(hello, 4) != RENDEZVOUS_MAGIC)
+    return comm_format("not a flatmoe rendezvous hello (it begins with 0x%08x)", (unsigned)get_be(hello, 4));
+  if (received >= 8 && get_be(hello + 4, 4) != RENDEZVOUS_VERSION)
+    return comm_format("rendezvous protocol version %u, rank 0 speaks %u (another flatmoe build?)",
+                       (unsigned)get_be(hello + 4, 4), RENDEZVOUS_VERSION);
+  return "";
+}
+
+// One connection that rank 0 serves.
+struct RendezvousPeer {
+  int fd = -1;  // -1 once closed
+  std::string address;  // "ip:port", named in the log
+  std::chrono::steady_clock::time_point deadline;
+  uint64_t nonce = 0;  // rank 0's nonce in this connection's challenge
+  uint8_t hello[RENDEZVOUS_HELLO_BYTES] = {};
+  size_t hello_received = 0;
+  std::vector<uint8_t> out;  // the challenge, then the answer
+  size_t out_sent = 0;
+  bool answered = false;  // the answer is in `out`: closed once it is sent
+  int rank = -1;          // the rank that the answer gives the id to
+  std::string refusal;    // why the answer refuses the hello
+};
+
+// Rank 0: listens at FLATMOE_MASTER_ADDR:FLATMOE_MASTER_PORT (env) until ranks 1..world-1 have each
+// fetched the id, dropping the connections that are not ranks of this job (see above) or that take
+// longer than connection_timeout_s; exits naming the missing ranks after timeout_s.
+inline void rendezvous_serve_id(const LaunchEnv& env, const ncclUniqueId& id, double timeout_s,
+                                double connection_timeout_s) {
+  using std::chrono::steady_clock;
+  const sockaddr_in addr = master_socket_address(env);
+  const std::string where = socket_address_text(addr);
+  int listener = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (listener < 0) launch_fail("rank 0: rendezvous socket: %s", strerror(errno));
+  // Listening at once on a port whose connections of an earlier job linger in TIME_WAIT; two
+  // listeners still cannot share the port.
+  int one = 1;
+  if (setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0)
+    launch_fail("rank 0: rendezvous setsockopt(SO_REUSEADDR): %s", strerror(errno));
+  if (bind(listener, (const sockaddr*)&addr, sizeof(addr)) != 0) {
+    if (errno == EADDRNOTAVAIL)
+      launch_fail("rank 0: FLATMOE_MASTER_ADDR '%s' is %s, which is not an address of this host: start rank 0 on "
+                  "that host, or set FLATMOE_MASTER_ADDR to rank 0's host",
+                  env.master_addr.c_str(), ipv4_text(addr).c_str());
+    if (errno == EADDRINUSE)
+      launch_fail("rank 0: %s (FLATMOE_MASTER_ADDR:FLATMOE_MASTER_PORT) is in use, by another job? Choose another "
+                  "FLATMOE_MASTER_PORT",
+                  where.c_str());
+    launch_fail("rank 0: cannot listen on %s (FLATMOE_MASTER_ADDR:FLATMOE_MASTER_PORT): %s", where.c_str(),
+                strerror(errno));
+  }
+  if (listen(listener, SOMAXCONN) != 0) launch_fail("rank 0: listen on %s: %s", where.c_str(), strerror(errno));
+  // A host name that resolves to loopback on its own host (Debian's /etc/hosts maps it to 127.0.1.1)
+  // cannot be reached from other hosts.
+  in_addr literal;
+  if ((ntohl(addr.sin_addr.s_addr) >> 24) == 127 && env.master_addr != "localhost" &&
+      inet_pton(AF_INET, env.master_addr.c_str(), &literal) != 1)
+    fprintf(stderr, "flatmoe launch: rank 0: note: FLATMOE_MASTER_ADDR '%s' is %s here, a loopback address: only "
+                    "ranks on this host can connect\n",
+            env.master_addr.c_str(), ipv4_text(addr).c_str());
+
+  std::vector<bool> served(env.world, false), answering(env.world, false);
+  served[0] = true;
+  int waiting = env.world - 1, dropped = 0;
+  std::vector<RendezvousPeer> peers;
+  const auto end = steady_clock::now() + seconds_duration(timeout_s);
+  steady_clock::time_point accept_again{};  // after running out of descriptors: accept no more until then
+
+  auto close_peer = [&](RendezvousPeer& p) {
+    close(p.fd);
+    p.fd = -1;
+    if (p.rank >= 0) answering[p.rank] = false;
+  };
+  // Ends a connection that gave no rank the id, with one line in the log: why its hello was refused
+  // when it was, else `why`.
+  auto drop = [&](RendezvousPeer& p, const std::string& why) {
+    fprintf(stderr, "flatmoe launch: rank 0: dropped the connection from %s: %s\n", p.address.c_str(),
+            (p.refusal.empty() ? why : p.refusal).c_str());
+    fflush(stderr);
+    dropped++;
+    close_peer(p);
+  };
+  // Queues the answer to a complete hello: the id, or a refusal.
+  auto answer = [&](RendezvousPeer& p) {
+    const uint32_t rank = (uint32_t)get_be(p.hello + 8, 4), world = (uint32_t)get_be(p.hello + 12, 4);
+    const uint64_t rank_nonce = get_be(p.hello + 16, 8), proof = get_be(p.hello + 24, 8);
+    RendezvousStatus status = RendezvousStatus::Ok;
+    std::string& why = p.refusal;
+    if (proof != rendezvous_proof(env.job_token, RENDEZVOUS_HELLO_LABEL, p.nonce, rank_nonce, rank, world)) {
+      status = RendezvousStatus::WrongToken;
+      why = "wrong job token (a rank of another job on this port, or FLATMOE_JOB_TOKEN differs between ranks?)";
+    } else if (world != (uint32_t)env.world) {
+      status = RendezvousStatus::WrongWorld;
+      why = comm_format("rank %u of a world of %u ranks, but this job has %d", rank, world, env.world);
+    } else if (rank < 1 || rank >= world) {
+      status = RendezvousStatus::RankOutside;
+      why = comm_format("rank %u is not one of ranks 1..%d, which fetch the id", rank, env.world - 1);
+    } else if (served[rank] || answering[rank]) {
+      status = RendezvousStatus::RankServed;
+      why = comm_format("rank %u already has the id (two processes started as rank %u?)", rank, rank);
+    }
+    uint8_t reply[RENDEZVOUS_ANSWER_BYTES] = {};
+    put_be(reply, (uint32_t)status, 4);
+    if (status == RendezvousStatus::Ok) {
+      put_be(reply + 4, rendezvous_proof(env.job_token, RENDEZVOUS_ANSWER_LABEL, p.nonce, rank_nonce, rank, world), 8);
+      memcpy(reply + 12, id.internal, NCCL_UNIQUE_ID_BYTES);
+      p.rank = (int)rank;
+      answering[rank] = true;
+    }
+    p.out.insert(p.out.end(), reply, reply + RENDEZVOUS_ANSWER_BYTES);
+    p.answered = true;
+  };
+  // Moves what can move on one connection without waiting.
+  auto serve = [&](RendezvousPeer& p) {
+    for (;;) {
+      IoStep step = send_some(p.fd, p.out.data(), p.out.size(), &p.out_sent);
+      if (step == IoStep::Failed) return drop(p, comm_format("sending: %s", strerror(errno)));
+      if (step == IoStep::Blocked) return;
+      if (p.answered) {  // and sent
+        if (p.rank < 0) return drop(p, "");
+        served[p.rank] = true;
+        waiting--;
+        return close_peer(p);
+      }
+      step = recv_some(p.fd, p.hello, RENDEZVOUS_HELLO_BYTES, &p.hello_received);
+      std::string problem = hello_format_problem(p.hello, p.hello_received);
+      if (!problem.empty()) return drop(p, problem);
+      if (step == IoStep::Closed)
+        return drop(p, comm_format("closed the connection after %zu of a hello's %zu bytes", p.hello_received,
+                                   RENDEZVOUS_HELLO_BYTES));
+      if (step == IoStep::Failed) return drop(p, comm_format("receiving: %s", strerror(errno)));
+      if (step == IoStep::Blocked) return;
+      answer(p);
+    }
+  };
+  auto accept_all = [&] {
+    for (;;) {
+      sockaddr_in from{};
+      socklen_t from_bytes = sizeof(from);
+      int fd = accept4(listener, (sockaddr*)&from, &from_bytes, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // A flood of connections: the open ones close by their deadlines.
+          fprintf(stderr, "flatmoe launch: rank 0: accept on %s: %s; accepting again in 1 s\n", where.c_str(),
+                  strerror(errno));
+          accept_again = steady_clock::now() + std::chrono::seconds(1);
+          return;
+        }
+        launch_fail("rank 0: rendezvous accept on %s: %s", where.c_str(), strerror(errno));
+      }
+      RendezvousPeer p;
+      p.fd = fd;
+      p.address = socket_address_text(from);
+      p.deadline = steady_clock::now() + seconds_duration(connection_timeout_s);
+      p.nonce = rendezvous_nonce(0);
+      p.out.resize(RENDEZVOUS_CHALLENGE_BYTES);
+      put_be(&p.out[0], RENDEZVOUS_MAGIC, 4);
+      put_be(&p.out[4], RENDEZVOUS_VERSION, 4);
+      put_be(&p.out[8], p.nonce, 8);
+      peers.push_back(std::move(p));
+      serve(peers.back());
+    }
+  };
+
+  while (waiting > 0) {
+    const auto now = steady_clock::now();
+    if (now >= end) {
+      std::vector<int> missing;
+      for (int r = 0; r < env.world; r++)
+        if (!served[r]) missing.push_back(r);
+      launch_fail("rank 0: after %g s (FLATMOE_COMM_TIMEOUT_S) at %s, ranks [%s] of %d had not fetched the NCCL id%s",
+                  timeout_s, where.c_str(), rank_ranges(missing).c_str(), env.world,
+                  dropped > 0 ? comm_format(" (%d connection(s) dropped, see above)", dropped).c_str() : "");
+    }
+    for (RendezvousPeer& p : peers)
+      if (p.fd >= 0 && now >= p.deadline)
+        drop(p, p.answered ? comm_format("rank %d did not take the id within %g s", p.rank, connection_timeout_s)
+                           : comm_format("no complete hello within %g s (%zu of its %zu bytes)", connection_timeout_s,
+                                         p.hello_received, RENDEZVOUS_HELLO_BYTES));
+    peers.erase(std::remove_if(peers.begin(), peers.end(), [](const RendezvousPeer& p) { return p.fd < 0; }),
+                peers.end());
+    std::vector<pollfd> fds;
+    auto wake = end;
+    const bool accepting = now >= accept_again;
+    fds.push_back({accepting ? listener : -1, POLLIN, 0});  // poll skips a negative descriptor
+    if (!accepting) wake = std::min(wake, accept_again);
+    for (const RendezvousPeer& p : peers) {
+      fds.push_back({p.fd, (short)(p.out_sent < p.out.size() ? POLLOUT : POLLIN), 0});
+      wake = std::min(wake, p.deadline);
+    }
+    int ready = poll(fds.data(), fds.size(), poll_ms_until(wake));
+    if (ready < 0 && errno != EINTR) launch_fail("rank 0: rendezvous poll: %s", strerror(errno));
+    if (ready <= 0) continue;
+    for (size_t i = 1; i < fds.size(); i++)
+      if (fds[i].revents != 0 && peers[i - 1].fd >= 0) serve(peers[i - 1]);
+    if (fds[0].revents != 0) accept_all();
+  }
+  for (RendezvousPeer& p : peers)
+    if (p.fd >= 0)
+      drop(p, comm_format("still connected when every rank had the id (%zu of a hello's %zu bytes)", p.hello_received,
+                          RENDEZVOUS_HELLO_BYTES));
+  close(listener);
+}
+
+// Exits naming why a rank's exchange with rank 0 at `where` stopped during `what` (a step of
+// transfer_by other than Done).
+[[noreturn]] inline void rendezvous_fetch_fail(int rank, const std::string& where, IoStep step, const char* what,
+                                               double connection_timeout_s) {
+  if (step == IoStep::Closed)
+    launch_fail("rank %d: rank 0 at %s closed the connection during %s (see rank 0's log; is another program on "
+                "that port?)",
+                rank, where.c_str(), what);
+  if (step == IoStep::Blocked)
+    launch_fail("rank %d: rank 0 at %s: %s not through within %g s of connecting (is another program on that port?)",
+                rank, where.c_str(), what, connection_timeout_s);
+  launch_fail("rank %d: rendezvous with rank 0 at %s, during %s: %s", rank, where.c_str(), what, strerror(errno));
+}
+
+// Ranks 1..world-1: connects to rank 0 (retrying every 100 ms while it does not listen yet, until
+// timeout_s), proves the job token, checks rank 0's proof and returns the id it sends. Exits with a
+// message on a refusal, a wrong proof, or a connection that takes longer than connection_timeout_s.
+inline ncclUniqueId rendezvous_fetch_id(const LaunchEnv& env, double timeout_s, double connection_timeout_s) {
+  using std::chrono::steady_clock;
+  const int rank = env.rank;
+  const sockaddr_in addr = master_socket_address(env);
+  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  const auto end = steady_clock::now() + seconds_duration(timeout_s);
   int fd = -1;
   for (;;) {
-    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) launch_fail("rank %d: rendezvous socket: %s", rank, strerror(errno));
-    if (connect(fd, found->ai_addr, found->ai_addrlen) == 0) break;
-    int err = errno;
+    int err = connect(fd, (const sockaddr*)&addr, sizeof(addr)) == 0 ? 0 : errno;
+    if (err == EINPROGRESS || err == EINTR) {  // the connection goes on in the background
+      err = ETIMEDOUT;
+      if (wait_ready(fd, POLLOUT, std::min(end, steady_clock::now() + seconds_duration(connection_timeout_s)))) {
+        socklen_t err_bytes = sizeof(err);
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &err_bytes) != 0) err = errno;
+      }
+    }
+    if (err == 0) break;
     close(fd);
-    if (seconds_since(start) > timeout_s)
-      launch_fail("rank %d: could not connect to rank 0 at %s:%d within %.0f s (FLATMOE_COMM_TIMEOUT_S): %s", rank,
-                  host.c_str(), port, timeout_s, strerror(err));
+    // Rank 0 does not listen yet (refused), its host is not reachable yet, or the connection was lost
+    // on the way: try again until the deadline.
+    if (err != ECONNREFUSED && err != ETIMEDOUT && err != EHOSTUNREACH && err != ENETUNREACH)
+      launch_fail("rank %d: cannot connect to rank 0 at %s: %s", rank, where.c_str(), strerror(err));
+    if (steady_clock::now() + std::chrono::milliseconds(100) >= end)
+      launch_fail("rank %d: could not connect to rank 0 at %s within %g s (FLATMOE_COMM_TIMEOUT_S): %s", rank,
+                  where.c_str(), timeout_s, strerror(err));
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  freeaddrinfo(found);
-  set_receive_timeout(fd, std::max(1.0, timeout_s - seconds_since(start)));
-  uint32_t hello[3] = {htonl(RENDEZVOUS_MAGIC), htonl((uint32_t)rank), htonl((uint32_t)world)};
-  ncclUniqueId id;
-  if (!send_all(fd, hello, sizeof(hello)) || !recv_all(fd, id.internal, sizeof(id.internal)))
-    launch_fail("rank %d: rank 0 at %s:%d did not send the NCCL id (see rank 0's message)", rank, host.c_str(), port);
+  const auto deadline = std::min(end, steady_clock::now() + seconds_duration(connection_timeout_s));
+  uint8_t challenge[RENDEZVOUS_CHALLENGE_BYTES];
+  IoStep step = transfer_by(fd, false, challenge, sizeof(challenge), deadline);
+  if (step != IoStep::Done) rendezvous_fetch_fail(rank, where, step, "its challenge", connection_timeout_s);
+  if (get_be(challenge, 4) != RENDEZVOUS_MAGIC)
+    launch_fail("rank %d: the program at %s is not a flatmoe rank 0 (it does not speak the rendezvous protocol)", rank,
+                where.c_str());
+  if (get_be(challenge + 4, 4) != RENDEZVOUS_VERSION)
+    launch_fail("rank %d: rank 0 at %s speaks rendezvous protocol version %u, this rank %u: run one flatmoe build on "
+                "every rank",
+                rank, where.c_str(), (unsigned)get_be(challenge + 4, 4), RENDEZVOUS_VERSION);
+  const uint64_t rank0_nonce = get_be(challenge + 8, 8), nonce = rendezvous_nonce(rank);
+  uint8_t hello[RENDEZVOUS_HELLO_BYTES];
+  put_be(hello, RENDEZVOUS_MAGIC, 4);
+  put_be(hello + 4, RENDEZVOUS_VERSION, 4);
+  put_be(hello + 8, rank, 4);
+  put_be(hello + 12, env.world, 4);
+  put_be(hello + 16, nonce, 8);
+  put_be(hello + 24, rendezvous_proof(env.job_token, RENDEZVOUS_HELLO_LABEL, rank0_nonce, nonce, rank, env.world), 8);
+  step = transfer_by(fd, true, hello, sizeof(hello), deadline);
+  if (step != IoStep::Done) rendezvous_fetch_fail(rank, where, step, "this rank's hello", connection_timeout_s);
+  uint8_t reply[RENDEZVOUS_ANSWER_BYTES];
+  step = transfer_by(fd, false, reply, sizeof(reply), deadline);
+  if (step != IoStep::Done) rendezvous_fetch_fail(rank, where, step, "its answer", connection_timeout_s);
   close(fd);
+  const uint32_t status = (uint32_t)get_be(reply, 4);
+  if (status == (uint32_t)RendezvousStatus::WrongToken)
+    launch_fail("rank %d: rank 0 at %s refused this rank's job token: another job on this port, or FLATMOE_JOB_TOKEN "
+                "differs between ranks? (this rank's token: %s)",
+                rank, where.c_str(), env.job_token_source.c_str());
+  if (status == (uint32_t)RendezvousStatus::WrongWorld)
+    launch_fail("rank %d: rank 0 at %s refused this rank: its job does not have %d ranks (another job on this port?)",
+                rank, where.c_str(), env.world);
+  if (status == (uint32_t)RendezvousStatus::RankServed)
+    launch_fail("rank %d: rank 0 at %s had given the id to a rank %d already: two processes were started as rank %d",
+                rank, where.c_str(), rank, rank);
+  if (status != (uint32_t)RendezvousStatus::Ok)
+    launch_fail("rank %d: rank 0 at %s refused this rank (status %u; see rank 0's log)", rank, where.c_str(), status);
+  if (get_be(reply + 4, 8) !=
+      rendezvous_proof(env.job_token, RENDEZVOUS_ANSWER_LABEL, rank0_nonce, nonce, rank, env.world))
+    launch_fail("rank %d: rank 0 at %s did not prove the job token: another job on this port? (this rank's token: %s)",
+                rank, where.c_str(), env.job_token_source.c_str());
+  ncclUniqueId id;
+  memcpy(id.internal, reply + 12, NCCL_UNIQUE_ID_BYTES);
   return id;
 }
 
@@ -541,9 +980,9 @@ inline LaunchInfo launch(int argc, char** argv, int gpus) {
       if (env.rank == 0) {
         ncclResult_t r = ncclGetUniqueId(&info.id);
         if (r != ncclSuccess) launch_fail("rank 0: ncclGetUniqueId failed: %s", nccl_why(r, nullptr).c_str());
-        rendezvous_serve_id(env.master_port, env.world, info.id, comm_timeout_s());
+        rendezvous_serve_id(env, info.id, comm_timeout_s(), RENDEZVOUS_CONNECTION_TIMEOUT_S);
       } else {
-        info.id = rendezvous_fetch_id(env.master_addr, env.master_port, env.rank, env.world, comm_timeout_s());
+        info.id = rendezvous_fetch_id(env, comm_timeout_s(), RENDEZVOUS_CONNECTION_TIMEOUT_S);
       }
       return info;
     case LaunchMode::Launcher:
