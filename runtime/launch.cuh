@@ -3,9 +3,13 @@
 // started:
 //   * by nobody, gpus > 1 (one node): it is the launcher. It creates the NCCL id, forks and execs
 //     /proc/self/exe W times with the same argv and FLATMOE_RANK, FLATMOE_WORLD, FLATMOE_LOCAL_RANK,
-//     FLATMOE_NCCL_ID (hex) added to the environment, and waits. When a rank fails (non-zero exit or a
-//     signal), the others get SIGTERM (SIGKILL after 10 s) and the launcher exits with the failing
-//     rank's status, naming the rank. Ranks die with the launcher (PR_SET_PDEATHSIG), so none is left.
+//     FLATMOE_NCCL_ID (hex) added to the environment, and waits. Each rank leads its own process group,
+//     so that a terminal's Ctrl-C reaches the launcher only, and dies with the launcher
+//     (PR_SET_PDEATHSIG). When a rank fails (non-zero exit or a signal), the others get SIGTERM
+//     (SIGKILL 10 s later) and the launcher exits with the failing rank's status, naming the rank.
+//     SIGINT, SIGTERM or SIGHUP to the launcher stop the ranks the same way ("flatmoe launch: received
+//     SIGINT; stopping 8 rank(s)"; a second one sends SIGKILL at once), and once they are gone it exits
+//     with 128 + the signal's number.
 //   * by our launcher (FLATMOE_RANK set): it reads the variables above.
 //   * by mpirun, mpiexec or srun (Open MPI OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK, MVAPICH2
 //     MV2_COMM_WORLD_RANK/SIZE/LOCAL_RANK, MPICH and Intel MPI PMI_RANK/PMI_SIZE/MPI_LOCALRANKID, Slurm
@@ -27,6 +31,7 @@
 // parent needs none).
 #pragma once
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -44,6 +49,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <nccl.h>
 #include <string>
 #include <thread>
@@ -869,56 +875,166 @@ inline int exit_code_of(int wait_status) {
   return EXIT_FAILURE;
 }
 
-// Waits for the ranks (pids[r], this process's only children). When one fails, the others get SIGTERM
-// and, 10 s later, SIGKILL. Returns 0 when every rank exited with 0, else the first failing rank's
-// exit code.
-inline int wait_for_ranks(std::vector<pid_t> pids) {
+// How long ranks that are told to stop (SIGTERM) may take before they get SIGKILL.
+static const double RANK_STOP_GRACE_S = 10;
+
+// The signals that the launcher handles: SIGINT, SIGTERM and SIGHUP stop the job; SIGCHLD (a rank
+// ended) wakes its wait.
+static const int LAUNCHER_SIGNALS[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+
+inline const char* launcher_signal_name(int sig) {
+  switch (sig) {
+    case SIGINT: return "SIGINT";
+    case SIGTERM: return "SIGTERM";
+    case SIGHUP: return "SIGHUP";
+    default: return strsignal(sig);
+  }
+}
+
+// The write end of the pipe that the launcher's signals arrive on (-1 while none is installed).
+inline int launcher_signal_write_fd = -1;
+
+// Only write(), which is async-signal-safe: the signal's number goes down the pipe that the waiting
+// loop polls. A handler (rather than sigwait or signalfd, which need the signal blocked in every
+// thread) also takes a signal that the kernel hands to another thread, such as one the CUDA runtime
+// started.
+inline void launcher_on_signal(int sig) {
+  const int saved_errno = errno;
+  const unsigned char number = (unsigned char)sig;
+  // fails only when the pipe is full, which already holds wake-ups enough
+  (void)!write(launcher_signal_write_fd, &number, 1);
+  errno = saved_errno;
+}
+
+// While it lives, LAUNCHER_SIGNALS arrive as bytes (their numbers) to read from `fd` instead of acting;
+// the previous handlers come back after.
+class LauncherSignals {
+ public:
+  int fd = -1;  // the read end (non-blocking)
+
+  LauncherSignals() {
+    int ends[2];
+    if (pipe2(ends, O_CLOEXEC | O_NONBLOCK) != 0) launch_fail("launcher signal pipe: %s", strerror(errno));
+    fd = ends[0];
+    launcher_signal_write_fd = ends[1];
+    struct sigaction action {};
+    action.sa_handler = launcher_on_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    for (size_t i = 0; i < std::size(LAUNCHER_SIGNALS); i++)
+      if (sigaction(LAUNCHER_SIGNALS[i], &action, &previous_[i]) != 0)
+        launch_fail("sigaction(%s): %s", launcher_signal_name(LAUNCHER_SIGNALS[i]), strerror(errno));
+  }
+  ~LauncherSignals() {
+    for (size_t i = 0; i < std::size(LAUNCHER_SIGNALS); i++)
+      if (sigaction(LAUNCHER_SIGNALS[i], &previous_[i], nullptr) != 0)
+        fprintf(stderr, "flatmoe launch: restoring the handler of %s: %s\n", launcher_signal_name(LAUNCHER_SIGNALS[i]),
+                strerror(errno));
+    close(launcher_signal_write_fd);
+    launcher_signal_write_fd = -1;
+    close(fd);
+  }
+  LauncherSignals(const LauncherSignals&) = delete;
+  LauncherSignals& operator=(const LauncherSignals&) = delete;
+
+ private:
+  struct sigaction previous_[std::size(LAUNCHER_SIGNALS)];
+};
+
+// Waits for the ranks (pids[r], each leading its own process group). When one fails, or the launcher
+// gets SIGINT, SIGTERM or SIGHUP (read from `signals`), the process groups of the ranks still running
+// get SIGTERM and, stop_grace_s later, SIGKILL (another of those signals sends SIGKILL at once).
+// Returns once every rank is gone: 0 when all exited with 0, else the exit code of what came first,
+// the failing rank's or 128 + the launcher's signal.
+inline int wait_for_ranks(std::vector<pid_t> pids, const LauncherSignals& signals, double stop_grace_s) {
+  using std::chrono::steady_clock;
   int running = (int)std::count_if(pids.begin(), pids.end(), [](pid_t p) { return p > 0; });
   int result = 0;
   bool stopping = false, killed = false;
-  std::chrono::steady_clock::time_point stop_start;
+  steady_clock::time_point kill_at;
+  auto signal_ranks = [&](int sig) {
+    for (int r = 0; r < (int)pids.size(); r++)
+      if (pids[r] > 0 && kill(-pids[r], sig) != 0 && errno != ESRCH)
+        fprintf(stderr, "flatmoe launch: sending %s to rank %d (pid %d): %s\n", launcher_signal_name(sig), r, pids[r],
+                strerror(errno));
+  };
+  auto stop = [&] {
+    fflush(stderr);
+    signal_ranks(SIGTERM);
+    stopping = true;
+    kill_at = steady_clock::now() + seconds_duration(stop_grace_s);
+  };
   while (running > 0) {
-    int status = 0;
-    pid_t pid = waitpid(-1, &status, stopping && !killed ? WNOHANG : 0);
-    if (pid < 0) {
-      if (errno == EINTR) continue;
-      fprintf(stderr, "flatmoe launch: waitpid: %s\n", strerror(errno));
+    for (int r = 0; r < (int)pids.size(); r++) {
+      if (pids[r] <= 0) continue;
+      int status = 0;
+      const pid_t pid = waitpid(pids[r], &status, WNOHANG);
+      if (pid < 0) {
+        fprintf(stderr, "flatmoe launch: waitpid for rank %d (pid %d): %s\n", r, pids[r], strerror(errno));
+        return EXIT_FAILURE;
+      }
+      if (pid == 0) continue;
+      pids[r] = -1;
+      running--;
+      if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0) && !stopping) {
+        result = exit_code_of(status);
+        fprintf(stderr, "flatmoe launch: rank %d (pid %d) %s; stopping the other %d rank(s)\n", r, pid,
+                describe_exit(status).c_str(), running);
+        stop();
+      }
+    }
+    if (running == 0) break;
+    if (stopping && !killed && steady_clock::now() >= kill_at) {
+      for (int r = 0; r < (int)pids.size(); r++)
+        if (pids[r] > 0)
+          fprintf(stderr, "flatmoe launch: rank %d (pid %d) did not stop within %g s of SIGTERM: SIGKILL\n", r, pids[r],
+                  stop_grace_s);
+      fflush(stderr);
+      signal_ranks(SIGKILL);
+      killed = true;
+    }
+    pollfd wake{signals.fd, POLLIN, 0};
+    if (poll(&wake, 1, stopping && !killed ? poll_ms_until(kill_at) : -1) < 0 && errno != EINTR) {
+      fprintf(stderr, "flatmoe launch: poll: %s\n", strerror(errno));
       return EXIT_FAILURE;
     }
-    if (pid == 0) {  // stopping, nobody exited yet
-      if (seconds_since(stop_start) >= 10) {
-        for (int r = 0; r < (int)pids.size(); r++)
-          if (pids[r] > 0) {
-            fprintf(stderr, "flatmoe launch: rank %d (pid %d) did not stop within 10 s of SIGTERM: SIGKILL\n", r, pids[r]);
-            kill(pids[r], SIGKILL);
-          }
-        killed = true;
+    unsigned char numbers[64];
+    ssize_t got;
+    while ((got = read(signals.fd, numbers, sizeof(numbers))) > 0) {
+      for (ssize_t i = 0; i < got; i++) {
+        const int sig = numbers[i];
+        if (sig == SIGCHLD) continue;  // the loop's waitpid reaps the rank
+        if (!stopping) {
+          fprintf(stderr, "flatmoe launch: received %s; stopping %d rank(s)\n", launcher_signal_name(sig), running);
+          result = 128 + sig;
+          stop();
+        } else if (!killed) {
+          fprintf(stderr, "flatmoe launch: received %s while stopping: SIGKILL to %d rank(s)\n",
+                  launcher_signal_name(sig), running);
+          fflush(stderr);
+          signal_ranks(SIGKILL);
+          killed = true;
+        }
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      continue;
     }
-    int rank = (int)(std::find(pids.begin(), pids.end(), pid) - pids.begin());
-    if (rank == (int)pids.size()) continue;
-    pids[rank] = -1;
-    running--;
-    bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (!ok && !stopping) {
-      result = exit_code_of(status);
-      fprintf(stderr, "flatmoe launch: rank %d (pid %d) %s; stopping the other %d rank(s)\n", rank, pid,
-              describe_exit(status).c_str(), running);
-      fflush(stderr);
-      for (pid_t p : pids)
-        if (p > 0) kill(p, SIGTERM);
-      stopping = true;
-      stop_start = std::chrono::steady_clock::now();
+    if (got < 0 && errno != EAGAIN && errno != EINTR) {
+      fprintf(stderr, "flatmoe launch: reading the signal pipe: %s\n", strerror(errno));
+      return EXIT_FAILURE;
     }
   }
   return result;
 }
 
+// Writes `message` and exits: for a forked rank before its exec (async-signal-safe calls only).
+[[noreturn]] inline void rank_child_fail(const char* message) {
+  (void)!write(STDERR_FILENO, message, strlen(message));
+  _exit(127);
+}
+
 // Starts `world` ranks of this program (/proc/self/exe with argv[0..argc)) with the launcher variables
-// and a fresh NCCL id, and waits for them (wait_for_ranks). Returns 0 or the failing rank's exit code.
-inline int run_local_ranks(int argc, char** argv, int world) {
+// and a fresh NCCL id, each leading its own process group, and waits for them (wait_for_ranks, which
+// gives ranks that are told to stop stop_grace_s). Returns 0 or the exit code of what stopped the job.
+inline int run_local_ranks(int argc, char** argv, int world, double stop_grace_s = RANK_STOP_GRACE_S) {
   comm_set_nccl_env();
   ncclUniqueId id;
   ncclResult_t r = ncclGetUniqueId(&id);
@@ -930,33 +1046,55 @@ inline int run_local_ranks(int argc, char** argv, int world) {
   std::vector<std::string> args(argv, argv + argc);
   std::vector<char*> child_argv = exec_array(args);
   const pid_t launcher = getpid();
+  LauncherSignals signals;
+  // The launcher's signals wait while a rank is forked, so that none runs the launcher's handler in
+  // the rank before its exec; the rank gets the default handlers and the launcher's mask back.
+  sigset_t launcher_set, before;
+  sigemptyset(&launcher_set);
+  for (int sig : LAUNCHER_SIGNALS) sigaddset(&launcher_set, sig);
+  struct sigaction default_action {};
+  default_action.sa_handler = SIG_DFL;
+  sigemptyset(&default_action.sa_mask);
   std::vector<pid_t> pids;
+  auto abandon = [&](const std::string& why) {
+    fprintf(stderr, "flatmoe launch: %s\n", why.c_str());
+    for (pid_t p : pids) {
+      kill(p, SIGKILL);  // the rank itself: its group may not be made yet
+      waitpid(p, nullptr, 0);
+    }
+    return EXIT_FAILURE;
+  };
   for (int rank = 0; rank < world; rank++) {
     std::vector<std::string> env = environment_with(
         {}, {"FLATMOE_RANK=" + std::to_string(rank), "FLATMOE_WORLD=" + std::to_string(world),
              "FLATMOE_LOCAL_RANK=" + std::to_string(rank), "FLATMOE_NCCL_ID=" + id_hex});
     std::vector<char*> envp = exec_array(env);
+    int masked = pthread_sigmask(SIG_BLOCK, &launcher_set, &before);
+    if (masked != 0) return abandon(comm_format("pthread_sigmask: %s", strerror(masked)));
     pid_t pid = fork();
-    if (pid < 0) {
-      fprintf(stderr, "flatmoe launch: fork for rank %d of %d failed: %s\n", rank, world, strerror(errno));
-      for (pid_t p : pids) {
-        kill(p, SIGKILL);
-        waitpid(p, nullptr, 0);
-      }
-      return EXIT_FAILURE;
-    }
     if (pid == 0) {
       // only async-signal-safe calls between fork and exec
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != launcher) _exit(EXIT_FAILURE);
+      if (setpgid(0, 0) != 0) rank_child_fail("flatmoe launch: setpgid for a rank failed\n");
+      if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) rank_child_fail("flatmoe launch: prctl(PR_SET_PDEATHSIG) failed\n");
+      if (getppid() != launcher) _exit(EXIT_FAILURE);  // the launcher died before the line above
+      for (int sig : LAUNCHER_SIGNALS)
+        if (sigaction(sig, &default_action, nullptr) != 0) rank_child_fail("flatmoe launch: sigaction failed\n");
+      if (pthread_sigmask(SIG_SETMASK, &before, nullptr) != 0) rank_child_fail("flatmoe launch: sigmask failed\n");
       execve("/proc/self/exe", child_argv.data(), envp.data());
-      static const char msg[] = "flatmoe launch: execve(/proc/self/exe) failed\n";
-      (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
-      _exit(127);
+      rank_child_fail("flatmoe launch: execve(/proc/self/exe) failed\n");
     }
+    const int fork_errno = errno;
+    masked = pthread_sigmask(SIG_SETMASK, &before, nullptr);
+    if (pid < 0)
+      return abandon(comm_format("fork for rank %d of %d failed: %s", rank, world, strerror(fork_errno)));
     pids.push_back(pid);
+    if (masked != 0) return abandon(comm_format("pthread_sigmask: %s", strerror(masked)));
+    // The launcher puts the rank in its group too, so that it is there before the launcher may signal
+    // it, whichever runs first; EACCES: the rank has exec'd, after its own setpgid.
+    if (setpgid(pid, pid) != 0 && errno != EACCES)
+      return abandon(comm_format("setpgid for rank %d (pid %d): %s", rank, pid, strerror(errno)));
   }
-  return wait_for_ranks(pids);
+  return wait_for_ranks(pids, signals, stop_grace_s);
 }
 
 // ---------------------------------------------------------------------------------------------

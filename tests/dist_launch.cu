@@ -1,5 +1,5 @@
-// tests/dist_launch.cu — runtime/launch.cuh. Host-only: every machine, every rank (the test that starts
-// a sub-job runs on rank 0 only).
+// tests/dist_launch.cu — runtime/launch.cuh. Host-only: every machine, every rank (the tests that start
+// sub-jobs run on rank 0 only).
 //   LaunchEnvironment: the launcher variables (our launcher, mpirun, mpiexec, srun; what is refused),
 //     the job token's derivation and each rank's device, over tables of variables.
 //   LaunchRendezvous: the TCP rendezvous between processes on 127.0.0.1. The real ranks get rank 0's
@@ -8,7 +8,10 @@
 //     the same port) are logged, one line each naming the peer, and dropped; a rank refuses a rank 0
 //     that does not prove the token; rank 0 listens at its address only; the timeouts name what is
 //     missing.
-//   Launcher: our launcher stops the job when a rank exits (a sub-job of this binary).
+//   Launcher: our launcher stops the job when a rank exits, and when it gets SIGINT, SIGTERM or SIGHUP
+//     (forwarded to the ranks as SIGTERM, SIGKILL after the grace), exiting with 128 + the signal and
+//     leaving no rank behind (sub-jobs of this binary whose ranks see no GPU).
+#include <fcntl.h>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -732,6 +735,182 @@ TEST(Launcher, StopsTheJobWhenARankExits) {
   expect_contains(job, "flatmoe launch: rank 1 (pid ");
   expect_contains(job, ") exited with status 3; stopping the other 1 rank(s)");
   expect_contains(job, "[  FAILED  ] rank 1 did not finish");
+}
+
+// The scenarios' ranks write "PID PGID" to LOGDIR/rankR.pid (LOGDIR: the scenario's folder), whole or
+// not at all, for the test that stops them.
+void write_rank_pid_file() {
+  const std::string path = test_log_dir() + "/rank" + std::to_string(test_rank()) + ".pid";
+  FILE* f = fopen((path + ".partial").c_str(), "w");
+  ASSERT_NE(f, nullptr) << path << ": " << strerror(errno);
+  fprintf(f, "%d %d\n", (int)getpid(), (int)getpgrp());
+  ASSERT_EQ(fclose(f), 0) << strerror(errno);
+  ASSERT_EQ(rename((path + ".partial").c_str(), path.c_str()), 0) << strerror(errno);
+}
+
+TEST(DistScenario, DISABLED_RanksSleepUntilStopped) {
+  write_rank_pid_file();
+  std::this_thread::sleep_for(std::chrono::seconds(600));
+}
+
+TEST(DistScenario, DISABLED_RankOneIgnoresSigterm) {
+  if (test_rank() == 1) ASSERT_NE(signal(SIGTERM, SIG_IGN), SIG_ERR) << strerror(errno);
+  write_rank_pid_file();
+  std::this_thread::sleep_for(std::chrono::seconds(600));
+}
+
+// Our launcher (run_local_ranks) of `world` ranks running scenario DistScenario.DISABLED_<name> without
+// a GPU, in a forked process that leads its own process group as a shell's job does; its output in
+// LOGDIR/dist_scenario_<name>/launcher.out.
+struct LauncherJob {
+  pid_t pid = -1;
+  std::string dir;
+  std::string output() const { return read_text_file(dir + "/launcher.out"); }
+};
+
+LauncherJob start_launcher(const std::string& name, int world, double stop_grace_s) {
+  LauncherJob job;
+  job.dir = test_log_dir() + "/dist_scenario_" + name;
+  make_test_dirs(job.dir);
+  for (int r = 0; r < world; r++) remove((job.dir + "/rank" + std::to_string(r) + ".pid").c_str());
+  const std::string out_path = job.dir + "/launcher.out";
+  std::vector<std::string> args = {"test_dist", "--gtest_filter=DistScenario.DISABLED_" + name,
+                                   "--gtest_also_run_disabled_tests"};
+  fflush(stdout);
+  fflush(stderr);
+  job.pid = fork();
+  if (job.pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // ends with this test (and the ranks with it)
+    setpgid(0, 0);
+    int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (out < 0 || dup2(out, STDOUT_FILENO) < 0 || dup2(out, STDERR_FILENO) < 0) _exit(126);
+    setenv("CUDA_VISIBLE_DEVICES", "", 1);
+    setenv("FLATMOE_TEST_LOG_DIR", job.dir.c_str(), 1);
+    std::vector<char*> argv = exec_array(args);
+    _exit(run_local_ranks((int)args.size(), argv.data(), world, stop_grace_s));
+  }
+  EXPECT_GT(job.pid, 0) << strerror(errno);
+  EXPECT_EQ(setpgid(job.pid, job.pid), 0) << strerror(errno);  // also here: in its group before the test signals it
+  return job;
+}
+
+// Each rank's {pid, process group} once all have written them (within 60 s; empty if not).
+std::vector<std::pair<pid_t, pid_t>> wait_for_rank_pids(const LauncherJob& job, int world) {
+  const auto start = std::chrono::steady_clock::now();
+  while (seconds_since(start) < 60) {
+    std::vector<std::pair<pid_t, pid_t>> ranks;
+    for (int r = 0; r < world; r++) {
+      int pid = 0, pgid = 0;
+      if (sscanf(read_text_file(job.dir + "/rank" + std::to_string(r) + ".pid").c_str(), "%d %d", &pid, &pgid) == 2)
+        ranks.push_back({pid, pgid});
+    }
+    if ((int)ranks.size() == world) return ranks;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ADD_FAILURE() << "the ranks did not start within 60 s:\n" << job.output();
+  return {};
+}
+
+// The launcher's exit code once it has exited; after 60 s it is killed (its ranks follow it:
+// PR_SET_PDEATHSIG) and the test fails.
+int wait_launcher_exit(const LauncherJob& job) {
+  const auto start = std::chrono::steady_clock::now();
+  int status = 0;
+  for (;;) {
+    pid_t got = waitpid(job.pid, &status, WNOHANG);
+    if (got == job.pid) return exit_code_of(status);
+    EXPECT_EQ(got, 0) << strerror(errno);
+    if (got < 0) return -1;
+    if (seconds_since(start) > 60) {
+      kill(job.pid, SIGKILL);
+      waitpid(job.pid, &status, 0);
+      ADD_FAILURE() << "the launcher did not exit within 60 s:\n" << job.output();
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+bool process_gone(pid_t pid) { return kill(pid, 0) != 0 && errno == ESRCH; }
+
+// SIGINT to the launcher's process group (a terminal's Ctrl-C), SIGTERM and SIGHUP to the launcher:
+// each reaches the ranks (which lead their own process groups) as the launcher's SIGTERM, and the
+// launcher exits with 128 + the signal once they are gone, within seconds.
+TEST(Launcher, ForwardsSignalsToTheRanks) {
+  if (test_rank() != 0) return;  // rank 0 runs the sub-jobs
+  struct Case {
+    int sig;
+    bool to_group;
+    const char* message;
+  };
+  const Case cases[] = {{SIGINT, true, "flatmoe launch: received SIGINT; stopping 2 rank(s)"},
+                        {SIGTERM, false, "flatmoe launch: received SIGTERM; stopping 2 rank(s)"},
+                        {SIGHUP, false, "flatmoe launch: received SIGHUP; stopping 2 rank(s)"}};
+  for (const Case& c : cases) {
+    LauncherJob job = start_launcher("RanksSleepUntilStopped", 2, RANK_STOP_GRACE_S);
+    auto ranks = wait_for_rank_pids(job, 2);
+    ASSERT_EQ(ranks.size(), 2u);
+    for (auto [pid, pgid] : ranks) {
+      EXPECT_EQ(pgid, pid) << "a rank leads its own process group";
+      EXPECT_NE(pgid, job.pid) << "a rank is in the launcher's process group";
+    }
+    const auto start = std::chrono::steady_clock::now();
+    ASSERT_EQ(kill(c.to_group ? -job.pid : job.pid, c.sig), 0) << strerror(errno);
+    const int exit_code = wait_launcher_exit(job);
+    const double seconds = seconds_since(start);
+    const std::string output = job.output();
+    EXPECT_EQ(exit_code, 128 + c.sig) << output;
+    EXPECT_LT(seconds, 5) << "the ranks should stop at the launcher's SIGTERM, long before the SIGKILL";
+    EXPECT_NE(output.find(c.message), std::string::npos) << output;
+    EXPECT_EQ(output.find("SIGKILL"), std::string::npos) << output;
+    for (auto [pid, pgid] : ranks) EXPECT_TRUE(process_gone(pid)) << "rank pid " << pid << " outlived the launcher";
+    printf("[dist] %s: the launcher exited %.2f s after the signal\n", strsignal(c.sig), seconds);
+  }
+}
+
+// A rank that ignores SIGTERM gets SIGKILL after the grace (1 s here); the launcher still exits with
+// 128 + SIGTERM.
+TEST(Launcher, KillsARankThatIgnoresSigterm) {
+  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  LauncherJob job = start_launcher("RankOneIgnoresSigterm", 2, 1.0);
+  auto ranks = wait_for_rank_pids(job, 2);
+  ASSERT_EQ(ranks.size(), 2u);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(job.pid, SIGTERM), 0) << strerror(errno);
+  const int exit_code = wait_launcher_exit(job);
+  const double seconds = seconds_since(start);
+  const std::string output = job.output();
+  EXPECT_EQ(exit_code, 128 + SIGTERM) << output;
+  EXPECT_GE(seconds, 0.9) << output;
+  EXPECT_LT(seconds, 6) << output;
+  EXPECT_NE(output.find("flatmoe launch: received SIGTERM; stopping 2 rank(s)"), std::string::npos) << output;
+  EXPECT_NE(output.find("flatmoe launch: rank 1 (pid " + std::to_string(ranks[1].first) +
+                        ") did not stop within 1 s of SIGTERM: SIGKILL"),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(output.find("rank 0 (pid"), std::string::npos) << "rank 0 stops at SIGTERM:\n" << output;
+  for (auto [pid, pgid] : ranks) EXPECT_TRUE(process_gone(pid)) << "rank pid " << pid << " outlived the launcher";
+}
+
+// A second signal while the ranks stop sends SIGKILL at once, without waiting for the grace (60 s
+// here); the exit code stays the first signal's.
+TEST(Launcher, SecondSignalKillsAtOnce) {
+  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  LauncherJob job = start_launcher("RankOneIgnoresSigterm", 2, 60);
+  auto ranks = wait_for_rank_pids(job, 2);
+  ASSERT_EQ(ranks.size(), 2u);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(job.pid, SIGTERM), 0) << strerror(errno);
+  while (!process_gone(ranks[0].first) && seconds_since(start) < 5)  // rank 0 stops; rank 1 ignores it
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(kill(-job.pid, SIGINT), 0) << strerror(errno);
+  const int exit_code = wait_launcher_exit(job);
+  const std::string output = job.output();
+  EXPECT_EQ(exit_code, 128 + SIGTERM) << output;
+  EXPECT_LT(seconds_since(start), 10) << output;
+  EXPECT_NE(output.find("flatmoe launch: received SIGINT while stopping: SIGKILL to 1 rank(s)"), std::string::npos)
+      << output;
+  for (auto [pid, pgid] : ranks) EXPECT_TRUE(process_gone(pid)) << "rank pid " << pid << " outlived the launcher";
 }
 
 }  // namespace
