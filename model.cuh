@@ -206,19 +206,16 @@ inline void model_set_master(Model& m, const std::vector<float>& global) {
     fm_fail("model_set_master", "wrong number of parameters", "got=%zu expected=%zu", global.size(), param_count(m.cfg));
   std::vector<float> local = local_from_global(m, global);
   float* staging = pool().alloc_t<float>(m.num_params, Mem::Workspace, "set_master");
-  cudaCheck(cudaMemcpy(staging, local.data(), m.num_params * sizeof(float), cudaMemcpyHostToDevice),
-            "model_set_master", "P=%zu", m.num_params);
+  copy_to_device(staging, local.data(), m.num_params * sizeof(float), m.stream, "model_set_master");
   convert(m.params, staging, m.num_params, m.stream);
   m.opt->set_master(staging, m.stream);
-  cudaCheck(cudaStreamSynchronize(m.stream), "model_set_master", "P=%zu", m.num_params);
+  stream_wait(m.stream, "model_set_master", "P=%zu", m.num_params);
   pool().free(staging);
 }
 
 inline void model_upload_router_bias(Model& m) {
   if (m.router_bias.empty()) return;
-  cudaCheck(cudaMemcpy(m.router_bias_dev, m.router_bias.data(), m.router_bias.size() * sizeof(float),
-                       cudaMemcpyHostToDevice),
-            "router_bias", "n=%zu", m.router_bias.size());
+  copy_to_device(m.router_bias_dev, m.router_bias.data(), m.router_bias.size() * sizeof(float), m.stream, "router_bias");
 }
 
 // Lays the local flat buffer out as regions: [replicated | pad | expert | pad], each padded to a
@@ -277,7 +274,7 @@ inline void model_make_seams(Model& m, const Seams& seams) {
     fm_fail("model_create", ("--optimizer " + seams.optimizer + " is not built").c_str(), "P=%zu", m.num_params);
   size_t S = 0;
   std::vector<ShardSegment> segments = shard_segments(m, &S);
-  m.opt = std::make_unique<DeviceAdamW>(std::move(segments), S);
+  m.opt = std::make_unique<DeviceAdamW>(std::move(segments), S, m.stream);
 }
 
 inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const Parallel& par = Parallel(),
@@ -294,7 +291,7 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   const size_t P = m.num_params;
   m.params = pool().alloc_t<floatX>(P, Mem::Weights, "params");
   m.grads = pool().alloc_t<floatX>(P, Mem::Grads, "grads");
-  cudaCheck(cudaMemset(m.grads, 0, P * sizeof(floatX)), "model_create", "P=%zu", P);
+  cudaCheck(cudaMemsetAsync(m.grads, 0, P * sizeof(floatX), stream), "model_create", "P=%zu", P);
   model_make_seams(m, seams);
   m.p = view_tensors(m.params, m);
   m.g = view_tensors(m.grads, m);
@@ -394,17 +391,14 @@ inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) 
   pool().free(logits);
   if (m.routing_override) {  // the profile's experts, weighted by the router's scores for them
     std::vector<int> idx = routing_profile_indices(m.routing, N, E, k);
-    cudaCheck(cudaMemcpyAsync(a.topk_idx, idx.data(), idx.size() * sizeof(int), cudaMemcpyHostToDevice, s),
-              "routing_profile", "N=%d k=%d", N, k);
+    copy_to_device(a.topk_idx, idx.data(), idx.size() * sizeof(int), s, "routing_profile");
     router_weights(a.topk_w, a.scores, a.topk_idx, N, E, k, c.renorm != 0, s);
-    cudaCheck(cudaStreamSynchronize(s), "routing_profile", "N=%d", N);  // idx (host) must outlive the copy
   }
   if (count_loads) {
     int* loads_dev = pool().alloc_t<int>(E, Mem::Workspace, "loads");
     std::vector<int> loads(E);
     router_count_loads(loads_dev, a.topk_idx, N, E, k, s);
-    cudaCheck(cudaMemcpyAsync(loads.data(), loads_dev, E * sizeof(int), cudaMemcpyDeviceToHost, s), "count_loads", "E=%d", E);
-    cudaCheck(cudaStreamSynchronize(s), "count_loads", "E=%d", E);
+    copy_to_host(loads.data(), loads_dev, E * sizeof(int), s, "count_loads");
     pool().free(loads_dev);
     for (int e = 0; e < E; e++) m.step_loads[(size_t)l * E + e] += loads[e];
   }
@@ -561,9 +555,10 @@ inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, LayerB
   }
 }
 
-inline int* upload_tokens(const int* host, int N, const char* tag, cudaStream_t s) {
-  int* dev = pool().alloc_t<int>(N, Mem::Activations, tag);
-  cudaCheck(cudaMemcpyAsync(dev, host, N * sizeof(int), cudaMemcpyHostToDevice, s), "upload_tokens", "N=%d", N);
+// A pool buffer holding host ints [n] (copy_to_device: call it while the stream has no collective queued).
+inline int* upload_ints(const int* host, int n, Mem cat, const char* tag, cudaStream_t s) {
+  int* dev = pool().alloc_t<int>(n, cat, tag);
+  copy_to_device(dev, host, n * sizeof(int), s, tag);
   return dev;
 }
 
@@ -579,8 +574,18 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
   const size_t NH = (size_t)N * H;
   cudaStream_t s = m.stream;
   check_seq_len(m, T);
-  int* tokens_dev = upload_tokens(inputs, N, "tokens", s);
-  int* targets_dev = upload_tokens(targets, N, "targets", s);
+  int* tokens_dev = upload_ints(inputs, N, Mem::Activations, "tokens", s);
+  int* targets_dev = upload_ints(targets, N, Mem::Activations, "targets", s);
+  // the embedding backward's per-token buckets, uploaded while the stream is idle (runtime/stream.cuh:
+  // later in the pass a copy from the host could wait behind a collective)
+  std::vector<int*> bucket_dev;
+  int buckets_used = 0;
+  if (o.backward) {
+    TokenBuckets buckets = build_token_buckets(inputs, N, V);
+    buckets_used = (int)buckets.used_ids.size();
+    for (const std::vector<int>* v : {&buckets.offsets, &buckets.positions, &buckets.used_ids})
+      bucket_dev.push_back(upload_ints(v->data(), (int)v->size(), Mem::Workspace, "token_buckets", s));
+  }
   LayerBoundaries boundaries(L, NH);
   std::vector<LayerActs> acts(L);
   forward_layers(m, tokens_dev, B, T, boundaries, acts, o.backward && !o.recompute, o.count_loads);
@@ -590,8 +595,8 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
   rmsnorm_forward(lnf, lnf_rstd, boundaries.input[L], m.p.lnf, N, H, c.norm_eps, s);
   floatX* d_lnf = o.backward ? pool().alloc_t<floatX>(NH, Mem::Workspace, "d_lnf") : nullptr;
   m.head->forward_backward(m.scalar_dev, d_lnf, m.g.lm_head, lnf, m.p.lm_head, targets_dev, o.dloss, N, H, V, s);
-  float loss_total = 0.f;
-  cudaCheck(cudaMemcpyAsync(&loss_total, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToHost, s), "model_pass", "N=%d", N);
+  float* loss_total_dev = pool().alloc_t<float>(1, Mem::Workspace, "loss_total");
+  cudaCheck(cudaMemcpyAsync(loss_total_dev, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToDevice, s), "model_pass", "N=%d", N);
 
   if (o.backward) {
     floatX* d_x = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_residual");
@@ -611,21 +616,14 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
       free_acts(acts[l]);
       boundaries.release(l + 1);
     }
-    // embedding: deterministic per-token sums over host-built buckets
-    TokenBuckets buckets = build_token_buckets(inputs, N, V);
-    std::vector<int*> bucket_dev;
-    for (const std::vector<int>* v : {&buckets.offsets, &buckets.positions, &buckets.used_ids}) {
-      bucket_dev.push_back(pool().alloc_t<int>(v->size(), Mem::Workspace, "token_buckets"));
-      cudaCheck(cudaMemcpyAsync(bucket_dev.back(), v->data(), v->size() * sizeof(int), cudaMemcpyHostToDevice, s),
-                "embedding_backward", "N=%d V=%d", N, V);
-    }
-    embedding_backward(m.g.wte, d_x, bucket_dev[0], bucket_dev[1], bucket_dev[2], (int)buckets.used_ids.size(), V, H, s);
-    cudaCheck(cudaStreamSynchronize(s), "model_pass", "N=%d", N);  // the host buckets must outlive the copies
+    // embedding: deterministic per-token sums over the host-built buckets
+    embedding_backward(m.g.wte, d_x, bucket_dev[0], bucket_dev[1], bucket_dev[2], buckets_used, V, H, s);
     pool().free(d_x);
     for (int* p : bucket_dev) pool().free(p);
   }
-  cudaCheck(cudaStreamSynchronize(s), "model_pass", "N=%d", N);
-  for (void* p : {(void*)tokens_dev, (void*)targets_dev, (void*)lnf, (void*)lnf_rstd}) pool().free(p);
+  float loss_total = 0.f;
+  copy_to_host(&loss_total, loss_total_dev, sizeof(float), s, "model_pass.loss");
+  for (void* p : {(void*)tokens_dev, (void*)targets_dev, (void*)lnf, (void*)lnf_rstd, (void*)loss_total_dev}) pool().free(p);
   return loss_total / N;
 }
 
@@ -636,7 +634,7 @@ inline std::vector<float> model_logits_row(Model& m, const int* inputs, int T, i
   const int H = c.hidden, V = c.vocab;
   cudaStream_t s = m.stream;
   check_seq_len(m, T);
-  int* tokens_dev = upload_tokens(inputs, T, "tokens", s);
+  int* tokens_dev = upload_ints(inputs, T, Mem::Activations, "tokens", s);
   LayerBoundaries boundaries(c.layers, (size_t)T * H);
   std::vector<LayerActs> acts(c.layers);
   forward_layers(m, tokens_dev, 1, T, boundaries, acts, false, false);
@@ -646,8 +644,7 @@ inline std::vector<float> model_logits_row(Model& m, const int* inputs, int T, i
   rmsnorm_forward(lnf, lnf_rstd, boundaries.input[c.layers] + (size_t)row * H, m.p.lnf, 1, H, c.norm_eps, s);
   matmul_forward(logits, lnf, m.p.lm_head, 1, H, V, s);
   std::vector<floatX> host(V);
-  cudaCheck(cudaMemcpyAsync(host.data(), logits, V * sizeof(floatX), cudaMemcpyDeviceToHost, s), "model_logits_row", "V=%d", V);
-  cudaCheck(cudaStreamSynchronize(s), "model_logits_row", "V=%d", V);
+  copy_to_host(host.data(), logits, V * sizeof(floatX), s, "model_logits_row");
   for (void* p : {(void*)tokens_dev, (void*)lnf, (void*)lnf_rstd, (void*)logits}) pool().free(p);
   std::vector<float> out(V);
   for (int v = 0; v < V; v++) out[v] = to_float(host[v]);
@@ -661,15 +658,14 @@ inline std::vector<std::vector<int>> model_routes(Model& m, const int* inputs, i
   const ModelConfig& c = m.cfg;
   const int N = B * T;
   check_seq_len(m, T);
-  int* tokens_dev = upload_tokens(inputs, N, "tokens", m.stream);
+  int* tokens_dev = upload_ints(inputs, N, Mem::Activations, "tokens", m.stream);
   LayerBoundaries boundaries(c.layers, (size_t)N * c.hidden);
   std::vector<LayerActs> acts(c.layers);
   std::vector<std::vector<int>> routes(c.layers);
   forward_layers(m, tokens_dev, B, T, boundaries, acts, false, false, [&](int l, const LayerActs& a) {
     if (!c.is_moe_layer(l)) return;
     routes[l].resize((size_t)N * c.topk);
-    cudaCheck(cudaMemcpy(routes[l].data(), a.topk_idx, routes[l].size() * sizeof(int), cudaMemcpyDeviceToHost),
-              "model_routes", "N=%d k=%d", N, c.topk);
+    copy_to_host(routes[l].data(), a.topk_idx, routes[l].size() * sizeof(int), m.stream, "model_routes");
   });
   pool().free(tokens_dev);
   return routes;
@@ -686,10 +682,9 @@ inline void model_zero_grads(Model& m) {
 // The mean of a per-rank value over all ranks (losses are averaged this way).
 inline float mean_over_ranks(Model& m, float x) {
   if (m.par.world.size == 1) return x;
-  cudaCheck(cudaMemcpyAsync(m.scalar_dev, &x, sizeof(float), cudaMemcpyHostToDevice, m.stream), "mean_over_ranks", "W=%d", m.par.world.size);
+  copy_to_device(m.scalar_dev, &x, sizeof(float), m.stream, "mean_over_ranks");
   all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
-  comm_sync(m.par.world, m.stream, "mean_over_ranks");  // before the copy: a pageable copy would wait without a timeout
-  cudaCheck(cudaMemcpy(&x, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToHost), "mean_over_ranks", "W=%d", m.par.world.size);
+  copy_to_host(&x, m.scalar_dev, sizeof(float), m.stream, "mean_over_ranks");
   return x / m.par.world.size;
 }
 
@@ -714,9 +709,8 @@ inline float model_grad_norm(Model& m) {
   for (const ParamRegion& r : m.regions) sumsq_accumulate(m.sumsq_partials, m.grads + r.shard_offset, r.shard, m.stream);
   sumsq_finish(m.scalar_dev, m.sumsq_partials, m.stream);
   if (m.par.world.size > 1) all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
-  comm_sync(m.par.world, m.stream, "grad_norm");
   float sumsq = 0.f;
-  cudaCheck(cudaMemcpy(&sumsq, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToHost), "grad_norm", "P=%zu", m.num_params);
+  copy_to_host(&sumsq, m.scalar_dev, sizeof(float), m.stream, "grad_norm");
   return std::sqrt(sumsq);
 }
 
@@ -726,10 +720,9 @@ inline void all_reduce_loads(Model& m) {
   const size_t n = m.step_loads.size();
   std::vector<int> loads(m.step_loads.begin(), m.step_loads.end());
   int* loads_dev = pool().alloc_t<int>(n, Mem::CommStaging, "step_loads");
-  cudaCheck(cudaMemcpyAsync(loads_dev, loads.data(), n * sizeof(int), cudaMemcpyHostToDevice, m.stream), "all_reduce_loads", "n=%zu", n);
+  copy_to_device(loads_dev, loads.data(), n * sizeof(int), m.stream, "all_reduce_loads");
   all_reduce_sum(m.par.world, loads_dev, loads_dev, n, m.stream);
-  comm_sync(m.par.world, m.stream, "all_reduce_loads");
-  cudaCheck(cudaMemcpy(loads.data(), loads_dev, n * sizeof(int), cudaMemcpyDeviceToHost), "all_reduce_loads", "n=%zu", n);
+  copy_to_host(loads.data(), loads_dev, n * sizeof(int), m.stream, "all_reduce_loads");
   pool().free(loads_dev);
   std::copy(loads.begin(), loads.end(), m.step_loads.begin());
 }

@@ -288,8 +288,7 @@ int train_main(int argc, char** argv) {
 
     const int B = tc.batch, T = mc.seq_len;
     const int accum = tc.total_batch ? tc.total_batch / (B * T) : 1;
-    cudaStream_t stream;
-    cudaCheck(cudaStreamCreate(&stream), "train", "stream");
+    cudaStream_t stream = stream_create("train");  // the compute stream; each communicator has its own
     TrainState st;
     Model m;
     if (!tc.resume.empty()) {
@@ -347,7 +346,7 @@ int train_main(int argc, char** argv) {
       bool timeline = step == tc.timeline_step && main_rank;
       pool().reset_peak();
       if (timeline) { pool().clear_timeline(); pool().set_timeline(true); }
-      cudaCheck(cudaStreamSynchronize(stream), "train", "step=%d", step);
+      stream_wait(stream, "train", "step=%d", step);
       auto t0 = std::chrono::steady_clock::now();
       float norm = 0.f, lr = lr_at(tc, step);
       double loss = model_train_step(m, tc, step, B, T, accum, [&](int* xb, int* yb) { train_data.next_batch(xb, yb); }, &norm);

@@ -106,13 +106,12 @@ struct Optimizer {
 struct DeviceAdamW : Optimizer {
   float *master = nullptr, *m = nullptr, *v = nullptr;  // [S] each (Optimizer)
 
-  DeviceAdamW(std::vector<ShardSegment> segs, size_t S) : Optimizer(std::move(segs), S) {
+  // Zeroed on `stream` (the shard's padding stays 0).
+  DeviceAdamW(std::vector<ShardSegment> segs, size_t S, cudaStream_t stream) : Optimizer(std::move(segs), S) {
     master = pool().alloc_t<float>(S, Mem::Optimizer, "master");
     m = pool().alloc_t<float>(S, Mem::Optimizer, "adam_m");
     v = pool().alloc_t<float>(S, Mem::Optimizer, "adam_v");
-    cudaCheck(cudaMemset(master, 0, S * sizeof(float)), "adamw", "S=%zu", S);  // the shard's padding stays 0
-    cudaCheck(cudaMemset(m, 0, S * sizeof(float)), "adamw", "S=%zu", S);
-    cudaCheck(cudaMemset(v, 0, S * sizeof(float)), "adamw", "S=%zu", S);
+    for (float* p : {master, m, v}) cudaCheck(cudaMemsetAsync(p, 0, S * sizeof(float), stream), "adamw", "S=%zu", S);
   }
   ~DeviceAdamW() override {
     for (float* p : {master, m, v}) pool().free(p);
@@ -137,9 +136,7 @@ struct DeviceAdamW : Optimizer {
     StateSections out;
     for (auto [name, src] : {std::pair<const char*, float*>{"master", master}, {"adam_m", m}, {"adam_v", v}}) {
       std::vector<float> host(state_count);
-      cudaCheck(cudaMemcpyAsync(host.data(), src, state_count * sizeof(float), cudaMemcpyDeviceToHost, stream),
-                "adamw.save", "S=%zu", state_count);
-      cudaCheck(cudaStreamSynchronize(stream), "adamw.save", "S=%zu", state_count);
+      copy_to_host(host.data(), src, state_count * sizeof(float), stream, "adamw.save");
       out.emplace_back(name, std::move(host));
     }
     return out;
@@ -152,9 +149,7 @@ struct DeviceAdamW : Optimizer {
       if (found == nullptr || found->size() != state_count)
         throw std::runtime_error(std::string("optimizer state: section ") + name + (found ? " has the wrong size" : " is missing") +
                                  " (expected " + std::to_string(state_count) + " floats)");
-      cudaCheck(cudaMemcpyAsync(dst, found->data(), state_count * sizeof(float), cudaMemcpyHostToDevice, stream),
-                "adamw.load", "S=%zu", state_count);
-      cudaCheck(cudaStreamSynchronize(stream), "adamw.load", "S=%zu", state_count);
+      copy_to_device(dst, found->data(), state_count * sizeof(float), stream, "adamw.load");
     }
     steps = steps_taken;
   }

@@ -174,9 +174,7 @@ inline void ep_recv_row_map(int* recv_row_of_slot, const EPPlan& plan, cudaStrea
   std::vector<int> table(plan.block_slot_offset);
   table.insert(table.end(), plan.block_recv_row.begin(), plan.block_recv_row.end());
   int* table_dev = pool().alloc_t<int>(table.size(), Mem::Workspace, "ep_recv_row_map.blocks");
-  // pageable source: the call returns once `table` is staged, so it may go out of scope
-  cudaCheck(cudaMemcpyAsync(table_dev, table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice, stream),
-            "ep_recv_row_map", "blocks=%d R_d=%d", blocks, R_d);
+  copy_to_device(table_dev, table.data(), table.size() * sizeof(int), stream, "ep_recv_row_map");
   ep_recv_row_map_kernel<<<ceil_div(R_d, 256), 256, 0, stream>>>(recv_row_of_slot, table_dev, blocks, R_d);
   launchCheck("ep_recv_row_map", "blocks=%d R_d=%d", blocks, R_d);
   pool().free(table_dev);  // stream-ordered reuse: the next user of this block runs after the kernel

@@ -224,9 +224,7 @@ inline std::vector<int> moe_route_plan(int* route_of_slot, int* slot_of_route, c
   moe_plan_scan_kernel<<<1, 256, 0, stream>>>(tile_counts, counts, offsets, tiles, E);
   launchCheck("moe_route_plan.scan", "R=%d E=%d", R, E);
   std::vector<int> host_counts(E + 1);
-  cudaCheck(cudaMemcpyAsync(host_counts.data(), plan_ints, (E + 1) * sizeof(int), cudaMemcpyDeviceToHost, stream),
-            "moe_route_plan", "R=%d E=%d", R, E);
-  cudaCheck(cudaStreamSynchronize(stream), "moe_route_plan", "R=%d E=%d", R, E);
+  copy_to_host(host_counts.data(), plan_ints, (E + 1) * sizeof(int), stream, "moe_route_plan");
   if (host_counts[E] != 0)
     fm_fail("moe_route_plan", "expert index outside [0, E) in topk_idx", "R=%d E=%d bad_routes=%d", R, E, host_counts[E]);
   moe_plan_rank_kernel<<<tiles, MOE_PLAN_TILE, 0, stream>>>(route_of_slot, slot_of_route, topk_idx, tile_counts, offsets, R, E);

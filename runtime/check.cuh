@@ -1,9 +1,11 @@
 // check.cuh — error checks that name the operator and its sizes, and device presence. No math:
 // every operator and every runtime piece includes it.
 #pragma once
+#include <atomic>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <unistd.h>
 #include <string>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
@@ -17,14 +19,39 @@ inline std::string fm_format(const char* fmt, va_list ap) {
   return buf;
 }
 
+// What a failing process does before it exits, whatever failed (a CUDA call, a plan, the pool, a
+// wait): runtime/comm.cuh installs "abort every live NCCL communicator", so that the other ranks'
+// collectives with this one stop at once instead of waiting for a rank that is gone. nullptr: nothing.
+inline void (*&failure_hook())() {
+  static void (*hook)() = nullptr;
+  return hook;
+}
+
+// How every failure leaves, once its message is printed: flushes the output, runs the failure hook
+// once (a failure inside the hook does not run it again), then ends the process at once with status 1
+// (_exit: tearing CUDA down could wait behind a kernel that waits for a rank that is gone).
+// Callable from any thread (the wait watchdog of runtime/stream.cuh calls it from its own).
+[[noreturn]] inline void fm_exit_failure() {
+  static std::atomic<bool> leaving{false};
+  fflush(nullptr);
+  if (!leaving.exchange(true) && failure_hook() != nullptr) failure_hook()();
+  fflush(nullptr);
+  _exit(EXIT_FAILURE);
+}
+
+// The world rank of this process, named in failure messages (set by comm_world_init; 0 before).
+inline int& comm_process_rank() {
+  static int rank = 0;
+  return rank;
+}
+
 [[noreturn]] inline void fm_fail(const char* op, const char* what, const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   std::string sizes = fm_format(fmt, ap);
   va_end(ap);
   fprintf(stderr, "flatmoe error in %s (%s): %s\n", op, sizes.c_str(), what);
-  fflush(stderr);
-  exit(EXIT_FAILURE);
+  fm_exit_failure();
 }
 
 // cudaCheck(call, "operator", "N=%d H=%d", N, H)

@@ -8,25 +8,36 @@
 // Every communicator is non-blocking (ncclConfig_t blocking = 0): an NCCL call may return
 // ncclInProgress, and the communicator is then polled with ncclCommGetAsyncError until it is ready.
 //
-// Collectives are enqueued on a stream and return without waiting for the GPU. comm_sync waits for
-// the stream while watching NCCL's asynchronous errors. Every wait (communicator creation, calls in
-// progress, comm_sync) gives up after FLATMOE_COMM_TIMEOUT_S seconds (default 600). Any failure — an
-// NCCL error code, an asynchronous NCCL error, a CUDA error on the stream, a timeout, invalid
-// arguments — prints one line
+// Streams: each communicator owns a non-blocking stream (Comm::stream), so that two communicators can
+// move data at the same time as the compute stream works (runtime/stream.cuh: events between streams,
+// the pool's free_after for buffers whose last user is a communicator's stream). Collectives take the
+// stream they run on; the model's serial path passes its compute stream, an overlapping schedule the
+// communicator's own. Communicators that overlap cannot deadlock against each other as long as every
+// rank issues their calls in one fixed order — also the calls that move nothing (a count of 0 still
+// enters all_to_all_v's group; the schedules issue every chunk's exchange, empty or not). Each new
+// communicator is warmed up before it is returned (comm_warm_up: NCCL connects peers lazily, on first
+// use; connecting inside an overlapped schedule would stall it).
+//
+// Failures. Collectives are enqueued and return without waiting for the GPU. Every wait — creation,
+// calls in progress, comm_sync, and every stream_wait of the process — gives up after
+// FLATMOE_COMM_TIMEOUT_S seconds (default 600) and watches the asynchronous errors of EVERY live
+// communicator (the wait watcher installed here). Any failure — an NCCL error code, an asynchronous
+// NCCL error, a CUDA error on the stream, a timeout, invalid arguments — prints one line
 //   flatmoe: rank R (group NAME): OP failed: WHY [sizes]
-// (R is the world rank), aborts that communicator and exits the process non-zero, so that the
-// launcher stops the other ranks instead of leaving them waiting in a collective.
+// (R is the world rank); any failure of the process (also fm_fail's, the pool's) then aborts every
+// live communicator, naming them, and exits non-zero: the other ranks' collectives with this one stop,
+// their own waits fail, and the launcher stops the job instead of leaving ranks waiting forever.
 //
 // Types: float, __nv_bfloat16, int (and long long, used by all_to_all_host); counts in elements.
 // A count of 0 returns at once (every rank of the group passes the same count).
 // NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE is set to 0 before the first NCCL call when it
 // is unset, and any other value is refused.
-// Memory: all_to_all_host stages its integers in two pool buffers (CommStaging), freed before it
-// returns; nothing else here allocates device memory.
+// Memory: all_to_all_host, comm_split and comm_warm_up stage a few integers in pool buffers
+// (CommStaging), freed before they return; nothing else here allocates device memory.
 #pragma once
 #include <nccl.h>
-#include <unistd.h>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -35,40 +46,96 @@
 #include "check.cuh"
 #include "launch.cuh"
 #include "pool.cuh"
+#include "stream.cuh"
 
 // One NCCL communicator over a subset of the world's ranks.
 struct Comm {
   ncclComm_t nccl = nullptr;
-  int rank = 0, size = 1;  // this process's index in the group, group size
-  std::string name;        // "world", "ep", "dp", "vocab", ... (named in every error message)
+  int rank = 0, size = 1;         // this process's index in the group, group size
+  std::string name;               // "world", "ep", "dp", "vocab", ... (named in every error message)
+  cudaStream_t stream = nullptr;  // its own non-blocking stream (comm_destroy destroys it)
 };
 
-// The world rank of this process, named in every failure message (set by comm_world_init).
-inline int& comm_process_rank() {
-  static int rank = 0;
-  return rank;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Failures
 
 
-// Prints the failure, aborts the communicator and exits non-zero. The abort makes NCCL's kernels and
-// threads stop; an alarm ends the process should the abort itself hang (its result is not checked:
-// the process is leaving either way).
+// Every communicator of this process that is not destroyed yet: what a failure aborts and what
+// every wait watches.
+struct LiveComm {
+  ncclComm_t nccl;
+  std::string name;
+};
+inline std::vector<LiveComm>& live_comms() {
+  static std::vector<LiveComm> comms;
+  return comms;
+}
+
+// The failure hook (runtime/check.cuh): aborts every live communicator, naming them, so that NCCL's
+// kernels and threads stop and the other ranks' collectives with this one fail at once. An abort can
+// itself wait for the GPU (NCCL frees pinned memory, which waits for a kernel that waits for a rank
+// that is gone), so the aborts run on a thread of their own and the process leaves after at most
+// FAILURE_ABORT_WAIT_S whether they finished or not; the other ranks then stop in their own bounded waits.
+constexpr double FAILURE_ABORT_WAIT_S = 5;
+
+inline void comm_abort_all() {
+  std::vector<LiveComm> comms;
+  comms.swap(live_comms());
+  if (comms.empty()) return;
+  std::string names;
+  for (const LiveComm& c : comms) names += (names.empty() ? "" : ", ") + c.name;
+  fprintf(stderr, "flatmoe: rank %d: aborting %zu communicator(s): %s\n", comm_process_rank(), comms.size(),
+          names.c_str());
+  fflush(stderr);
+  static std::atomic<bool> aborted{false};
+  std::thread([comms] {
+    for (const LiveComm& c : comms) ncclCommAbort(c.nccl);  // results unchecked: the process is leaving either way
+    aborted = true;
+  }).detach();
+  const auto start = std::chrono::steady_clock::now();
+  while (!aborted && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < FAILURE_ABORT_WAIT_S)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (!aborted)
+    fprintf(stderr, "flatmoe: rank %d: the aborts did not finish within %.0f s (a kernel still waits for a rank that is "
+            "gone); leaving without them\n", comm_process_rank(), FAILURE_ABORT_WAIT_S);
+}
+
+// The wait watcher (runtime/stream.cuh): the first live communicator with an asynchronous error.
+inline std::string comm_watch_all() {
+  for (const LiveComm& c : live_comms()) {
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(c.nccl, &state);
+    if (r != ncclSuccess) return "group " + c.name + ": ncclCommGetAsyncError: " + nccl_why(r, c.nccl);
+    if (state != ncclSuccess && state != ncclInProgress) return "group " + c.name + ": " + nccl_why(state, c.nccl);
+  }
+  return "";
+}
+
+inline void comm_register(const Comm& c) {
+  failure_hook() = comm_abort_all;
+  wait_watcher() = comm_watch_all;
+  live_comms().push_back(LiveComm{c.nccl, c.name});
+}
+
+inline void comm_unregister(ncclComm_t nccl) {
+  std::vector<LiveComm>& comms = live_comms();
+  comms.erase(std::remove_if(comms.begin(), comms.end(), [&](const LiveComm& c) { return c.nccl == nccl; }), comms.end());
+}
+
+// Prints the failure, aborts every live communicator (this one included) and exits non-zero.
 [[noreturn]] inline void comm_fail(const Comm& c, const char* op, const std::string& why) {
   fprintf(stderr, "flatmoe: rank %d (group %s): %s failed: %s\n", comm_process_rank(), c.name.c_str(), op, why.c_str());
-  fflush(stdout);
-  fflush(stderr);
-  if (c.nccl != nullptr) {
-    alarm(10);
-    ncclCommAbort(c.nccl);
-  }
-  _exit(EXIT_FAILURE);
+  fflush(nullptr);
+  const std::vector<LiveComm>& live = live_comms();
+  const bool registered = std::any_of(live.begin(), live.end(), [&](const LiveComm& l) { return l.nccl == c.nccl; });
+  if (c.nccl != nullptr && !registered) comm_register(c);  // its creation failed before it was registered
+  fm_exit_failure();
 }
 
 // Waits until the communicator has no call in progress. Returns "" when it is ready, else why not.
 inline std::string comm_wait_ready(ncclComm_t nccl) {
+  WatchedWait watched("a wait for an NCCL call in progress");
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
     ncclResult_t state = ncclSuccess;
@@ -106,132 +173,12 @@ inline void comm_cuda_check(const Comm& c, cudaError_t err, const char* op, cons
 // ---------------------------------------------------------------------------------------------
 // Waiting for a stream
 
-// Waits for `stream` while watching c's asynchronous errors; fails on an NCCL error, a CUDA error or
-// the timeout (a rank that stopped, or ranks that called collectives in different orders).
+// Waits for `stream` while watching every communicator's asynchronous errors (stream_wait_why); fails
+// naming c on an NCCL error, a CUDA error or the timeout (a rank that stopped, or ranks that called
+// collectives in different orders).
 inline void comm_sync(const Comm& c, cudaStream_t stream, const char* op) {
-  const auto start = std::chrono::steady_clock::now();
-  for (;;) {
-    cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess) return;
-    if (q != cudaErrorNotReady) comm_cuda_check(c, q, op, "the stream");
-    if (c.nccl != nullptr) {
-      ncclResult_t state = ncclSuccess;
-      ncclResult_t r = ncclCommGetAsyncError(c.nccl, &state);
-      if (r != ncclSuccess) comm_fail(c, op, "ncclCommGetAsyncError: " + nccl_why(r, c.nccl));
-      if (state != ncclSuccess && state != ncclInProgress) comm_fail(c, op, nccl_why(state, c.nccl));
-    }
-    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (waited > comm_timeout_s())
-      comm_fail(c, op, comm_format("timed out: the stream did not finish within %.0f s (FLATMOE_COMM_TIMEOUT_S); "
-                                   "a rank stopped, or the ranks called collectives in different orders", waited));
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Communicators
-
-// The world communicator: cudaSetDevice(rank_device(info)) (runtime/launch.cuh), then a non-blocking NCCL communicator over
-// info.world ranks (a world of 1 makes its own NCCL id).
-inline Comm comm_world_init(const LaunchInfo& info) {
-  comm_set_nccl_env();
-  comm_process_rank() = info.rank;
-  Comm world;
-  world.rank = info.rank;
-  world.size = info.world;
-  world.name = "world";
-  if (info.world < 1 || info.rank < 0 || info.rank >= info.world)
-    comm_fail(world, "comm_world_init", comm_format("invalid rank %d of world %d", info.rank, info.world));
-  const int device = rank_device(info);
-  comm_cuda_check(world, cudaSetDevice(device), "comm_world_init", comm_format("cudaSetDevice(%d)", device));
-  ncclUniqueId id = info.id;
-  if (info.world == 1) comm_check(world, ncclGetUniqueId(&id), "comm_world_init", "ncclGetUniqueId, world=1");
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  comm_check(world, ncclCommInitRankConfig(&world.nccl, info.world, id, info.rank, &config), "comm_world_init",
-             "ncclCommInitRankConfig rank=%d world=%d device=%d", info.rank, info.world, device);
-  return world;
-}
-
-// The ranks of `parent` that pass the same color (>= 0) form one new communicator, ordered by key
-// (then by parent rank). Every rank of the parent must call it. Built with ncclCommInitRankConfig
-// rather than ncclCommSplit (whose non-blocking form left the new communicator unset on NCCL here):
-// every rank's (color, key, a fresh NCCL id) is all-gathered over the parent, and each group uses the
-// id of its first member.
-inline Comm comm_split(const Comm& parent, int color, int key, const char* name) {
-  Comm group;
-  group.name = name;
-  if (color < 0) comm_fail(parent, "comm_split", comm_format("color %d < 0 for group %s", color, name));
-  struct Entry {
-    int color, key;
-    ncclUniqueId id;
-  };
-  static_assert(sizeof(Entry) % sizeof(int) == 0, "Entry is gathered as ints");
-  const size_t ints = sizeof(Entry) / sizeof(int);
-  Entry mine{color, key, {}};
-  comm_check(parent, ncclGetUniqueId(&mine.id), "comm_split", "ncclGetUniqueId for group %s", name);
-  std::vector<Entry> all(parent.size);
-  int* mine_dev = pool().alloc_t<int>(ints, Mem::CommStaging, "comm_split");
-  int* all_dev = pool().alloc_t<int>(ints * parent.size, Mem::CommStaging, "comm_split");
-  comm_cuda_check(parent, cudaMemcpy(mine_dev, &mine, sizeof mine, cudaMemcpyHostToDevice), "comm_split", "upload");
-  comm_check(parent, ncclAllGather(mine_dev, all_dev, ints, ncclInt32, parent.nccl, 0), "comm_split",
-             "all-gather of (color, key, id) over %s, %d ranks", parent.name.c_str(), parent.size);
-  comm_sync(parent, 0, "comm_split");
-  comm_cuda_check(parent, cudaMemcpy(all.data(), all_dev, sizeof(Entry) * parent.size, cudaMemcpyDeviceToHost),
-                  "comm_split", "download");
-  pool().free(mine_dev);
-  pool().free(all_dev);
-  std::vector<int> members;  // parent ranks of this group, in (key, parent rank) order
-  for (int r = 0; r < parent.size; r++)
-    if (all[r].color == color) members.push_back(r);
-  std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[a].key < all[b].key; });
-  group.size = (int)members.size();
-  group.rank = (int)(std::find(members.begin(), members.end(), parent.rank) - members.begin());
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  comm_check(group, ncclCommInitRankConfig(&group.nccl, group.size, all[members[0]].id, group.rank, &config),
-             "comm_split", "ncclCommInitRankConfig group %s: rank %d of %d (color %d)", name, group.rank, group.size, color);
-  return group;
-}
-
-// Finalizes (flushes every pending operation) and destroys the communicator; nccl becomes nullptr.
-inline void comm_destroy(Comm& c) {
-  if (c.nccl == nullptr) return;
-  comm_check(c, ncclCommFinalize(c.nccl), "comm_destroy", "ncclCommFinalize");
-  ncclResult_t r = ncclCommDestroy(c.nccl);
-  c.nccl = nullptr;
-  if (r != ncclSuccess) comm_fail(c, "comm_destroy", "ncclCommDestroy: " + nccl_why(r, nullptr));
-}
-
-// Where a rank sits when world_size ranks are cut into contiguous blocks of group_size ranks.
-struct BlockPlace {
-  int group = 0;  // block index: world_rank / group_size
-  int rank = 0;   // rank within the block: world_rank % group_size
-};
-
-// Returns "" and fills *place, or why the sizes are refused (group_size must divide world_size).
-inline std::string block_group_place(int world_rank, int world_size, int group_size, BlockPlace* place) {
-  if (world_size < 1 || world_rank < 0 || world_rank >= world_size)
-    return comm_format("invalid rank %d of %d", world_rank, world_size);
-  if (group_size < 1 || world_size % group_size != 0)
-    return comm_format("group size %d does not divide the %d ranks", group_size, world_size);
-  place->group = world_rank / group_size;
-  place->rank = world_rank % group_size;
-  return "";
-}
-
-// Contiguous blocks of `size` ranks of `world` (DESIGN §5: sub-groups are independent views of the
-// same W ranks). Every rank of `world` must call it with the same size.
-inline Comm comm_block_group(const Comm& world, int size, const char* name) {
-  BlockPlace place;
-  std::string why = block_group_place(world.rank, world.size, size, &place);
-  if (!why.empty()) comm_fail(world, "comm_block_group", why + " (group " + name + ")");
-  Comm group = comm_split(world, place.group, place.rank, name);
-  if (group.rank != place.rank || group.size != size)
-    comm_fail(group, "comm_block_group",
-              comm_format("NCCL placed world rank %d at rank %d of %d, expected rank %d of %d", world.rank, group.rank,
-                          group.size, place.rank, size));
-  return group;
+  std::string why = stream_wait_why(stream);
+  if (!why.empty()) comm_fail(c, op, why);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -340,13 +287,159 @@ inline std::vector<long long> all_to_all_host(const Comm& c, const std::vector<l
   if (recv.empty()) return recv;
   DeviceBuffer<long long> send_dev(send.size(), Mem::CommStaging, "all_to_all_host.send");
   DeviceBuffer<long long> recv_dev(recv.size(), Mem::CommStaging, "all_to_all_host.recv");
-  comm_cuda_check(c, cudaMemcpyAsync(send_dev.ptr, send.data(), send_dev.bytes(), cudaMemcpyHostToDevice, stream),
-                  "all_to_all_host", comm_format("upload of %zu integers", send.size()));
+  copy_to_device(send_dev.ptr, send.data(), send_dev.bytes(), stream, "all_to_all_host");
   std::vector<long long> rows(c.size, per_dest);
   all_to_all_v(c, send_dev.ptr, rows, recv_dev.ptr, rows, 1, stream);
   comm_sync(c, stream, "all_to_all_host");
-  comm_cuda_check(c, cudaMemcpyAsync(recv.data(), recv_dev.ptr, recv_dev.bytes(), cudaMemcpyDeviceToHost, stream),
-                  "all_to_all_host", comm_format("download of %zu integers", recv.size()));
-  comm_cuda_check(c, cudaStreamSynchronize(stream), "all_to_all_host", "cudaStreamSynchronize after the download");
+  copy_to_host(recv.data(), recv_dev.ptr, recv_dev.bytes(), stream, "all_to_all_host");
   return recv;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Communicators
+
+// Connects every pair of ranks and every collective's channels of a new communicator before it is
+// used: an all-to-all of one int between every pair, an all-reduce, a reduce-scatter and an
+// all-gather, on its own stream; checks what came back. NCCL makes these connections lazily, on first
+// use: made here, no later exchange pays for them inside an overlapped schedule.
+inline void comm_warm_up(const Comm& c) {
+  if (c.size == 1) return;
+  const int W = c.size;
+  // up: [W] to rank d: my rank·W + d | [W] ones | [1] my rank
+  std::vector<int> up(2 * W + 1, 1);
+  for (int d = 0; d < W; d++) up[d] = c.rank * W + d;
+  up[2 * W] = c.rank;
+  DeviceBuffer<int> sent(up.size(), Mem::CommStaging, "comm_warm_up.sent");
+  // down: [W] from rank s: s·W + my rank | [1] W·W | [W] the ranks
+  DeviceBuffer<int> got(2 * W + 1, Mem::CommStaging, "comm_warm_up.got");
+  copy_to_device(sent.ptr, up.data(), sent.bytes(), c.stream, "comm_warm_up");
+  const std::vector<long long> one_row(W, 1);
+  all_to_all_v(c, sent.ptr, one_row, got.ptr, one_row, 1, c.stream);
+  all_reduce_sum(c, sent.ptr + W, sent.ptr + W, W, c.stream);    // every one becomes W
+  reduce_scatter_sum(c, sent.ptr + W, got.ptr + W, 1, c.stream);  // W·W
+  all_gather(c, sent.ptr + 2 * W, got.ptr + W + 1, 1, c.stream);
+  std::vector<int> down(got.count);
+  comm_sync(c, c.stream, "comm_warm_up");
+  copy_to_host(down.data(), got.ptr, got.bytes(), c.stream, "comm_warm_up");
+  for (int r = 0; r < W; r++)
+    if (down[r] != r * W + c.rank || down[W + 1 + r] != r)
+      comm_fail(c, "comm_warm_up",
+                comm_format("rank %d: received %d and gathered %d, expected %d and %d", r, down[r], down[W + 1 + r],
+                            r * W + c.rank, r));
+  if (down[W] != W * W) comm_fail(c, "comm_warm_up", comm_format("reduce-scatter gave %d, expected %d", down[W], W * W));
+}
+
+// After its NCCL communicator is ready: registers c (every wait watches it, every failure aborts it),
+// makes its stream and warms it up.
+inline void comm_finish_init(Comm& c, const char* op) {
+  comm_register(c);
+  c.stream = stream_create(op);
+  comm_warm_up(c);
+}
+
+// The world communicator: cudaSetDevice(rank_device(info)) (runtime/launch.cuh), then a non-blocking
+// NCCL communicator over info.world ranks (a world of 1 makes its own NCCL id), warmed up.
+inline Comm comm_world_init(const LaunchInfo& info) {
+  comm_set_nccl_env();
+  comm_process_rank() = info.rank;
+  Comm world;
+  world.rank = info.rank;
+  world.size = info.world;
+  world.name = "world";
+  if (info.world < 1 || info.rank < 0 || info.rank >= info.world)
+    comm_fail(world, "comm_world_init", comm_format("invalid rank %d of world %d", info.rank, info.world));
+  const int device = rank_device(info);
+  comm_cuda_check(world, cudaSetDevice(device), "comm_world_init", comm_format("cudaSetDevice(%d)", device));
+  ncclUniqueId id = info.id;
+  if (info.world == 1) comm_check(world, ncclGetUniqueId(&id), "comm_world_init", "ncclGetUniqueId, world=1");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  comm_check(world, ncclCommInitRankConfig(&world.nccl, info.world, id, info.rank, &config), "comm_world_init",
+             "ncclCommInitRankConfig rank=%d world=%d device=%d", info.rank, info.world, device);
+  comm_finish_init(world, "comm_world_init");
+  return world;
+}
+
+// The ranks of `parent` that pass the same color (>= 0) form one new communicator, ordered by key
+// (then by parent rank). Every rank of the parent must call it. Built with ncclCommInitRankConfig
+// rather than ncclCommSplit (whose non-blocking form left the new communicator unset on NCCL here):
+// every rank's (color, key, a fresh NCCL id) is all-gathered over the parent (on the parent's
+// stream), and each group uses the id of its first member.
+inline Comm comm_split(const Comm& parent, int color, int key, const char* name) {
+  Comm group;
+  group.name = name;
+  if (color < 0) comm_fail(parent, "comm_split", comm_format("color %d < 0 for group %s", color, name));
+  struct Entry {
+    int color, key;
+    ncclUniqueId id;
+  };
+  static_assert(sizeof(Entry) % sizeof(int) == 0, "Entry is gathered as ints");
+  const size_t ints = sizeof(Entry) / sizeof(int);
+  Entry mine{color, key, {}};
+  comm_check(parent, ncclGetUniqueId(&mine.id), "comm_split", "ncclGetUniqueId for group %s", name);
+  std::vector<Entry> all(parent.size);
+  DeviceBuffer<int> mine_dev(ints, Mem::CommStaging, "comm_split");
+  DeviceBuffer<int> all_dev(ints * parent.size, Mem::CommStaging, "comm_split");
+  copy_to_device(mine_dev.ptr, &mine, sizeof mine, parent.stream, "comm_split");
+  comm_check(parent, ncclAllGather(mine_dev.ptr, all_dev.ptr, ints, ncclInt32, parent.nccl, parent.stream), "comm_split",
+             "all-gather of (color, key, id) over %s, %d ranks", parent.name.c_str(), parent.size);
+  comm_sync(parent, parent.stream, "comm_split");
+  copy_to_host(all.data(), all_dev.ptr, sizeof(Entry) * parent.size, parent.stream, "comm_split");
+  std::vector<int> members;  // parent ranks of this group, in (key, parent rank) order
+  for (int r = 0; r < parent.size; r++)
+    if (all[r].color == color) members.push_back(r);
+  std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[a].key < all[b].key; });
+  group.size = (int)members.size();
+  group.rank = (int)(std::find(members.begin(), members.end(), parent.rank) - members.begin());
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  comm_check(group, ncclCommInitRankConfig(&group.nccl, group.size, all[members[0]].id, group.rank, &config),
+             "comm_split", "ncclCommInitRankConfig group %s: rank %d of %d (color %d)", name, group.rank, group.size, color);
+  comm_finish_init(group, "comm_split");
+  return group;
+}
+
+// Waits for c's stream, finalizes (flushes every pending operation) and destroys the communicator
+// and its stream; nccl and stream become nullptr.
+inline void comm_destroy(Comm& c) {
+  if (c.nccl == nullptr) return;
+  comm_sync(c, c.stream, "comm_destroy");
+  comm_check(c, ncclCommFinalize(c.nccl), "comm_destroy", "ncclCommFinalize");
+  comm_unregister(c.nccl);
+  ncclResult_t r = ncclCommDestroy(c.nccl);
+  c.nccl = nullptr;
+  if (r != ncclSuccess) comm_fail(c, "comm_destroy", "ncclCommDestroy: " + nccl_why(r, nullptr));
+  comm_cuda_check(c, cudaStreamDestroy(c.stream), "comm_destroy", "cudaStreamDestroy");
+  c.stream = nullptr;
+}
+
+// Where a rank sits when world_size ranks are cut into contiguous blocks of group_size ranks.
+struct BlockPlace {
+  int group = 0;  // block index: world_rank / group_size
+  int rank = 0;   // rank within the block: world_rank % group_size
+};
+
+// Returns "" and fills *place, or why the sizes are refused (group_size must divide world_size).
+inline std::string block_group_place(int world_rank, int world_size, int group_size, BlockPlace* place) {
+  if (world_size < 1 || world_rank < 0 || world_rank >= world_size)
+    return comm_format("invalid rank %d of %d", world_rank, world_size);
+  if (group_size < 1 || world_size % group_size != 0)
+    return comm_format("group size %d does not divide the %d ranks", group_size, world_size);
+  place->group = world_rank / group_size;
+  place->rank = world_rank % group_size;
+  return "";
+}
+
+// Contiguous blocks of `size` ranks of `world` (DESIGN §5: sub-groups are independent views of the
+// same W ranks). Every rank of `world` must call it with the same size.
+inline Comm comm_block_group(const Comm& world, int size, const char* name) {
+  BlockPlace place;
+  std::string why = block_group_place(world.rank, world.size, size, &place);
+  if (!why.empty()) comm_fail(world, "comm_block_group", why + " (group " + name + ")");
+  Comm group = comm_split(world, place.group, place.rank, name);
+  if (group.rank != place.rank || group.size != size)
+    comm_fail(group, "comm_block_group",
+              comm_format("NCCL placed world rank %d at rank %d of %d, expected rank %d of %d", world.rank, group.rank,
+                          group.size, place.rank, size));
+  return group;
 }

@@ -8,9 +8,23 @@
 //   events: time since the pool was created (us), action (alloc/free/mark), bytes, category, tag.
 // What it keeps underneath: freed blocks are cached by their rounded size and handed out again
 // (cudaFree synchronises the device, so a training step must never call it). `reserved()` is what
-// the pool holds from CUDA; `live_total()` is what is in use. Reuse after free is ordered by the
-// host: a block freed by one stream and reused by another needs an event between them (callers
-// that use several streams synchronise before freeing).
+// the pool holds from CUDA; `live_total()` is what is in use.
+//
+// Streams (runtime/stream.cuh). A block is handed out ready for the stream that allocates it: its
+// previous owner's work is ordered before that stream's next work. Two frees keep that true:
+//   free(p)              the block may go to the next alloc at once: every user of p ran on the
+//                        stream that allocates next, or was joined into it (stream_after), so stream
+//                        order protects it — the single-stream case.
+//   free_after(p, s)     p's last user is work still queued on stream `s` (a communicator's send
+//                        buffer): the block leaves the live set now, but waits among the pending
+//                        blocks until an event recorded on `s` has completed, and only then is handed
+//                        out again. The host never waits for it: an alloc that finds no ready block of
+//                        its size asks CUDA for a new one.
+// So a block from alloc() is ready at once on the stream whose free() gave it back (stream order);
+// another stream that writes into it first waits on that stream (stream_after), which an exchange
+// does anyway before it sends what the compute stream made.
+// Accounting stays exact: live bytes are what callers hold (a pending block is not live, and shows in
+// pending_bytes() instead), so the live peaks are the same on every run whatever the GPU's timing.
 //
 // The process's runtime (bottom of this file): runtime_prepare() after cudaSetDevice, before any
 // measurement, creates the shared cuBLAS handle and its pooled workspace; runtime_release() at exit
@@ -23,6 +37,7 @@
 #include <unordered_map>
 #include <vector>
 #include "check.cuh"
+#include "stream.cuh"
 
 enum class Mem : int {
   Weights,
@@ -63,6 +78,7 @@ class Pool {
     size_t rounded = round_size(bytes);
     void* p = nullptr;
     auto& cached = free_blocks_[rounded];
+    if (cached.empty() && !pending_.empty()) reap_pending();
     if (!cached.empty()) {
       p = cached.back();
       cached.pop_back();
@@ -75,7 +91,7 @@ class Pool {
                 tag, mem_name(cat), bytes, cudaGetErrorString(err), live_total_ / 1073741824.0,
                 reserved_ / 1073741824.0);
         print_live(stderr);
-        exit(EXIT_FAILURE);
+        fm_exit_failure();
       }
       reserved_ += rounded;
     }
@@ -94,22 +110,34 @@ class Pool {
   }
 
   void free(void* p) {
-    if (p == nullptr) return;
-    auto it = blocks_.find(p);
-    if (it == blocks_.end()) {
-      fprintf(stderr, "flatmoe error in pool.free: %p was not allocated by the pool\n", p);
-      exit(EXIT_FAILURE);
-    }
-    Block b = it->second;
-    blocks_.erase(it);
-    live_[(int)b.cat] -= b.bytes;
-    live_total_ -= b.bytes;
+    Block b;
+    if (!take_live(p, &b)) return;
     free_blocks_[b.rounded].push_back(p);
-    record('f', b.bytes, b.cat, b.tag.c_str());
   }
 
-  // Returns every cached block to CUDA (synchronises the device).
+  // p's last user is work already queued on `stream`: p leaves the live set now and is handed out
+  // again once that work has finished (see the header).
+  void free_after(void* p, cudaStream_t stream) {
+    Block b;
+    if (!take_live(p, &b)) return;
+    cudaEvent_t event = nullptr;
+    if (spare_events_.empty()) {
+      cudaCheck(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "pool.free_after", "tag=%s bytes=%zu",
+                b.tag.c_str(), b.bytes);
+    } else {
+      event = spare_events_.back();
+      spare_events_.pop_back();
+    }
+    cudaCheck(cudaEventRecord(event, stream), "pool.free_after", "tag=%s bytes=%zu", b.tag.c_str(), b.bytes);
+    pending_.push_back(PendingBlock{p, b.rounded, event});
+    pending_bytes_ += b.rounded;
+  }
+
+  // Returns every cached block to CUDA, and the events of pending blocks once their streams have
+  // finished (synchronises the device).
   void release_cached() {
+    cudaCheck(cudaDeviceSynchronize(), "pool.release_cached", "pending blocks=%zu", pending_.size());
+    reap_pending();
     for (auto& kv : free_blocks_) {
       for (void* p : kv.second) {
         cudaCheck(cudaFree(p), "pool.release_cached", "bytes=%zu", kv.first);
@@ -117,6 +145,8 @@ class Pool {
       }
       kv.second.clear();
     }
+    for (cudaEvent_t e : spare_events_) cudaCheck(cudaEventDestroy(e), "pool.release_cached", "events=%zu", spare_events_.size());
+    spare_events_.clear();
   }
 
   size_t live(Mem c) const { return live_[(int)c]; }
@@ -125,6 +155,8 @@ class Pool {
   size_t peak(Mem c) const { return peak_[(int)c]; }
   size_t reserved() const { return reserved_; }
   size_t blocks_live() const { return blocks_.size(); }
+  // Bytes (rounded) of blocks given back with free_after whose stream has not been seen to finish.
+  size_t pending_bytes() const { return pending_bytes_; }
 
   // The live blocks grouped by tag: "tag (category): N blocks, B bytes; ..." — what a leak report names.
   std::string describe_live() const {
@@ -204,13 +236,56 @@ class Pool {
     return (bytes + step - 1) / step * step;
   }
 
+  // Removes p from the live set (recording the free); false for nullptr. Exits if p is not the pool's.
+  bool take_live(void* p, Block* out) {
+    if (p == nullptr) return false;
+    auto it = blocks_.find(p);
+    if (it == blocks_.end()) {
+      fprintf(stderr, "flatmoe error in pool.free: %p was not allocated by the pool\n", p);
+      fm_exit_failure();
+    }
+    *out = it->second;
+    blocks_.erase(it);
+    live_[(int)out->cat] -= out->bytes;
+    live_total_ -= out->bytes;
+    record('f', out->bytes, out->cat, out->tag.c_str());
+    return true;
+  }
+
+  // Moves the pending blocks whose events have completed into the cache.
+  void reap_pending() {
+    size_t kept = 0;
+    for (size_t i = 0; i < pending_.size(); i++) {
+      const PendingBlock& b = pending_[i];
+      cudaError_t q = cudaEventQuery(b.event);
+      if (q == cudaErrorNotReady) {
+        pending_[kept++] = b;
+        continue;
+      }
+      cudaCheck(q, "pool.reap_pending", "bytes=%zu", b.rounded);
+      free_blocks_[b.rounded].push_back(b.ptr);
+      spare_events_.push_back(b.event);
+      pending_bytes_ -= b.rounded;
+    }
+    pending_.resize(kept);
+  }
+
   void record(char action, size_t bytes, Mem cat, const char* tag) {
     if (!timeline_on_) return;
     double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0_).count();
     events_.push_back(PoolEvent{t, action, bytes, cat, tag, live_total_});
   }
 
+  struct PendingBlock {
+    void* ptr;
+    size_t rounded;
+    cudaEvent_t event;  // recorded on the last user's stream at free_after
+  };
+
   std::unordered_map<void*, Block> blocks_;
+  std::vector<PendingBlock> pending_;
+  std::vector<cudaEvent_t> spare_events_;  // completed pending events, recorded again by free_after
+  size_t pending_bytes_ = 0;
   std::map<size_t, std::vector<void*>> free_blocks_;
   size_t live_[NCAT] = {0};
   size_t peak_[NCAT] = {0};
@@ -290,6 +365,7 @@ inline void runtime_release() {
     fm_fail("runtime_release", ("device memory still live at exit (a leak): " + pool().describe_live()).c_str(),
             "live blocks=%zu bytes=%zu", pool().blocks_live(), pool().live_total());
   pool().release_cached();
+  stream_order_release();
 }
 
 // cuBLAS on a stream, with the runtime's pooled workspace. cublasSetStream resets cuBLAS to a

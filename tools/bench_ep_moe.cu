@@ -102,9 +102,10 @@ static __global__ void fill_uniform_kernel(floatX* p, size_t n, float scale, uns
   p[i] = from_float<floatX>(scale * u);
 }
 
-DeviceBuffer<floatX> random_buffer(size_t n, float scale, unsigned long long seed, Mem cat, const char* tag) {
+DeviceBuffer<floatX> random_buffer(size_t n, float scale, unsigned long long seed, Mem cat, const char* tag,
+                                   cudaStream_t stream) {
   DeviceBuffer<floatX> buf(n, cat, tag);
-  fill_uniform_kernel<<<ceil_div(n, 256), 256>>>(buf.ptr, n, scale, seed);
+  fill_uniform_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(buf.ptr, n, scale, seed);
   launchCheck("bench_ep_moe.fill_uniform", "n=%zu tag=%s", n, tag);
   return buf;
 }
@@ -120,7 +121,7 @@ double median_ms(F pass, int warmup, int iters, cudaStream_t stream) {
     cudaCheck(cudaEventRecord(start, stream), "bench_ep_moe", "event record, pass %d", it);
     pass();
     cudaCheck(cudaEventRecord(stop, stream), "bench_ep_moe", "event record, pass %d", it);
-    cudaCheck(cudaEventSynchronize(stop), "bench_ep_moe", "event sync, pass %d", it);
+    stream_wait(stream, "bench_ep_moe", "pass %d", it);
     float ms = 0;
     cudaCheck(cudaEventElapsedTime(&ms, start, stop), "bench_ep_moe", "elapsed, pass %d", it);
     if (it >= warmup) times.push_back(ms);
@@ -140,7 +141,7 @@ size_t peak_dispatch_and_intermediates(F pass, cudaStream_t stream) {
   pool().clear_timeline();
   pool().set_timeline(true);
   pass();
-  cudaCheck(cudaStreamSynchronize(stream), "bench_ep_moe", "peak pass");
+  stream_wait(stream, "bench_ep_moe", "peak pass");
   pool().set_timeline(false);
   long long live = base, peak = base;
   for (const PoolEvent& e : pool().events()) {
@@ -171,25 +172,24 @@ int main(int argc, char** argv) {
   }
   const int E_l = E / W;
   const size_t w13_stride = (size_t)2 * I * H, w2_stride = (size_t)H * I;
-  cudaStream_t stream;
-  cudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "bench_ep_moe", "stream");
+  cudaStream_t stream = stream_create("bench_ep_moe");
 
   // every rank holds all E experts (the 1-GPU baseline needs them); EP uses its slice [rank·E_l, +E_l)
   const unsigned long long seed = f.seed * 1000003ULL + (unsigned long long)world.rank;
-  DeviceBuffer<floatX> x = random_buffer((size_t)N * H, 1.f, seed + 1, Mem::Activations, "bench.x");
-  DeviceBuffer<floatX> dout = random_buffer((size_t)N * H, 1.f, seed + 2, Mem::Activations, "bench.dout");
-  DeviceBuffer<floatX> W13 = random_buffer(E * w13_stride, 1.f / sqrtf((float)H), f.seed + 3, Mem::Weights, "bench.W13");
-  DeviceBuffer<floatX> W2 = random_buffer(E * w2_stride, 1.f / sqrtf((float)I), f.seed + 4, Mem::Weights, "bench.W2");
+  DeviceBuffer<floatX> x = random_buffer((size_t)N * H, 1.f, seed + 1, Mem::Activations, "bench.x", stream);
+  DeviceBuffer<floatX> dout = random_buffer((size_t)N * H, 1.f, seed + 2, Mem::Activations, "bench.dout", stream);
+  DeviceBuffer<floatX> W13 = random_buffer(E * w13_stride, 1.f / sqrtf((float)H), f.seed + 3, Mem::Weights, "bench.W13", stream);
+  DeviceBuffer<floatX> W2 = random_buffer(E * w2_stride, 1.f / sqrtf((float)I), f.seed + 4, Mem::Weights, "bench.W2", stream);
   DeviceBuffer<floatX> dW13(E * w13_stride, Mem::Grads, "bench.dW13"), dW2(E * w2_stride, Mem::Grads, "bench.dW2");
-  cudaCheck(cudaMemset(dW13.ptr, 0, dW13.bytes()), "bench_ep_moe", "dW13 elements=%zu", dW13.count);
-  cudaCheck(cudaMemset(dW2.ptr, 0, dW2.bytes()), "bench_ep_moe", "dW2 elements=%zu", dW2.count);
+  cudaCheck(cudaMemsetAsync(dW13.ptr, 0, dW13.bytes(), stream), "bench_ep_moe", "dW13 elements=%zu", dW13.count);
+  cudaCheck(cudaMemsetAsync(dW2.ptr, 0, dW2.bytes(), stream), "bench_ep_moe", "dW2 elements=%zu", dW2.count);
   DeviceBuffer<floatX> out((size_t)N * H, Mem::Activations, "bench.out");
   DeviceBuffer<floatX> dx((size_t)N * H, Mem::Activations, "bench.dx");
   DeviceBuffer<float> dtopk_w((size_t)N * k, Mem::Activations, "bench.dtopk_w");
   DeviceBuffer<float> topk_w((size_t)N * k, Mem::Activations, "bench.topk_w");
   DeviceBuffer<int> topk_idx((size_t)N * k, Mem::Activations, "bench.topk_idx");
   const std::vector<float> weights((size_t)N * k, 1.f / k);  // the paper's routing weights 1/k
-  cudaCheck(cudaMemcpy(topk_w.ptr, weights.data(), topk_w.bytes(), cudaMemcpyHostToDevice), "bench_ep_moe", "topk_w");
+  copy_to_device(topk_w.ptr, weights.data(), topk_w.bytes(), stream, "bench_ep_moe.topk_w");
   const floatX* W13_local = W13.ptr + (size_t)world.rank * E_l * w13_stride;
   const floatX* W2_local = W2.ptr + (size_t)world.rank * E_l * w2_stride;
   floatX* dW13_local = dW13.ptr + (size_t)world.rank * E_l * w13_stride;
@@ -213,7 +213,7 @@ int main(int argc, char** argv) {
 
   for (const std::string& name : f.profiles) {
     const std::vector<int> idx = routing_profile_indices(parse_routing_profile(name), N, E, k);
-    cudaCheck(cudaMemcpy(topk_idx.ptr, idx.data(), topk_idx.bytes(), cudaMemcpyHostToDevice), "bench_ep_moe", "topk_idx");
+    copy_to_device(topk_idx.ptr, idx.data(), topk_idx.bytes(), stream, "bench_ep_moe.topk_idx");
 
     long long received = 0;
     auto ep_pass = [&] {
@@ -257,7 +257,7 @@ int main(int argc, char** argv) {
       fflush(stdout);
     }
   }
-  cudaCheck(cudaStreamSynchronize(stream), "bench_ep_moe", "end");
+  stream_wait(stream, "bench_ep_moe", "end");
   cudaCheck(cudaStreamDestroy(stream), "bench_ep_moe", "stream");
   comm_destroy(world);
   return 0;

@@ -1,0 +1,172 @@
+// stream.cuh — streams, the order between them, and host waits that cannot hang (DESIGN §5).
+//
+// One process drives one GPU with several streams: the model's compute stream (created by the
+// trainer; stream 0 in single-stream tests) and one stream per NCCL communicator (runtime/comm.cuh),
+// so that an exchange can run while the compute stream multiplies. The rules that keep them from
+// racing and every rank from hanging:
+//   * Order between streams only through events on the GPU: stream_after(waiter, producer) makes the
+//     work enqueued on `waiter` from now on wait for everything enqueued on `producer` so far. The
+//     host never synchronises to order two streams.
+//   * Memory crosses streams through the pool's two frees (runtime/pool.cuh): free() when every user
+//     ran on, or was joined into, the stream that allocates next; free_after(p, stream) when the last
+//     user is work still queued on another stream.
+//   * Every host wait is stream_wait (or copy_to_host / copy_to_device, which wait before and after
+//     their copy: CUDA may synchronise with the stream inside a copy from or to pageable memory): it
+//     gives up after FLATMOE_COMM_TIMEOUT_S (runtime/check.cuh) and, while it waits, asks the wait
+//     watcher (runtime/comm.cuh installs one that polls every live NCCL communicator's asynchronous
+//     error). A timeout, a CUDA error on the stream or an NCCL error ends the process through fm_fail,
+//     whose failure hook aborts every communicator first, so that the other ranks stop too.
+//   * No synchronous copy (cudaMemcpy, or cudaMemcpyAsync from or to pageable memory while the
+//     stream is busy) and no legacy-default-stream work while communicators overlap: either can wait
+//     without a bound, or serialise streams that were meant to overlap.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+#include "check.cuh"
+
+// Why the ranks cannot go on ("" while they can): asked in every wait. runtime/comm.cuh installs one
+// that polls the asynchronous error of every live communicator; nullptr: nothing to watch.
+inline std::string (*&wait_watcher())() {
+  static std::string (*watcher)() = nullptr;
+  return watcher;
+}
+
+// A stream that never synchronises with the legacy default stream (cudaStreamNonBlocking).
+inline cudaStream_t stream_create(const char* op) {
+  cudaStream_t s = nullptr;
+  cudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), op, "cudaStreamCreateWithFlags(non-blocking)");
+  return s;
+}
+
+// The event stream_after records into. One suffices: cudaStreamWaitEvent waits for the event's state
+// at the time of the call, and later records do not change that wait.
+inline cudaEvent_t& stream_order_event() {
+  static cudaEvent_t event = nullptr;
+  return event;
+}
+
+// Work enqueued on `waiter` from now on runs after the work enqueued on `producer` so far.
+inline void stream_after(cudaStream_t waiter, cudaStream_t producer, const char* op) {
+  if (waiter == producer) return;
+  cudaEvent_t& event = stream_order_event();
+  if (event == nullptr) cudaCheck(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), op, "stream_after: event");
+  cudaCheck(cudaEventRecord(event, producer), op, "stream_after: record on the producer stream");
+  cudaCheck(cudaStreamWaitEvent(waiter, event, 0), op, "stream_after: wait on the waiter stream");
+}
+
+// Gives the stream-order event back to CUDA (runtime_release; it is made again when needed).
+inline void stream_order_release() {
+  cudaEvent_t& event = stream_order_event();
+  if (event != nullptr) cudaCheck(cudaEventDestroy(event), "stream_order_release", "cudaEventDestroy");
+  event = nullptr;
+}
+
+// A wait whose own polling blocks (a CUDA or NCCL query stuck behind a peer that is gone) cannot time
+// itself out. The wait watchdog — a thread started by the first wait — ends the process, through
+// fm_exit_failure, when the wait in progress has not returned WAIT_WATCHDOG_GRACE_S after its timeout.
+constexpr double WAIT_WATCHDOG_GRACE_S = 5;
+
+struct WaitWatchdog {
+  std::atomic<long long> overdue_at_ns{0};  // steady clock; 0: no wait in progress
+  std::atomic<const char*> what{""};        // a string literal naming the wait
+};
+
+inline long long steady_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline WaitWatchdog& wait_watchdog() {
+  static WaitWatchdog watchdog;
+  static std::once_flag started;
+  std::call_once(started, [] {
+    std::thread([] {
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        const long long overdue_at = watchdog.overdue_at_ns.load();
+        if (overdue_at == 0 || steady_now_ns() < overdue_at) continue;
+        fprintf(stderr,
+                "flatmoe: rank %d: %s did not return within %.0f s of its timeout (FLATMOE_COMM_TIMEOUT_S): a query "
+                "it polls is stuck behind a rank that is gone\n",
+                comm_process_rank(), watchdog.what.load(), WAIT_WATCHDOG_GRACE_S);
+        fm_exit_failure();
+      }
+    }).detach();
+  });
+  return watchdog;
+}
+
+// Brackets one bounded wait (not nested) for the watchdog.
+struct WatchedWait {
+  explicit WatchedWait(const char* what) {
+    WaitWatchdog& w = wait_watchdog();
+    w.what = what;
+    w.overdue_at_ns = steady_now_ns() + (long long)((comm_timeout_s() + WAIT_WATCHDOG_GRACE_S) * 1e9);
+  }
+  ~WatchedWait() { wait_watchdog().overdue_at_ns = 0; }
+  WatchedWait(const WatchedWait&) = delete;
+  WatchedWait& operator=(const WatchedWait&) = delete;
+};
+
+// Polls until `stream` has finished its work. Returns "" then, or why it gave up: a CUDA error on the
+// stream, what the wait watcher reports, or the timeout. Spins (yielding the CPU) for the first
+// millisecond, then sleeps 20 µs between polls.
+inline std::string stream_wait_why(cudaStream_t stream) {
+  WatchedWait watched("a wait for a stream");
+  const auto start = std::chrono::steady_clock::now();
+  for (long polls = 0;; polls++) {
+    cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) return "";
+    if (q != cudaErrorNotReady) return std::string("CUDA error on the stream: ") + cudaGetErrorString(q);
+    if (wait_watcher() != nullptr) {
+      std::string why = wait_watcher()();
+      if (!why.empty()) return why;
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > comm_timeout_s()) {
+      char why[256];
+      snprintf(why, sizeof why,
+               "timed out: the stream did not finish within %.0f s (FLATMOE_COMM_TIMEOUT_S); a rank stopped, or the "
+               "ranks called collectives in different orders",
+               waited);
+      return why;
+    }
+    if (waited < 1e-3) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// Waits for `stream` (stream_wait_why); on failure fm_fail names `op` and the sizes (printf format).
+__attribute__((format(printf, 3, 4))) inline void stream_wait(cudaStream_t stream, const char* op, const char* fmt, ...) {
+  std::string why = stream_wait_why(stream);
+  if (why.empty()) return;
+  va_list ap;
+  va_start(ap, fmt);
+  std::string sizes = fm_format(fmt, ap);
+  va_end(ap);
+  fm_fail(op, why.c_str(), "%s", sizes.c_str());
+}
+
+// host [bytes] = device [bytes] after the work queued on `stream`. Waits for the stream first (a copy
+// to pageable memory would otherwise wait for it without a bound), then for the copy.
+inline void copy_to_host(void* host, const void* device, size_t bytes, cudaStream_t stream, const char* op) {
+  if (bytes == 0) return;
+  stream_wait(stream, op, "before copying %zu bytes to the host", bytes);
+  cudaCheck(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream), op, "copy of %zu bytes to the host",
+            bytes);
+  stream_wait(stream, op, "copying %zu bytes to the host", bytes);
+}
+
+// device [bytes] = host [bytes], in the order of `stream`. Waits for the stream first: CUDA may stage
+// a copy from pageable memory after synchronising with the stream, which would otherwise wait without
+// a bound behind a collective whose partner is gone. Returns once the data is on the device (the host
+// buffer may then go).
+inline void copy_to_device(void* device, const void* host, size_t bytes, cudaStream_t stream, const char* op) {
+  if (bytes == 0) return;
+  stream_wait(stream, op, "before copying %zu bytes to the device", bytes);
+  cudaCheck(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream), op,
+            "copy of %zu bytes to the device", bytes);
+  stream_wait(stream, op, "copying %zu bytes to the device", bytes);
+}

@@ -1,0 +1,94 @@
+// tests/gpu_stream.cu — runtime/stream.cuh and the pool's two frees (runtime/pool.cuh), on one GPU.
+// A kernel that waits for a host flag (mapped pinned memory) keeps a side stream busy for exactly as
+// long as the test wants, so that every statement about "still queued" is deterministic:
+//   * free_after(p, side) while side's work still reads p: p is not live, its bytes are pending, and
+//     the pool does not hand p out; once side has finished, the next alloc of that size gets p back;
+//   * free(p) hands p out again at once (the single-stream case);
+//   * stream_after(compute, side): work enqueued on compute afterwards waits for side's work;
+//   * copy_to_host returns what the stream computed.
+#include <atomic>
+#include "gpu_util.cuh"
+
+namespace {
+
+// Waits until *release != 0 (the host sets it), then writes `value` into out[0]. Gives up after about
+// 20 s of GPU time so that a failing test cannot hang the machine.
+__global__ void wait_for_host_kernel(int* out, const volatile int* release, int value) {
+  const long long start = clock64();
+  while (*release == 0 && clock64() - start < 20LL * 2000000000LL) __nanosleep(1000);
+  out[0] = value;
+}
+
+// A host flag the GPU can read while a kernel runs.
+struct HostFlag {
+  int* host = nullptr;
+  int* device = nullptr;
+  HostFlag() {
+    cudaCheck(cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped), "test.flag", "cudaHostAlloc");
+    *host = 0;
+    cudaCheck(cudaHostGetDevicePointer(&device, host, 0), "test.flag", "device pointer");
+  }
+  ~HostFlag() { cudaFreeHost(host); }
+  void set() {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    *(volatile int*)host = 1;
+  }
+};
+
+TEST(Streams, FreeAfterKeepsTheBlockUntilTheStreamHasFinished) {
+  REQUIRE_GPU();
+  cudaStream_t side = stream_create("test.side");
+  HostFlag flag;
+  const size_t bytes = 3 << 20;
+  const size_t live_before = pool().live_total(), pending_before = pool().pending_bytes();
+  int* p = (int*)pool().alloc(bytes, Mem::Dispatch, "test.block");
+  wait_for_host_kernel<<<1, 1, 0, side>>>(p, flag.device, 7);
+  launchCheck("test.wait_for_host", "bytes=%zu", bytes);
+  pool().free_after(p, side);
+  EXPECT_EQ(pool().live_total(), live_before) << "a block given back is no longer live";
+  EXPECT_GE(pool().pending_bytes(), pending_before + bytes) << "but its bytes wait for the side stream";
+  int* q = (int*)pool().alloc(bytes, Mem::Dispatch, "test.block");
+  EXPECT_NE(q, p) << "the side stream still writes into p: the pool must not hand it out";
+  pool().free(q);
+  flag.set();
+  stream_wait(side, "test", "side stream");
+  int* r = (int*)pool().alloc(bytes, Mem::Dispatch, "test.block");
+  int* s = (int*)pool().alloc(bytes, Mem::Dispatch, "test.block");
+  EXPECT_TRUE(r == p || s == p) << "once the side stream has finished, p is handed out again";
+  EXPECT_EQ(pool().pending_bytes(), pending_before);
+  pool().free(r);
+  pool().free(s);
+  cudaCheck(cudaStreamDestroy(side), "test", "side stream");
+}
+
+TEST(Streams, FreeHandsTheBlockOutAgainAtOnce) {
+  REQUIRE_GPU();
+  const size_t bytes = 5 << 20;
+  void* p = pool().alloc(bytes, Mem::Dispatch, "test.block");
+  pool().free(p);
+  void* q = pool().alloc(bytes, Mem::Dispatch, "test.block");
+  EXPECT_EQ(q, p) << "stream order protects a block freed and reused on one stream";
+  pool().free(q);
+}
+
+TEST(Streams, StreamAfterMakesLaterWorkWaitForTheProducer) {
+  REQUIRE_GPU();
+  cudaStream_t side = stream_create("test.side"), compute = stream_create("test.compute");
+  HostFlag flag;
+  DeviceBuffer<int> produced(1, Mem::Workspace, "test.produced"), consumed(1, Mem::Workspace, "test.consumed");
+  cudaCheck(cudaMemsetAsync(consumed.ptr, 0, sizeof(int), compute), "test", "zero");
+  stream_wait(compute, "test", "zero");
+  wait_for_host_kernel<<<1, 1, 0, side>>>(produced.ptr, flag.device, 41);
+  launchCheck("test.wait_for_host", "producer");
+  stream_after(compute, side, "test");
+  cudaCheck(cudaMemcpyAsync(consumed.ptr, produced.ptr, sizeof(int), cudaMemcpyDeviceToDevice, compute), "test", "copy");
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(cudaStreamQuery(compute), cudaErrorNotReady) << "the copy must wait for the producer's kernel";
+  flag.set();
+  int got = 0;
+  copy_to_host(&got, consumed.ptr, sizeof(int), compute, "test.consumed");
+  EXPECT_EQ(got, 41);
+  for (cudaStream_t st : {side, compute}) cudaCheck(cudaStreamDestroy(st), "test", "stream");
+}
+
+}  // namespace
