@@ -1,9 +1,12 @@
 // The whole model on W ranks (data parallel + ZeRO-1 + expert parallel over all W ranks) against
 // the CPU reference over the global batch, each rank checking each tensor of its own shards; W ranks
 // against one GPU on the same global batch over ten steps; the model's state saved and restored at
-// W ranks, bit for bit; recomputation at W ranks, bit for bit.
+// W ranks, bit for bit; recomputation at W ranks, bit for bit. A rank that leaves in the middle of a
+// layer's exchange: the others stop within the communication timeout, aborting every communicator.
+#include <unistd.h>
 #include "../model.cuh"
 #include "../ref/model.hpp"
+#include "dist_jobs.cuh"
 #include "dist_util.cuh"
 #include "gpu_util.cuh"
 #include "model_util.cuh"
@@ -298,4 +301,68 @@ TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
       << "rank " << world.rank << ": recomputation must reproduce the gradients bit for bit";
   model_destroy(m);
   release(par);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A rank that leaves in the middle of a layer's exchange
+
+// The --moe ep dispatcher of a rank that leaves: at its `calls`-th forward it enqueues the layer's
+// exchanges (counts, rows out, rows back) and the process ends at once, exit status 0, with its NCCL
+// work still in flight. That is how a rank on another node looks to the others when its machine
+// fails: this node's launcher sees nothing wrong, and only the others' bounded waits can end the job.
+namespace {
+struct LeavingDispatcher : MoEDispatcher {
+  std::unique_ptr<MoEDispatcher> inner;
+  int calls_left;
+  LeavingDispatcher(std::unique_ptr<MoEDispatcher> d, int calls)
+      : MoEDispatcher(d->H, d->I, d->E, d->k), inner(std::move(d)), calls_left(calls) {}
+  std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
+                                         const floatX* W13, const floatX* W2, int N, cudaStream_t stream) override {
+    std::unique_ptr<DispatchSaved> saved = inner->forward(out, x, topk_idx, topk_w, W13, W2, N, stream);
+    if (--calls_left == 0) {
+      printf("rank 1 leaves during a MoE layer's exchange\n");
+      fflush(stdout);
+      _exit(0);
+    }
+    return saved;
+  }
+  void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const DispatchSaved& saved,
+                const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
+                cudaStream_t stream) override {
+    inner->backward(dx, dtopk_w, dW13, dW2, dout, saved, x, topk_idx, topk_w, W13, W2, stream);
+  }
+};
+
+}  // namespace
+
+// Rank 1 leaves during the last MoE layer's forward exchange; rank 0 goes on with the pass (its next
+// waits: the backward's, the loss) and must fail in one of them.
+TEST(DistScenario, DISABLED_RankLeavesDuringAllToAll) {
+  const Comm& world = test_world();
+  Parallel par = test_parallel();
+  const ModelConfig c = dist_config();
+  const int B = 2, T = c.seq_len, N = B * T;
+  testutil::Rng rng;
+  std::vector<int> x, y;
+  random_tokens(N, c.vocab, rng, x, y);
+  Model m = model_create(c, 1, par);
+  if (world.rank == 1) m.moe = std::make_unique<LeavingDispatcher>(std::move(m.moe), c.layers - c.n_dense);
+  PassOptions o;
+  o.dloss = 1.f / (N * world.size);
+  model_pass(m, x.data(), y.data(), B, T, o);
+  ADD_FAILURE() << "rank " << world.rank << " finished a pass whose partner left";
+  model_destroy(m);
+  release(par);
+}
+
+TEST(CommFailure, RankLeavingDuringAllToAllStopsTheOthersWithinTheTimeout) {
+  REQUIRE_WORLD(2);
+  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  JobResult job = run_scenario_job("RankLeavesDuringAllToAll", 2);
+  EXPECT_NE(job.exit_code, 0);
+  EXPECT_LT(job.seconds, 60) << "FLATMOE_COMM_TIMEOUT_S=10 in the sub-job";
+  expect_contains(job, "rank 1 leaves during a MoE layer's exchange");
+  expect_contains(job, "timed out");
+  expect_contains(job, "flatmoe: rank 0: aborting 3 communicator(s): world, ep, expert_replicas");
+  expect_contains(job, "flatmoe launch: rank 0 (pid ");
 }
