@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [sanitize] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine; bench-ep: expert-parallel MoE layer benchmark
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
+#   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
+#     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
 # FLATMOE_REQUIRE_GPU=1: a GPU test that finds no usable device fails instead of skipping.
 # Exit status: non-zero when the build, a test run or a sanitizer run failed (the other parts still run).
 # Dependencies come from .deps/ (Debian packages unpacked: Eigen, GoogleTest sources, fortunes),
@@ -87,6 +89,18 @@ if [[ " $want " == *" sanitize "* ]]; then
   sanitize test_gpu build/fp32/test_gpu --gtest_filter='GpuModel.*'
   sanitize train build/fp32/train --data data/fortunes --steps 3 --out build/run-sanitize --val_every 0 \
     --sample_every 0 --ckpt_every 0
+fi
+
+if [[ " $want " == *" faults "* ]]; then
+  for p in fp32 bf16; do
+    for run in 1 2 3; do
+      build/$p/test_dist --gtest_filter='CommFailure.*' > "$OUT/faults_${p}_$run.log" 2>&1
+      rc=$?
+      [ "$rc" -eq 0 ] || status=1
+      summary+=("faults $p run $run: exit $rc | $(grep -o 'scenario [A-Za-z]*: exit code [0-9]* after [0-9.]* s' \
+        "$OUT/faults_${p}_$run.log" | sed 's/scenario //' | tr '\n' ' ')")
+    done
+  done
 fi
 
 echo
