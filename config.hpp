@@ -12,6 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include "data/routing_profile.hpp"
+#include "data/routing_trace.hpp"
+
 // The model (DESIGN §2). Every dimension is a flag.
 struct ModelConfig {
   int vocab = 0;          // V: 0 = read from the tokenizer
@@ -63,7 +66,8 @@ struct TrainConfig {
   int timeline_step = -1;                  // write the pool timeline of this step (CSV + plot)
   int gpus = 1;                            // W: ranks (one process per GPU) started on this node
   int ep = 0;                              // E_p: expert-parallel group size (0 = W)
-  std::string routing = "router";          // "router", or a profile that overrides its choice: "balanced", "hot:r/h"
+  std::string routing = "router";          // "router", or what overrides its choice: "balanced", "hot:r/h", "trace:FILE"
+  std::string record_routing;              // a routing trace of the training passes goes to this file ("" = none)
   // Seams (DESIGN §1.1): which implementation serves each; chosen once, at start-up.
   std::string moe = "";                    // MoE dispatcher: local (E_p = 1) | ep; "" = local at E_p = 1, else ep
   std::string head = "full";               // output head: full (logits [N,V] inside the head)
@@ -206,6 +210,24 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.val_every >= 0 && t.val_batches >= 0 && t.sample_every >= 0 && t.sample_len >= 0 &&
            t.ckpt_every >= 0 && t.log_every > 0,
        "val_every, val_batches, sample_every, sample_len, ckpt_every must be >= 0, log_every > 0");
+  // --routing: a profile must fit the model (h <= E); a trace's file is checked against the run at
+  // start-up, before any GPU work (train.cu). A trace holds MoE layers' choices over training steps: a
+  // model without a MoE layer, or a run without a step, has none to record or replay.
+  const std::string trace = data::routing_trace_path(t.routing);
+  if (t.routing != "router" && trace.empty()) {
+    RoutingProfile profile;
+    try {
+      profile = parse_routing_profile(t.routing);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("--routing expects router, trace:FILE or a profile: ") + e.what());
+    }
+    routing_profile_indices(profile, t.batch * c.seq_len, c.experts, c.topk);  // refuses h > E
+  }
+  need(c.n_dense < c.layers || (trace.empty() && t.record_routing.empty()),
+       "--routing trace:FILE and --record_routing need a MoE layer (n_dense " + std::to_string(c.n_dense) + " of " +
+           std::to_string(c.layers) + " layers)");
+  need(t.record_routing.empty() || t.steps > 0,
+       "--record_routing " + t.record_routing + ": --steps 0 has no training step to record");
 }
 
 // ------------------------------------------------------------------------------------------
@@ -225,7 +247,8 @@ inline std::string usage() {
          "        --weight_decay X --beta1 X --beta2 X --adam_eps X --grad_clip X --bias_update u\n"
          "        --recompute 0|1 --seed S\n"
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
-         "        --routing router|balanced|hot:r/h (a profile overrides the router's expert choice)\n"
+         "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
+         "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
          "seams:  --moe local|ep (default: local at E_p = 1, else ep) --head full --optimizer adamw\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
@@ -354,6 +377,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--gpus", &T::gpus),
       int_flag("--ep", &T::ep),
       text_flag("--routing", &T::routing),
+      text_flag("--record_routing", &T::record_routing),
       text_flag("--moe", &T::moe),
       text_flag("--head", &T::head),
       text_flag("--optimizer", &T::optimizer),
@@ -426,6 +450,19 @@ inline std::string moe_dispatcher(const TrainConfig& t) {
   if (!t.moe.empty()) return t.moe;
   const int ep = t.ep ? t.ep : t.gpus;
   return ep == 1 ? "local" : "ep";
+}
+
+// The shape of a routing trace of this model on `world` ranks of `tokens` tokens per training pass
+// (data/routing_trace.hpp): every MoE layer, n_dense..L−1, in order.
+inline data::RoutingTraceShape routing_trace_shape(const ModelConfig& c, int tokens, int world) {
+  data::RoutingTraceShape shape;
+  shape.world = world;
+  shape.experts = c.experts;
+  shape.topk = c.topk;
+  for (int l = 0; l < c.layers; l++)
+    if (c.is_moe_layer(l)) shape.layers.push_back(l);
+  shape.tokens.assign(world, tokens);
+  return shape;
 }
 
 // Learning rate at optimizer step s (0-based): linear warmup, then cosine to lr·min_lr_frac.

@@ -27,6 +27,7 @@
 
 #include "config.hpp"
 #include "data/routing_profile.hpp"
+#include "data/routing_trace.hpp"
 #include "ops/adamw.cuh"
 #include "ops/attention.cuh"
 #include "ops/common.cuh"
@@ -119,6 +120,14 @@ struct Model {
   // --routing: a profile (paper appendix B.2) that replaces the router's expert choice
   bool routing_override = false;
   RoutingProfile routing;
+
+  // Routing traces (data/routing_trace.hpp) follow the training passes, numbered by model_train_step
+  // (pass = step·accum + micro-batch); every other pass (validation, samples, a test's own) is -1 and
+  // routes by the router or the profile.
+  long long training_pass = -1;
+  std::unique_ptr<data::RankRoutes> replay;  // --routing trace:FILE: this rank's recorded choices
+  bool record_routing = false;               // --record_routing: every rank gathers each training pass's
+  std::unique_ptr<data::RoutingTraceWriter> routing_record;  // choices, and rank 0 appends them here
 };
 
 // The ranks that share a region (and shard its optimizer state).
@@ -375,8 +384,9 @@ struct LayerBoundaries {
 };
 
 // Router of MoE layer l on ln2 (N×H), in FP32 in both builds (logits, scores, top-k, bias; its
-// backward too): scores, top-k choice and weights into `a`; the choice of a
-// routing profile instead when one is set. Counts routes per expert into m.step_loads when asked.
+// backward too): scores, top-k choice and weights into `a`; the choice of a routing profile, or of a
+// replayed trace in a training pass, instead when one is set. Counts routes per expert into
+// m.step_loads when asked.
 inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) {
   const ModelConfig& c = m.cfg;
   const int E = c.experts, k = c.topk;
@@ -389,9 +399,15 @@ inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) 
   router_forward(a.topk_idx, a.topk_w, a.scores, logits, m.router_bias_dev + (size_t)l * E, N, E, k, c.score_fn,
                  c.renorm != 0, s);
   pool().free(logits);
-  if (m.routing_override) {  // the profile's experts, weighted by the router's scores for them
-    std::vector<int> idx = routing_profile_indices(m.routing, N, E, k);
-    copy_to_device(a.topk_idx, idx.data(), idx.size() * sizeof(int), s, "routing_profile");
+  // a replayed trace records the MoE layers n_dense..L−1 in order (train.cu checked it fits this run)
+  const int* traced = m.replay && m.training_pass >= 0 ? m.replay->at(m.training_pass, l - c.n_dense) : nullptr;
+  if (traced && m.replay->per_layer != (size_t)N * k)
+    fm_fail("router_step", "the routing trace holds another number of routes per layer", "N=%d k=%d trace=%zu", N, k,
+            m.replay->per_layer);
+  if (m.routing_override || traced) {  // the profile's or the trace's experts, weighted by the router's scores for them
+    const std::vector<int> profile = traced ? std::vector<int>() : routing_profile_indices(m.routing, N, E, k);
+    copy_to_device(a.topk_idx, traced ? traced : profile.data(), (size_t)N * k * sizeof(int), s,
+                   traced ? "routing_trace" : "routing_profile");
     router_weights(a.topk_w, a.scores, a.topk_idx, N, E, k, c.renorm != 0, s);
   }
   if (count_loads) {
@@ -562,6 +578,26 @@ inline int* upload_ints(const int* host, int n, Mem cat, const char* tag, cudaSt
   return dev;
 }
 
+// --record_routing: the choices of every MoE layer of every rank in a training pass are gathered on
+// the device into [L_moe][W][N·k] — a trace's batch (data/routing_trace.hpp) — by one all_gather per
+// MoE layer on the compute stream (every rank records, in layer order, like the dispatcher's own
+// collectives); rank 0 downloads the batch with the pass's loss and appends it to the trace.
+// Live: W·L_moe·N·k ints on the device during the pass (CommStaging), one batch on rank 0's host.
+inline void gather_layer_routes(Model& m, int l, const int* topk_idx, int* gathered, int N) {
+  const size_t routes = (size_t)N * m.cfg.topk;
+  int* layer = gathered + (size_t)(l - m.cfg.n_dense) * m.par.world.size * routes;  // MoE layers n_dense..L−1
+  if (m.par.world.size > 1) all_gather(m.par.world, topk_idx, layer, routes, m.stream);
+  else cudaCheck(cudaMemcpyAsync(layer, topk_idx, routes * sizeof(int), cudaMemcpyDeviceToDevice, m.stream),
+                 "record_routing", "N=%d", N);
+}
+
+inline void append_gathered_routes(Model& m, const int* gathered, size_t count) {
+  if (!m.routing_record) return;  // only rank 0 writes the trace
+  std::vector<int> batch(count);
+  copy_to_host(batch.data(), gathered, count * sizeof(int), m.stream, "record_routing");
+  m.routing_record->append(batch.data(), batch.size());
+}
+
 inline void check_seq_len(const Model& m, int T) {
   if (T > m.cfg.seq_len || T < 1) fm_fail("model_pass", "sequence longer than the model's seq_len", "T=%d seq_len=%d", T, m.cfg.seq_len);
 }
@@ -588,7 +624,15 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
   }
   LayerBoundaries boundaries(L, NH);
   std::vector<LayerActs> acts(L);
-  forward_layers(m, tokens_dev, B, T, boundaries, acts, o.backward && !o.recompute, o.count_loads);
+  const bool record = m.record_routing && m.training_pass >= 0;  // --record_routing
+  const size_t recorded_count = record ? (size_t)(L - c.n_dense) * m.par.world.size * N * c.topk : 0;
+  int* recorded = record ? pool().alloc_t<int>(recorded_count, Mem::CommStaging, "recorded_routes") : nullptr;
+  std::function<void(int, const LayerActs&)> record_layer;
+  if (record)
+    record_layer = [&](int l, const LayerActs& a) {
+      if (c.is_moe_layer(l)) gather_layer_routes(m, l, a.topk_idx, recorded, N);
+    };
+  forward_layers(m, tokens_dev, B, T, boundaries, acts, o.backward && !o.recompute, o.count_loads, record_layer);
 
   floatX* lnf = pool().alloc_t<floatX>(NH, Mem::Activations, "lnf");
   float* lnf_rstd = pool().alloc_t<float>(N, Mem::Activations, "lnf_rstd");
@@ -621,9 +665,11 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     pool().free(d_x);
     for (int* p : bucket_dev) pool().free(p);
   }
+  if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream, as the loss's download does
   float loss_total = 0.f;
   copy_to_host(&loss_total, loss_total_dev, sizeof(float), s, "model_pass.loss");
-  for (void* p : {(void*)tokens_dev, (void*)targets_dev, (void*)lnf, (void*)lnf_rstd, (void*)loss_total_dev}) pool().free(p);
+  for (void* p : {(void*)tokens_dev, (void*)targets_dev, (void*)lnf, (void*)lnf_rstd, (void*)loss_total_dev, (void*)recorded})
+    pool().free(p);
   return loss_total / N;
 }
 
@@ -759,8 +805,10 @@ float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, i
   for (int micro = 0; micro < accum; micro++) {
     next_batch(x.data(), y.data());
     pool().mark(("micro-batch " + std::to_string(micro)).c_str());
+    m.training_pass = (long long)step * accum + micro;  // what routing traces follow
     loss += model_pass(m, x.data(), y.data(), B, T, o) / accum;
   }
+  m.training_pass = -1;
   pool().mark("optimizer");
   float norm = model_update(m, t, lr_at(t, step));
   comm_sync(m.par.world, m.stream, "train_step");

@@ -26,6 +26,7 @@
 #include "checkpoint.hpp"
 #include "data/dataloader.hpp"
 #include "data/routing_profile.hpp"
+#include "data/routing_trace.hpp"
 #include "data/tokenizer.hpp"
 
 using data::DataLoader;
@@ -186,6 +187,7 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("router bias u", buf);
   row("recompute", t.recompute ? "layer-level" : "off");
   row("routing", t.routing);
+  row("record routing", t.record_routing.empty() ? "off" : t.record_routing);
   row("seams moe/head/opt", moe_dispatcher(t) + " / " + t.head + " / " + t.optimizer);
   snprintf(buf, sizeof buf, "%.0f TFLOP/s", peak_flops / 1e12);
   row("MFU peak basis", buf);
@@ -253,15 +255,15 @@ int train_main(int argc, char** argv) {
     validate(mc);
     validate(tc, mc);
     { DataLoader check_train(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab), check_val(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab); }
-    RoutingProfile routing;
-    if (tc.routing != "router") {
-      routing = parse_routing_profile(tc.routing);
-      routing_profile_indices(routing, tc.batch * mc.seq_len, mc.experts, mc.topk);  // refuses h > E
-    }
-    if (!tc.resume.empty()) {  // the whole checkpoint set, before any GPU or NCCL work
-      LaunchEnv started;
-      if (parse_launch_env([](const char* name) -> const char* { return getenv(name); }, tc.gpus, &started).empty())
-        ckpt::check_checkpoint_set(tc.resume, started.world, sizeof(floatX) == 2);  // (else launch() names the problem)
+    const std::string trace_path = data::routing_trace_path(tc.routing);  // --routing trace:FILE
+    // The checkpoint set and the routing trace, whole, before any GPU or NCCL work, at the world the
+    // launcher starts (else launch() names the problem)
+    LaunchEnv started;
+    if (parse_launch_env([](const char* name) -> const char* { return getenv(name); }, tc.gpus, &started).empty()) {
+      if (!tc.resume.empty()) ckpt::check_checkpoint_set(tc.resume, started.world, sizeof(floatX) == 2);
+      if (!trace_path.empty())
+        data::check_routing_trace_fits(data::read_routing_trace(trace_path),
+                                       routing_trace_shape(mc, tc.batch * mc.seq_len, started.world));
     }
     const int gpus = gpu_count();
     if (gpus == 0) {
@@ -278,6 +280,13 @@ int train_main(int argc, char** argv) {
                                   " ranks started by the launcher");
     tc.gpus = li.world;
     validate(tc, mc);
+    // Each rank reads the trace again and keeps its own part (the launcher process keeps none of it).
+    std::unique_ptr<data::RankRoutes> replay;
+    if (!trace_path.empty()) {
+      const data::RoutingTrace trace = data::read_routing_trace(trace_path);
+      data::check_routing_trace_fits(trace, routing_trace_shape(mc, tc.batch * mc.seq_len, li.world));
+      replay = std::make_unique<data::RankRoutes>(data::rank_routes(trace, li.rank));
+    }
     Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus);
     runtime_prepare();  // the cuBLAS handle and its pooled workspace, before anything is measured
     const bool main_rank = par.world.rank == 0;
@@ -298,8 +307,19 @@ int train_main(int argc, char** argv) {
     } else {
       m = model_create(mc, tc.seed, par, stream, seams_from(tc));
     }
-    m.routing_override = tc.routing != "router";
-    m.routing = routing;
+    m.routing_override = tc.routing != "router" && trace_path.empty();
+    if (m.routing_override) m.routing = parse_routing_profile(tc.routing);
+    m.replay = std::move(replay);
+    // --record_routing: this run's training passes, from where it starts (a resume: its checkpoint's step)
+    m.record_routing = !tc.record_routing.empty();
+    const long long passes = (long long)(tc.steps - st.step) * accum;
+    if (m.record_routing && (passes < 1 || passes > INT32_MAX))
+      throw std::invalid_argument("--record_routing " + tc.record_routing + ": " + std::to_string(passes) +
+                                  " training passes from step " + std::to_string(st.step) + " to --steps " +
+                                  std::to_string(tc.steps) + " (a trace holds 1 to 2^31 - 1)");
+    if (m.record_routing && main_rank)
+      m.routing_record = std::make_unique<data::RoutingTraceWriter>(
+          tc.record_routing, routing_trace_shape(mc, B * T, W), (long long)st.step * accum, (int)passes);
     const double peak_flops = peak_flops_for_build() * W;
     if (main_rank) print_config(mc, tc, m, accum, peak_flops / W);
 
@@ -367,6 +387,10 @@ int train_main(int argc, char** argv) {
       fprintf(log, "%d,%.6f,nan,%.6e,%.6f,%.3f,%.1f,%.5f,%.2f,%.4f,%.6f,%.6f\n", step + 1, loss, lr, norm, ms, tok_s,
               mfu, pool().peak() / 1048576.0, bal.worst_max_over_mean, bal.bias_min, bal.bias_max);
       fflush(log);
+    }
+    if (m.routing_record) {
+      m.routing_record->commit();
+      printf("routing trace written: %s (%d training passes)\n", tc.record_routing.c_str(), m.routing_record->written());
     }
     if (log) fclose(log);
     model_destroy(m);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 #include "../config.hpp"
+#include "../data/routing_trace.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -36,6 +37,15 @@ std::string validate_error(const ModelConfig& m) {
   return "";
 }
 
+std::string validate_error(const TrainConfig& t, const ModelConfig& m) {
+  try {
+    validate(t, m);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 ModelConfig valid_model() {
   ModelConfig m;
   m.vocab = 512;
@@ -45,8 +55,8 @@ ModelConfig valid_model() {
 // Every TrainConfig field, each once.
 using T = TrainConfig;
 const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_pattern, &T::val_pattern, &T::tokenizer,
-                                                   &T::out_dir,  &T::resume,        &T::routing,     &T::moe,
-                                                   &T::head,     &T::optimizer};
+                                                   &T::out_dir,  &T::resume,        &T::routing,     &T::record_routing,
+                                                   &T::moe,      &T::head,          &T::optimizer};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
                                           &T::recompute,  &T::val_every,    &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step,
@@ -222,6 +232,59 @@ TEST(ConfigDims, RefusesRankLayoutsThatDoNotDivide) {
   EXPECT_THROW(validate(t, m), std::invalid_argument);
 }
 
+// --routing: the router, a profile that fits the model, or trace:FILE (whose file the trainer checks
+// at start-up); --record_routing: a file name, a training step and a MoE layer to record.
+TEST(ConfigRouting, RefusesRoutingsThatCannotRun) {
+  const ModelConfig m = valid_model();  // E = 8, k = 2
+  TrainConfig t;
+  for (const char* routing : {"router", "balanced", "hot:0.5/2", "hot:1/8", "trace:runs/a/trace.bin"}) {
+    t.routing = routing;
+    EXPECT_EQ(validate_error(t, m), "") << routing;
+  }
+  t.routing = "trace:";
+  EXPECT_EQ(validate_error(t, m), "routing 'trace:': expected trace:FILE, with the trace's file name");
+  t.routing = "hot";
+  EXPECT_NE(validate_error(t, m).find("--routing expects router, trace:FILE or a profile: routing profile 'hot'"),
+            std::string::npos)
+      << validate_error(t, m);
+  t.routing = "hot:0.5/9";  // h > E
+  EXPECT_EQ(validate_error(t, m), "routing profile hot:0.5/9 with E=8: needs h <= E, and h < E unless every token is hot");
+  EXPECT_NE(parse_error({"--routing", ""}).find("flag --routing expects a non-empty value"), std::string::npos);
+}
+
+TEST(ConfigRouting, RecordRoutingNeedsAFileAStepAndAMoELayer) {
+  ModelConfig m = valid_model();
+  TrainConfig t;
+  t.record_routing = "runs/a/trace.bin";
+  EXPECT_EQ(validate_error(t, m), "");
+  EXPECT_EQ(parse_error({"--record_routing", "runs/a/trace.bin", "--routing", "trace:runs/b/trace.bin"}), "");
+  EXPECT_NE(parse_error({"--record_routing", ""}).find("flag --record_routing expects a non-empty value"),
+            std::string::npos);
+  t.steps = 0;
+  EXPECT_EQ(validate_error(t, m), "--record_routing runs/a/trace.bin: --steps 0 has no training step to record");
+  t.steps = 10;
+  m.n_dense = m.layers;  // no MoE layer: nothing to record, nothing to replay
+  EXPECT_EQ(validate_error(t, m), "--routing trace:FILE and --record_routing need a MoE layer (n_dense 6 of 6 layers)");
+  t.record_routing = "";
+  t.routing = "trace:runs/a/trace.bin";
+  EXPECT_EQ(validate_error(t, m), "--routing trace:FILE and --record_routing need a MoE layer (n_dense 6 of 6 layers)");
+}
+
+// The shape a run's trace has: every MoE layer n_dense..L−1, W ranks of B·T tokens.
+TEST(ConfigRouting, RunTraceShapeIsEveryMoELayerOfEveryRank) {
+  ModelConfig c;
+  c.layers = 5;
+  c.n_dense = 2;
+  c.experts = 16;
+  c.topk = 4;
+  const data::RoutingTraceShape s = routing_trace_shape(c, 256, 3);
+  EXPECT_EQ(s.world, 3);
+  EXPECT_EQ(s.experts, 16);
+  EXPECT_EQ(s.topk, 4);
+  EXPECT_EQ(s.layers, (std::vector<int>{2, 3, 4}));
+  EXPECT_EQ(s.tokens, (std::vector<int>{256, 256, 256}));
+}
+
 TEST(ConfigLayout, ExpertStacksComeLastAndAreMarked) {
   ModelConfig m = valid_model();
   m.n_dense = 1; m.shared_expert = 1;
@@ -307,4 +370,43 @@ TEST(ConfigTrainBinary, BadResumeRefusedBeforeTheGpu) {
   message = run();
   EXPECT_NE(message.find(ckpt_dir + "/rank0.bin"), std::string::npos) << message;
   EXPECT_NE(message.find("bad magic"), std::string::npos) << message;
+}
+
+// --routing trace:FILE is checked before any GPU work: on a machine without a GPU a trace that does
+// not fit the run, or a damaged one, is refused naming the file and the problem (not "no CUDA
+// device"), and nothing is written.
+TEST(ConfigTrainBinary, RoutingTraceThatDoesNotFitRefusedBeforeTheGpu) {
+  const char* bin = getenv("FLATMOE_TRAIN");
+  std::string train = bin ? bin : "build/fp32/train";
+  struct stat sb;
+  if (stat(train.c_str(), &sb) != 0) GTEST_SKIP() << "trainer binary " << train << " not built";
+  if (stat("data/fortunes/tokenizer.bin", &sb) != 0) GTEST_SKIP() << "data/fortunes not prepared (make data)";
+  testutil::TempDir dir;
+  const std::string out = dir.file("out"), trace_path = dir.file("trace.bin"), err = dir.file("stderr.txt");
+  auto run = [&]() {
+    const std::string cmd = train + " --data data/fortunes --layers 3 --n_dense 1 --experts 8 --topk 2 --batch 2 --seq_len 16"
+                            " --out " + out + " --routing trace:" + trace_path + " 2> " + err;
+    EXPECT_NE(system(cmd.c_str()), 0);
+    EXPECT_NE(stat(out.c_str(), &sb), 0) << "nothing is written when the trace is refused";
+    return testutil::read_bytes(err);
+  };
+  data::RoutingTrace trace;  // recorded by a run of 4 experts and the MoE layers 0..2
+  trace.shape.world = 1;
+  trace.shape.experts = 4;
+  trace.shape.topk = 2;
+  trace.shape.layers = {0, 1, 2};
+  trace.shape.tokens = {32};
+  trace.batches = 1;
+  trace.indices.assign(trace.shape.batch_indices(), 3);
+  data::write_routing_trace(trace_path, trace);
+  std::string message = run();
+  EXPECT_NE(message.find("routing trace " + trace_path + " does not match this run: E (experts): the trace has 4, this "
+                         "run 8; MoE layers: the trace has [0, 1, 2], this run [1, 2]"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("CUDA"), std::string::npos) << message;
+  testutil::write_bytes(trace_path, std::string(100, 'x'));
+  message = run();
+  EXPECT_NE(message.find("routing trace " + trace_path + ": bad magic"), std::string::npos) << message;
+  EXPECT_EQ(message.find("CUDA"), std::string::npos) << message;
 }
