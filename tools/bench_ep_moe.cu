@@ -1,11 +1,16 @@
 // tools/bench_ep_moe.cu — standard expert parallelism (ops/ep_moe.cuh) on W ranks against the
 // single-GPU MoE (ops/moe.cuh) in the same run, under the routing profiles of the paper's appendix B.2
-// (ops/router.cuh: balanced, hot:r/h; routing weights 1/k).
+// (data/routing_profile.hpp: balanced, hot:r/h) or a recorded routing trace (data/routing_trace.hpp:
+// trace:FILE); routing weights 1/k.
 //
 //   build/bf16/bench_ep_moe --gpus 2 [--tokens 8192 --hidden 2048 --inter 1408 --experts 16 --topk 4
 //                            --warmup 5 --iters 20 --seed 1 --profiles balanced,hot:0.25/1,hot:0.5/2,hot:1/4]
+//                            [--profiles trace:FILE --trace_batch 0 --trace_layer L]
 //
-// Per profile, every rank routes its N tokens by the profile (the same on every rank), then:
+// Per profile, every rank routes its N tokens by the profile (the same on every rank) or by the
+// trace (each rank its own recorded tokens: batch --trace_batch, MoE layer --trace_layer, by default
+// the first recorded; the trace must have been recorded by W ranks of --tokens tokens, with --experts
+// and --topk, else it is refused before the GPU starts), then:
 //   EP      ep_moe_forward + ep_moe_backward over the group of all W ranks (E_p = W, E/W experts each)
 //   1 GPU   moe_forward + moe_backward of the same N tokens with all E experts, on every rank at once
 // Latency: CUDA events around forward + backward, median of `iters` passes after `warmup`, the
@@ -25,18 +30,22 @@
 #include "../ops/moe.cuh"
 #include "../ops/router.cuh"
 #include "../data/routing_profile.hpp"
+#include "../data/routing_trace.hpp"
 
 struct BenchFlags {
   int gpus = 1, tokens = 8192, hidden = 2048, inter = 1408, experts = 16, topk = 4, warmup = 5, iters = 20;
   unsigned long long seed = 1;
   std::vector<std::string> profiles = {"balanced", "hot:0.25/1", "hot:0.5/2", "hot:1/4"};
+  int trace_batch = 0;   // the batch of a trace:FILE profile
+  int trace_layer = -1;  // its MoE layer (the model's layer index); -1: the first the trace records
 };
 
 [[noreturn]] void bench_usage(const std::string& why) {
   fprintf(stderr,
           "bench_ep_moe: %s\n"
           "usage: bench_ep_moe [--gpus W] [--tokens N per rank] [--hidden H] [--inter I] [--experts E] [--topk k]\n"
-          "                    [--warmup n] [--iters n] [--seed s] [--profiles balanced,hot:r/h,...]\n",
+          "                    [--warmup n] [--iters n] [--seed s] [--profiles balanced,hot:r/h,trace:FILE,...]\n"
+          "                    [--trace_batch b] [--trace_layer l]\n",
           why.c_str());
   exit(EXIT_FAILURE);
 }
@@ -49,6 +58,33 @@ long long parse_flag_int(const std::string& flag, const char* text, long long lo
   if (text[0] == '\0' || *end != '\0' || errno != 0 || v < lo || v > hi)
     bench_usage(flag + " '" + text + "': expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
   return v;
+}
+
+// The routes [N·k] of `rank` of `world` under profile `name`, and the name of the routing for the table.
+struct BenchRoutes {
+  std::vector<int> topk_idx;
+  std::string label;
+};
+
+BenchRoutes bench_routes(const BenchFlags& f, const std::string& name, int world, int rank) {
+  const std::string trace_path = data::routing_trace_path(name);
+  if (trace_path.empty()) return {routing_profile_indices(parse_routing_profile(name), f.tokens, f.experts, f.topk), name};
+  const data::RoutingTrace trace = data::read_routing_trace(trace_path);
+  data::RoutingTraceShape run = trace.shape;  // a benchmark has no layers of its own: it takes one of the trace's
+  run.world = world;
+  run.experts = f.experts;
+  run.topk = f.topk;
+  run.tokens.assign(world, f.tokens);
+  data::check_routing_trace_fits(trace, run);
+  const int layer = f.trace_layer < 0 ? trace.shape.layers.front() : f.trace_layer;
+  const int slot = data::routing_trace_layer_slot(trace, layer);
+  if (f.trace_batch >= trace.batches)
+    throw std::invalid_argument("--trace_batch " + std::to_string(f.trace_batch) + ": routing trace " + trace_path +
+                                " holds " + std::to_string(trace.batches) + " batches");
+  const data::RankRoutes routes = data::rank_routes(trace, rank);
+  const int32_t* idx = routes.at(trace.first + f.trace_batch, slot);
+  return {std::vector<int>(idx, idx + routes.per_layer),
+          name + " (batch " + std::to_string(f.trace_batch) + ", layer " + std::to_string(layer) + ")"};
 }
 
 BenchFlags parse_bench_flags(int argc, char** argv) {
@@ -67,6 +103,8 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
     else if (flag == "--warmup") f.warmup = (int)parse_flag_int(flag, value, 0, 1000);
     else if (flag == "--iters") f.iters = (int)parse_flag_int(flag, value, 1, 10000);
     else if (flag == "--seed") f.seed = (unsigned long long)parse_flag_int(flag, value, 0, LLONG_MAX);
+    else if (flag == "--trace_batch") f.trace_batch = (int)parse_flag_int(flag, value, 0, INT_MAX);
+    else if (flag == "--trace_layer") f.trace_layer = (int)parse_flag_int(flag, value, 0, INT_MAX);
     else if (flag == "--profiles") {
       f.profiles.clear();
       std::string list = value;
@@ -78,15 +116,17 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
       }
     } else bench_usage("unknown flag " + flag);
   }
+  if ((long long)f.tokens * f.topk * f.gpus > INT_MAX) bench_usage("--tokens x --topk x --gpus exceeds int route indices");
+  // every profile and trace, before any GPU work, at the world the launcher starts (else launch() names the problem)
+  LaunchEnv started;
+  const bool world_known = parse_launch_env([](const char* name) -> const char* { return getenv(name); }, f.gpus, &started).empty();
   for (const std::string& name : f.profiles) {
     try {
-      RoutingProfile p = parse_routing_profile(name);
-      routing_profile_indices(p, f.tokens, f.experts, f.topk);
-    } catch (const std::invalid_argument& e) {
+      if (world_known || data::routing_trace_path(name).empty()) bench_routes(f, name, started.world, 0);
+    } catch (const std::exception& e) {
       bench_usage(e.what());
     }
   }
-  if ((long long)f.tokens * f.topk * f.gpus > INT_MAX) bench_usage("--tokens x --topk x --gpus exceeds int route indices");
   return f;
 }
 
@@ -212,8 +252,8 @@ int main(int argc, char** argv) {
   }
 
   for (const std::string& name : f.profiles) {
-    const std::vector<int> idx = routing_profile_indices(parse_routing_profile(name), N, E, k);
-    copy_to_device(topk_idx.ptr, idx.data(), topk_idx.bytes(), stream, "bench_ep_moe.topk_idx");
+    const BenchRoutes routes = bench_routes(f, name, W, world.rank);
+    copy_to_device(topk_idx.ptr, routes.topk_idx.data(), topk_idx.bytes(), stream, "bench_ep_moe.topk_idx");
 
     long long received = 0;
     auto ep_pass = [&] {
@@ -251,7 +291,7 @@ int main(int argc, char** argv) {
     if (world.rank == 0) {
       const double MiB = 1048576.0;
       const size_t closed_form = ep_moe_dispatch_peak_bytes((long long)N * k, max_received, H, sizeof(floatX));
-      printf("| %s | %d | %lld | %.3f | %.3f | %.2f | %.1f | %.1f | %.2f | %.1f |\n", name.c_str(), W, max_received,
+      printf("| %s | %d | %lld | %.3f | %.3f | %.2f | %.1f | %.1f | %.2f | %.1f |\n", routes.label.c_str(), W, max_received,
              max_ep_us / 1e3, max_single_us / 1e3, (double)max_ep_us / max_single_us, max_ep_peak / MiB,
              max_single_peak / MiB, (double)max_ep_peak / max_single_peak, closed_form / MiB);
       fflush(stdout);
