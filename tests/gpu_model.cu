@@ -1,11 +1,13 @@
 // The whole GPU model (model.cuh) against the CPU reference model (ref/model.hpp) on identical
 // weights and tokens: first-step loss and every parameter gradient, ten training steps,
 // recomputation, pool accounting, the model's state saved and restored bit for bit, and the trainer
-// binary resuming from a checkpoint folder bit for bit at W = 1 and W = 2.
+// binary resuming from a checkpoint folder bit for bit, and recording and replaying its routing, at
+// W = 1 and W = 2.
 #include <sys/stat.h>
 #include "../model.cuh"
 #include "../checkpoint.hpp"
 #include "../data/dataloader.hpp"
+#include "../data/routing_trace.hpp"
 #include "../data/shards.hpp"
 #include "../ref/model.hpp"
 #include "gpu_util.cuh"
@@ -401,4 +403,78 @@ TEST(Trainer, ResumeFromCheckpointIsBitIdenticalOneRank) {
 TEST(Trainer, ResumeFromCheckpointIsBitIdenticalTwoRanks) {
   REQUIRE_GPU();
   trainer_resume_is_bit_identical(2);
+}
+
+// Routing traces through the trainer (FLATMOE_TRAIN, the FP32 build's binary), at W = 1 and W = 2:
+//   recorded   --record_routing: 6 steps of 2 micro-batches, a trace of 12 batches
+//   replayed   --routing trace: of that trace, recording its own routing: the same experts, memcmp,
+//              and the same losses bit for bit (the router's own choice replayed with its own scores)
+//   other      --seed 7 replaying the trace: the trace's experts, not what its router chooses, which
+//   router     (--seed 7 without the trace) differs
+//   resumed    the replayed run resumed at step 3 with the trace: training pass 6 onwards takes batches
+//              6.. of the trace (batch (pass − first) mod S), and the losses of steps 4..6 agree
+namespace {
+data::RoutingTrace read_trace(const std::string& path) {
+  try {
+    return data::read_routing_trace(path);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+    return data::RoutingTrace();
+  }
+}
+
+bool same_indices(const data::RoutingTrace& a, const data::RoutingTrace& b, size_t b_from = 0) {
+  return b_from + a.indices.size() <= b.indices.size() &&
+         memcmp(a.indices.data(), b.indices.data() + b_from, a.indices.size() * sizeof(int32_t)) == 0;
+}
+
+void trainer_replays_its_routing_trace(int gpus) {
+  if (getenv("FLATMOE_TRAIN") == nullptr) GTEST_SKIP() << "FLATMOE_TRAIN (the trainer binary) is not set";
+  if (gpu_count() < gpus) GTEST_SKIP() << "needs " << gpus << " GPUs; this machine has " << gpu_count();
+  const std::string dir = "build/test-out-trainer-trace-w" + std::to_string(gpus);
+  ckpt::remove_tree(dir);
+  mkdir("build", 0755);
+  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  const std::string trace = dir + "/recorded.trace", replay = " --routing trace:" + trace;
+  for (const auto& [name, extra] : std::vector<std::pair<std::string, std::string>>{
+           {"recorded", ""},
+           {"replayed", replay},
+           {"other", "--seed 7" + replay},
+           {"router", "--seed 7"},
+           {"resumed", "--resume " + dir + "/replayed/ckpt_000003" + replay}}) {
+    TrainerRun run = run_trainer(dir + "/" + name, gpus, extra + " --record_routing " + dir + "/" + name + ".trace");
+    ASSERT_EQ(run.rc, 0) << "see " << run.out << ".log";
+  }
+  const data::RoutingTrace recorded = read_trace(trace), replayed = read_trace(dir + "/replayed.trace"),
+                           other = read_trace(dir + "/other.trace"), router = read_trace(dir + "/router.trace"),
+                           resumed = read_trace(dir + "/resumed.trace");
+  EXPECT_EQ(recorded.shape.world, gpus);
+  EXPECT_EQ(recorded.shape.layers, (std::vector<int>{0, 1}));
+  EXPECT_EQ(recorded.shape.tokens, std::vector<int>(gpus, 4 * 32));
+  EXPECT_EQ(recorded.first, 0);
+  EXPECT_EQ(recorded.batches, 12);  // 6 steps × 2 micro-batches
+  EXPECT_TRUE(same_indices(recorded, replayed)) << "the replay must route exactly as the trace says";
+  EXPECT_TRUE(same_indices(recorded, other)) << "another model replaying the trace must route as the trace says";
+  EXPECT_FALSE(same_indices(recorded, router)) << "--seed 7's own router must choose otherwise (else the test shows nothing)";
+  EXPECT_EQ(resumed.first, 6);
+  EXPECT_EQ(resumed.batches, 6);
+  EXPECT_TRUE(same_indices(resumed, recorded, recorded.shape.batch_indices() * 6)) << "resumed at pass 6: batches 6..11";
+  const std::vector<std::string> recorded_losses = csv_losses(dir + "/recorded/log.csv");
+  ASSERT_EQ(recorded_losses.size(), 6u);
+  EXPECT_EQ(csv_losses(dir + "/replayed/log.csv"), recorded_losses) << "replaying its own trace, bit for bit";
+  EXPECT_NE(csv_losses(dir + "/other/log.csv"), recorded_losses);
+  const std::vector<std::string> resumed_losses = csv_losses(dir + "/resumed/log.csv");
+  ASSERT_EQ(resumed_losses.size(), 3u);
+  for (int i = 0; i < 3; i++) EXPECT_EQ(resumed_losses[i], recorded_losses[3 + i]);
+}
+}  // namespace
+
+TEST(Trainer, ReplaysItsRoutingTraceExactlyOneRank) {
+  REQUIRE_GPU();
+  trainer_replays_its_routing_trace(1);
+}
+
+TEST(Trainer, ReplaysItsRoutingTraceExactlyTwoRanks) {
+  REQUIRE_GPU();
+  trainer_replays_its_routing_trace(2);
 }
