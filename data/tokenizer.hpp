@@ -25,6 +25,12 @@
 // [1] version 3 (flatmoe's merge list; llm.c's own token-table files are versions 1 and 2),
 // [2] vocab size V, [3] EOT id (V−1), [4] number of merges M = V − 257, the rest 0;
 // then M × (int32 left id, int32 right id) in rank order.
+//
+// llm.c's own tokenizer files (the same magic, versions 1 and 2) are a token table: after the
+// header, V entries of (uint8 length L ≥ 1, L bytes), the bytes of token 0..V−1 in order; version 1
+// is GPT-2's (V = 50257, EOT 50256), version 2 gives the EOT id in header word [3]. They hold no
+// merges, so a tokenizer loaded from one decodes (the trainer's samples on llm.c's shards) but
+// refuses to encode or to be saved, naming its file.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -147,6 +153,7 @@ class Tokenizer {
   }
 
   std::vector<int> encode(const std::string& text) const {
+    require_merges("encode new text");
     std::vector<int> out;
     out.reserve(text.size() / 3 + 1);
     std::unordered_map<std::string_view, std::vector<int>> cache;  // chunk → ids, for this call
@@ -169,11 +176,12 @@ class Tokenizer {
   }
 
   std::string decode_token(int id) const { return token_bytes(id); }
-  int eot() const { return vocab_size() - 1; }
+  int eot() const { return eot_; }
   int vocab_size() const { return int(token_bytes_.size()); }
   const std::vector<std::pair<int, int>>& merges() const { return merges_; }
 
   void save(const std::string& path) const {
+    require_merges("be saved as flatmoe's merge list");
     std::string bytes;
     bytes.reserve(size_t(kHeaderBytes) + 8 * merges_.size());
     int32_t header[kHeaderWords] = {};
@@ -202,11 +210,11 @@ class Tokenizer {
     auto word = [&](long long i) { return load_i32_le(p + 4 * i); };
     if (word(0) != kMagic)
       throw refuse("bad magic " + std::to_string(word(0)) + " (expected " + std::to_string(kMagic) + ")");
-    if (word(1) == 1 || word(1) == 2)
-      throw refuse("llm.c token-table tokenizer (version " + std::to_string(word(1)) +
-                   ") has no merges; flatmoe needs its own version " + std::to_string(kVersion) + " file");
+    if (word(1) == kLlmcTableVersion1 || word(1) == kLlmcTableVersion2) return load_llmc_table(path, bytes);
     if (word(1) != kVersion)
-      throw refuse("unsupported version " + std::to_string(word(1)) + " (expected " + std::to_string(kVersion) + ")");
+      throw refuse("unsupported version " + std::to_string(word(1)) + " (expected " + std::to_string(kVersion) +
+                   ": flatmoe's merges, or " + std::to_string(kLlmcTableVersion1) + " or " +
+                   std::to_string(kLlmcTableVersion2) + ": llm.c's token table)");
     const long long vocab = word(2), eot_id = word(3), n_merges = word(4);
     if (vocab < 257) throw refuse("vocab size " + std::to_string(vocab) + " < 257");
     if (n_merges != vocab - 257)
@@ -264,7 +272,52 @@ class Tokenizer {
   }
 
  private:
+  static constexpr int32_t kLlmcTableVersion1 = 1, kLlmcTableVersion2 = 2;
+  static constexpr int kGpt2Vocab = 50257;  // llm.c's version 1 files are GPT-2's, EOT = 50256
+
   Tokenizer() = default;  // only train() and load() make tokenizers
+
+  // An llm.c token-table file (version 1 or 2, magic already checked) whose content is `bytes`.
+  static Tokenizer load_llmc_table(const std::string& path, const std::string& bytes) {
+    const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+    const int version = load_i32_le(p + 4);
+    auto refuse = [&](const std::string& why) {
+      return std::runtime_error("tokenizer file " + path + ": llm.c token table (version " + std::to_string(version) +
+                                "): " + why);
+    };
+    const long long vocab = load_i32_le(p + 8);
+    const long long eot_id = version == kLlmcTableVersion1 ? kGpt2Vocab - 1 : load_i32_le(p + 12);
+    if (version == kLlmcTableVersion1 && vocab != kGpt2Vocab)
+      throw refuse("vocab size " + std::to_string(vocab) + " (version 1 is GPT-2's, " + std::to_string(kGpt2Vocab) + ")");
+    if (vocab < 1) throw refuse("vocab size " + std::to_string(vocab) + " must be positive");
+    if (eot_id < 0 || eot_id >= vocab)
+      throw refuse("EOT id " + std::to_string(eot_id) + " outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    Tokenizer tok;
+    tok.token_bytes_.reserve(size_t(vocab));
+    size_t at = size_t(kHeaderBytes);
+    for (long long id = 0; id < vocab; id++) {
+      if (at >= bytes.size() || at + 1 + p[at] > bytes.size())
+        throw refuse("truncated: " + std::to_string(bytes.size()) + " bytes end inside token " + std::to_string(id) +
+                     " of " + std::to_string(vocab));
+      const size_t length = p[at];
+      if (length == 0) throw refuse("token " + std::to_string(id) + " has length 0");
+      tok.token_bytes_.emplace_back(bytes, at + 1, length);
+      at += 1 + length;
+    }
+    if (at != bytes.size())
+      throw refuse("trailing bytes: " + std::to_string(bytes.size() - at) + " after the " + std::to_string(vocab) +
+                   " tokens");
+    tok.eot_ = int(eot_id);
+    tok.decode_only_file_ = path;
+    return tok;
+  }
+
+  void require_merges(const char* what) const {
+    if (!decode_only_file_.empty())
+      throw std::runtime_error("tokenizer file " + decode_only_file_ +
+                               ": an llm.c token table has no merges: it decodes token ids but cannot " + what +
+                               " (prepare a flatmoe tokenizer with build/prepare)");
+  }
 
   enum class ByteClass { Letter, Digit, Space, Other };
   struct Word {
@@ -308,6 +361,7 @@ class Tokenizer {
       merge_rank_.emplace(pair_key(merges_[m].first, merges_[m].second), int(m));
     }
     token_bytes_.push_back(kEotText);
+    eot_ = vocab_size() - 1;
   }
 
   const std::string& token_bytes(int id) const {
@@ -357,6 +411,8 @@ class Tokenizer {
   std::vector<std::pair<int, int>> merges_;       // merge m makes token 256 + m
   std::vector<std::string> token_bytes_;          // id → bytes (EOT → "<|endoftext|>")
   std::unordered_map<uint64_t, int> merge_rank_;  // pair_key(left, right) → m
+  int eot_ = -1;
+  std::string decode_only_file_;  // the llm.c token-table file this came from; empty: it has merges
 };
 
 }  // namespace data

@@ -282,8 +282,8 @@ TEST(DataTokenizer, LoadRefusesCorruptFiles) {
   set_i32(b, 0, 20240520);
   refused(b, "bad magic 20240520");
   b = good;
-  set_i32(b, 1, 2);
-  refused(b, "llm.c token-table tokenizer (version 2)");
+  set_i32(b, 1, 2);  // read as llm.c's token table: the merges are not one
+  refused(b, "llm.c token table (version 2)");
   b = good;
   set_i32(b, 1, 9);
   refused(b, "unsupported version 9");
@@ -310,6 +310,82 @@ TEST(DataTokenizer, LoadRefusesCorruptFiles) {
   set_i32(b, second_merge + 1, tok.merges()[0].second);
   refused(b, "merge 1 repeats merge 0");
   expect_refused([&] { data::Tokenizer::load(dir.file("missing.bin")); }, {dir.file("missing.bin"), "cannot open"});
+}
+
+// llm.c's tokenizer file (tokenizer.h, train_gpt2.py write_tokenizer), written byte by byte:
+// header [0] magic 20240328, [1] version, [2] V, [3] EOT id (version 2; 0 in version 1), the rest
+// 0; then per token a uint8 length and its bytes.
+std::string llmc_tokenizer_file(int version, const std::vector<std::string>& tokens, int eot) {
+  std::string out;
+  put_i32(out, 20240328);
+  put_i32(out, uint32_t(version));
+  put_i32(out, uint32_t(tokens.size()));
+  put_i32(out, version == 2 ? uint32_t(eot) : 0u);
+  out.append(4 * 252, '\0');
+  for (const std::string& token : tokens) {
+    out.push_back(char(token.size()));
+    out += token;
+  }
+  return out;
+}
+
+TEST(DataTokenizer, LlmcTokenTableDecodesAndRefusesToEncode) {
+  TempDir dir;
+  const std::vector<std::string> table = {"a", "b", "ab", " the", std::string("\xff\x00\n", 3), "<|endoftext|>", "cat"};
+  const std::string path = dir.file("llmc_v2.bin");
+  write_bytes(path, llmc_tokenizer_file(2, table, 5));
+  const data::Tokenizer tok = data::Tokenizer::load(path);
+  EXPECT_EQ(tok.vocab_size(), 7);
+  EXPECT_EQ(tok.eot(), 5);
+  EXPECT_TRUE(tok.merges().empty());
+  EXPECT_EQ(tok.decode({3, 6, 2, 4, 0, 5, 1}), std::string(" thecatab\xff\x00\na<|endoftext|>b", 27));
+  for (int id = 0; id < 7; id++) EXPECT_EQ(tok.decode_token(id), table[id]);
+  expect_refused([&] { tok.decode({7}); }, {"token id 7", "[0, 7)"});
+  expect_refused([&] { tok.encode("the cat"); }, {path, "no merges", "cannot encode new text"});
+  expect_refused([&] { tok.save(dir.file("saved.bin")); }, {path, "no merges"});
+  EXPECT_FALSE(fs::exists(dir.file("saved.bin")));
+
+  // Version 1 is GPT-2's: V = 50257 with EOT 50256, not in the header.
+  std::vector<std::string> gpt2(50257);
+  for (int id = 0; id < 50256; id++) gpt2[id] = " " + std::to_string(id);
+  gpt2[50256] = "<|endoftext|>";
+  const std::string v1_path = dir.file("llmc_v1.bin");
+  write_bytes(v1_path, llmc_tokenizer_file(1, gpt2, 0));
+  const data::Tokenizer v1 = data::Tokenizer::load(v1_path);
+  EXPECT_EQ(v1.vocab_size(), 50257);
+  EXPECT_EQ(v1.eot(), 50256);
+  EXPECT_EQ(v1.decode({12, 50255, 50256}), " 12 50255<|endoftext|>");
+}
+
+TEST(DataTokenizer, LoadRefusesDamagedLlmcTokenTables) {
+  TempDir dir;
+  const std::vector<std::string> table = {"a", "b", "ab", "<|endoftext|>"};
+  const std::string good = llmc_tokenizer_file(2, table, 3);
+  auto refused = [&](std::string bytes, const std::string& problem) {
+    const std::string path = dir.file("bad.bin");
+    write_bytes(path, bytes);
+    expect_refused([&] { data::Tokenizer::load(path); }, {path, problem});
+  };
+  std::string b = good;
+  set_i32(b, 0, 20240329);
+  refused(b, "bad magic 20240329");
+  b = good;
+  set_i32(b, 1, 4);
+  refused(b, "unsupported version 4");
+  refused(good.substr(0, 1000), "truncated header");
+  refused(good.substr(0, good.size() - 1), "truncated: 1044 bytes end inside token 3 of 4");
+  refused(good.substr(0, 1024), "truncated: 1024 bytes end inside token 0 of 4");
+  refused(good + "x", "trailing bytes: 1 after the 4 tokens");
+  b = good;
+  set_i32(b, 3, 4);
+  refused(b, "EOT id 4 outside the vocabulary [0, 4)");
+  b = good;
+  set_i32(b, 2, 0);
+  refused(b, "vocab size 0 must be positive");
+  b = good;
+  b[1024] = 0;  // token 0 of length 0
+  refused(b, "token 0 has length 0");
+  refused(llmc_tokenizer_file(1, table, 0), "vocab size 4 (version 1 is GPT-2's, 50257)");
 }
 
 // ---------------------------------------------------------------------------------------------
