@@ -5,8 +5,8 @@
 // --input: a UTF-8 text file or a folder (default /usr/share/games/fortunes, Debian's fortunes).
 //   In a folder: its regular files, in name order, skipping *.dat (strfile index) files, symlinks
 //   and files that are not valid UTF-8 text (with a note). A file with a line that is exactly "%"
-//   is a fortune file: its documents are the texts between such lines; any other file is one
-//   document. Documents that are empty or only whitespace are dropped.
+//   (ended by "\n", by DOS's "\r\n", or by the end of the file) is a fortune file: its documents
+//   are the texts between such lines; any other file is one document. Documents that are empty or only whitespace are dropped.
 // The documents are shuffled with --seed (own Fisher–Yates over mt19937_64, the same on every
 // platform); the last --val-frac of them are the validation set. The tokenizer is trained on the
 // training documents only. Every document is encoded and followed by <|endoftext|>.
@@ -149,21 +149,21 @@ bool is_utf8_text(const std::string& s) {
 
 bool only_whitespace(const std::string& s) { return s.find_first_not_of(" \t\n\r\f\v") == std::string::npos; }
 
-// The documents of one file's text (see the header comment).
+// A fortune separator: a line (with its '\n' when it has one) that is exactly "%".
+bool is_fortune_separator(std::string_view line) {
+  return line == "%\n" || line == "%\r\n" || line == "%" || line == "%\r";
+}
+
+// The documents of one file's text (see the header comment): without a separator line the loop
+// gathers the whole text into one document.
 void split_documents(const std::string& text, std::vector<std::string>& documents) {
-  const bool fortune = text == "%" || text.rfind("%\n", 0) == 0 || text.find("\n%\n") != std::string::npos ||
-                       (text.size() >= 2 && text.compare(text.size() - 2, 2, "\n%") == 0);
-  if (!fortune) {
-    if (!only_whitespace(text)) documents.push_back(text);
-    return;
-  }
   std::string current;
   size_t pos = 0;
   while (pos < text.size()) {
     size_t end = text.find('\n', pos);
     end = end == std::string::npos ? text.size() : end + 1;  // the line with its '\n'
     const std::string_view line(text.data() + pos, end - pos);
-    if (line == "%\n" || line == "%") {
+    if (is_fortune_separator(line)) {
       if (!only_whitespace(current)) documents.push_back(current);
       current.clear();
     } else {

@@ -748,6 +748,29 @@ TEST(DataPrepare, RefusesBadFlags) {
   EXPECT_FALSE(fs::exists(dir.file("out.tmp")));
 }
 
+// The documents of the set prepared in `out`: the train shard's, then the validation shard's, each
+// decoded up to its <|endoftext|>; n_train: how many came from the train shard.
+std::vector<std::string> documents_of_set(const std::string& out, size_t& n_train) {
+  const data::Tokenizer tok = data::Tokenizer::load(out + "/tokenizer.bin");
+  std::vector<std::string> documents;
+  for (const char* split : {"train_000.bin", "val_000.bin"}) {
+    const std::vector<int> tokens = data::read_shard(out + "/" + split);
+    EXPECT_EQ(tokens.back(), tok.eot()) << split;
+    std::vector<int> doc;
+    for (int t : tokens) {
+      if (t != tok.eot()) {
+        doc.push_back(t);
+        continue;
+      }
+      EXPECT_EQ(tok.encode(tok.decode(doc)), doc) << "documents are encoded with this tokenizer";
+      documents.push_back(tok.decode(doc));
+      doc.clear();
+    }
+    if (n_train == 0) n_train = documents.size();
+  }
+  return documents;
+}
+
 TEST(DataPrepare, WritesTokenizerAndShardsOfTheDocuments) {
   if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
   testutil::Rng rng;
@@ -774,25 +797,9 @@ TEST(DataPrepare, WritesTokenizerAndShardsOfTheDocuments) {
   printf("%s", output.c_str());
   EXPECT_NE(output.find("skipping " + input + "/binary: not valid UTF-8"), std::string::npos) << output;
 
-  const data::Tokenizer tok = data::Tokenizer::load(out + "/tokenizer.bin");
-  EXPECT_EQ(tok.vocab_size(), 300);
-  std::vector<std::string> got;
+  EXPECT_EQ(data::Tokenizer::load(out + "/tokenizer.bin").vocab_size(), 300);
   size_t n_train = 0;
-  for (const char* split : {"train_000.bin", "val_000.bin"}) {
-    const std::vector<int> tokens = data::read_shard(out + "/" + split);
-    ASSERT_EQ(tokens.back(), tok.eot()) << split;
-    std::vector<int> doc;
-    for (int t : tokens) {
-      if (t != tok.eot()) {
-        doc.push_back(t);
-        continue;
-      }
-      EXPECT_EQ(tok.encode(tok.decode(doc)), doc) << "documents are encoded with this tokenizer";
-      got.push_back(tok.decode(doc));
-      doc.clear();
-    }
-    if (n_train == 0) n_train = got.size();
-  }
+  const std::vector<std::string> got = documents_of_set(out, n_train);
   EXPECT_EQ(got.size() - n_train, 3u) << "val = round(13 × 0.25) documents";
   std::multiset<std::string> want(expected.begin(), expected.end()), have(got.begin(), got.end());
   EXPECT_TRUE(want == have) << "the shards hold exactly the documents, each followed by <|endoftext|>";
@@ -803,6 +810,29 @@ TEST(DataPrepare, WritesTokenizerAndShardsOfTheDocuments) {
   EXPECT_EQ(read_set(out), before);
   EXPECT_EQ(names_in(out), std::set<std::string>(kSetFiles.begin(), kSetFiles.end()));
   EXPECT_EQ(names_in(dir.path.string()), (std::set<std::string>{"corpus", "out", "prepare.log"}));
+}
+
+// A fortune file written on DOS: "%\r\n" separator lines (and a last "%\r" without a newline)
+// split it into its documents, which keep their own "\r\n" line ends.
+TEST(DataPrepare, ReadsCrlfFortuneFilesAsSeparateDocuments) {
+  if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
+  testutil::Rng rng;
+  TempDir dir;
+  std::vector<std::string> expected;
+  std::string fortunes;
+  for (int d = 0; d < 8; d++) {
+    expected.push_back(english(rng, rng.integer(1, 3)) + "\r\n\t\t-- Anon\r\n");
+    fortunes += expected.back() + (d == 7 ? "%\r" : "%\r\n");
+  }
+  const std::string input = dir.file("dos_fortunes"), out = dir.file("out");
+  write_bytes(input, fortunes);
+  std::string output;
+  ASSERT_EQ(run_prepare(dir, "--input " + input + " --out " + out + " --vocab 260 --val-frac 0.25", output), 0) << output;
+  size_t n_train = 0;
+  const std::vector<std::string> got = documents_of_set(out, n_train);
+  EXPECT_EQ(n_train, 6u);
+  std::multiset<std::string> want(expected.begin(), expected.end()), have(got.begin(), got.end());
+  EXPECT_TRUE(want == have) << "each fortune is one document, without its separator";
 }
 
 // The set is written into DIR.tmp and renamed to DIR at the end: a run that fails while writing
