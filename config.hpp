@@ -58,7 +58,7 @@ struct TrainConfig {
   float bias_update = 1e-3f;               // u of the aux-loss-free router bias update; 0 = off
   int recompute = 0;                       // 1: layer-level activation checkpointing
   int val_every = 100;
-  int val_batches = 10;                    // 10 × 16 × 256 tokens ≈ the whole fortunes validation shard
+  int val_batches = 10;                    // at most; capped at the windows the validation shards hold
   int sample_every = 400;
   int sample_len = 128;
   int ckpt_every = 1000;                   // every S steps and at the end; 0 = never

@@ -293,6 +293,8 @@ int train_main(int argc, char** argv) {
     const int W = par.world.size;
     DataLoader train_data(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab, par.world.rank, W);
     DataLoader val_data(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab, par.world.rank, W);
+    // Validation reads each window of the validation shards at most once (W ranks, disjoint slices).
+    const int val_batches = (int)std::min<long long>(tc.val_batches, val_data.windows_per_epoch());
     make_dirs(tc.out_dir);
 
     const int B = tc.batch, T = mc.seq_len;
@@ -321,7 +323,13 @@ int train_main(int argc, char** argv) {
       m.routing_record = std::make_unique<data::RoutingTraceWriter>(
           tc.record_routing, routing_trace_shape(mc, B * T, W), (long long)st.step * accum, (int)passes);
     const double peak_flops = peak_flops_for_build() * W;
-    if (main_rank) print_config(mc, tc, m, accum, peak_flops / W);
+    if (main_rank) {
+      print_config(mc, tc, m, accum, peak_flops / W);
+      printf("validation: %d batches x %d ranks x %d x %d = %lld distinct tokens of the %lld in %s%s\n", val_batches, W, B, T,
+             (long long)val_batches * W * B * T, val_data.num_tokens(), tc.val_pattern.c_str(),
+             val_batches < tc.val_batches ? (" (--val_batches " + std::to_string(tc.val_batches) +
+                                              " capped at the windows they hold)").c_str() : "");
+    }
 
     std::mt19937_64 sample_rng(tc.seed ^ 0x5eedULL);
     sample_rng.discard(st.sample_rng_draws);
@@ -340,7 +348,7 @@ int train_main(int argc, char** argv) {
       bool last = step == tc.steps;
       bool resumed_here = step == first_step && first_step > 0;  // already sampled/saved before the resume
       if (tc.val_every > 0 && (step % tc.val_every == 0 || last)) {
-        float val_loss = validation_loss(m, val_data, tc.val_batches, B, T);
+        float val_loss = validation_loss(m, val_data, val_batches, B, T);
         if (main_rank) {
           printf("step %5d | val loss %.4f\n", step, val_loss);
           fprintf(log, "%d,nan,%.6f,nan,nan,nan,nan,nan,nan,nan,nan,nan\n", step, val_loss);

@@ -106,6 +106,15 @@ class DataLoader {
   }
 
   long long num_tokens() const { return total_tokens_; }  // over all shards
+
+  // Batches in one pass over the shards, after which they repeat (epoch + 1): validation reads at
+  // most this many so that no rank sees a window twice. Each shard of n tokens holds
+  // ⌊(n − 1) / (W·B·T)⌋ windows.
+  long long windows_per_epoch() const {
+    long long windows = 0;
+    for (long long n : shard_tokens_) windows += (n - 1) / window_tokens();
+    return windows;
+  }
   const std::vector<std::string>& files() const { return files_; }
 
  private:

@@ -604,6 +604,34 @@ TEST(DataLoader, RanksReadDisjointSlicesOfEachWindow) {
   }
 }
 
+// Validation (train.cu) reads min(--val_batches, windows_per_epoch()) batches from the start: no
+// window twice, no token on two ranks, and batches·W·B·T distinct tokens, as it prints at startup.
+TEST(DataLoader, ValidationWindowsAreDistinctAcrossRanksAndBatches) {
+  TempDir dir;
+  const int B = 2, T = 4, BT = B * T;
+  write_counting_shards(dir, {100, 61}, 0);
+  const std::vector<long long> windows = {99 / 8 + 60 / 8, 99 / 16 + 60 / 16, 99 / 24 + 60 / 24};  // W = 1, 2, 3
+  for (int W = 1; W <= 3; W++)
+    for (int requested : {3, 10, 100}) {
+      std::vector<data::DataLoader> ranks;
+      for (int r = 0; r < W; r++) ranks.emplace_back(dir.file("train_*.bin"), B, T, kCountingVocab, r, W);
+      ASSERT_EQ(ranks[0].windows_per_epoch(), windows[W - 1]) << "W=" << W;
+      const long long batches = std::min<long long>(requested, ranks[0].windows_per_epoch());
+      std::set<int> seen;
+      for (int r = 0; r < W; r++) {
+        ranks[r].reset();
+        for (long long i = 0; i < batches; i++)
+          for (int t : next(ranks[r], B, T).inputs)
+            EXPECT_TRUE(seen.insert(t).second) << "W=" << W << " rank " << r << " batch " << i << ": token " << t << " read twice";
+      }
+      EXPECT_EQ((long long)seen.size(), batches * W * BT) << "W=" << W << " --val_batches " << requested;
+      if (batches == ranks[0].windows_per_epoch()) {
+        EXPECT_EQ(ranks[0].state().epoch, 1) << "every window of the epoch was read";
+        EXPECT_EQ(seen.count(next(ranks[0], B, T).inputs[0]), 1u) << "one batch more repeats a window";
+      }
+    }
+}
+
 TEST(DataLoader, StateResumesTheSameBatches) {
   testutil::Rng rng;
   TempDir dir;
