@@ -123,7 +123,11 @@ std::string generate_sample(Model& m, const Tokenizer& tok, int len, std::mt1993
   std::vector<int> generated;
   std::uniform_real_distribution<float> uni(0.f, 1.f);
   for (int t = 1; t < std::min(len + 1, T); t++) {
-    int next = sample_token(model_logits_row(m, ctx.data(), T, t - 1), uni(rng));
+    std::vector<float> logits = model_logits_row(m, ctx.data(), T, t - 1);
+    // a vocabulary padded past the tokenizer's (--vocab 50304 on GPT-2's 50257 tokens) has ids that
+    // no text decodes to: sample among the tokenizer's ids only
+    logits.resize(std::min<size_t>(logits.size(), (size_t)tok.vocab_size()));
+    int next = sample_token(logits, uni(rng));
     draws++;
     ctx[t] = next;
     if (next == tok.eot()) break;
