@@ -124,6 +124,63 @@ inline size_t param_count(const ModelConfig& c) {
   return n;
 }
 
+// A region of a rank's local flat parameter buffer whose tensors are shared by the same ranks: the
+// gradient reduction, the norm, the optimizer, the weight all-gather and the checkpoint each loop
+// over the regions once. (A vocabulary-sharded kind comes with the Ring-DTP head.)
+enum class Sharding { Replicated, Expert };
+
+struct ParamRegion {
+  Sharding sharding;
+  size_t offset = 0;        // first element in the local flat buffers
+  size_t count = 0;         // elements of its tensors
+  size_t padded = 0;        // count rounded up to a multiple of the group size
+  size_t shard = 0;         // padded / group size: the elements this rank updates
+  size_t shard_offset = 0;  // where this rank's shard starts in the local flat buffers
+};
+
+// The ranks that share a region: how many, and this rank's place among them.
+struct RegionGroup {
+  int size = 1, rank = 0;
+};
+
+// One rank's local flat parameter buffer.
+struct ParamLayout {
+  std::vector<size_t> offsets;       // element offset of each spec in the local flat buffer
+  std::vector<size_t> local_numel;   // expert stacks hold E/E_p experts here
+  std::vector<ParamRegion> regions;  // [replicated, expert], in buffer order
+  size_t num_params = 0;             // local flat buffer length (regions padded)
+};
+
+// Lays the local flat buffer out as regions: [replicated | pad | expert | pad], each padded to a
+// multiple of the size of the group that shares it, each rank updating one shard of each. The
+// expert stacks are split over the ep ranks of the expert-parallel group. Every size is a size_t:
+// one rank's expert region passes 2^31 elements at H 2048, I 1024, E 64, L 6 on one GPU.
+inline ParamLayout param_layout(const std::vector<ParamSpec>& specs, int ep, RegionGroup replicated,
+                                RegionGroup expert) {
+  ParamLayout layout;
+  layout.regions = {ParamRegion{Sharding::Replicated}, ParamRegion{Sharding::Expert}};
+  for (const ParamSpec& s : specs) layout.local_numel.push_back(s.expert ? s.numel() / ep : s.numel());
+  for (size_t i = 0; i < specs.size(); i++) layout.regions[specs[i].expert ? 1 : 0].count += layout.local_numel[i];
+  size_t next = 0;
+  for (ParamRegion& r : layout.regions) {
+    const RegionGroup g = r.sharding == Sharding::Expert ? expert : replicated;
+    const size_t group = (size_t)g.size;
+    r.offset = next;
+    r.padded = (r.count + group - 1) / group * group;
+    r.shard = r.padded / group;
+    r.shard_offset = r.offset + (size_t)g.rank * r.shard;
+    next += r.padded;
+  }
+  layout.num_params = next;
+  std::vector<size_t> region_next = {layout.regions[0].offset, layout.regions[1].offset};
+  for (size_t i = 0; i < specs.size(); i++) {
+    size_t& at = region_next[specs[i].expert ? 1 : 0];
+    layout.offsets.push_back(at);
+    at += layout.local_numel[i];
+  }
+  return layout;
+}
+
 // Parameters a token actually uses (routed experts count k of E): the FLOPs basis of MFU.
 inline size_t active_param_count(const ModelConfig& c) {
   size_t n = 0;

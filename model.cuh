@@ -66,20 +66,6 @@ struct Parallel {
   Comm expert_replicas;  // the W/E_p ranks that hold the same expert shard (same rank in their ep group)
 };
 
-// A region of the local flat parameter buffer whose tensors are shared by the same ranks: the
-// gradient reduction, the norm, the optimizer, the weight all-gather and the checkpoint each loop
-// over the regions once. (A vocabulary-sharded kind comes with the Ring-DTP head.)
-enum class Sharding { Replicated, Expert };
-
-struct ParamRegion {
-  Sharding sharding;
-  size_t offset = 0;        // first element in the local flat buffers
-  size_t count = 0;         // elements of its tensors
-  size_t padded = 0;        // count rounded up to a multiple of the group size
-  size_t shard = 0;         // padded / group size: the elements this rank updates
-  size_t shard_offset = 0;  // where this rank's shard starts in the local flat buffers
-};
-
 // The seams' choices (--moe, --head, --optimizer); moe "" = local at E_p = 1, else ep.
 struct Seams {
   std::string moe, head = "full", optimizer = "adamw";
@@ -227,30 +213,14 @@ inline void model_upload_router_bias(Model& m) {
   copy_to_device(m.router_bias_dev, m.router_bias.data(), m.router_bias.size() * sizeof(float), m.stream, "router_bias");
 }
 
-// Lays the local flat buffer out as regions: [replicated | pad | expert | pad], each padded to a
-// multiple of the size of the group that shares it, each rank updating one shard of each.
+// The local flat buffer's layout (config.hpp: param_layout) for this rank's groups.
 inline void model_layout(Model& m) {
-  const int ep = m.par.ep.size;
-  m.regions = {ParamRegion{Sharding::Replicated}, ParamRegion{Sharding::Expert}};
-  auto region_of = [&](const ParamSpec& s) -> ParamRegion& { return m.regions[s.expert ? 1 : 0]; };
-  for (const ParamSpec& s : m.specs) region_of(s).count += s.expert ? s.numel() / ep : s.numel();
-  size_t next = 0;
-  for (ParamRegion& r : m.regions) {
-    const size_t group = (size_t)region_group(m, r).size, rank = (size_t)region_group(m, r).rank;
-    r.offset = next;
-    r.padded = ceil_div(r.count, group) * group;
-    r.shard = r.padded / group;
-    r.shard_offset = r.offset + rank * r.shard;
-    next += r.padded;
-  }
-  m.num_params = next;
-  std::vector<size_t> region_next = {m.regions[0].offset, m.regions[1].offset};
-  for (const ParamSpec& s : m.specs) {
-    size_t& at = region_next[s.expert ? 1 : 0];
-    m.offsets.push_back(at);
-    m.local_numel.push_back(s.expert ? s.numel() / ep : s.numel());
-    at += m.local_numel.back();
-  }
+  ParamLayout layout = param_layout(m.specs, m.par.ep.size, RegionGroup{m.par.world.size, m.par.world.rank},
+                                    RegionGroup{m.par.expert_replicas.size, m.par.expert_replicas.rank});
+  m.offsets = std::move(layout.offsets);
+  m.local_numel = std::move(layout.local_numel);
+  m.regions = std::move(layout.regions);
+  m.num_params = layout.num_params;
 }
 
 // This rank's shard as optimizer segments: each tensor's part of each region's shard, in order.
