@@ -31,6 +31,7 @@
 // gives everything back to CUDA and refuses to when anything else is still live (a leak, DESIGN §4).
 #pragma once
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <string>
@@ -76,6 +77,7 @@ class Pool {
   void* alloc(size_t bytes, Mem cat, const char* tag) {
     if (bytes == 0) bytes = 1;
     size_t rounded = round_size(bytes);
+    if (rounded == 0) refuse(bytes, cat, tag, "larger than any block the pool can round (2^63 bytes)");
     void* p = nullptr;
     auto& cached = free_blocks_[rounded];
     if (cached.empty() && !pending_.empty()) reap_pending();
@@ -84,15 +86,7 @@ class Pool {
       cached.pop_back();
     } else {
       cudaError_t err = cudaMalloc(&p, rounded);
-      if (err != cudaSuccess) {
-        fprintf(stderr,
-                "flatmoe error in pool.alloc (tag=%s category=%s bytes=%zu): %s; live %.3f GiB, "
-                "reserved %.3f GiB\n",
-                tag, mem_name(cat), bytes, cudaGetErrorString(err), live_total_ / 1073741824.0,
-                reserved_ / 1073741824.0);
-        print_live(stderr);
-        fm_exit_failure();
-      }
+      if (err != cudaSuccess) refuse(bytes, cat, tag, cudaGetErrorString(err));
       reserved_ += rounded;
     }
     blocks_[p] = Block{bytes, rounded, cat, tag};
@@ -106,6 +100,7 @@ class Pool {
 
   template <typename T>
   T* alloc_t(size_t count, Mem cat, const char* tag) {
+    if (count > SIZE_MAX / sizeof(T)) refuse(SIZE_MAX, cat, tag, "count times the element size passes 2^64 bytes");
     return (T*)alloc(count * sizeof(T), cat, tag);
   }
 
@@ -227,9 +222,22 @@ class Pool {
     std::string tag;
   };
 
+  // The report of a request the pool cannot satisfy, with what is live; exits.
+  [[noreturn]] void refuse(size_t bytes, Mem cat, const char* tag, const char* why) {
+    fprintf(stderr,
+            "flatmoe error in pool.alloc (tag=%s category=%s bytes=%zu): %s; live %.3f GiB, "
+            "reserved %.3f GiB\n",
+            tag, mem_name(cat), bytes, why, live_total_ / 1073741824.0, reserved_ / 1073741824.0);
+    print_live(stderr);
+    fm_exit_failure();
+  }
+
   // 512-byte granularity below 1 MiB; above, 1/16 of the enclosing power of two (≤ 6.25 % slack).
+  // 0 past 2^63 bytes, where the enclosing power of two does not fit a size_t (a negative size
+  // converted to size_t lands there).
   static size_t round_size(size_t bytes) {
     if (bytes < (1u << 20)) return (bytes + 511) & ~size_t(511);
+    if (bytes > (SIZE_MAX >> 1) + 1) return 0;
     size_t p = 1;
     while (p < bytes) p <<= 1;
     size_t step = p >> 4;
