@@ -3,6 +3,7 @@
 // and the tests. Plain C++17: CPU tests check flag errors without a GPU.
 #pragma once
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -211,16 +212,23 @@ inline void validate(const ModelConfig& c) {
   need(c.n_dense >= 0 && c.n_dense <= c.layers,
        "n_dense (" + std::to_string(c.n_dense) + ") must be in [0, layers=" + std::to_string(c.layers) + "]");
   if (c.n_dense < c.layers) {
-    need(c.experts >= 1 && c.experts <= 256, "experts must be in [1, 256] (got " + std::to_string(c.experts) + ")");
+    // The router's selection keeps a token's scores in one warp, 8 experts per lane, and its picks
+    // in 8 registers (ops/router.cuh: ROUTER_MAX_E, ROUTER_MAX_K).
+    need(c.experts >= 1 && c.experts <= 256, "experts must be in [1, 256] (got " + std::to_string(c.experts) +
+                                                 "): the router's selection holds at most 256 experts");
     need(c.topk >= 1 && c.topk <= c.experts && c.topk <= 8,
-         "topk (" + std::to_string(c.topk) + ") must be in [1, min(experts, 8)]");
+         "topk (" + std::to_string(c.topk) + ") must be in [1, min(experts, 8)]: the router picks at most 8 experts");
     need(c.expert_dim > 0, "expert_dim must be positive");
   }
   if (c.n_dense > 0) need(c.dense_dim > 0, "dense_dim must be positive");
   need(c.hidden % 8 == 0 && c.expert_dim % 8 == 0 && c.dense_dim % 8 == 0,
        "hidden, expert_dim and dense_dim must be multiples of 8 (16-byte rows for the grouped GEMM)");
   need(c.shared_expert == 0 || c.shared_expert == 1, "shared_expert must be 0 or 1");
-  need(c.seq_len >= 2, "seq_len must be >= 2");
+  // Attention runs one block per 64-query tile of a sequence on gridDim.z, at most 65535 of them
+  // (ops/attention.cuh).
+  need(c.seq_len >= 2 && c.seq_len <= 65535 * 64,
+       "seq_len must be in [2, 4194240] (got " + std::to_string(c.seq_len) +
+           "): attention launches one block per 64 positions on a grid dimension of at most 65535");
   need(c.score_fn == 0 || c.score_fn == 1, "score_fn must be softmax or sigmoid");
   need(c.renorm == 0 || c.renorm == 1, "renorm must be 0 or 1");
   need(c.rope_theta > 0 && c.norm_eps > 0 && c.init_std > 0, "rope_theta, norm_eps and init_std must be positive");
@@ -230,8 +238,17 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
   };
-  need(t.batch > 0, "batch must be positive");
+  // Attention runs one block row per sequence on gridDim.y, at most 65535 (ops/attention.cuh).
+  need(t.batch > 0 && t.batch <= 65535, "batch must be in [1, 65535] (got " + std::to_string(t.batch) +
+                                            "): attention launches one block row per sequence on a grid "
+                                            "dimension of at most 65535");
   long long micro = (long long)t.batch * c.seq_len;
+  // A rank's tokens of a micro-batch, and the MoE layers' routes (token, pick), are int indices.
+  need(micro <= INT_MAX, "batch·seq_len = " + std::to_string(micro) +
+                             " tokens per micro-batch: the kernels index a rank's tokens with int (at most 2^31 − 1)");
+  need(c.n_dense == c.layers || micro * c.topk <= INT_MAX,
+       "batch·seq_len·topk = " + std::to_string(micro * c.topk) +
+           " routes per micro-batch: the MoE kernels index routes with int (at most 2^31 − 1)");
   need(t.total_batch == 0 || t.total_batch % micro == 0,
        "total_batch (" + std::to_string(t.total_batch) + " tokens) must be a multiple of batch·seq_len = " +
            std::to_string(micro));

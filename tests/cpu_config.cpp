@@ -206,6 +206,45 @@ TEST(ConfigDims, RefusesInconsistentDimensions) {
   EXPECT_NE(validate_error(m).find("vocab"), std::string::npos);
 }
 
+// The limits of the kernels, refused by validation before the GPU starts, each at its edge.
+TEST(ConfigDims, RefusesSizesPastTheKernelsLimits) {
+  ModelConfig m = valid_model();
+  m.experts = 256; m.topk = 8;
+  EXPECT_EQ(validate_error(m), "");
+  m.experts = 257;
+  EXPECT_EQ(validate_error(m), "experts must be in [1, 256] (got 257): the router's selection holds at most 256 experts");
+  m = valid_model(); m.experts = 16; m.topk = 9;
+  EXPECT_EQ(validate_error(m), "topk (9) must be in [1, min(experts, 8)]: the router picks at most 8 experts");
+  m = valid_model(); m.seq_len = 65535 * 64;
+  EXPECT_EQ(validate_error(m), "");
+  m.seq_len = 65535 * 64 + 1;
+  EXPECT_EQ(validate_error(m), "seq_len must be in [2, 4194240] (got 4194241): attention launches one block per 64 "
+                               "positions on a grid dimension of at most 65535");
+
+  TrainConfig t;
+  m = valid_model(); m.seq_len = 2;
+  t.batch = 65535;
+  EXPECT_EQ(validate_error(t, m), "");
+  t.batch = 65536;
+  EXPECT_EQ(validate_error(t, m), "batch must be in [1, 65535] (got 65536): attention launches one block row per "
+                                  "sequence on a grid dimension of at most 65535");
+  t.batch = 0;
+  EXPECT_EQ(validate_error(t, m), "batch must be in [1, 65535] (got 0): attention launches one block row per "
+                                  "sequence on a grid dimension of at most 65535");
+  // 32768 · 65536 = 2^31 tokens; 16384 · 65536 = 2^30 tokens, 2^31 routes at k = 2.
+  m.seq_len = 65536; m.topk = 2;
+  t.batch = 32768;
+  EXPECT_EQ(validate_error(t, m),
+            "batch·seq_len = 2147483648 tokens per micro-batch: the kernels index a rank's tokens with int (at most 2^31 − 1)");
+  t.batch = 16384;
+  EXPECT_EQ(validate_error(t, m),
+            "batch·seq_len·topk = 2147483648 routes per micro-batch: the MoE kernels index routes with int (at most 2^31 − 1)");
+  m.topk = 1;
+  EXPECT_EQ(validate_error(t, m), "");
+  m.topk = 2; m.n_dense = m.layers;  // no MoE layer: a dense FFN routes each token once
+  EXPECT_EQ(validate_error(t, m), "");
+}
+
 TEST(ConfigDims, RefusesBatchNotDividingTotal) {
   ModelConfig m = valid_model();
   TrainConfig t;
