@@ -179,6 +179,10 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("seq_len T", std::to_string(c.seq_len));
   row("parameters", std::to_string(param_count(c)) + " (" + std::to_string(active_param_count(c)) + " active)");
   row("ranks W / E_p", std::to_string(m.par.world.size) + " / " + std::to_string(m.par.ep.size));
+  // Each region as this rank holds it (the expert stacks of its E/E_p experts) and the shard it updates.
+  for (const ParamRegion& r : m.regions)
+    row(r.sharding == Sharding::Expert ? "experts / shard" : "replicated / shard",
+        std::to_string(r.count) + " / " + std::to_string(r.shard) + " per rank");
   row("batch B / accum", std::to_string(t.batch) + " / " + std::to_string(accum) + " per rank");
   row("tokens per step", std::to_string((long long)t.batch * c.seq_len * accum * m.par.world.size));
   row("steps / warmup", std::to_string(t.steps) + " / " + std::to_string(t.warmup));
