@@ -362,12 +362,26 @@ TEST(ConfigSchedule, WarmupThenCosine) {
   EXPECT_NEAR(lr_at(t, 110), 1e-4f, 1e-9);
 }
 
+// The trainer binary the ConfigTrainBinary tests run: FLATMOE_TRAIN, else build/fp32/train.
+static std::string trainer_path() {
+  const char* bin = getenv("FLATMOE_TRAIN");
+  return bin ? bin : "build/fp32/train";
+}
+
+// Why such a test cannot run here ("" when it can): the binary is not built, or (needs_data) the
+// default data set is not prepared.
+static std::string trainer_unavailable(const std::string& train, bool needs_data) {
+  struct stat sb;
+  if (stat(train.c_str(), &sb) != 0) return "trainer binary " + train + " not built";
+  if (needs_data && stat("data/fortunes/tokenizer.bin", &sb) != 0) return "data/fortunes not prepared (make data)";
+  return "";
+}
+
 // The trainer binary itself: bad flags → non-zero exit, message on stderr, nothing written.
 TEST(ConfigTrainBinary, BadFlagsExitNonZeroAndWriteNothing) {
-  const char* bin = getenv("FLATMOE_TRAIN");
-  std::string train = bin ? bin : "build/fp32/train";
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, false); !why.empty()) GTEST_SKIP() << why;
   struct stat sb;
-  if (stat(train.c_str(), &sb) != 0) GTEST_SKIP() << "trainer binary " << train << " not built";
   std::string out = "build/test-out-config";
   std::string cmd = train + " --out " + out + " --hidden 12x 2> build/test-config-stderr.txt";
   int rc = system(cmd.c_str());
@@ -388,11 +402,9 @@ TEST(ConfigTrainBinary, BadFlagsExitNonZeroAndWriteNothing) {
 // --resume is checked before any GPU work: on a machine without a GPU a missing or corrupt
 // checkpoint is named (not "no CUDA device"), and nothing is written.
 TEST(ConfigTrainBinary, BadResumeRefusedBeforeTheGpu) {
-  const char* bin = getenv("FLATMOE_TRAIN");
-  std::string train = bin ? bin : "build/fp32/train";
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, true); !why.empty()) GTEST_SKIP() << why;
   struct stat sb;
-  if (stat(train.c_str(), &sb) != 0) GTEST_SKIP() << "trainer binary " << train << " not built";
-  if (stat("data/fortunes/tokenizer.bin", &sb) != 0) GTEST_SKIP() << "data/fortunes not prepared (make data)";
   testutil::TempDir dir;
   const std::string out = dir.file("out"), ckpt_dir = dir.file("ckpt"), err = dir.file("stderr.txt");
   ASSERT_EQ(mkdir(ckpt_dir.c_str(), 0755), 0);
@@ -415,11 +427,9 @@ TEST(ConfigTrainBinary, BadResumeRefusedBeforeTheGpu) {
 // not fit the run, or a damaged one, is refused naming the file and the problem (not "no CUDA
 // device"), and nothing is written.
 TEST(ConfigTrainBinary, RoutingTraceThatDoesNotFitRefusedBeforeTheGpu) {
-  const char* bin = getenv("FLATMOE_TRAIN");
-  std::string train = bin ? bin : "build/fp32/train";
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, true); !why.empty()) GTEST_SKIP() << why;
   struct stat sb;
-  if (stat(train.c_str(), &sb) != 0) GTEST_SKIP() << "trainer binary " << train << " not built";
-  if (stat("data/fortunes/tokenizer.bin", &sb) != 0) GTEST_SKIP() << "data/fortunes not prepared (make data)";
   testutil::TempDir dir;
   const std::string out = dir.file("out"), trace_path = dir.file("trace.bin"), err = dir.file("stderr.txt");
   auto run = [&]() {
