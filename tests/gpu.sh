@@ -43,6 +43,9 @@ if [[ " $want " == *" test "* ]]; then
     [ "$rc" -eq 0 ] || status=1
     summary+=("$p test_gpu shuffled: exit $rc | $(grep -o 'seed of [0-9]*' "$OUT/test_gpu_shuffled_$p.log" | head -1) | $(
       grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$OUT/test_gpu_shuffled_$p.log" | tr '\n' ' ')")
+    # a failure in the shuffled order names the test and its first assertion's location and message
+    grep -q '^\[  FAILED  \]' "$OUT/test_gpu_shuffled_$p.log" && summary+=("  $(grep -m1 -A2 ': Failure$' "$OUT/test_gpu_shuffled_$p.log" | tr '\n' ' ') | $(
+      grep '^\[  FAILED  \] [A-Za-z]' "$OUT/test_gpu_shuffled_$p.log" | sort -u | tr '\n' ' ')")
   done
 fi
 

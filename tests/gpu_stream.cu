@@ -39,6 +39,9 @@ TEST(Streams, FreeAfterKeepsTheBlockUntilTheStreamHasFinished) {
   REQUIRE_GPU();
   cudaStream_t side = stream_create("test.side");
   HostFlag flag;
+  // Start from an empty cache: blocks of this size left by earlier tests (in a shuffled order) would
+  // be handed out before p and make "p comes back" depend on the order the tests ran in.
+  pool().release_cached();
   const size_t bytes = 3 << 20;
   const size_t live_before = pool().live_total(), pending_before = pool().pending_bytes();
   int* p = (int*)pool().alloc(bytes, Mem::Dispatch, "test.block");
