@@ -53,20 +53,68 @@
 // ---------------------------------------------------------------------------------------------
 // Host-side plan (pure C++: no CUDA call; the plan tests drive it for up to 64 ranks without a GPU)
 
-// One rank's dispatch plan. Received rows arrive source-major (all of source 0, then source 1, ...;
-// inside a source by local expert, then by the source's route order); the grouped GEMM wants them
-// expert-major. Block (l, s) = the routes of source s for local expert l; blocks are numbered
-// b = l·ranks + s in expert-major order.
+// One rank's dispatch plan. This rank computes its received routes in G groups, one weight matrix
+// pair each: its local experts under --moe ep (G = E_l), its pieces under --moe llep (a piece of an
+// expert of its own or of one lent by its home rank, ops/llep.cuh). Received rows arrive
+// source-major (all of source 0, then source 1, ...; inside a source by group, then by the source's
+// route order); the grouped GEMM wants them group-major. Block (g, s) = the routes of source s in
+// group g; blocks are numbered b = g·ranks + s in group-major order.
 struct EPPlan {
-  int ranks = 0, local_experts = 0;    // E_p, E_l
+  int ranks = 0, groups = 0;           // E_p, G
   std::vector<long long> send_rows;    // [E_p] routes this rank sends to each destination rank
   std::vector<long long> recv_rows;    // [E_p] routes this rank receives from each source rank
-  std::vector<int> expert_rows;        // [E_l] routes received per local expert (from all sources)
-  std::vector<int> expert_offsets;     // [E_l] first expert-major slot of each local expert
-  std::vector<int> block_slot_offset;  // [E_l·E_p] first expert-major slot of block (l, s)
-  std::vector<int> block_recv_row;     // [E_l·E_p] first row of block (l, s) in the source-major receive buffer
+  std::vector<int> group_rows;         // [G] routes received per group (from all sources)
+  std::vector<int> group_offsets;      // [G] first group-major slot of each group
+  std::vector<int> block_slot_offset;  // [G·E_p] first group-major slot of block (g, s)
+  std::vector<int> block_recv_row;     // [G·E_p] first row of block (g, s) in the source-major receive buffer
   long long received = 0;              // R_d = Σ recv_rows
 };
+
+// The blocks of a plan from what this rank sends to each rank, send_rows [E_p], and what it receives,
+// received_per_source_group [E_p·G] (entry s·G + g = routes of source s in group g). Refuses totals
+// beyond int indices.
+inline EPPlan ep_plan_groups(const std::vector<long long>& send_rows,
+                             const std::vector<long long>& received_per_source_group, int ranks, int groups) {
+  EPPlan plan;
+  plan.ranks = ranks;
+  plan.groups = groups;
+  plan.send_rows = send_rows;
+  plan.recv_rows.assign(ranks, 0);
+  std::vector<long long> group_total(groups, 0);
+  for (int s = 0; s < ranks; s++)
+    for (int g = 0; g < groups; g++) {
+      const long long got = received_per_source_group[(size_t)s * groups + g];
+      if (got < 0) fm_fail("ep_plan", "negative route count", "rank=%d group=%d received=%lld", s, g, got);
+      plan.recv_rows[s] += got;
+      group_total[g] += got;
+    }
+  for (int s = 0; s < ranks; s++) plan.received += plan.recv_rows[s];
+  if (plan.received > INT_MAX)
+    fm_fail("ep_plan", "too many received routes for int indices", "ranks=%d groups=%d received=%lld", ranks, groups,
+            plan.received);
+  plan.group_rows.assign(groups, 0);
+  plan.group_offsets.assign(groups, 0);
+  for (int g = 0; g < groups; g++) {
+    plan.group_rows[g] = (int)group_total[g];
+    if (g > 0) plan.group_offsets[g] = plan.group_offsets[g - 1] + plan.group_rows[g - 1];
+  }
+  plan.block_slot_offset.assign((size_t)groups * ranks, 0);
+  plan.block_recv_row.assign((size_t)groups * ranks, 0);
+  long long row = 0;  // source-major: source s, then group g
+  for (int s = 0; s < ranks; s++)
+    for (int g = 0; g < groups; g++) {
+      plan.block_recv_row[(size_t)g * ranks + s] = (int)row;
+      row += received_per_source_group[(size_t)s * groups + g];
+    }
+  for (int g = 0; g < groups; g++) {  // group-major: group g, then source s
+    long long slot = plan.group_offsets[g];
+    for (int s = 0; s < ranks; s++) {
+      plan.block_slot_offset[(size_t)g * ranks + s] = (int)slot;
+      slot += received_per_source_group[(size_t)s * groups + g];
+    }
+  }
+  return plan;
+}
 
 // routes_per_expert [E]: this rank's routes per global expert (from moe_route_plan); its entries
 // d·E_l .. d·E_l+E_l−1 are what this rank sends to rank d (the payload of all_to_all_host).
@@ -79,52 +127,19 @@ inline EPPlan ep_plan(const std::vector<int>& routes_per_expert, const std::vect
     fm_fail("ep_plan", "need ranks >= 1 dividing E, and E received counts (ranks x local experts)",
             "ranks=%d E=%d received_entries=%zu", ranks, E, received_per_source_expert.size());
   const int E_l = E / ranks;
-  EPPlan plan;
-  plan.ranks = ranks;
-  plan.local_experts = E_l;
-  plan.send_rows.assign(ranks, 0);
-  plan.recv_rows.assign(ranks, 0);
-  std::vector<long long> expert_total(E_l, 0);
-  for (int r = 0; r < ranks; r++)
+  std::vector<long long> send_rows(ranks, 0);
+  for (int d = 0; d < ranks; d++)
     for (int l = 0; l < E_l; l++) {
-      const int sent = routes_per_expert[r * E_l + l];
-      const long long got = received_per_source_expert[(size_t)r * E_l + l];
-      if (sent < 0 || got < 0)
-        fm_fail("ep_plan", "negative route count", "rank=%d local_expert=%d sent=%d received=%lld", r, l, sent, got);
-      plan.send_rows[r] += sent;
-      plan.recv_rows[r] += got;
-      expert_total[l] += got;
+      const int sent = routes_per_expert[d * E_l + l];
+      if (sent < 0) fm_fail("ep_plan", "negative route count", "rank=%d local_expert=%d sent=%d", d, l, sent);
+      send_rows[d] += sent;
     }
-  for (int s = 0; s < ranks; s++) plan.received += plan.recv_rows[s];
-  if (plan.received > INT_MAX)
-    fm_fail("ep_plan", "too many received routes for int indices", "ranks=%d E=%d received=%lld", ranks, E, plan.received);
-  plan.expert_rows.assign(E_l, 0);
-  plan.expert_offsets.assign(E_l, 0);
-  for (int l = 0; l < E_l; l++) {
-    plan.expert_rows[l] = (int)expert_total[l];
-    if (l > 0) plan.expert_offsets[l] = plan.expert_offsets[l - 1] + plan.expert_rows[l - 1];
-  }
-  plan.block_slot_offset.assign((size_t)E_l * ranks, 0);
-  plan.block_recv_row.assign((size_t)E_l * ranks, 0);
-  long long row = 0;  // source-major: source s, then local expert l
-  for (int s = 0; s < ranks; s++)
-    for (int l = 0; l < E_l; l++) {
-      plan.block_recv_row[(size_t)l * ranks + s] = (int)row;
-      row += received_per_source_expert[(size_t)s * E_l + l];
-    }
-  for (int l = 0; l < E_l; l++) {  // expert-major: local expert l, then source s
-    long long slot = plan.expert_offsets[l];
-    for (int s = 0; s < ranks; s++) {
-      plan.block_slot_offset[(size_t)l * ranks + s] = (int)slot;
-      slot += received_per_source_expert[(size_t)s * E_l + l];
-    }
-  }
-  return plan;
+  return ep_plan_groups(send_rows, received_per_source_expert, ranks, E_l);
 }
 
-// Expert-major slot → row of the source-major receive buffer: the block holding `slot` is the last
+// Group-major slot → row of the source-major receive buffer: the block holding `slot` is the last
 // one whose first slot is ≤ slot (empty blocks share their first slot with the next block, so the
-// last such block is the one that holds it). blocks = E_l·E_p ≥ 1; block_slot_offset ascending,
+// last such block is the one that holds it). blocks = G·E_p ≥ 1; block_slot_offset ascending,
 // block_slot_offset[0] = 0. Shared by the device kernel and the plan tests.
 __host__ __device__ inline int ep_recv_row_of_slot(int slot, const int* block_slot_offset, const int* block_recv_row,
                                                    int blocks) {
@@ -169,7 +184,7 @@ static __global__ void ep_scatter_rows_kernel(floatX* dst, const floatX* src, co
 
 // recv_row_of_slot [R_d] (=) from the plan's block tables (uploaded to a Workspace buffer).
 inline void ep_recv_row_map(int* recv_row_of_slot, const EPPlan& plan, cudaStream_t stream) {
-  const int R_d = (int)plan.received, blocks = plan.local_experts * plan.ranks;
+  const int R_d = (int)plan.received, blocks = plan.groups * plan.ranks;
   if (R_d == 0) return;
   std::vector<int> table(plan.block_slot_offset);
   table.insert(table.end(), plan.block_recv_row.begin(), plan.block_recv_row.end());
@@ -192,17 +207,17 @@ inline void ep_scatter_rows(floatX* src_major, const floatX* expert_major, const
 // ---------------------------------------------------------------------------------------------
 // Launchers: the expert-parallel MoE FFN
 
-// What backward needs; allocated from the pool by ep_moe_forward, freed by ep_saved_free. A pointer
-// is nullptr when its buffer has no element (N = 0, or nothing received).
+// What backward needs; allocated from the pool by the forward, freed by ep_saved_free. A pointer is
+// nullptr when its buffer has no element (N = 0, or nothing received).
 struct EPSaved {
   int N = 0, H = 0, I = 0, E = 0, k = 0;
   EPPlan plan;                      // host: send/receive rows per rank, blocks, R_d (plan.ranks = 0: empty)
-  int* route_of_slot = nullptr;     // [N·k] sorted send position -> route index r        (Dispatch)
-  int* slot_of_route = nullptr;     // [N·k] route index r -> sorted send position        (Dispatch)
-  int* recv_row_of_slot = nullptr;  // [R_d] expert-major slot -> source-major row        (Dispatch)
-  floatX* xe = nullptr;             // [R_d, H] received token rows, expert-major         (Dispatch)
-  floatX* h13 = nullptr;            // [R_d, 2I] expert-major                             (ExpertIntermediates)
-  floatX* y = nullptr;              // [N·k, H] expert outputs back at the source, sorted (Dispatch)
+  int* route_of_slot = nullptr;     // [N·k] send position -> route index r              (Dispatch)
+  int* slot_of_route = nullptr;     // [N·k] route index r -> send position              (Dispatch)
+  int* recv_row_of_slot = nullptr;  // [R_d] group-major slot -> source-major row        (Dispatch)
+  floatX* xe = nullptr;             // [R_d, H] received token rows, group-major         (Dispatch)
+  floatX* h13 = nullptr;            // [R_d, 2I] group-major                             (ExpertIntermediates)
+  floatX* y = nullptr;              // [N·k, H] expert outputs back at the source, in send order (Dispatch)
 };
 
 inline void ep_saved_free(EPSaved& saved) {
@@ -212,10 +227,119 @@ inline void ep_saved_free(EPSaved& saved) {
   saved = EPSaved();
 }
 
-// One problem per local expert with at least one received route; make(l, first_row, rows) builds it.
+// The weights of each group this rank computes, and where each group's weight gradient goes (+=).
+struct GroupWeights {
+  std::vector<const floatX*> W13, W2;  // [G]: [2I,H], [H,I]
+};
+struct GroupGrads {
+  std::vector<floatX*> dW13, dW2;      // [G]: [2I,H], [H,I]
+};
+
+// One problem per group with at least one received route; make(g, first_row, rows) builds it.
 template <typename F>
-std::vector<GroupedGemmProblem> ep_local_expert_problems(const EPPlan& plan, F make) {
-  return expert_problems(plan.expert_rows, plan.expert_offsets, make);
+std::vector<GroupedGemmProblem> ep_group_problems(const EPPlan& plan, F make) {
+  return expert_problems(plan.group_rows, plan.group_offsets, make);
+}
+
+// Checks shared by the expert-parallel forwards; records the sizes in `saved`.
+inline void ep_moe_check(const char* op, const EPSaved& saved, int N, int H, int I, int E, int k, const Comm& ep) {
+  if (N < 0 || H < 1 || I < 1 || E < 1 || k < 1)
+    fm_fail(op, "need N >= 0 and H, I, E, k >= 1", "N=%d H=%d I=%d E=%d k=%d group=%s", N, H, I, E, k, ep.name.c_str());
+  if (ep.size < 1 || E % ep.size != 0)
+    fm_fail(op, "the EP group size must divide the number of experts", "E=%d group=%s size=%d", E, ep.name.c_str(), ep.size);
+  if ((long long)N * k > INT_MAX) fm_fail(op, "too many routes for int indices", "N=%d k=%d", N, k);
+  if (saved.plan.ranks != 0)
+    fm_fail(op, "the saved state still holds a forward: free it after backward", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
+}
+
+// The pass once the plan is known, shared by ep and llep. On entry saved.plan, route_of_slot and
+// slot_of_route are set (the send order: destination rank, then group, then route order). Dispatches
+// x's rows, computes each group with its weights, returns the expert outputs into saved.y and
+// combines them: out [N,H] (=). With out = nullptr the combine is left out (a recomputation that
+// needs only saved.y).
+inline void ep_moe_forward_planned(floatX* out, EPSaved& saved, const floatX* x, const float* topk_w,
+                                   const GroupWeights& w, const Comm& ep, const char* op, cudaStream_t stream) {
+  const EPPlan& plan = saved.plan;
+  const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k, R_d = (int)plan.received;
+  const std::string name(op);
+  saved.recv_row_of_slot = alloc_rows<int>(R_d, Mem::Dispatch, name + ".recv_row_of_slot");
+  ep_recv_row_map(saved.recv_row_of_slot, plan, stream);
+
+  // dispatch: x rows in send order → the ranks that compute them (source-major) → group-major xe [R_d,H]
+  floatX* x_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, name + ".x_sent");
+  moe_permute_rows(x_sent, x, saved.route_of_slot, R, H, k, stream);
+  floatX* x_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".x_recv");
+  all_to_all_v(ep, x_sent, plan.send_rows, x_recv, plan.recv_rows, (size_t)H, stream);
+  pool().free(x_sent);
+  saved.xe = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".xe");
+  moe_permute_rows(saved.xe, x_recv, saved.recv_row_of_slot, R_d, H, 1, stream);
+  pool().free(x_recv);
+
+  // groups: h13_g [R_g,2I] = xe_g W13_gᵀ;  a = swiglu(h13);  y_g [R_g,H] = a_g W2_gᵀ
+  saved.h13 = alloc_rows<floatX>((size_t)R_d * 2 * I, Mem::ExpertIntermediates, name + ".h13");
+  grouped_gemm((name + ".h13").c_str(), ep_group_problems(plan, [&](int g, size_t first, int rows) {
+                 return GroupedGemmProblem{saved.xe + first * H, w.W13[g], saved.h13 + first * 2 * I, rows, 2 * I, H};
+               }),
+               false, true, H, H, 2 * I, 0.f, stream);
+  floatX* y_group = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".y_group");
+  experts_swiglu_down(y_group, saved.h13, w.W2, plan.group_rows, plan.group_offsets, R_d, H, I, name, stream);
+
+  // return: group-major → source-major → back to the sources (send order) → weighted combine
+  floatX* y_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".y_recv");
+  ep_scatter_rows(y_recv, y_group, saved.recv_row_of_slot, R_d, H, stream);
+  pool().free(y_group);
+  saved.y = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, name + ".y");
+  all_to_all_v(ep, y_recv, plan.recv_rows, saved.y, plan.send_rows, (size_t)H, stream);
+  pool().free(y_recv);
+  if (out != nullptr) moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
+}
+
+// dx [N,H] (=), dtopk_w [N,k] (=), each group's weight gradient (+=) from dout [N,H] and the
+// forward's saved state: backward of ep_moe_forward_planned, shared by ep and llep. Collective over
+// `ep` (the forward's group). Does not synchronise.
+inline void ep_moe_backward_planned(floatX* dx, float* dtopk_w, const GroupGrads& grads, const floatX* dout,
+                                    const EPSaved& saved, const float* topk_w, const GroupWeights& w, const Comm& ep,
+                                    const char* op, cudaStream_t stream) {
+  const EPPlan& plan = saved.plan;
+  if (plan.ranks != ep.size)
+    fm_fail(op, "the saved state is empty or from another group: run the forward on this group first",
+            "saved ranks=%d group=%s size=%d", plan.ranks, ep.name.c_str(), ep.size);
+  const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k, R_d = (int)plan.received;
+  const std::string name(op);
+
+  // dy = w·dout at the source (send order), dtopk_w = dout·y → the computing ranks → group-major
+  floatX* dy_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, name + ".dy_sent");
+  moe_combine_backward(dy_sent, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
+  floatX* dy_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".dy_recv");
+  all_to_all_v(ep, dy_sent, plan.send_rows, dy_recv, plan.recv_rows, (size_t)H, stream);
+  pool().free(dy_sent);
+  floatX* dy = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".dy");
+  moe_permute_rows(dy, dy_recv, saved.recv_row_of_slot, R_d, H, 1, stream);
+  pool().free(dy_recv);
+
+  // groups: da_g = dy_g W2_g;  dW2_g += dy_gᵀa_g;  dh13 = swiglu'(da);  dW13_g += dh13_gᵀ xe_g;  dxe_g = dh13_g W13_g
+  floatX* dh13 = experts_backward_to_h13(dy, grads.dW2, saved.h13, w.W2, plan.group_rows, plan.group_offsets, R_d, H,
+                                         I, name, stream);
+  grouped_gemm((name + ".dW13").c_str(), ep_group_problems(plan, [&](int g, size_t first, int rows) {
+                 return GroupedGemmProblem{dh13 + first * 2 * I, saved.xe + first * H, grads.dW13[g], 2 * I, H, rows};
+               }),
+               true, false, 2 * I, H, H, 1.f, stream);
+  floatX* dxe = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".dxe");
+  grouped_gemm((name + ".dxe").c_str(), ep_group_problems(plan, [&](int g, size_t first, int rows) {
+                 return GroupedGemmProblem{dh13 + first * 2 * I, w.W13[g], dxe + first * H, rows, H, 2 * I};
+               }),
+               false, false, 2 * I, H, H, 0.f, stream);
+  pool().free(dh13);
+
+  // input gradients: group-major → source-major → back to the sources → dx[n] = Σ_j dxp[route n·k+j]
+  floatX* dx_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".dx_recv");
+  ep_scatter_rows(dx_recv, dxe, saved.recv_row_of_slot, R_d, H, stream);
+  pool().free(dxe);
+  floatX* dx_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, name + ".dx_sent");
+  all_to_all_v(ep, dx_recv, plan.recv_rows, dx_sent, plan.send_rows, (size_t)H, stream);
+  pool().free(dx_recv);
+  moe_combine(dx, dx_sent, saved.slot_of_route, nullptr, N, H, k, stream);
+  pool().free(dx_sent);
 }
 
 // out [N,H] (=); fills `saved` (which must be empty: ep_saved_free it after backward). Collective
@@ -224,59 +348,18 @@ std::vector<GroupedGemmProblem> ep_local_expert_problems(const EPPlan& plan, F m
 inline void ep_moe_forward(floatX* out, EPSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                            const floatX* W13_local, const floatX* W2_local, int N, int H, int I, int E, int k,
                            const Comm& ep, cudaStream_t stream) {
-  const char* op = "ep_moe_forward";
-  if (N < 0 || H < 1 || I < 1 || E < 1 || k < 1)
-    fm_fail(op, "need N >= 0 and H, I, E, k >= 1", "N=%d H=%d I=%d E=%d k=%d group=%s", N, H, I, E, k, ep.name.c_str());
-  if (ep.size < 1 || E % ep.size != 0)
-    fm_fail(op, "the EP group size must divide the number of experts", "E=%d group=%s size=%d", E, ep.name.c_str(), ep.size);
-  if ((long long)N * k > INT_MAX) fm_fail(op, "too many routes for int indices", "N=%d k=%d", N, k);
-  if (saved.plan.ranks != 0)
-    fm_fail(op, "EPSaved still holds a forward: call ep_saved_free after backward", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
+  ep_moe_check("ep_moe_forward", saved, N, H, I, E, k, ep);
   const int R = N * k, E_l = E / ep.size;
-  const size_t w13_stride = (size_t)2 * I * H;
   saved.N = N; saved.H = H; saved.I = I; saved.E = E; saved.k = k;
-
-  // plan: sort routes by expert (= by destination rank, then local expert), exchange the counts
+  // plan: sort routes by expert (= by destination rank, then local expert: the send order), exchange the counts
   saved.route_of_slot = alloc_rows<int>(R, Mem::Dispatch, "ep_moe.route_of_slot");
   saved.slot_of_route = alloc_rows<int>(R, Mem::Dispatch, "ep_moe.slot_of_route");
   std::vector<int> routes_per_expert = moe_route_plan(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream);
   std::vector<long long> sent_per_expert(routes_per_expert.begin(), routes_per_expert.end());
   std::vector<long long> received_per_source_expert = all_to_all_host(ep, sent_per_expert, E_l, stream);
   saved.plan = ep_plan(routes_per_expert, received_per_source_expert, ep.size);
-  const EPPlan& plan = saved.plan;
-  const int R_d = (int)plan.received;
-  saved.recv_row_of_slot = alloc_rows<int>(R_d, Mem::Dispatch, "ep_moe.recv_row_of_slot");
-  ep_recv_row_map(saved.recv_row_of_slot, plan, stream);
-
-  // dispatch: x rows in sorted order → their experts' ranks (source-major) → expert-major xe [R_d,H]
-  floatX* x_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe_forward.x_sent");
-  moe_permute_rows(x_sent, x, saved.route_of_slot, R, H, k, stream);
-  floatX* x_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_forward.x_recv");
-  all_to_all_v(ep, x_sent, plan.send_rows, x_recv, plan.recv_rows, (size_t)H, stream);
-  pool().free(x_sent);
-  saved.xe = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe.xe");
-  moe_permute_rows(saved.xe, x_recv, saved.recv_row_of_slot, R_d, H, 1, stream);
-  pool().free(x_recv);
-
-  // local experts: h13_l [R_l,2I] = xe_l W13_lᵀ;  a = swiglu(h13);  y_l [R_l,H] = a_l W2_lᵀ
-  saved.h13 = alloc_rows<floatX>((size_t)R_d * 2 * I, Mem::ExpertIntermediates, "ep_moe.h13");
-  grouped_gemm("ep_moe_forward.h13", ep_local_expert_problems(plan, [&](int l, size_t first, int rows) {
-                 return GroupedGemmProblem{saved.xe + first * H, W13_local + l * w13_stride, saved.h13 + first * 2 * I,
-                                           rows, 2 * I, H};
-               }),
-               false, true, H, H, 2 * I, 0.f, stream);
-  floatX* y_expert = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_forward.y_expert");
-  experts_swiglu_down(y_expert, saved.h13, W2_local, plan.expert_rows, plan.expert_offsets, R_d, H, I, "ep_moe_forward",
-                      stream);
-
-  // return: expert-major → source-major → back to the sources (sorted order) → weighted combine
-  floatX* y_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_forward.y_recv");
-  ep_scatter_rows(y_recv, y_expert, saved.recv_row_of_slot, R_d, H, stream);
-  pool().free(y_expert);
-  saved.y = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe.y");
-  all_to_all_v(ep, y_recv, plan.recv_rows, saved.y, plan.send_rows, (size_t)H, stream);
-  pool().free(y_recv);
-  moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
+  const GroupWeights w{expert_slices(W13_local, E_l, (size_t)2 * I * H), expert_slices(W2_local, E_l, (size_t)H * I)};
+  ep_moe_forward_planned(out, saved, x, topk_w, w, ep, "ep_moe_forward", stream);
 }
 
 // dx [N,H] (=), dtopk_w [N,k] (=), dW13_local [E_l,2I,H] (+=), dW2_local [E_l,H,I] (+=) from dout
@@ -284,48 +367,10 @@ inline void ep_moe_forward(floatX* out, EPSaved& saved, const floatX* x, const i
 inline void ep_moe_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floatX* dW2_local, const floatX* dout,
                             const EPSaved& saved, const float* topk_w, const floatX* W13_local, const floatX* W2_local,
                             const Comm& ep, cudaStream_t stream) {
-  const EPPlan& plan = saved.plan;
-  if (plan.ranks != ep.size)
-    fm_fail("ep_moe_backward", "EPSaved is empty or from another group: run ep_moe_forward on this group first",
-            "saved ranks=%d group=%s size=%d", plan.ranks, ep.name.c_str(), ep.size);
-  const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k, R_d = (int)plan.received;
-  const size_t w13_stride = (size_t)2 * I * H;
-
-  // dy = w·dout at the source (sorted order), dtopk_w = dout·y → the experts' ranks → expert-major
-  floatX* dy_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe_backward.dy_sent");
-  moe_combine_backward(dy_sent, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
-  floatX* dy_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dy_recv");
-  all_to_all_v(ep, dy_sent, plan.send_rows, dy_recv, plan.recv_rows, (size_t)H, stream);
-  pool().free(dy_sent);
-  floatX* dy = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dy");
-  moe_permute_rows(dy, dy_recv, saved.recv_row_of_slot, R_d, H, 1, stream);
-  pool().free(dy_recv);
-
-  // local experts: da_l = dy_l W2_l;  dW2_l += dy_lᵀ a_l;  dh13 = swiglu'(da);  dW13_l += dh13_lᵀ xe_l;  dxe_l = dh13_l W13_l
-  floatX* dh13 = experts_backward_to_h13(dy, dW2_local, saved.h13, W2_local, plan.expert_rows, plan.expert_offsets,
-                                         R_d, H, I, "ep_moe_backward", stream);
-  grouped_gemm("ep_moe_backward.dW13", ep_local_expert_problems(plan, [&](int l, size_t first, int rows) {
-                 return GroupedGemmProblem{dh13 + first * 2 * I, saved.xe + first * H, dW13_local + l * w13_stride,
-                                           2 * I, H, rows};
-               }),
-               true, false, 2 * I, H, H, 1.f, stream);
-  floatX* dxe = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dxe");
-  grouped_gemm("ep_moe_backward.dxe", ep_local_expert_problems(plan, [&](int l, size_t first, int rows) {
-                 return GroupedGemmProblem{dh13 + first * 2 * I, W13_local + l * w13_stride, dxe + first * H, rows, H,
-                                           2 * I};
-               }),
-               false, false, 2 * I, H, H, 0.f, stream);
-  pool().free(dh13);
-
-  // input gradients: expert-major → source-major → back to the sources → dx[n] = Σ_j dxp[route n·k+j]
-  floatX* dx_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, "ep_moe_backward.dx_recv");
-  ep_scatter_rows(dx_recv, dxe, saved.recv_row_of_slot, R_d, H, stream);
-  pool().free(dxe);
-  floatX* dx_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, "ep_moe_backward.dx_sent");
-  all_to_all_v(ep, dx_recv, plan.recv_rows, dx_sent, plan.send_rows, (size_t)H, stream);
-  pool().free(dx_recv);
-  moe_combine(dx, dx_sent, saved.slot_of_route, nullptr, N, H, k, stream);
-  pool().free(dx_sent);
+  const int E_l = saved.plan.groups, H = saved.H, I = saved.I;
+  const GroupWeights w{expert_slices(W13_local, E_l, (size_t)2 * I * H), expert_slices(W2_local, E_l, (size_t)H * I)};
+  const GroupGrads grads{expert_slices(dW13_local, E_l, (size_t)2 * I * H), expert_slices(dW2_local, E_l, (size_t)H * I)};
+  ep_moe_backward_planned(dx, dtopk_w, grads, dout, saved, topk_w, w, ep, "ep_moe_backward", stream);
 }
 
 // --moe ep: the dispatcher seam (ops/moe.cuh) over this rank's expert-parallel group. Holds a copy

@@ -396,41 +396,52 @@ T* alloc_rows(size_t count, Mem cat, const std::string& tag) {
   return count ? pool().alloc_t<T>(count, cat, tag.c_str()) : nullptr;
 }
 
-// The experts' second half, shared by moe_forward and ep_moe_forward: on R expert-sorted routes
-// (counts/offsets per expert), y_e [R_e,H] (=) = swiglu(h13_e) [R_e,I] · W2_eᵀ. The activation a
-// [R,I] lives only inside (ExpertIntermediates).
-inline void experts_swiglu_down(floatX* y, const floatX* h13, const floatX* W2, const std::vector<int>& counts,
-                                const std::vector<int>& offsets, int R, int H, int I, const std::string& op,
-                                cudaStream_t stream) {
-  const size_t w2_stride = (size_t)H * I;
+// The matrices of a stack [E, rows, cols] one by one: stack + e·rows·cols for e = 0..E−1. The
+// experts' shared steps below take one weight pointer per group of routes, so that a group can also
+// be an expert whose weights were lent by another rank (ops/llep.cuh).
+template <typename T>
+std::vector<T*> expert_slices(T* stack, int E, size_t stride) {
+  std::vector<T*> slices(E);
+  for (int e = 0; e < E; e++) slices[e] = stack + e * stride;
+  return slices;
+}
+
+// The experts' second half, shared by moe_forward and the expert-parallel dispatchers: on R routes
+// sorted by group (counts/offsets per group; group g computed with W2[g] [H,I]),
+// y_g [R_g,H] (=) = swiglu(h13_g) [R_g,I] · W2_gᵀ. The activation a [R,I] lives only inside
+// (ExpertIntermediates).
+inline void experts_swiglu_down(floatX* y, const floatX* h13, const std::vector<const floatX*>& W2,
+                                const std::vector<int>& counts, const std::vector<int>& offsets, int R, int H, int I,
+                                const std::string& op, cudaStream_t stream) {
   floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
   swiglu_forward(a, h13, R, I, stream);
   grouped_gemm((op + ".y").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
-                 return GroupedGemmProblem{a + first * I, W2 + e * w2_stride, y + first * H, rows, H, I};
+                 return GroupedGemmProblem{a + first * I, W2[e], y + first * H, rows, H, I};
                }),
                false, true, I, I, H, 0.f, stream);
   pool().free(a);
 }
 
-// The experts' backward down to the gate/up gradients, shared by moe_backward and ep_moe_backward:
-// da_e = dy_e · W2_e; dW2_e (+=) dy_eᵀ · a_e; returns dh13 [R,2I] = swiglu'(h13) ⊙ da
+// The experts' backward down to the gate/up gradients, shared by moe_backward and the
+// expert-parallel dispatchers, per group g (its weights W2[g], its gradient dW2[g]):
+// da_g = dy_g · W2_g; dW2_g (+=) dy_gᵀ · a_g; returns dh13 [R,2I] = swiglu'(h13) ⊙ da
 // (ExpertIntermediates, the caller frees it). Frees dy as soon as it is consumed, before dh13 is
 // allocated, so that the two are never live together.
-inline floatX* experts_backward_to_h13(floatX* dy, floatX* dW2, const floatX* h13, const floatX* W2,
-                                       const std::vector<int>& counts, const std::vector<int>& offsets, int R, int H,
-                                       int I, const std::string& op, cudaStream_t stream) {
-  const size_t w2_stride = (size_t)H * I;
+inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& dW2, const floatX* h13,
+                                       const std::vector<const floatX*>& W2, const std::vector<int>& counts,
+                                       const std::vector<int>& offsets, int R, int H, int I, const std::string& op,
+                                       cudaStream_t stream) {
   floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
   swiglu_forward(a, h13, R, I, stream);
   // da_e [R_e,I] = dy_e [R_e,H] · W2_e [H,I]
   floatX* da = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".da");
   grouped_gemm((op + ".da").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
-                 return GroupedGemmProblem{dy + first * H, W2 + e * w2_stride, da + first * I, rows, I, H};
+                 return GroupedGemmProblem{dy + first * H, W2[e], da + first * I, rows, I, H};
                }),
                false, false, H, I, I, 0.f, stream);
   // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
   grouped_gemm((op + ".dW2").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
-                 return GroupedGemmProblem{dy + first * H, a + first * I, dW2 + e * w2_stride, H, I, rows};
+                 return GroupedGemmProblem{dy + first * H, a + first * I, dW2[e], H, I, rows};
                }),
                true, false, H, I, I, 1.f, stream);
   pool().free(a);
@@ -471,7 +482,8 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
   pool().free(xp);
   // y_e [R_e,H] = swiglu(h13_e) [R_e,I] · W2_eᵀ
   saved.y = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe.y");
-  experts_swiglu_down(saved.y, saved.h13, W2, saved.expert_counts, saved.expert_offsets, R, H, I, "moe_forward", stream);
+  experts_swiglu_down(saved.y, saved.h13, expert_slices(W2, E, (size_t)H * I), saved.expert_counts, saved.expert_offsets,
+                      R, H, I, "moe_forward", stream);
   moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
 }
 
@@ -488,8 +500,9 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
 
   floatX* dy = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dy");
   moe_combine_backward(dy, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
-  floatX* dh13 = experts_backward_to_h13(dy, dW2, saved.h13, W2, saved.expert_counts, saved.expert_offsets, R, H, I,
-                                         "moe_backward", stream);
+  floatX* dh13 = experts_backward_to_h13(dy, expert_slices(dW2, saved.E, (size_t)H * I), saved.h13,
+                                         expert_slices(W2, saved.E, (size_t)H * I), saved.expert_counts,
+                                         saved.expert_offsets, R, H, I, "moe_backward", stream);
   // dxp_e [R_e,H] = dh13_e [R_e,2I] · W13_e [2I,H];  dx[n] = Σ_j dxp[route n·k+j]
   floatX* dxp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dxp");
   grouped_gemm("moe_backward.dxp", moe_expert_problems(saved, [&](int e, size_t first, int rows) {

@@ -276,6 +276,34 @@ inline void ring_send_recv(const Comm& c, const T* send, T* recv, size_t count, 
              c.size);
 }
 
+// One message of a point-to-point group: `count` elements to or from rank `peer`.
+template <typename T>
+struct PeerMessage {
+  T* data;
+  size_t count;
+  int peer;
+};
+
+// Any set of sends and receives in one NCCL group (e.g. an expert's weights lent to a helper rank and
+// its weight gradient returned). Every rank of the group calls it, also with both lists empty; a
+// rank's sends to a peer are matched with that peer's receives from it in list order.
+template <typename T>
+inline void point_to_point(const Comm& c, const std::vector<PeerMessage<const T>>& sends,
+                           const std::vector<PeerMessage<T>>& recvs, cudaStream_t stream) {
+  const char* op = "point_to_point";
+  comm_check(c, ncclGroupStart(), op, "ncclGroupStart");
+  for (const PeerMessage<const T>& m : sends)
+    if (m.count > 0)
+      comm_check(c, ncclSend(m.data, m.count, NcclType<T>::value, m.peer, c.nccl, stream), op,
+                 "ncclSend to rank %d count=%zu type=%s", m.peer, m.count, NcclType<T>::name);
+  for (const PeerMessage<T>& m : recvs)
+    if (m.count > 0)
+      comm_check(c, ncclRecv(m.data, m.count, NcclType<T>::value, m.peer, c.nccl, stream), op,
+                 "ncclRecv from rank %d count=%zu type=%s", m.peer, m.count, NcclType<T>::name);
+  comm_check(c, ncclGroupEnd(), op, "ncclGroupEnd sends=%zu recvs=%zu type=%s ranks=%d", sends.size(), recvs.size(),
+             NcclType<T>::name, c.size);
+}
+
 // Exchange of host-side integers: send[d·per_dest + i] goes to rank d; returns recv[s·per_dest + i]
 // from rank s. Synchronises `stream` (the counts are needed on the host to size buffers).
 inline std::vector<long long> all_to_all_host(const Comm& c, const std::vector<long long>& send, int per_dest,

@@ -105,7 +105,7 @@ void check_group(const SimGroup& g, const std::string& what) {
   for (int d = 0; d < g.ranks; d++) {
     const EPPlan& plan = sim[d].plan;
     ASSERT_EQ(plan.ranks, g.ranks);
-    ASSERT_EQ(plan.local_experts, E_l);
+    ASSERT_EQ(plan.groups, E_l);
     // what s sends to d = what d receives from s: row counts, then the routes in wire order
     std::vector<ref::EPRoute> wire;
     for (int s = 0; s < g.ranks; s++) {
@@ -119,8 +119,8 @@ void check_group(const SimGroup& g, const std::string& what) {
     // receive counts per local expert add up
     long long expert_sum = 0;
     for (int l = 0; l < E_l; l++) {
-      EXPECT_EQ(plan.expert_offsets[l], expert_sum) << "rank " << d << " local expert " << l;
-      expert_sum += plan.expert_rows[l];
+      EXPECT_EQ(plan.group_offsets[l], expert_sum) << "rank " << d << " local expert " << l;
+      expert_sum += plan.group_rows[l];
     }
     EXPECT_EQ(expert_sum, plan.received) << "rank " << d;
     // regrouping: expert-major slot → received row gives the reference's GEMM order
@@ -139,7 +139,7 @@ void check_group(const SimGroup& g, const std::string& what) {
                                                << " instead of " << route_text(expected[p]);
     // each slot of local expert l holds a route to global expert d·E_l + l
     for (int l = 0; l < E_l; l++)
-      for (int p = plan.expert_offsets[l]; p < plan.expert_offsets[l] + plan.expert_rows[l]; p++) {
+      for (int p = plan.group_offsets[l]; p < plan.group_offsets[l] + plan.group_rows[l]; p++) {
         const ref::EPRoute& r = by_expert[p];
         EXPECT_EQ(global(r.source * g.N + r.token, r.slot), d * E_l + l) << "rank " << d << " slot " << p;
       }
