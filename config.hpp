@@ -70,7 +70,11 @@ struct TrainConfig {
   std::string routing = "router";          // "router", or what overrides its choice: "balanced", "hot:r/h", "trace:FILE"
   std::string record_routing;              // a routing trace of the training passes goes to this file ("" = none)
   // Seams (DESIGN §1.1): which implementation serves each; chosen once, at start-up.
-  std::string moe = "";                    // MoE dispatcher: local (E_p = 1) | ep; "" = local at E_p = 1, else ep
+  std::string moe = "";                    // MoE dispatcher: local (E_p = 1) | ep | llep | pllep; "" = local at E_p = 1, else ep
+  float llep_alpha = 1.0f;                 // llep, pllep: capacity cap = ⌈α·routes/E_p⌉ per rank (α >= 1)
+  int llep_min_rows = 32;                  // llep, pllep: the smallest helper piece (one weight transfer + one GEMM)
+  int token_budget = 4096;                 // pllep: c, tokens per rank per chunk
+  int kmax = 10;                           // pllep: K_max, the most chunks
   std::string head = "full";               // output head: full (logits [N,V] inside the head)
   std::string optimizer = "adamw";         // optimizer: adamw (fp32 master weights and moments on the GPU)
   unsigned long long seed = 1337;
@@ -276,7 +280,14 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
       if (v == p) throw std::invalid_argument(flag + " " + v + " is not built yet (available: " + list + ")");
     throw std::invalid_argument(flag + " expects one of " + list + ", got '" + v + "'");
   };
-  refuse_unbuilt("--moe", t.moe.empty() ? "ep" : t.moe, {"local", "ep"}, {"llep", "pllep", "relay"});
+  refuse_unbuilt("--moe", t.moe.empty() ? "ep" : t.moe, {"local", "ep", "llep", "pllep"}, {"relay"});
+  need(t.moe.empty() || t.moe == "local" || t.gpus > 1,
+       "--moe " + t.moe + " exchanges routes between ranks: it needs --gpus > 1 (got " + std::to_string(t.gpus) + ")");
+  need(t.llep_alpha >= 1.0f && std::isfinite(t.llep_alpha),
+       "llep_alpha must be >= 1 (the ranks' capacities must hold every route), got " + std::to_string(t.llep_alpha));
+  need(t.llep_min_rows >= 1, "llep_min_rows must be >= 1, got " + std::to_string(t.llep_min_rows));
+  need(t.token_budget >= 1 && t.kmax >= 1, "token_budget and kmax must be >= 1, got " + std::to_string(t.token_budget) +
+                                               " and " + std::to_string(t.kmax));
   need(t.moe != "local" || ep == 1, "--moe local keeps every expert on each rank: it needs --ep 1 (got ep " +
                                         std::to_string(ep) + ")");
   refuse_unbuilt("--head", t.head, {"full"}, {"ring_dtp"});
@@ -323,7 +334,8 @@ inline std::string usage() {
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
-         "seams:  --moe local|ep (default: local at E_p = 1, else ep) --head full --optimizer adamw\n"
+         "seams:  --moe local|ep|llep|pllep (default: local at E_p = 1, else ep) --head full --optimizer adamw\n"
+         "        --llep_alpha a --llep_min_rows n (llep, pllep) --token_budget c --kmax K (pllep)\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
          "        --ckpt_every S --log_every S --timeline_step S --resume DIR (a checkpoint folder)\n";
@@ -453,6 +465,10 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       text_flag("--routing", &T::routing),
       text_flag("--record_routing", &T::record_routing),
       text_flag("--moe", &T::moe),
+      float_flag("--llep_alpha", &T::llep_alpha),
+      int_flag("--llep_min_rows", &T::llep_min_rows),
+      int_flag("--token_budget", &T::token_budget),
+      int_flag("--kmax", &T::kmax),
       text_flag("--head", &T::head),
       text_flag("--optimizer", &T::optimizer),
       {"--seed", false,

@@ -10,7 +10,7 @@
 //             this rank's shards, weights all-gathered per region, aux-loss-free router-bias update
 //
 // Seams (DESIGN §1.1), each chosen once at model_create from the flags: the MoE dispatcher
-// (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep), the output head (--head: ops/cross_entropy.cuh
+// (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep, ops/llep.cuh llep, ops/pipelined_llep.cuh pllep), the output head (--head: ops/cross_entropy.cuh
 // full) and the optimizer (--optimizer: ops/adamw.cuh adamw). The model calls each in one place.
 //
 // Parallel layout (DESIGN §5): W ranks, one process per GPU. Dense tensors are replicated over
@@ -34,6 +34,7 @@
 #include "ops/cross_entropy.cuh"
 #include "ops/embedding.cuh"
 #include "ops/ep_moe.cuh"
+#include "ops/pipelined_llep.cuh"
 #include "ops/matmul.cuh"
 #include "ops/moe.cuh"
 #include "ops/rmsnorm.cuh"
@@ -66,11 +67,17 @@ struct Parallel {
   Comm expert_replicas;  // the W/E_p ranks that hold the same expert shard (same rank in their ep group)
 };
 
-// The seams' choices (--moe, --head, --optimizer); moe "" = local at E_p = 1, else ep.
+// The seams' choices (--moe, --head, --optimizer); moe "" = local at E_p = 1, else ep. The llep
+// settings serve llep and pllep, the chunking pllep.
 struct Seams {
   std::string moe, head = "full", optimizer = "adamw";
+  double llep_alpha = 1.0;
+  long long llep_min_rows = 32;
+  int token_budget = 4096, kmax = 10;
 };
-inline Seams seams_from(const TrainConfig& t) { return Seams{moe_dispatcher(t), t.head, t.optimizer}; }
+inline Seams seams_from(const TrainConfig& t) {
+  return Seams{moe_dispatcher(t), t.head, t.optimizer, t.llep_alpha, t.llep_min_rows, t.token_budget, t.kmax};
+}
 
 struct Model {
   ModelConfig cfg;
@@ -245,7 +252,13 @@ inline void model_make_seams(Model& m, const Seams& seams) {
   if (moe == "local" && m.par.ep.size == 1) m.moe = std::make_unique<LocalDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk);
   else if (moe == "ep" && m.par.world.size > 1)
     m.moe = std::make_unique<EPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, m.par.ep);
-  else fm_fail("model_create", ("--moe " + moe + " does not fit this layout (local needs E_p = 1, ep needs W > 1)").c_str(),
+  else if (moe == "llep" && m.par.world.size > 1)
+    m.moe = std::make_unique<LLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, m.par.ep, seams.llep_alpha,
+                                             seams.llep_min_rows);
+  else if (moe == "pllep" && m.par.world.size > 1)
+    m.moe = std::make_unique<PLLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, m.par.ep, seams.token_budget,
+                                              seams.kmax, seams.llep_alpha, seams.llep_min_rows);
+  else fm_fail("model_create", ("--moe " + moe + " does not fit this layout (local needs E_p = 1, ep, llep and pllep W > 1)").c_str(),
                "W=%d E_p=%d", m.par.world.size, m.par.ep.size);
   if (seams.head != "full") fm_fail("model_create", ("--head " + seams.head + " is not built").c_str(), "V=%d", c.vocab);
   m.head = std::make_unique<FullHead>();

@@ -197,6 +197,10 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("routing", t.routing);
   row("record routing", t.record_routing.empty() ? "off" : t.record_routing);
   row("seams moe/head/opt", moe_dispatcher(t) + " / " + t.head + " / " + t.optimizer);
+  if (moe_dispatcher(t) == "llep" || moe_dispatcher(t) == "pllep")
+    row("llep alpha/min_rows", std::to_string(t.llep_alpha).substr(0, 5) + " / " + std::to_string(t.llep_min_rows));
+  if (moe_dispatcher(t) == "pllep")
+    row("pllep c/K_max", std::to_string(t.token_budget) + " / " + std::to_string(t.kmax));
   snprintf(buf, sizeof buf, "%.0f TFLOP/s", peak_flops / 1e12);
   row("MFU peak basis", buf);
   row("out dir", t.out_dir);

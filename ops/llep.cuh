@@ -45,14 +45,29 @@
 // Standard EP's R_d follows the router (up to T: every route to one rank); LLEP's is at most
 // cap + min_rows − 1 ≈ α·T/E_p, the group's average, whatever the skew. It still grows with N·k,
 // the whole routed batch at once: ops/pipelined_llep.cuh delivers it in chunks and bounds that.
+// Schedule (each rank; the pass of ops/ep_moe.cuh with a different placement):
+//   forward   moe_route_plan sorts this rank's routes by expert → counts per expert all-gathered
+//             (all_to_all_host: every rank's [E], synchronises) → llep_plan, the same on every rank →
+//             llep_rank_plan: this rank's share (its groups = its pieces by expert, the send order =
+//             destination rank, then piece) → the route maps put into send order → the lent weights
+//             move (one point-to-point group: each helper piece's W13_e and W2_e, home → helper) →
+//             ep_moe_forward_planned: rows out, one grouped GEMM per product over this rank's pieces
+//             (own experts' weights in place, lent ones from the borrowed copies), rows back, combine.
+//   backward  ep_moe_backward_planned with each piece's gradient going to dW*_local (own expert, +=)
+//             or to a zeroed borrowed gradient → the borrowed gradients go home (one point-to-point
+//             group) → the home adds each, in plan order, to its expert's gradient.
+// Live set beyond ep_moe.cuh's (the same Dispatch and ExpertIntermediates closed forms with this
+// rank's R_d): the borrowed weights B·3·H·I·b (Weights), kept from forward to backward, and in
+// backward the borrowed gradients B·3·H·I·b plus the returned ones L·3·H·I·b (Grads), where B and L
+// are the helper pieces this rank computes and lends.
 // Layout of this file: the host-side plan first (pure C++, no CUDA call: the plan tests run it for up
-// to 64 ranks without a GPU); the kernels and launchers that dispatch by it go after it (not built yet).
+// to 64 ranks without a GPU), then the kernels and launchers that dispatch by it.
 #pragma once
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <vector>
-#include "../runtime/check.cuh"
+#include "ep_moe.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // Host-side plan (pure C++: no CUDA call)
@@ -189,3 +204,250 @@ inline LLEPPlan llep_plan(const std::vector<long long>& counts, int ranks, doubl
 inline long long llep_receive_bound(const LLEPPlan& plan) {
   return std::min(plan.total, plan.capacity + plan.min_rows - 1);
 }
+
+// The part of the group's plan that one rank acts on.
+struct LLEPRankPlan {
+  EPPlan ep;                           // this rank's blocks; its groups are its pieces, expert ascending
+  std::vector<int> group_expert;       // [G] global expert of each group
+  std::vector<int> group_borrowed;     // [G] index into the borrowed weights, or −1 for an own expert
+  std::vector<int> send_slot_of_row;   // [R] moe_route_plan's slot (routes sorted by expert) of each send position
+  std::vector<LLEPTransfer> lent;      // transfers with this rank as home, plan order
+  std::vector<LLEPTransfer> borrowed;  // transfers with this rank as helper, plan order (= its borrowed groups)
+};
+
+// counts [E_p·E] as given to llep_plan; `rank` = this rank. This rank's routes to expert e sit at
+// slots [off_e, off_e + counts[rank·E + e]) of moe_route_plan's order (off_e = its routes to experts
+// below e); the pieces of e cut that range in order, so its rows in piece p are the next
+// piece_rows[p·E_p + rank] of them. The send order is destination rank, then piece (expert
+// ascending), then slot: what ep_moe_forward_planned sends as one block per destination.
+inline LLEPRankPlan llep_rank_plan(const LLEPPlan& plan, const std::vector<long long>& counts, int rank) {
+  const int ranks = plan.ranks, E = plan.experts, E_l = plan.local_experts, P = (int)plan.pieces.size();
+  if (rank < 0 || rank >= ranks || counts.size() != (size_t)ranks * E)
+    fm_fail("llep_rank_plan", "need 0 <= rank < ranks and ranks x E counts", "rank=%d ranks=%d E=%d counts=%zu", rank,
+            ranks, E, counts.size());
+  LLEPRankPlan mine;
+  std::vector<long long> expert_slot(E, 0);
+  for (int e = 1; e < E; e++) expert_slot[e] = expert_slot[e - 1] + counts[(size_t)rank * E + e - 1];
+  std::vector<long long> piece_slot(P, 0);  // this rank's first slot in each piece
+  for (int e = 0; e < E; e++) {
+    long long slot = expert_slot[e];
+    for (int p = plan.expert_first_piece[e]; p < plan.expert_first_piece[e + 1]; p++) {
+      piece_slot[p] = slot;
+      slot += plan.piece_rows[(size_t)p * ranks + rank];
+    }
+  }
+  for (int d = 0; d < ranks; d++)
+    for (int p = 0; p < P; p++)
+      if (plan.pieces[p].rank == d)
+        for (long long i = 0; i < plan.piece_rows[(size_t)p * ranks + rank]; i++)
+          mine.send_slot_of_row.push_back((int)(piece_slot[p] + i));
+  std::vector<int> groups;  // piece ids this rank computes
+  for (int p = 0; p < P; p++)
+    if (plan.pieces[p].rank == rank) groups.push_back(p);
+  const int G = (int)groups.size();
+  std::vector<long long> received_per_source_group((size_t)ranks * G), send_rows(ranks);
+  for (int s = 0; s < ranks; s++)
+    for (int g = 0; g < G; g++) received_per_source_group[(size_t)s * G + g] = plan.piece_rows[(size_t)groups[g] * ranks + s];
+  for (int d = 0; d < ranks; d++) send_rows[d] = plan.send_rows[(size_t)rank * ranks + d];
+  mine.ep = ep_plan_groups(send_rows, received_per_source_group, ranks, G);
+  for (int p : groups) {
+    const int e = plan.pieces[p].expert;
+    mine.group_expert.push_back(e);
+    mine.group_borrowed.push_back(e / E_l == rank ? -1 : (int)mine.borrowed.size());
+    if (e / E_l != rank) mine.borrowed.push_back(LLEPTransfer{e, e / E_l, rank});
+  }
+  for (const LLEPTransfer& t : plan.transfers)
+    if (t.home == rank) mine.lent.push_back(t);
+  return mine;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+
+// Puts the route maps into the send order: slot_of_route[route_of_slot[send_slot_of_row[i]]] = i for
+// every send position i (=; a permutation, so every route is written once). One thread per position.
+static __global__ void llep_send_order_kernel(int* slot_of_route, const int* route_of_slot, const int* send_slot_of_row,
+                                              int R) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < R) slot_of_route[route_of_slot[send_slot_of_row[i]]] = i;
+}
+
+// route_of_slot[slot_of_route[r]] = r (=): the inverse permutation. One thread per route.
+static __global__ void invert_permutation_kernel(int* route_of_slot, const int* slot_of_route, int R) {
+  int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r < R) route_of_slot[slot_of_route[r]] = r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+
+// What backward needs beyond ep_moe.cuh's state: the plan this rank acts on and the borrowed weights.
+struct LLEPSaved {
+  EPSaved ep;
+  LLEPPlan plan;                     // the group's plan (host)
+  LLEPRankPlan mine;                 // this rank's share (host)
+  floatX* borrowed_W13 = nullptr;    // [B, 2I, H] lent by the homes (Weights)
+  floatX* borrowed_W2 = nullptr;     // [B, H, I]                    (Weights)
+};
+
+inline void llep_saved_free(LLEPSaved& saved) {
+  ep_saved_free(saved.ep);
+  pool().free(saved.borrowed_W13);
+  pool().free(saved.borrowed_W2);
+  saved = LLEPSaved();
+}
+
+// Each group's weights: an own expert's in place, a lent one's from the borrowed copies.
+inline GroupWeights llep_group_weights(const LLEPSaved& saved, const floatX* W13_local, const floatX* W2_local) {
+  const int H = saved.ep.H, I = saved.ep.I, E_l = saved.plan.local_experts;
+  const size_t w13 = (size_t)2 * I * H, w2 = (size_t)H * I;
+  GroupWeights w;
+  for (size_t g = 0; g < saved.mine.group_expert.size(); g++) {
+    const int b = saved.mine.group_borrowed[g], l = saved.mine.group_expert[g] % E_l;
+    w.W13.push_back(b < 0 ? W13_local + l * w13 : saved.borrowed_W13 + b * w13);
+    w.W2.push_back(b < 0 ? W2_local + l * w2 : saved.borrowed_W2 + b * w2);
+  }
+  return w;
+}
+
+// Forward: each lent expert's W13 [2I,H] and W2 [H,I], home → helper, into the helper's borrowed
+// copies [B,...] (B = its borrowed groups, plan order). One point-to-point group; every rank calls it,
+// and a pair's messages match in plan order.
+inline void llep_lend_weights(const LLEPSaved& saved, const floatX* W13_local, const floatX* W2_local, const Comm& ep,
+                              cudaStream_t stream) {
+  const int H = saved.ep.H, I = saved.ep.I, E_l = saved.plan.local_experts;
+  const size_t w13 = (size_t)2 * I * H, w2 = (size_t)H * I;
+  std::vector<PeerMessage<const floatX>> sends;
+  std::vector<PeerMessage<floatX>> recvs;
+  for (const LLEPTransfer& t : saved.mine.lent) {
+    sends.push_back({W13_local + (t.expert % E_l) * w13, w13, t.helper});
+    sends.push_back({W2_local + (t.expert % E_l) * w2, w2, t.helper});
+  }
+  for (size_t b = 0; b < saved.mine.borrowed.size(); b++) {
+    recvs.push_back({saved.borrowed_W13 + b * w13, w13, saved.mine.borrowed[b].home});
+    recvs.push_back({saved.borrowed_W2 + b * w2, w2, saved.mine.borrowed[b].home});
+  }
+  point_to_point(ep, sends, recvs, stream);
+}
+
+// Backward: each borrowed expert's weight gradient, helper → home: borrowed_dW* [B,...] out,
+// returned_dW* [L,...] in (L = the pieces this rank lent, plan order). One point-to-point group.
+inline void llep_return_gradients(const LLEPSaved& saved, const floatX* borrowed_dW13, const floatX* borrowed_dW2,
+                                  floatX* returned_dW13, floatX* returned_dW2, const Comm& ep, cudaStream_t stream) {
+  const size_t w13 = (size_t)2 * saved.ep.I * saved.ep.H, w2 = (size_t)saved.ep.H * saved.ep.I;
+  std::vector<PeerMessage<const floatX>> sends;
+  std::vector<PeerMessage<floatX>> recvs;
+  for (size_t b = 0; b < saved.mine.borrowed.size(); b++) {
+    sends.push_back({borrowed_dW13 + b * w13, w13, saved.mine.borrowed[b].home});
+    sends.push_back({borrowed_dW2 + b * w2, w2, saved.mine.borrowed[b].home});
+  }
+  for (size_t j = 0; j < saved.mine.lent.size(); j++) {
+    recvs.push_back({returned_dW13 + j * w13, w13, saved.mine.lent[j].helper});
+    recvs.push_back({returned_dW2 + j * w2, w2, saved.mine.lent[j].helper});
+  }
+  point_to_point(ep, sends, recvs, stream);
+}
+
+// out [N,H] (=; nullptr: no combine, see ep_moe_forward_planned); fills `saved` (which must be
+// empty: llep_saved_free it after backward). Collective over `ep`. Synchronises `stream` twice
+// (moe_route_plan's counts, the all-gather of the counts).
+inline void llep_forward(floatX* out, LLEPSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
+                         const floatX* W13_local, const floatX* W2_local, int N, int H, int I, int E, int k, double alpha,
+                         long long min_rows, const Comm& ep, cudaStream_t stream) {
+  const char* op = "llep_forward";
+  ep_moe_check(op, saved.ep, N, H, I, E, k, ep);
+  const int R = N * k, W = ep.size;
+  EPSaved& es = saved.ep;
+  es.N = N; es.H = H; es.I = I; es.E = E; es.k = k;
+
+  // plan: sort routes by expert, all-gather the counts, the group's plan, this rank's share
+  es.route_of_slot = alloc_rows<int>(R, Mem::Dispatch, "llep.route_of_slot");
+  es.slot_of_route = alloc_rows<int>(R, Mem::Dispatch, "llep.slot_of_route");
+  std::vector<int> routes_per_expert = moe_route_plan(es.route_of_slot, es.slot_of_route, topk_idx, R, E, stream);
+  std::vector<long long> mine_to_all;
+  for (int d = 0; d < W; d++) mine_to_all.insert(mine_to_all.end(), routes_per_expert.begin(), routes_per_expert.end());
+  const std::vector<long long> counts = all_to_all_host(ep, mine_to_all, E, stream);
+  saved.plan = llep_plan(counts, W, alpha, min_rows);
+  saved.mine = llep_rank_plan(saved.plan, counts, ep.rank);
+  es.plan = saved.mine.ep;
+
+  // the route maps in send order
+  if (R > 0) {
+    int* send_slot = pool().alloc_t<int>(R, Mem::Workspace, "llep.send_slot_of_row");
+    copy_to_device(send_slot, saved.mine.send_slot_of_row.data(), (size_t)R * sizeof(int), stream, op);
+    llep_send_order_kernel<<<ceil_div(R, 256), 256, 0, stream>>>(es.slot_of_route, es.route_of_slot, send_slot, R);
+    launchCheck("llep_send_order", "R=%d", R);
+    invert_permutation_kernel<<<ceil_div(R, 256), 256, 0, stream>>>(es.route_of_slot, es.slot_of_route, R);
+    launchCheck("llep_invert_permutation", "R=%d", R);
+    pool().free(send_slot);
+  }
+
+  // lent weights, home → helper
+  const size_t B = saved.mine.borrowed.size();
+  saved.borrowed_W13 = alloc_rows<floatX>(B * 2 * I * H, Mem::Weights, "llep.borrowed_W13");
+  saved.borrowed_W2 = alloc_rows<floatX>(B * H * I, Mem::Weights, "llep.borrowed_W2");
+  llep_lend_weights(saved, W13_local, W2_local, ep, stream);
+  ep_moe_forward_planned(out, es, x, topk_w, llep_group_weights(saved, W13_local, W2_local), ep, op, stream);
+}
+
+// dx [N,H] (=), dtopk_w [N,k] (=), dW13_local [E_l,2I,H] (+=), dW2_local [E_l,H,I] (+=): every route
+// of this rank's experts, wherever it was computed. Collective over `ep`. Does not synchronise.
+inline void llep_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floatX* dW2_local, const floatX* dout,
+                          const LLEPSaved& saved, const float* topk_w, const floatX* W13_local, const floatX* W2_local,
+                          const Comm& ep, cudaStream_t stream) {
+  const int H = saved.ep.H, I = saved.ep.I, E_l = saved.plan.local_experts;
+  const size_t w13 = (size_t)2 * I * H, w2 = (size_t)H * I, B = saved.mine.borrowed.size(), L = saved.mine.lent.size();
+  floatX* borrowed_dW13 = alloc_rows<floatX>(B * w13, Mem::Grads, "llep.borrowed_dW13");
+  floatX* borrowed_dW2 = alloc_rows<floatX>(B * w2, Mem::Grads, "llep.borrowed_dW2");
+  if (B > 0) {
+    cudaCheck(cudaMemsetAsync(borrowed_dW13, 0, B * w13 * sizeof(floatX), stream), "llep_backward", "zero B=%zu", B);
+    cudaCheck(cudaMemsetAsync(borrowed_dW2, 0, B * w2 * sizeof(floatX), stream), "llep_backward", "zero B=%zu", B);
+  }
+  GroupGrads grads;
+  for (size_t g = 0; g < saved.mine.group_expert.size(); g++) {
+    const int b = saved.mine.group_borrowed[g], l = saved.mine.group_expert[g] % E_l;
+    grads.dW13.push_back(b < 0 ? dW13_local + l * w13 : borrowed_dW13 + b * w13);
+    grads.dW2.push_back(b < 0 ? dW2_local + l * w2 : borrowed_dW2 + b * w2);
+  }
+  ep_moe_backward_planned(dx, dtopk_w, grads, dout, saved.ep, topk_w, llep_group_weights(saved, W13_local, W2_local),
+                          ep, "llep_backward", stream);
+
+  // borrowed gradients, helper → home; the home adds them in plan order
+  floatX* returned_dW13 = alloc_rows<floatX>(L * w13, Mem::Grads, "llep.returned_dW13");
+  floatX* returned_dW2 = alloc_rows<floatX>(L * w2, Mem::Grads, "llep.returned_dW2");
+  llep_return_gradients(saved, borrowed_dW13, borrowed_dW2, returned_dW13, returned_dW2, ep, stream);
+  pool().free(borrowed_dW13);
+  pool().free(borrowed_dW2);
+  for (size_t j = 0; j < L; j++) {
+    const int l = saved.mine.lent[j].expert % E_l;
+    add_inplace_or_out(dW13_local + l * w13, dW13_local + l * w13, returned_dW13 + j * w13, w13, stream);
+    add_inplace_or_out(dW2_local + l * w2, dW2_local + l * w2, returned_dW2 + j * w2, w2, stream);
+  }
+  pool().free(returned_dW13);
+  pool().free(returned_dW2);
+}
+
+// --moe llep: the dispatcher seam (ops/moe.cuh) over this rank's expert-parallel group, with the
+// plan's α (--llep_alpha) and smallest helper piece (--llep_min_rows).
+struct LLEPDispatcher : MoEDispatcher {
+  struct Saved : DispatchSaved {
+    LLEPSaved llep;
+    ~Saved() override { llep_saved_free(llep); }
+  };
+  Comm group;
+  double alpha;
+  long long min_rows;
+  LLEPDispatcher(int H_, int I_, int E_, int k_, const Comm& ep_group, double alpha_, long long min_rows_)
+      : MoEDispatcher(H_, I_, E_, k_), group(ep_group), alpha(alpha_), min_rows(min_rows_) {}
+  std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
+                                         const floatX* W13, const floatX* W2, int N, cudaStream_t stream) override {
+    auto saved = std::make_unique<Saved>();
+    llep_forward(out, saved->llep, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, alpha, min_rows, group, stream);
+    return saved;
+  }
+  void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const DispatchSaved& saved,
+                const floatX*, const int*, const float* topk_w, const floatX* W13, const floatX* W2,
+                cudaStream_t stream) override {
+    llep_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).llep, topk_w, W13, W2, group, stream);
+  }
+};

@@ -24,11 +24,24 @@
 // at most E_p·k·c_eff routes in one chunk (pllep_receive_bound), whatever the router does. LLEP's
 // balancing inside the chunk tightens it to cap_i + min_rows − 1 ≤ ⌈α·k·c_eff⌉ + min_rows − 1
 // (llep_receive_bound of the chunk's plan, cap_i = ⌈α·T_i/E_p⌉ with T_i ≤ E_p·k·c_eff).
-// Receive live set: per chunk in flight, that many rows × H·b per row buffer; the number of chunks in
-// flight at once is the pipeline's (dispatch of chunk i+1 and combine of chunk i−1 beside the
-// expert GEMMs of chunk i).
+// Schedule (built so far: the chunks run one after another on the caller's stream; the pipeline that
+// overlaps chunk i+1's dispatch and chunk i−1's combine with chunk i's expert GEMMs is the next step):
+//   forward   the N_r all-gathered (all_to_all_host) → the chunking → for each chunk i: its tokens'
+//             rows x_i [n_i,H], topk_idx_i, topk_w_i gathered → llep_forward on them (its own count
+//             exchange and plan, ops/llep.cuh) → out_i scattered to out → everything of chunk i freed.
+//             Nothing stays on the device for backward: the layer's inputs (x, topk_idx, topk_w) are
+//             the routing that backward replays.
+//   backward  for each chunk i: gather again → llep_forward without the combine (the recomputation:
+//             the same counts, hence the same plan and exchanges) → llep_backward with dout_i → dx_i,
+//             dtopk_w_i scattered; the weight gradients accumulate (+=) chunk after chunk.
+// Live set: one chunk at a time, in forward and in backward — its dispatch rows and expert
+// intermediates (ops/ep_moe.cuh's closed forms with R = k·n_i and the chunk's R_d ≤ the receiver
+// bound) and its gathered rows (x_i and out_i, or x_i, dout_i and dx_i: ≤ 3·c_eff·H·b, Dispatch).
+// The paper keeps every chunk's checkpoint to backward; here backward recomputes the chunk, so the
+// expert intermediates of one chunk are all that is ever live. The price: each chunk's exchanges and
+// expert GEMMs of the forward run twice.
 // Layout of this file: the host-side plan first (pure C++, no CUDA call: the plan tests run it for up
-// to 64 ranks without a GPU); the kernels and launchers of the pipeline go after it (not built yet).
+// to 64 ranks without a GPU), then the kernels and launchers.
 #pragma once
 #include <algorithm>
 #include <vector>
@@ -102,3 +115,150 @@ inline std::vector<LLEPPlan> pllep_plan(const PLLEPChunking& chunking, const std
   }
   return plans;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+
+// chunk [n, cols] (=): row m = src row (i + m·K), the chunk's m-th token. One thread per element.
+template <typename T>
+static __global__ void pllep_gather_kernel(T* chunk, const T* src, int n, int cols, int K, int i) {
+  size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= (size_t)n * cols) return;
+  const size_t m = e / cols, c = e % cols;
+  chunk[e] = src[((size_t)i + m * K) * cols + c];
+}
+
+// dst row (i + m·K) (=) = chunk row m. One thread per element.
+template <typename T>
+static __global__ void pllep_scatter_kernel(T* dst, const T* chunk, int n, int cols, int K, int i) {
+  size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= (size_t)n * cols) return;
+  const size_t m = e / cols, c = e % cols;
+  dst[((size_t)i + m * K) * cols + c] = chunk[e];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+
+// Chunk i's rows of a [N, cols] tensor, gathered into a new pool buffer [n_i, cols] (nullptr when
+// the chunk is empty on this rank), or scattered back.
+template <typename T>
+T* pllep_gather(const T* src, int n, int cols, int K, int i, Mem cat, const char* tag, cudaStream_t stream) {
+  T* chunk = alloc_rows<T>((size_t)n * cols, cat, tag);
+  if (chunk == nullptr) return nullptr;
+  pllep_gather_kernel<<<ceil_div((size_t)n * cols, 256), 256, 0, stream>>>(chunk, src, n, cols, K, i);
+  launchCheck("pllep_gather", "%s n=%d cols=%d K=%d chunk=%d", tag, n, cols, K, i);
+  return chunk;
+}
+template <typename T>
+void pllep_scatter(T* dst, const T* chunk, int n, int cols, int K, int i, cudaStream_t stream) {
+  if ((size_t)n * cols == 0) return;
+  pllep_scatter_kernel<<<ceil_div((size_t)n * cols, 256), 256, 0, stream>>>(dst, chunk, n, cols, K, i);
+  launchCheck("pllep_scatter", "n=%d cols=%d K=%d chunk=%d", n, cols, K, i);
+}
+
+// The layer's settings and what its forward leaves for backward (host only).
+struct PLLEPSaved {
+  int N = 0;
+  PLLEPChunking chunking;
+  std::vector<long long> chunk_received;  // [K] routes this rank computed in each chunk of the forward
+};
+
+// The chunk's token rows and routing, gathered (Dispatch; topk_idx_i and topk_w_i are [n_i·k]).
+struct PLLEPChunk {
+  int n = 0;
+  floatX* x = nullptr;
+  int* topk_idx = nullptr;
+  float* topk_w = nullptr;
+  PLLEPChunk(const floatX* x_all, const int* idx_all, const float* w_all, int N, int H, int k, int K, int i,
+             cudaStream_t stream)
+      : n(pllep_chunk_tokens(N, K, i)) {
+    x = pllep_gather(x_all, n, H, K, i, Mem::Dispatch, "pllep.x_chunk", stream);
+    topk_idx = pllep_gather(idx_all, n, k, K, i, Mem::Dispatch, "pllep.topk_idx_chunk", stream);
+    topk_w = pllep_gather(w_all, n, k, K, i, Mem::Dispatch, "pllep.topk_w_chunk", stream);
+  }
+  ~PLLEPChunk() {
+    pool().free(topk_w);
+    pool().free(topk_idx);
+    pool().free(x);
+  }
+};
+
+// out [N,H] (=). Collective over `ep`. Synchronises `stream` 1 + 2K times (the token counts, then
+// each chunk's route counts and count exchange).
+inline void pllep_forward(floatX* out, PLLEPSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
+                          const floatX* W13_local, const floatX* W2_local, int N, int H, int I, int E, int k,
+                          int token_budget, int max_chunks, double alpha, long long min_rows, const Comm& ep,
+                          cudaStream_t stream) {
+  if (N < 0) fm_fail("pllep_forward", "need N >= 0", "N=%d group=%s", N, ep.name.c_str());
+  const std::vector<long long> n_all = all_to_all_host(ep, std::vector<long long>(ep.size, N), 1, stream);
+  saved.N = N;
+  saved.chunking = pllep_chunking(std::vector<int>(n_all.begin(), n_all.end()), token_budget, max_chunks);
+  saved.chunk_received.clear();
+  const int K = saved.chunking.chunks;
+  for (int i = 0; i < K; i++) {
+    PLLEPChunk chunk(x, topk_idx, topk_w, N, H, k, K, i, stream);
+    floatX* out_chunk = alloc_rows<floatX>((size_t)chunk.n * H, Mem::Dispatch, "pllep.out_chunk");
+    LLEPSaved ls;
+    llep_forward(out_chunk, ls, chunk.x, chunk.topk_idx, chunk.topk_w, W13_local, W2_local, chunk.n, H, I, E, k, alpha,
+                 min_rows, ep, stream);
+    saved.chunk_received.push_back(ls.ep.plan.received);
+    llep_saved_free(ls);
+    pllep_scatter(out, out_chunk, chunk.n, H, K, i, stream);
+    pool().free(out_chunk);
+  }
+}
+
+// dx [N,H] (=), dtopk_w [N,k] (=), dW13_local, dW2_local (+=), chunk by chunk with each chunk's
+// forward recomputed. Collective over `ep`. Synchronises `stream` 2K times.
+inline void pllep_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floatX* dW2_local, const floatX* dout,
+                           const PLLEPSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
+                           const floatX* W13_local, const floatX* W2_local, int H, int I, int E, int k, double alpha,
+                           long long min_rows, const Comm& ep, cudaStream_t stream) {
+  const int N = saved.N, K = saved.chunking.chunks;
+  if (K < 1) fm_fail("pllep_backward", "no forward to replay: run pllep_forward first", "N=%d", N);
+  for (int i = 0; i < K; i++) {
+    PLLEPChunk chunk(x, topk_idx, topk_w, N, H, k, K, i, stream);
+    LLEPSaved ls;
+    llep_forward(nullptr, ls, chunk.x, chunk.topk_idx, chunk.topk_w, W13_local, W2_local, chunk.n, H, I, E, k, alpha,
+                 min_rows, ep, stream);
+    floatX* dout_chunk = pllep_gather(dout, chunk.n, H, K, i, Mem::Dispatch, "pllep.dout_chunk", stream);
+    floatX* dx_chunk = alloc_rows<floatX>((size_t)chunk.n * H, Mem::Dispatch, "pllep.dx_chunk");
+    float* dtopk_w_chunk = alloc_rows<float>((size_t)chunk.n * k, Mem::Dispatch, "pllep.dtopk_w_chunk");
+    llep_backward(dx_chunk, dtopk_w_chunk, dW13_local, dW2_local, dout_chunk, ls, chunk.topk_w, W13_local, W2_local, ep,
+                  stream);
+    llep_saved_free(ls);
+    pllep_scatter(dx, dx_chunk, chunk.n, H, K, i, stream);
+    pllep_scatter(dtopk_w, dtopk_w_chunk, chunk.n, k, K, i, stream);
+    for (void* p : {(void*)dtopk_w_chunk, (void*)dx_chunk, (void*)dout_chunk}) pool().free(p);
+  }
+}
+
+// --moe pllep: the dispatcher seam (ops/moe.cuh) with the token budget c (--token_budget), the chunk
+// ceiling K_max (--kmax) and LLEP's α and smallest helper piece for each chunk's plan.
+struct PLLEPDispatcher : MoEDispatcher {
+  struct Saved : DispatchSaved {
+    PLLEPSaved pllep;
+  };
+  Comm group;
+  int token_budget, max_chunks;
+  double alpha;
+  long long min_rows;
+  PLLEPDispatcher(int H_, int I_, int E_, int k_, const Comm& ep_group, int token_budget_, int max_chunks_, double alpha_,
+                  long long min_rows_)
+      : MoEDispatcher(H_, I_, E_, k_), group(ep_group), token_budget(token_budget_), max_chunks(max_chunks_),
+        alpha(alpha_), min_rows(min_rows_) {}
+  std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
+                                         const floatX* W13, const floatX* W2, int N, cudaStream_t stream) override {
+    auto saved = std::make_unique<Saved>();
+    pllep_forward(out, saved->pllep, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, token_budget, max_chunks, alpha,
+                  min_rows, group, stream);
+    return saved;
+  }
+  void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const DispatchSaved& saved,
+                const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
+                cudaStream_t stream) override {
+    pllep_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).pllep, x, topk_idx, topk_w, W13, W2,
+                   H, I, E, k, alpha, min_rows, group, stream);
+  }
+};

@@ -12,10 +12,11 @@
 #include <functional>
 #include "dist_util.cuh"
 #include "gpu_util.cuh"
-#include "../ops/ep_moe.cuh"
+#include "../ops/pipelined_llep.cuh"
 #include "../ops/router.cuh"
 #include "../data/routing_profile.hpp"
 #include "../ref/ep_moe.hpp"
+#include "../ref/pipelined_llep.hpp"
 
 namespace {
 
@@ -105,14 +106,15 @@ std::vector<int> flat(const ref::MatI& m) { return std::vector<int>(m.data(), m.
 // dW13/dW2 (stacked), and the measured live set.
 struct Shard {
   Mat out, dx, dtopk_w, dW13, dW2;
-  long long received = 0;
+  long long received = 0;                   // routes this rank computed (ep, llep)
+  std::vector<long long> chunk_received;    // pllep: per chunk
   size_t dispatch_peak = 0, intermediates_peak = 0;
 };
 
-// ep_moe_forward + ep_moe_backward on this rank's shard (poisoned outputs, gradients starting at
-// dW*_init); checks that the pool returns to its starting bytes.
-Shard run_ep(const GlobalCase& c, const Comm& ep, cudaStream_t stream) {
-  const int r = ep.rank, N = c.N, H = c.H, I = c.I, E_l = c.E / c.ranks, k = c.k;
+// One forward + backward through a dispatcher of the MoE seam on this rank's shard (poisoned outputs,
+// gradients starting at dW*_init); checks that the pool returns to its starting bytes.
+Shard run_dispatch(const GlobalCase& c, MoEDispatcher& dispatcher, int r, cudaStream_t stream) {
+  const int N = c.N, H = c.H, I = c.I, E_l = c.E / c.ranks, k = c.k;
   const Mat x = c.x.middleRows(r * N, N), dout = c.dout.middleRows(r * N, N), topk_w = c.topk_w.middleRows(r * N, N);
   const ref::MatI topk_idx = c.topk_idx.middleRows(r * N, N);
   auto d_x = testutil::upload<floatX>(x);
@@ -134,17 +136,19 @@ Shard run_ep(const GlobalCase& c, const Comm& ep, cudaStream_t stream) {
   const size_t live_start = pool().live_total();
   const size_t dispatch_start = pool().live(Mem::Dispatch), inter_start = pool().live(Mem::ExpertIntermediates);
   pool().reset_peak();
-  EPSaved saved;
-  ep_moe_forward(d_out.ptr, saved, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, H, I, c.E, k, ep, stream);
-  ep_moe_backward(d_dx.ptr, d_dtopk_w.ptr, d_dW13.ptr, d_dW2.ptr, d_dout.ptr, saved, d_w.ptr, d_W13.ptr, d_W2.ptr, ep,
-                  stream);
-  comm_sync(ep, stream, "dist_ep_moe");
+  std::unique_ptr<DispatchSaved> saved =
+      dispatcher.forward(d_out.ptr, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, stream);
+  dispatcher.backward(d_dx.ptr, d_dtopk_w.ptr, d_dW13.ptr, d_dW2.ptr, d_dout.ptr, *saved, d_x.ptr, d_idx.ptr, d_w.ptr,
+                      d_W13.ptr, d_W2.ptr, stream);
+  stream_wait(stream, "dist_ep_moe", "forward + backward");
   Shard res;
-  res.received = saved.plan.received;
+  if (auto* ep = dynamic_cast<EPDispatcher::Saved*>(saved.get())) res.received = ep->ep.plan.received;
+  if (auto* llep = dynamic_cast<LLEPDispatcher::Saved*>(saved.get())) res.received = llep->llep.ep.plan.received;
+  if (auto* pllep = dynamic_cast<PLLEPDispatcher::Saved*>(saved.get())) res.chunk_received = pllep->pllep.chunk_received;
   res.dispatch_peak = pool().peak(Mem::Dispatch) - dispatch_start;
   res.intermediates_peak = pool().peak(Mem::ExpertIntermediates) - inter_start;
-  ep_saved_free(saved);
-  EXPECT_EQ(pool().live_total(), live_start) << "ep_moe_forward/backward/saved_free leaked pool bytes";
+  saved.reset();
+  EXPECT_EQ(pool().live_total(), live_start) << "the dispatcher's forward/backward/saved state leaked pool bytes";
 
   res.out = testutil::download(d_out.ptr, N, H);
   res.dx = testutil::download(d_dx.ptr, N, H);
@@ -152,6 +156,11 @@ Shard run_ep(const GlobalCase& c, const Comm& ep, cudaStream_t stream) {
   res.dW13 = testutil::download(d_dW13.ptr, E_l * 2 * I, H);
   res.dW2 = testutil::download(d_dW2.ptr, E_l * H, I);
   return res;
+}
+
+Shard run_ep(const GlobalCase& c, const Comm& ep, cudaStream_t stream) {
+  EPDispatcher dispatcher(c.H, c.I, c.E, c.k, ep);
+  return run_dispatch(c, dispatcher, ep.rank, stream);
 }
 
 // moe_forward + moe_backward of ops/moe.cuh over the whole global batch with all E experts, on this
@@ -274,6 +283,147 @@ TEST(EpMoEDist, RandomRoutingReplaysBitForBit) {
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 45, 64, 40, 2, 2, random_routing());
   check_case("ep random N=45 E_l=2 k=2", c, world, stream.s);
   Shard first = run_ep(c, world, stream.s), second = run_ep(c, world, stream.s);
+  EXPECT_EQ(first.out, second.out);
+  EXPECT_EQ(first.dx, second.dx);
+  EXPECT_EQ(first.dtopk_w, second.dtopk_w);
+  EXPECT_EQ(first.dW13, second.dW13);
+  EXPECT_EQ(first.dW2, second.dW2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// LLEP (--moe llep) and PipelinedLLEP (--moe pllep) on the same cases: against the reference over
+// the global batch, against standard EP (schedules of one operator), each rank's routes computed =
+// the host plan's, the receiver bounds, and the pool's peaks against the closed forms.
+
+namespace {
+
+// A split expert's weight gradient is the home's piece (+=) plus each helper's piece, added in the
+// build's precision after travelling: one more rounding per piece than standard EP's single sum.
+// FP32: rounding; BF16: up to two bf16 roundings of the gradient (2^-8 each, normwise well below).
+#if defined(FLATMOE_BF16)
+const double SPLIT_TOL = 8e-3;
+#else
+const double SPLIT_TOL = 1e-6;
+#endif
+
+// Chunk i of K's counts [E_p·E] source-major (what every rank all-gathers), from ref/pipelined_llep.hpp.
+std::vector<long long> chunk_counts(const GlobalCase& c, int K, int i) {
+  std::vector<std::vector<int>> per_source;
+  for (int s = 0; s < c.ranks; s++) per_source.push_back(flat(c.topk_idx.middleRows(s * c.N, c.N)));
+  const std::vector<std::vector<std::vector<long long>>> all = ref::pllep_chunk_counts(per_source, c.k, c.E, K);
+  std::vector<long long> counts;
+  for (const std::vector<long long>& source : all[i]) counts.insert(counts.end(), source.begin(), source.end());
+  return counts;
+}
+
+void check_llep_case(const std::string& label, const GlobalCase& c, double alpha, long long min_rows,
+                     const std::vector<int>& chunk_counts_to_run, const Comm& ep, cudaStream_t stream) {
+  const int r = ep.rank, E_l = c.E / c.ranks, H = c.H, I = c.I, k = c.k;
+  const size_t b = sizeof(floatX);
+  ref::EPShard<double> want = ref::ep_moe_shard(c.x, c.topk_idx, c.topk_w, c.dout, c.W13, c.W2, c.ranks, r);
+  const Mat dW13_want = stack(c.dW13_init, r * E_l, E_l) + stack(want.dW13, 0, E_l);
+  const Mat dW2_want = stack(c.dW2_init, r * E_l, E_l) + stack(want.dW2, 0, E_l);
+  const Shard standard = run_ep(c, ep, stream);
+  auto expect_exact = [&](const std::string& name, const Shard& got) {
+    SCOPED_TRACE(name);
+    EXPECT_REL(name.c_str(), "out", testutil::rel_err(got.out, want.out), OP_TOL);
+    EXPECT_REL(name.c_str(), "dx", testutil::rel_err(got.dx, want.dx), OP_TOL);
+    EXPECT_REL(name.c_str(), "dtopk_w", testutil::rel_err(got.dtopk_w, want.dtopk_w), OP_TOL);
+    EXPECT_REL(name.c_str(), "dW13 (+=)", testutil::rel_err(got.dW13, dW13_want), OP_TOL);
+    EXPECT_REL(name.c_str(), "dW2 (+=)", testutil::rel_err(got.dW2, dW2_want), OP_TOL);
+    const std::string vs = name + " vs ep";
+    EXPECT_REL(vs.c_str(), "out", testutil::rel_err(got.out, standard.out), SCHEDULE_TOL);
+    EXPECT_REL(vs.c_str(), "dx", testutil::rel_err(got.dx, standard.dx), SCHEDULE_TOL);
+    EXPECT_REL(vs.c_str(), "dtopk_w", testutil::rel_err(got.dtopk_w, standard.dtopk_w), SCHEDULE_TOL);
+    EXPECT_REL(vs.c_str(), "dW13 (+=)", testutil::rel_err(got.dW13, standard.dW13), SPLIT_TOL);
+    EXPECT_REL(vs.c_str(), "dW2 (+=)", testutil::rel_err(got.dW2, standard.dW2), SPLIT_TOL);
+  };
+
+  // LLEP: this rank computes the plan's R_d, within cap + min_rows − 1, with standard EP's schedule
+  // (hence its closed forms at this R_d)
+  const LLEPPlan plan = llep_plan(chunk_counts(c, 1, 0), c.ranks, alpha, min_rows);
+  LLEPDispatcher llep(H, I, c.E, k, ep, alpha, min_rows);
+  const Shard lent = run_dispatch(c, llep, r, stream);
+  const std::string name = label + " llep rank " + std::to_string(r);
+  expect_exact(name, lent);
+  const long long R = (long long)c.N * k;
+  EXPECT_EQ(lent.received, plan.received[r]) << name;
+  EXPECT_LE(lent.received, llep_receive_bound(plan)) << name;
+  EXPECT_EQ(lent.dispatch_peak, ep_moe_dispatch_peak_bytes(R, lent.received, H, b)) << name;
+  EXPECT_EQ(lent.intermediates_peak, ep_moe_intermediates_peak_bytes(lent.received, I, b)) << name;
+  printf("[peak] %-44s R_d ep=%lld llep=%lld (cap %lld, %zu weight transfers) dispatch ep=%zu B llep=%zu B\n",
+         name.c_str(), standard.received, lent.received, plan.capacity, plan.transfers.size(),
+         standard.dispatch_peak, lent.dispatch_peak);
+
+  // PipelinedLLEP with K chunks (token budget 1, K_max = K): each chunk's R_d = its plan's, within the
+  // receiver bound; one chunk live at a time: the peaks are the largest chunk's
+  for (int K : chunk_counts_to_run) {
+    PLLEPDispatcher pllep(H, I, c.E, k, ep, 1, K, alpha, min_rows);
+    const Shard chunked = run_dispatch(c, pllep, r, stream);
+    const std::string pname = label + " pllep K=" + std::to_string(K) + " rank " + std::to_string(r);
+    expect_exact(pname, chunked);
+    const PLLEPChunking chunking = pllep_chunking(std::vector<int>(c.ranks, c.N), 1, K);
+    ASSERT_EQ(chunking.chunks, K) << pname;
+    std::vector<std::vector<long long>> counts;
+    for (int i = 0; i < K; i++) counts.push_back(chunk_counts(c, K, i));
+    const std::vector<LLEPPlan> plans = pllep_plan(chunking, counts, k, alpha, min_rows);
+    ASSERT_EQ(chunked.chunk_received.size(), (size_t)K) << pname;
+    size_t dispatch_bound = 0, inter_bound = 0;
+    for (int i = 0; i < K; i++) {
+      const long long R_d = chunked.chunk_received[i], n = pllep_chunk_tokens(c.N, K, i);
+      EXPECT_EQ(R_d, plans[i].received[r]) << pname << " chunk " << i;
+      EXPECT_LE(R_d, pllep_receive_bound(chunking, k)) << pname << " chunk " << i;
+      // the chunk's llep pass + its gathered rows (x, dout, dx) and routing (topk_idx, topk_w, dtopk_w)
+      dispatch_bound = std::max<size_t>(dispatch_bound, ep_moe_dispatch_peak_bytes(n * k, R_d, H, b) + 3 * n * H * b + 12 * n * k);
+      inter_bound = std::max(inter_bound, ep_moe_intermediates_peak_bytes(R_d, I, b));
+    }
+    EXPECT_LE(chunked.dispatch_peak, dispatch_bound) << pname;
+    EXPECT_EQ(chunked.intermediates_peak, inter_bound) << pname;
+    if (K >= 2 && lent.received > 0) EXPECT_LT(chunked.dispatch_peak, lent.dispatch_peak) << pname;
+    long long most = 0;
+    for (long long R_d : chunked.chunk_received) most = std::max(most, R_d);
+    printf("[peak] %-44s largest chunk R_d=%lld (bound %lld) dispatch=%zu B (%.0f%% of llep's) intermediates=%zu B\n",
+           pname.c_str(), most, pllep_receive_bound(chunking, k), chunked.dispatch_peak,
+           100.0 * chunked.dispatch_peak / std::max<size_t>(1, lent.dispatch_peak), chunked.intermediates_peak);
+  }
+}
+
+}  // namespace
+
+// hot:1/2: every route of every rank goes to experts 0 and 1 (rank 0's): standard EP computes all of
+// them on rank 0; LLEP lends both experts' overflow to the other ranks.
+TEST(LlepDist, AllRoutesToRankZeroAreSpreadOverTheGroup) {
+  REQUIRE_WORLD(2);
+  const Comm& world = test_world();
+  TestStream stream;
+  GlobalCase c = make_case(testutil::fresh_seed(), world.size, 29, 64, 48, 3, 2, profile_routing("hot:1/2"));
+  check_llep_case("hot:1/2 N=29 E_l=3 k=2", c, 1.0, 4, {1, 2, 3, 7}, world, stream.s);
+}
+
+// hot:0.5/2 with k = 3 (a hot token's routes repeat expert 0), α = 1.1, pieces of any size.
+TEST(LlepDist, HotRoutingWithRepeatedExperts) {
+  REQUIRE_WORLD(2);
+  const Comm& world = test_world();
+  TestStream stream;
+  GlobalCase c = make_case(testutil::fresh_seed(), world.size, 53, 128, 96, 4, 3, profile_routing("hot:0.5/2"));
+  check_llep_case("hot:0.5/2 N=53 E_l=4 k=3", c, 1.1, 1, {2, 7}, world, stream.s);
+}
+
+TEST(LlepDist, BalancedRouting) {
+  REQUIRE_WORLD(2);
+  const Comm& world = test_world();
+  TestStream stream;
+  GlobalCase c = make_case(testutil::fresh_seed(), world.size, 37, 64, 40, 2, 2, profile_routing("balanced"));
+  check_llep_case("balanced N=37 E_l=2 k=2", c, 1.0, 1, {3}, world, stream.s);
+}
+
+TEST(LlepDist, PipelinedReplaysBitForBit) {
+  REQUIRE_WORLD(2);
+  const Comm& world = test_world();
+  TestStream stream;
+  GlobalCase c = make_case(testutil::fresh_seed(), world.size, 45, 64, 40, 2, 2, random_routing());
+  PLLEPDispatcher pllep(c.H, c.I, c.E, c.k, world, 1, 3, 1.0, 2);
+  Shard first = run_dispatch(c, pllep, world.rank, stream.s), second = run_dispatch(c, pllep, world.rank, stream.s);
   EXPECT_EQ(first.out, second.out);
   EXPECT_EQ(first.dx, second.dx);
   EXPECT_EQ(first.dtopk_w, second.dtopk_w);

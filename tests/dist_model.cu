@@ -148,9 +148,9 @@ TEST(DistModel, FirstStepShardsMatchReferenceOverGlobalBatch) {
 }
 
 // W ranks with B sequences each and one GPU with W·B sequences see the same global batches:
-// their losses and weights agree over ten steps (clipping, weight decay, router bias updates on).
-TEST(DistModel, TenStepsAgreeWithOneGpuOnTheSameGlobalBatch) {
-  REQUIRE_WORLD(2);
+// their losses and weights agree over ten steps (clipping, weight decay, router bias updates on),
+// with the W ranks' MoE layers dispatched by `seams.moe`.
+static void ten_steps_agree_with_one_gpu(const Seams& seams) {
   const Comm& world = test_world();
   Parallel par = test_parallel();
   ModelConfig c = dist_config();
@@ -165,7 +165,7 @@ TEST(DistModel, TenStepsAgreeWithOneGpuOnTheSameGlobalBatch) {
   const int B = 2, T = c.seq_len, N = B * T, N_global = N * world.size, accum = 2;
   testutil::Rng rng;  // the harness gives every rank the same seed
   std::vector<float> master = random_master(c, rng);
-  Model dist = model_create(c, 1, par);  // --moe ep
+  Model dist = model_create(c, 1, par, 0, seams);
   model_set_master(dist, master);
   Model single = model_create(c, 1);  // this rank's GPU, all experts, the whole global batch
   model_set_master(single, master);
@@ -189,7 +189,9 @@ TEST(DistModel, TenStepsAgreeWithOneGpuOnTheSameGlobalBatch) {
     }, nullptr);
     double e = std::fabs(dist_loss - single_loss) / single_loss;
     worst = std::max(worst, e);
-    if (world.rank == 0) printf("[dist] step %d loss W=%d %.7f one GPU %.7f rel %.2e\n", step + 1, world.size, dist_loss, single_loss, e);
+    if (world.rank == 0)
+      printf("[dist] step %d loss W=%d --moe %s %.7f one GPU %.7f rel %.2e\n", step + 1, world.size, seams.moe.c_str(),
+             dist_loss, single_loss, e);
 #if !defined(FLATMOE_BF16)
     // identical routing, so identical integer loads (in BF16 the two GEMM layouts round the router's
     // bf16 input differently, and a near-tie may route differently)
@@ -197,7 +199,7 @@ TEST(DistModel, TenStepsAgreeWithOneGpuOnTheSameGlobalBatch) {
 #endif
   }
   char what[64];
-  snprintf(what, sizeof what, "dist_vs_single_rank%d", world.rank);
+  snprintf(what, sizeof what, "dist_%s_vs_single_rank%d", seams.moe.c_str(), world.rank);
   // whole-model training compared over ten Adam steps: the whole-model tolerance of DESIGN §3
   EXPECT_REL(what, "max loss", worst, MODEL_TOL);
   // each tensor of this rank's master shards against the single GPU's master at the same parameters
@@ -206,6 +208,29 @@ TEST(DistModel, TenStepsAgreeWithOneGpuOnTheSameGlobalBatch) {
   model_destroy(single);
   model_destroy(dist);
   release(par);
+}
+
+static Seams moe_seams(const std::string& moe) {
+  Seams seams;
+  seams.moe = moe;
+  seams.llep_min_rows = 4;  // small pieces, so that helpers compute some routes of the toy model
+  seams.token_budget = 20;  // pllep: B·T = 74 tokens per rank in 4 chunks
+  return seams;
+}
+
+TEST(DistModel, TenStepsAgreeWithOneGpuOnTheSameGlobalBatch) {
+  REQUIRE_WORLD(2);
+  ten_steps_agree_with_one_gpu(moe_seams("ep"));
+}
+
+TEST(DistModel, TenStepsWithLLEPAgreeWithOneGpu) {
+  REQUIRE_WORLD(2);
+  ten_steps_agree_with_one_gpu(moe_seams("llep"));
+}
+
+TEST(DistModel, TenStepsWithPipelinedLLEPAgreeWithOneGpu) {
+  REQUIRE_WORLD(2);
+  ten_steps_agree_with_one_gpu(moe_seams("pllep"));
 }
 
 // The model's state at W ranks — every rank's optimizer sections, step count and router biases —

@@ -544,6 +544,80 @@ TEST(LlepPlan, SamePlanOnEveryRank) {
     }
 }
 
+// Each rank's share of the plan (llep_rank_plan) moves every route to the rank and group the plan
+// gives it. Simulated route by route: each source sends its routes, sorted by expert as
+// moe_route_plan sorts them, in its send order (send_slot_of_row), one block per destination; each
+// receiver reads its source-major buffer group-major through its block tables (ep_recv_row_of_slot,
+// the function the device kernel calls). Then every route arrives exactly once, on its piece's rank,
+// in the group of its piece, and a group's weights are borrowed exactly when its expert lives on
+// another rank.
+TEST(LlepPlan, RankPlansDeliverEveryRouteToItsPiece) {
+  testutil::Rng rng;
+  for (const GroupShape& shape : kShapes)
+    for (const SimGroup& g : adversarial_groups(rng, shape)) {
+      const double alpha = rng.integer(0, 1) ? 1.1 : 1.0;
+      const long long min_rows = rng.integer(1, 16);
+      SCOPED_TRACE(case_name(g, alpha, min_rows));
+      const std::vector<long long> counts = gathered(count_matrix(g));
+      const LLEPPlan plan = llep_plan(counts, g.ranks, alpha, min_rows);
+      const int E_l = g.E / g.ranks;
+      std::vector<LLEPRankPlan> mine;
+      for (int r = 0; r < g.ranks; r++) mine.push_back(llep_rank_plan(plan, counts, r));
+      // position of route (s, n·k + j) in its expert's global list: sources in order, routes in order
+      std::vector<std::vector<long long>> position(g.ranks);
+      std::vector<long long> listed(g.E, 0);
+      for (int s = 0; s < g.ranks; s++)
+        for (int e : g.topk_idx[s]) position[s].push_back(listed[e]++);
+      // moe_route_plan's order: routes by expert, then by route index
+      std::vector<std::vector<int>> sorted(g.ranks);
+      for (int s = 0; s < g.ranks; s++) {
+        sorted[s].resize(g.topk_idx[s].size());
+        std::iota(sorted[s].begin(), sorted[s].end(), 0);
+        std::stable_sort(sorted[s].begin(), sorted[s].end(), [&](int a, int b) { return g.topk_idx[s][a] < g.topk_idx[s][b]; });
+        std::vector<int> slots = mine[s].send_slot_of_row;
+        std::sort(slots.begin(), slots.end());
+        for (size_t i = 0; i < slots.size(); i++) ASSERT_EQ(slots[i], (int)i) << "source " << s << ": not a permutation";
+        ASSERT_EQ(slots.size(), sorted[s].size()) << "source " << s;
+      }
+      std::vector<std::vector<char>> seen(g.ranks);
+      for (int s = 0; s < g.ranks; s++) seen[s].assign(g.topk_idx[s].size(), 0);
+      for (int d = 0; d < g.ranks; d++) {
+        const EPPlan& ep = mine[d].ep;
+        std::vector<std::pair<int, int>> source_major;  // (source, route) as received
+        for (int s = 0; s < g.ranks; s++) {
+          ASSERT_EQ(ep.recv_rows[s], mine[s].ep.send_rows[d]) << "source " << s << " -> rank " << d;
+          long long first = 0;
+          for (int dd = 0; dd < d; dd++) first += mine[s].ep.send_rows[dd];
+          for (long long i = first; i < first + mine[s].ep.send_rows[d]; i++)
+            source_major.push_back({s, sorted[s][mine[s].send_slot_of_row[i]]});
+        }
+        ASSERT_EQ((long long)source_major.size(), plan.received[d]) << "rank " << d;
+        std::vector<int> pieces_here;
+        for (int p = 0; p < (int)plan.pieces.size(); p++)
+          if (plan.pieces[p].rank == d) pieces_here.push_back(p);
+        ASSERT_EQ(ep.groups, (int)pieces_here.size()) << "rank " << d;
+        for (int grp = 0; grp < ep.groups; grp++) {
+          const LLEPPiece& piece = plan.pieces[pieces_here[grp]];
+          EXPECT_EQ(mine[d].group_expert[grp], piece.expert);
+          EXPECT_EQ(ep.group_rows[grp], piece.end - piece.start) << "rank " << d << " group " << grp;
+          const int b = mine[d].group_borrowed[grp];
+          EXPECT_EQ(b >= 0, piece.expert / E_l != d) << "rank " << d << " group " << grp;
+          if (b >= 0) EXPECT_EQ(mine[d].borrowed[b].expert, piece.expert);
+          for (int slot = ep.group_offsets[grp]; slot < ep.group_offsets[grp] + ep.group_rows[grp]; slot++) {
+            const int row = ep_recv_row_of_slot(slot, ep.block_slot_offset.data(), ep.block_recv_row.data(), ep.groups * g.ranks);
+            const auto [s, route] = source_major[row];
+            EXPECT_EQ(g.topk_idx[s][route], piece.expert) << "rank " << d << " slot " << slot;
+            EXPECT_GE(position[s][route], piece.start);
+            EXPECT_LT(position[s][route], piece.end);
+            EXPECT_EQ(seen[s][route]++, 0) << "source " << s << " route " << route << " arrived twice";
+          }
+        }
+      }
+      for (int s = 0; s < g.ranks; s++)
+        EXPECT_EQ(std::count(seen[s].begin(), seen[s].end(), 1), (long)seen[s].size()) << "source " << s;
+    }
+}
+
 TEST(LlepPlan, RefusesBadInputs) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH(llep_plan({1, 2, 3}, 2, 1.0, 1), "llep_plan \\(ranks=2 counts=3\\)");       // not ranks x E
