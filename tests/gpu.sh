@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [moe] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
-#   train2: the default model on every GPU of the machine; bench-ep: expert-parallel MoE layer benchmark
+#   train2: the default model on every GPU of the machine
+#   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank with
+#     --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
+#   moe: the MoE dispatchers alone — test_gpu, then test_dist's EpMoEDist/LlepDist/DistModel tests, in both
+#     precisions (one log), and 30 training steps on every GPU with --moe ep, llep and pllep (hot:0.5/2 routing)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
 #   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
 #     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
@@ -64,10 +68,45 @@ if [[ " $want " == *" train2 "* ]]; then
   cp build/run-multi/log.csv "$OUT/train_multi_log.csv" 2>/dev/null
 fi
 
+if [[ " $want " == *" moe "* ]]; then
+  : > "$OUT/moe_tests.log"
+  for p in fp32 bf16; do
+    for run in "build/$p/test_gpu" "build/$p/test_dist --gtest_filter=EpMoEDist.*:LlepDist.*:DistModel.*"; do
+      $run > build/moe_run.log 2>&1
+      rc=$?
+      [ "$rc" -eq 0 ] || status=1
+      cat build/moe_run.log >> "$OUT/moe_tests.log"
+      summary+=("$run: exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' build/moe_run.log | tr '\n' ' ')")
+      grep -q '^\[  FAILED  \]' build/moe_run.log && summary+=("  $(grep -m1 -A2 ': Failure$' build/moe_run.log | tr '\n' ' ')")
+    done
+  done
+  gpus=$(nvidia-smi -L | wc -l)
+  : > "$OUT/moe_train.log"
+  for m in ep llep pllep; do
+    build/bf16/train --gpus "$gpus" --moe $m --routing hot:0.5/2 --llep_min_rows 16 --token_budget 512 --data data/fortunes \
+      --steps 30 --val_every 0 --sample_every 0 --ckpt_every 0 --log_every 10 --out build/run-moe-$m > build/moe_train.log 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    cat build/moe_train.log >> "$OUT/moe_train.log"
+    summary+=("train --moe $m on $gpus GPUs: exit $rc | $(grep '^step' build/moe_train.log | tail -1)")
+  done
+fi
+
 if [[ " $want " == *" bench-ep "* ]]; then
   gpus=$(nvidia-smi -L | wc -l)
-  build/bf16/bench_ep_moe --gpus "$gpus" > "$OUT/bench_ep.md" 2> build/bench_ep.err || tail -20 build/bench_ep.err
+  rm -rf build/ep-timelines && mkdir -p build/ep-timelines
+  build/bf16/bench_ep_moe --gpus "$gpus" --tokens 16384 --check 1 --timeline build/ep-timelines > "$OUT/bench_ep.md" \
+    2> build/bench_ep.err || { status=1; tail -20 build/bench_ep.err; }
+  tar czf "$OUT/ep_timelines.tgz" -C build ep-timelines
   cat "$OUT/bench_ep.md"
+  echo "| token budget c | K | largest chunk R_d | ms | time / llep | peak D+EI MiB | peak / llep |" > "$OUT/bench_ep_budget.md"
+  echo "|---|---|---|---|---|---|---|" >> "$OUT/bench_ep_budget.md"
+  for c in 16384 8192 4096 2048 1024 512 256; do
+    row=$(build/bf16/bench_ep_moe --gpus "$gpus" --tokens 16384 --dispatchers llep,pllep --profiles hot:1/4 --token_budget $c \
+      --kmax 64 --warmup 2 --iters 5 2>> build/bench_ep.err | grep '| pllep |')
+    echo "| $c | $(( (16384 + c - 1) / c )) | $(echo "$row" | cut -d'|' -f4-8) |" >> "$OUT/bench_ep_budget.md"
+  done
+  cat "$OUT/bench_ep_budget.md"
 fi
 
 if [[ " $want " == *" bench "* ]]; then

@@ -1,31 +1,43 @@
-// tools/bench_ep_moe.cu — standard expert parallelism (ops/ep_moe.cuh) on W ranks against the
-// single-GPU MoE (ops/moe.cuh) in the same run, under the routing profiles of the paper's appendix B.2
-// (data/routing_profile.hpp: balanced, hot:r/h) or a recorded routing trace (data/routing_trace.hpp:
-// trace:FILE); routing weights 1/k.
+// tools/bench_ep_moe.cu — the expert-parallel MoE dispatchers on W ranks in one run, on the same
+// inputs: standard EP (ops/ep_moe.cuh), LLEP (ops/llep.cuh) and PipelinedLLEP (ops/pipelined_llep.cuh),
+// with the single-GPU MoE (ops/moe.cuh) as the baseline, under the routing profiles of the paper's
+// appendix B.2 (data/routing_profile.hpp: balanced, hot:r/h) or a recorded routing trace
+// (data/routing_trace.hpp: trace:FILE); routing weights 1/k.
 //
 //   build/bf16/bench_ep_moe --gpus 2 [--tokens 8192 --hidden 2048 --inter 1408 --experts 16 --topk 4
 //                            --warmup 5 --iters 20 --seed 1 --profiles balanced,hot:0.25/1,hot:0.5/2,hot:1/4]
+//                            [--dispatchers 1gpu,ep,llep,pllep --llep_alpha 1.0 --llep_min_rows 32
+//                             --token_budget 4096 --kmax 10] [--check 1] [--timeline DIR]
 //                            [--profiles trace:FILE --trace_batch 0 --trace_layer L]
 //
 // Per profile, every rank routes its N tokens by the profile (the same on every rank) or by the
 // trace (each rank its own recorded tokens: batch --trace_batch, MoE layer --trace_layer, by default
 // the first recorded; the trace must have been recorded by W ranks of --tokens tokens, with --experts
-// and --topk, else it is refused before the GPU starts), then:
-//   EP      ep_moe_forward + ep_moe_backward over the group of all W ranks (E_p = W, E/W experts each)
-//   1 GPU   moe_forward + moe_backward of the same N tokens with all E experts, on every rank at once
+// and --topk, else it is refused before the GPU starts), then runs forward + backward with each of:
+//   1gpu    moe_forward + moe_backward of the same N tokens with all E experts, on every rank at once
+//   ep      standard EP over the group of all W ranks (E_p = W, E/W experts each)
+//   llep    LLEP over the same group (--llep_alpha, --llep_min_rows)
+//   pllep   PipelinedLLEP (--token_budget c, --kmax K_max, and LLEP's settings for each chunk)
 // Latency: CUDA events around forward + backward, median of `iters` passes after `warmup`, the
 // slowest rank's median. Peak: the most loaded rank's peak of Dispatch + ExpertIntermediates live
-// bytes over one forward + backward (replayed from the pool's timeline), with the closed form of
-// the Dispatch part and the largest R_d (routes received by one rank). Markdown rows from rank 0.
+// bytes over one forward + backward (replayed from the pool's timeline); LLEP's borrowed expert
+// weights and gradients (Weights, Grads) are not in it. R_d: the most routes one rank computed (for
+// pllep in one chunk). --check 1: one more pass of each dispatcher from zeroed weight gradients,
+// every output and gradient compared with ep's on this rank (normwise), the largest difference per
+// dispatcher printed; exits with status 1 when one is above the tolerance (FP32 1e-5, BF16 2e-2).
+// --timeline DIR: rank 0's pool timeline of the measured pass, DIR/PROFILE_DISPATCHER.csv (the
+// folder must exist). Markdown rows from rank 0.
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cmath>
+#include <memory>
 #include <ctime>
 #include <stdexcept>
 #include <string>
 #include <vector>
 #include "../runtime/comm.cuh"
-#include "../ops/ep_moe.cuh"
+#include "../ops/pipelined_llep.cuh"
 #include "../runtime/launch.cuh"
 #include "../ops/moe.cuh"
 #include "../ops/router.cuh"
@@ -38,14 +50,32 @@ struct BenchFlags {
   std::vector<std::string> profiles = {"balanced", "hot:0.25/1", "hot:0.5/2", "hot:1/4"};
   int trace_batch = 0;   // the batch of a trace:FILE profile
   int trace_layer = -1;  // its MoE layer (the model's layer index); -1: the first the trace records
+  std::vector<std::string> dispatchers = {"1gpu", "ep", "llep", "pllep"};
+  double llep_alpha = 1.0;
+  int llep_min_rows = 32, token_budget = 4096, kmax = 10, check = 0;
+  std::string timeline_dir;  // "": no timelines
 };
+
+// "a,b,c" → {"a", "b", "c"}
+std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> items;
+  for (size_t start = 0; start <= list.size();) {
+    size_t comma = list.find(',', start);
+    if (comma == std::string::npos) comma = list.size();
+    items.push_back(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return items;
+}
 
 [[noreturn]] void bench_usage(const std::string& why) {
   fprintf(stderr,
           "bench_ep_moe: %s\n"
           "usage: bench_ep_moe [--gpus W] [--tokens N per rank] [--hidden H] [--inter I] [--experts E] [--topk k]\n"
           "                    [--warmup n] [--iters n] [--seed s] [--profiles balanced,hot:r/h,trace:FILE,...]\n"
-          "                    [--trace_batch b] [--trace_layer l]\n",
+          "                    [--trace_batch b] [--trace_layer l] [--dispatchers 1gpu,ep,llep,pllep]\n"
+          "                    [--llep_alpha a] [--llep_min_rows n] [--token_budget c] [--kmax K] [--check 0|1]\n"
+          "                    [--timeline DIR]\n",
           why.c_str());
   exit(EXIT_FAILURE);
 }
@@ -105,17 +135,26 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
     else if (flag == "--seed") f.seed = (unsigned long long)parse_flag_int(flag, value, 0, LLONG_MAX);
     else if (flag == "--trace_batch") f.trace_batch = (int)parse_flag_int(flag, value, 0, INT_MAX);
     else if (flag == "--trace_layer") f.trace_layer = (int)parse_flag_int(flag, value, 0, INT_MAX);
-    else if (flag == "--profiles") {
-      f.profiles.clear();
-      std::string list = value;
-      for (size_t start = 0; start <= list.size();) {
-        size_t comma = list.find(',', start);
-        if (comma == std::string::npos) comma = list.size();
-        f.profiles.push_back(list.substr(start, comma - start));
-        start = comma + 1;
-      }
+    else if (flag == "--llep_min_rows") f.llep_min_rows = (int)parse_flag_int(flag, value, 1, INT_MAX);
+    else if (flag == "--token_budget") f.token_budget = (int)parse_flag_int(flag, value, 1, INT_MAX);
+    else if (flag == "--kmax") f.kmax = (int)parse_flag_int(flag, value, 1, INT_MAX);
+    else if (flag == "--check") f.check = (int)parse_flag_int(flag, value, 0, 1);
+    else if (flag == "--timeline") f.timeline_dir = value;
+    else if (flag == "--llep_alpha") {
+      char* end = nullptr;
+      f.llep_alpha = strtod(value, &end);
+      if (value[0] == '\0' || *end != '\0' || !(f.llep_alpha >= 1.0) || !std::isfinite(f.llep_alpha))
+        bench_usage(flag + " '" + value + "': expected a number >= 1");
+    } else if (flag == "--profiles") f.profiles = split_list(value);
+    else if (flag == "--dispatchers") {
+      f.dispatchers = split_list(value);
+      for (const std::string& d : f.dispatchers)
+        if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep")
+          bench_usage("--dispatchers: unknown dispatcher '" + d + "' (1gpu, ep, llep, pllep)");
     } else bench_usage("unknown flag " + flag);
   }
+  if (f.check && std::find(f.dispatchers.begin(), f.dispatchers.end(), "ep") == f.dispatchers.end())
+    bench_usage("--check 1 compares every dispatcher with ep: --dispatchers must include ep");
   if ((long long)f.tokens * f.topk * f.gpus > INT_MAX) bench_usage("--tokens x --topk x --gpus exceeds int route indices");
   // every profile and trace, before any GPU work, at the world the launcher starts (else launch() names the problem)
   LaunchEnv started;
@@ -174,15 +213,17 @@ double median_ms(F pass, int warmup, int iters, cudaStream_t stream) {
 }
 
 // Peak of Dispatch + ExpertIntermediates live bytes that one run of `pass` adds, replayed from the
-// pool's timeline (the pool keeps per-category peaks only, not the peak of their sum).
+// pool's timeline (the pool keeps per-category peaks only, not the peak of their sum). A non-empty
+// `csv` gets that timeline (tools/plot_timeline.sh plots it).
 template <typename F>
-size_t peak_dispatch_and_intermediates(F pass, cudaStream_t stream) {
+size_t peak_dispatch_and_intermediates(F pass, cudaStream_t stream, const std::string& csv) {
   const long long base = (long long)(pool().live(Mem::Dispatch) + pool().live(Mem::ExpertIntermediates));
   pool().clear_timeline();
   pool().set_timeline(true);
   pass();
   stream_wait(stream, "bench_ep_moe", "peak pass");
   pool().set_timeline(false);
+  if (!csv.empty() && !pool().write_csv(csv.c_str())) fprintf(stderr, "bench_ep_moe: could not write %s\n", csv.c_str());
   long long live = base, peak = base;
   for (const PoolEvent& e : pool().events()) {
     if (e.cat != Mem::Dispatch && e.cat != Mem::ExpertIntermediates) continue;
@@ -242,63 +283,151 @@ int main(int argc, char** argv) {
     char date[32];
     time_t now = time(nullptr);
     strftime(date, sizeof(date), "%Y-%m-%d", localtime(&now));
-    printf("standard EP MoE vs 1 GPU, %s, %d x %s, %s: N=%d tokens/rank, H=%d, I=%d, E=%d (E_l=%d), k=%d, "
-           "fwd+bwd median of %d after %d warm-ups\n\n",
-           date, W, prop.name, FLATMOE_PRECISION_NAME, N, H, I, E, E_l, k, f.iters, f.warmup);
-    printf("| profile | W | max R_d | EP ms | 1-GPU ms | EP/1-GPU time | EP peak D+EI MiB | 1-GPU peak D+EI MiB | "
-           "EP/1-GPU peak | EP Dispatch closed form MiB |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("expert-parallel MoE dispatchers, %s, %d x %s, %s: N=%d tokens/rank, H=%d, I=%d, E=%d (E_l=%d), k=%d, "
+           "llep alpha=%g min_rows=%d, pllep c=%d K_max=%d, fwd+bwd median of %d after %d warm-ups\n\n",
+           date, W, prop.name, FLATMOE_PRECISION_NAME, N, H, I, E, E_l, k, f.llep_alpha, f.llep_min_rows,
+           f.token_budget, f.kmax, f.iters, f.warmup);
+    printf("| profile | dispatcher | max R_d | ms | time / llep | peak D+EI MiB | peak / llep | Dispatch closed form MiB |\n");
+    printf("|---|---|---|---|---|---|---|---|\n");
     fflush(stdout);
   }
 
+  // the dispatchers of the MoE seam, by name ("1gpu" runs moe_forward/moe_backward with all E experts)
+  auto make_dispatcher = [&](const std::string& name) -> std::unique_ptr<MoEDispatcher> {
+    if (name == "ep") return std::make_unique<EPDispatcher>(H, I, E, k, world);
+    if (name == "llep") return std::make_unique<LLEPDispatcher>(H, I, E, k, world, f.llep_alpha, f.llep_min_rows);
+    if (name == "pllep")
+      return std::make_unique<PLLEPDispatcher>(H, I, E, k, world, f.token_budget, f.kmax, f.llep_alpha, f.llep_min_rows);
+    return std::make_unique<LocalDispatcher>(H, I, E, k);
+  };
+  const double MiB = 1048576.0;
+  int status = EXIT_SUCCESS;
   for (const std::string& name : f.profiles) {
     const BenchRoutes routes = bench_routes(f, name, W, world.rank);
     copy_to_device(topk_idx.ptr, routes.topk_idx.data(), topk_idx.bytes(), stream, "bench_ep_moe.topk_idx");
-
-    long long received = 0;
-    auto ep_pass = [&] {
-      EPSaved saved;
-      ep_moe_forward(out.ptr, saved, x.ptr, topk_idx.ptr, topk_w.ptr, W13_local, W2_local, N, H, I, E, k, world, stream);
-      ep_moe_backward(dx.ptr, dtopk_w.ptr, dW13_local, dW2_local, dout.ptr, saved, topk_w.ptr, W13_local, W2_local, world,
-                      stream);
-      received = saved.plan.received;
-      ep_saved_free(saved);
+    struct Row {
+      std::string dispatcher;
+      long long ms_us, peak, received;
     };
-    auto single_pass = [&] {
-      MoESaved saved;
-      moe_forward(out.ptr, saved, x.ptr, topk_idx.ptr, topk_w.ptr, W13.ptr, W2.ptr, N, H, I, E, k, stream);
-      moe_backward(dx.ptr, dtopk_w.ptr, dW13.ptr, dW2.ptr, dout.ptr, saved, x.ptr, topk_idx.ptr, topk_w.ptr, W13.ptr,
-                   W2.ptr, stream);
-      moe_saved_free(saved);
-    };
-    const double ep_ms = median_ms(ep_pass, f.warmup, f.iters, stream);
-    const size_t ep_peak = peak_dispatch_and_intermediates(ep_pass, stream);
-    comm_sync(world, stream, "bench_ep_moe");
-    const double single_ms = median_ms(single_pass, f.warmup, f.iters, stream);
-    const size_t single_peak = peak_dispatch_and_intermediates(single_pass, stream);
-
-    std::vector<long long> all = gather_all(
-        world, {(long long)(ep_ms * 1e3), (long long)ep_peak, received, (long long)(single_ms * 1e3), (long long)single_peak},
-        stream);
-    long long max_ep_us = 0, max_ep_peak = 0, max_received = 0, max_single_us = 0, max_single_peak = 0;
-    for (int r = 0; r < W; r++) {
-      max_ep_us = std::max(max_ep_us, all[r * 5 + 0]);
-      max_ep_peak = std::max(max_ep_peak, all[r * 5 + 1]);
-      max_received = std::max(max_received, all[r * 5 + 2]);
-      max_single_us = std::max(max_single_us, all[r * 5 + 3]);
-      max_single_peak = std::max(max_single_peak, all[r * 5 + 4]);
+    std::vector<Row> rows;
+    for (const std::string& dname : f.dispatchers) {
+      std::unique_ptr<MoEDispatcher> d = make_dispatcher(dname);
+      const bool single = dname == "1gpu";
+      const floatX* W13_used = single ? W13.ptr : W13_local;
+      const floatX* W2_used = single ? W2.ptr : W2_local;
+      floatX* dW13_used = single ? dW13.ptr : dW13_local;
+      floatX* dW2_used = single ? dW2.ptr : dW2_local;
+      long long received = 0;
+      auto pass = [&] {
+        std::unique_ptr<DispatchSaved> saved = d->forward(out.ptr, x.ptr, topk_idx.ptr, topk_w.ptr, W13_used, W2_used, N, stream);
+        d->backward(dx.ptr, dtopk_w.ptr, dW13_used, dW2_used, dout.ptr, *saved, x.ptr, topk_idx.ptr, topk_w.ptr, W13_used,
+                    W2_used, stream);
+        if (auto* s = dynamic_cast<EPDispatcher::Saved*>(saved.get())) received = s->ep.plan.received;
+        if (auto* s = dynamic_cast<LLEPDispatcher::Saved*>(saved.get())) received = s->llep.ep.plan.received;
+        if (auto* s = dynamic_cast<PLLEPDispatcher::Saved*>(saved.get()))
+          received = *std::max_element(s->pllep.chunk_received.begin(), s->pllep.chunk_received.end());
+        if (single) received = (long long)N * k;
+      };
+      const double ms = median_ms(pass, f.warmup, f.iters, stream);
+      std::string csv;  // --timeline DIR: rank 0's pass, DIR/PROFILE_DISPATCHER.csv
+      if (!f.timeline_dir.empty() && world.rank == 0) {
+        csv = f.timeline_dir + "/" + name + "_" + dname + ".csv";
+        for (size_t c = f.timeline_dir.size() + 1; c < csv.size(); c++)
+          if (csv[c] == '/' || csv[c] == ':') csv[c] = '-';
+      }
+      const size_t peak = peak_dispatch_and_intermediates(pass, stream, csv);
+      comm_sync(world, stream, "bench_ep_moe");
+      const std::vector<long long> all = gather_all(world, {(long long)(ms * 1e3), (long long)peak, received}, stream);
+      Row row{dname, 0, 0, 0};
+      for (int r = 0; r < W; r++) {
+        row.ms_us = std::max(row.ms_us, all[r * 3 + 0]);
+        row.peak = std::max(row.peak, all[r * 3 + 1]);
+        row.received = std::max(row.received, all[r * 3 + 2]);
+      }
+      rows.push_back(row);
     }
-    if (world.rank == 0) {
-      const double MiB = 1048576.0;
-      const size_t closed_form = ep_moe_dispatch_peak_bytes((long long)N * k, max_received, H, sizeof(floatX));
-      printf("| %s | %d | %lld | %.3f | %.3f | %.2f | %.1f | %.1f | %.2f | %.1f |\n", routes.label.c_str(), W, max_received,
-             max_ep_us / 1e3, max_single_us / 1e3, (double)max_ep_us / max_single_us, max_ep_peak / MiB,
-             max_single_peak / MiB, (double)max_ep_peak / max_single_peak, closed_form / MiB);
+    const Row* llep = nullptr;
+    for (const Row& row : rows)
+      if (row.dispatcher == "llep") llep = &row;
+    if (world.rank == 0)
+      for (const Row& row : rows) {
+        char vs_time[32] = "-", vs_peak[32] = "-";
+        if (llep != nullptr) {
+          snprintf(vs_time, sizeof vs_time, "%.2f", (double)row.ms_us / llep->ms_us);
+          snprintf(vs_peak, sizeof vs_peak, "%.2f", (double)row.peak / llep->peak);
+        }
+        // ep and llep share one schedule and its closed form at their R_d (1gpu and pllep have their own)
+        char closed[32] = "-";
+        if (row.dispatcher == "ep" || row.dispatcher == "llep")
+          snprintf(closed, sizeof closed, "%.1f", ep_moe_dispatch_peak_bytes((long long)N * k, row.received, H, sizeof(floatX)) / MiB);
+        printf("| %s | %s | %lld | %.3f | %s | %.1f | %s | %s |\n", routes.label.c_str(), row.dispatcher.c_str(),
+               row.received, row.ms_us / 1e3, vs_time, row.peak / MiB, vs_peak, closed);
+      }
+    fflush(stdout);
+
+    if (f.check) {
+      // every dispatcher of the EP group once more from zeroed weight gradients; outputs and this
+      // rank's gradients against ep's (1gpu sees another batch: this rank's N tokens alone)
+      auto outputs = [&](MoEDispatcher& d) {
+        const size_t local13 = (size_t)E_l * w13_stride, local2 = (size_t)E_l * w2_stride;
+        cudaCheck(cudaMemsetAsync(dW13.ptr, 0, dW13.bytes(), stream), "bench_ep_moe.check", "dW13");
+        cudaCheck(cudaMemsetAsync(dW2.ptr, 0, dW2.bytes(), stream), "bench_ep_moe.check", "dW2");
+        std::unique_ptr<DispatchSaved> saved = d.forward(out.ptr, x.ptr, topk_idx.ptr, topk_w.ptr, W13_local,
+                                                         W2_local, N, stream);
+        d.backward(dx.ptr, dtopk_w.ptr, dW13_local, dW2_local, dout.ptr, *saved,
+                   x.ptr, topk_idx.ptr, topk_w.ptr, W13_local, W2_local, stream);
+        saved.reset();
+        std::vector<std::vector<double>> got;
+        auto take = [&](const auto* p, size_t n) {
+          std::vector<typename std::remove_const<typename std::remove_pointer<decltype(p)>::type>::type> h(n);
+          copy_to_host(h.data(), p, n * sizeof(h[0]), stream, "bench_ep_moe.check");
+          std::vector<double> v;
+          for (const auto& e : h) v.push_back((double)to_float(e));
+          got.push_back(v);
+        };
+        take(out.ptr, (size_t)N * H);
+        take(dx.ptr, (size_t)N * H);
+        take(dtopk_w.ptr, (size_t)N * k);
+        take(dW13_local, local13);
+        take(dW2_local, local2);
+        return got;
+      };
+      std::unique_ptr<MoEDispatcher> ep = make_dispatcher("ep");
+      const std::vector<std::vector<double>> want = outputs(*ep);
+      const char* what[] = {"out", "dx", "dtopk_w", "dW13", "dW2"};
+#if defined(FLATMOE_BF16)
+      const double tol = 2e-2;
+#else
+      const double tol = 1e-5;
+#endif
+      for (const std::string& dname : f.dispatchers) {
+        if (dname == "ep" || dname == "1gpu") continue;  // 1gpu sees a different batch (this rank's N tokens only)
+        std::unique_ptr<MoEDispatcher> d = make_dispatcher(dname);
+        const std::vector<std::vector<double>> got = outputs(*d);
+        double worst = 0;
+        int worst_at = 0;
+        for (int t = 0; t < 5; t++) {
+          double diff = 0, norm = 0;
+          for (size_t i = 0; i < want[t].size(); i++) {
+            diff += (got[t][i] - want[t][i]) * (got[t][i] - want[t][i]);
+            norm += want[t][i] * want[t][i];
+          }
+          const double rel = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+          if (rel > worst) worst = rel, worst_at = t;
+        }
+        const std::vector<long long> ranks_worst = gather_all(world, {(long long)(worst * 1e12)}, stream);
+        const double group_worst = *std::max_element(ranks_worst.begin(), ranks_worst.end()) / 1e12;
+        if (group_worst > tol) status = EXIT_FAILURE;
+        if (world.rank == 0)
+          printf("check %s %s vs ep: largest normwise difference over the ranks %.3e (rank 0's largest: %s), tolerance %.0e: %s\n",
+                 routes.label.c_str(), dname.c_str(), group_worst, what[worst_at], tol,
+                 group_worst > tol ? "FAILED" : "ok");
+      }
       fflush(stdout);
     }
   }
   stream_wait(stream, "bench_ep_moe", "end");
   cudaCheck(cudaStreamDestroy(stream), "bench_ep_moe", "stream");
   comm_destroy(world);
-  return 0;
+  return status;
 }
