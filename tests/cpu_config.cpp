@@ -60,9 +60,11 @@ const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_patte
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
                                           &T::recompute,  &T::val_every,    &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step,
-                                          &T::gpus,       &T::ep};
+                                          &T::gpus,       &T::ep,           &T::llep_min_rows, &T::token_budget,
+                                          &T::kmax};
 const std::vector<float T::*> kTrainFloats = {&T::lr,    &T::min_lr_frac, &T::weight_decay, &T::beta1,
-                                              &T::beta2, &T::adam_eps,    &T::grad_clip,    &T::bias_update};
+                                              &T::beta2, &T::adam_eps,    &T::grad_clip,    &T::bias_update,
+                                              &T::llep_alpha};
 const size_t kTrainFields = kTrainTexts.size() + kTrainInts.size() + kTrainFloats.size() + 1;  // + seed
 
 float random_finite_float(testutil::Rng& rng) {  // any finite bit pattern, denormals included
@@ -269,6 +271,31 @@ TEST(ConfigDims, RefusesRankLayoutsThatDoNotDivide) {
   EXPECT_NO_THROW(validate(t, m));
   t.gpus = 0;
   EXPECT_THROW(validate(t, m), std::invalid_argument);
+}
+
+// --moe llep and pllep exchange routes between ranks; their settings must make a plan possible.
+TEST(ConfigSeams, RefusesLLEPSettingsThatCannotRun) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  t.gpus = 2;
+  for (const char* moe : {"ep", "llep", "pllep"}) {
+    t.moe = moe;
+    EXPECT_EQ(validate_error(t, m), "") << moe;
+  }
+  t.gpus = 1;
+  EXPECT_EQ(validate_error(t, m), "--moe pllep exchanges routes between ranks: it needs --gpus > 1 (got 1)");
+  t.gpus = 2;
+  t.llep_alpha = 0.9f;
+  EXPECT_NE(validate_error(t, m).find("llep_alpha must be >= 1"), std::string::npos) << validate_error(t, m);
+  t.llep_alpha = 1.1f;
+  t.llep_min_rows = 0;
+  EXPECT_EQ(validate_error(t, m), "llep_min_rows must be >= 1, got 0");
+  t.llep_min_rows = 1;
+  t.kmax = 0;
+  EXPECT_EQ(validate_error(t, m), "token_budget and kmax must be >= 1, got 4096 and 0");
+  t.kmax = 1;
+  t.moe = "relay";
+  EXPECT_EQ(validate_error(t, m), "--moe relay is not built yet (available: local, ep, llep, pllep)");
 }
 
 // --routing: the router, a profile that fits the model, or trace:FILE (whose file the trainer checks
