@@ -186,6 +186,93 @@ inline ParamLayout param_layout(const std::vector<ParamSpec>& specs, int ep, Reg
   return layout;
 }
 
+// Where a spec's local elements sit in the global flat buffer (param_specs order, all experts):
+// global element global_first(i) + j is local element layout.offsets[i] + j, j < local_numel[i]. An
+// expert stack's E/E_p experts of this rank are contiguous: rank ep_rank holds the ep_rank-th slice.
+inline std::vector<size_t> global_firsts(const std::vector<ParamSpec>& specs, const ParamLayout& layout, int ep_rank) {
+  std::vector<size_t> first;
+  size_t global_off = 0;
+  for (size_t i = 0; i < specs.size(); i++) {
+    first.push_back(global_off + (specs[i].expert ? (size_t)ep_rank * layout.local_numel[i] : 0));
+    global_off += specs[i].numel();
+  }
+  return first;
+}
+
+// The local flat buffer (this rank's experts, zero padding) from a global one in param_specs order.
+inline std::vector<float> local_from_global(const std::vector<ParamSpec>& specs, const ParamLayout& layout, int ep_rank,
+                                            const std::vector<float>& global) {
+  std::vector<float> local(layout.num_params, 0.f);
+  const std::vector<size_t> first = global_firsts(specs, layout, ep_rank);
+  for (size_t i = 0; i < specs.size(); i++)
+    std::copy_n(global.begin() + first[i], layout.local_numel[i], local.begin() + layout.offsets[i]);
+  return local;
+}
+
+// This rank's shard of the optimizer: each tensor's part of each region's shard, in buffer order.
+// state_offset counts the shard's elements (padding included) region after region; S = Σ shards.
+struct ShardSegment {
+  size_t param_offset;  // first element in the local flat buffers (params, grads)
+  size_t state_offset;  // first element in the optimizer state [S]
+  size_t count;
+  bool decay;           // weight decay applies (not norm gains)
+};
+
+inline std::vector<ShardSegment> shard_segments(const std::vector<ParamSpec>& specs, const ParamLayout& layout,
+                                                size_t* state_count) {
+  std::vector<ShardSegment> segments;
+  size_t state = 0;
+  for (const ParamRegion& r : layout.regions) {
+    for (size_t i = 0; i < specs.size(); i++) {
+      const size_t lo = std::max(r.shard_offset, layout.offsets[i]);
+      const size_t hi = std::min(r.shard_offset + r.shard, layout.offsets[i] + layout.local_numel[i]);
+      if (lo < hi) segments.push_back(ShardSegment{lo, state + (lo - r.shard_offset), hi - lo, specs[i].decay});
+    }
+    state += r.shard;
+  }
+  *state_count = state;
+  return segments;
+}
+
+// ------------------------------------------------------------------------------------------
+// Initialisation, GPT-2 style, deterministic in the seed: normal(0, init_std) for matrices, output
+// projections (wo, w2) scaled by 1/sqrt(2L), norms = 1. Element g of the global flat buffer draws
+// from a counter-based generator (splitmix64 of seed and g, Box-Muller), so its value does not depend
+// on the order of generation or on which rank computes it: the same seed gives the same model at any
+// W, and each rank computes only the elements it holds.
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+inline float normal_at(uint64_t seed, uint64_t i) {
+  uint64_t a = splitmix64(seed ^ splitmix64(2 * i)), b = splitmix64(seed ^ splitmix64(2 * i + 1));
+  double u1 = ((a >> 11) + 1.0) / 9007199254740993.0;  // (0, 1]
+  double u2 = (b >> 11) / 9007199254740992.0;          // [0, 1)
+  return (float)(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}
+
+// Global element g of tensor s: its initial value.
+inline float init_value(const ModelConfig& c, const ParamSpec& s, uint64_t seed, uint64_t g) {
+  if (!s.decay) return 1.f;  // norm gains
+  const bool is_out_proj = s.name.find(".wo") != std::string::npos || s.name.find("w2") != std::string::npos;
+  return c.init_std * (is_out_proj ? 1.f / std::sqrt(2.f * c.layers) : 1.f) * normal_at(seed, g);
+}
+
+// This rank's initial weights in its local flat layout (zero padding), computed only at the elements
+// it holds (a rank of a 20B-parameter model does not draw the other ranks' experts).
+inline std::vector<float> init_local_weights(const ModelConfig& c, const std::vector<ParamSpec>& specs,
+                                             const ParamLayout& layout, int ep_rank, unsigned long long seed) {
+  std::vector<float> local(layout.num_params, 0.f);
+  const std::vector<size_t> first = global_firsts(specs, layout, ep_rank);
+  for (size_t i = 0; i < specs.size(); i++)
+    for (size_t j = 0; j < layout.local_numel[i]; j++)
+      local[layout.offsets[i] + j] = init_value(c, specs[i], seed, first[i] + j);
+  return local;
+}
+
 // Parameters a token actually uses (routed experts count k of E): the FLOPs basis of MFU.
 inline size_t active_param_count(const ModelConfig& c) {
   size_t n = 0;

@@ -19,6 +19,7 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -89,7 +90,12 @@ struct Model {
   size_t num_params = 0;            // local flat buffer length (regions padded)
 
   floatX* params = nullptr;  // [num_params] floatX weights the kernels read      (Weights)
-  floatX* grads = nullptr;   // [num_params] gradients, accumulated over a step   (Grads)
+  floatX* grads = nullptr;   // [num_params] one pass's gradients, the kernels' += target (Grads)
+  // [num_params] fp32 gradients summed over a step's passes (the "main grads"): in the BF16 build
+  // every pass ends by folding its bf16 grads into them (model_fold_grads), so that a step's sum, its
+  // reduction over the ranks, its norm and the optimizer are fp32 (Grads, 4 B per parameter); the
+  // FP32 build's grads are already fp32 and main_grads is the same buffer.
+  float* main_grads = nullptr;
   ModelTensors p, g;         // views into params / grads
 
   std::unique_ptr<MoEDispatcher> moe;  // routed experts (--moe)
@@ -158,61 +164,49 @@ inline ModelTensors view_tensors(floatX* base, const Model& m) {
   return t;
 }
 
-// GPT-2 style initialisation on the host, deterministic in the seed: normal(0, init_std) for
-// matrices, output projections (wo, w2) scaled by 1/sqrt(2L), norms = 1. Element i of the flat
-// buffer draws from a counter-based generator (splitmix64 of seed and i, Box-Muller), so the
-// result does not depend on the order of generation and a 100M-parameter model starts in a second.
-inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-inline float normal_at(uint64_t seed, uint64_t i) {
-  uint64_t a = splitmix64(seed ^ splitmix64(2 * i)), b = splitmix64(seed ^ splitmix64(2 * i + 1));
-  double u1 = ((a >> 11) + 1.0) / 9007199254740993.0;  // (0, 1]
-  double u2 = (b >> 11) / 9007199254740992.0;          // [0, 1)
-  return (float)(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
-}
-
-inline std::vector<float> init_master_weights(const ModelConfig& c, unsigned long long seed) {
-  std::vector<float> w(param_count(c));
-  size_t off = 0;
-  for (const ParamSpec& s : param_specs(c)) {
-    bool is_norm = !s.decay;
-    bool is_out_proj = s.name.find(".wo") != std::string::npos || s.name.find("w2") != std::string::npos;
-    float std = c.init_std * (is_out_proj ? 1.f / std::sqrt(2.f * c.layers) : 1.f);
-    for (size_t i = 0; i < s.numel(); i++, off++) w[off] = is_norm ? 1.f : std * normal_at(seed, off);
-  }
-  return w;
-}
+// The rank's parameter layout as config.hpp's functions take it.
+inline ParamLayout model_param_layout(const Model& m) { return ParamLayout{m.offsets, m.local_numel, m.regions, m.num_params}; }
 
 // The local flat buffer (this rank's experts) from a global one in param_specs order.
 inline std::vector<float> local_from_global(const Model& m, const std::vector<float>& global) {
-  std::vector<float> local(m.num_params, 0.f);
-  size_t global_off = 0;
-  for (size_t i = 0; i < m.specs.size(); i++) {
-    const size_t n = m.local_numel[i];
-    const size_t first = m.specs[i].expert ? (size_t)m.par.ep.rank * n : 0;  // this rank's contiguous experts
-    std::copy(global.begin() + global_off + first, global.begin() + global_off + first + n, local.begin() + m.offsets[i]);
-    global_off += m.specs[i].numel();
-  }
-  return local;
+  return local_from_global(m.specs, model_param_layout(m), m.par.ep.rank, global);
 }
 
-// Sets the weights from global host fp32 master weights (param_specs order, all experts): the
-// floatX copy of everything this rank holds, and the optimizer's fp32 master weights of its shards.
+// Sets the weights from this rank's host fp32 weights in its local flat layout: the floatX copy of
+// everything it holds, and the optimizer's fp32 master weights of its shards.
+inline void model_set_local_master(Model& m, const std::vector<float>& local) {
+  if (local.size() != m.num_params)
+    fm_fail("model_set_local_master", "wrong number of parameters", "got=%zu expected=%zu", local.size(), m.num_params);
+  float* staging = pool().alloc_t<float>(m.num_params, Mem::Workspace, "set_master");
+  copy_to_device(staging, local.data(), m.num_params * sizeof(float), m.stream, "model_set_local_master");
+  convert(m.params, staging, m.num_params, m.stream);
+  m.opt->set_master(staging, m.stream);
+  stream_wait(m.stream, "model_set_local_master", "P=%zu", m.num_params);
+  pool().free(staging);
+}
+
+// Sets the weights from global host fp32 master weights (param_specs order, all experts).
 inline void model_set_master(Model& m, const std::vector<float>& global) {
   if (global.size() != param_count(m.cfg))
     fm_fail("model_set_master", "wrong number of parameters", "got=%zu expected=%zu", global.size(), param_count(m.cfg));
-  std::vector<float> local = local_from_global(m, global);
-  float* staging = pool().alloc_t<float>(m.num_params, Mem::Workspace, "set_master");
-  copy_to_device(staging, local.data(), m.num_params * sizeof(float), m.stream, "model_set_master");
-  convert(m.params, staging, m.num_params, m.stream);
-  m.opt->set_master(staging, m.stream);
-  stream_wait(m.stream, "model_set_master", "P=%zu", m.num_params);
-  pool().free(staging);
+  model_set_local_master(m, local_from_global(m, global));
+}
+
+// Zeroes a step's gradients (both buffers in the BF16 build) and per-expert loads.
+inline void model_zero_grads(Model& m) {
+  cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "zero_grads", "P=%zu", m.num_params);
+  if ((void*)m.main_grads != (void*)m.grads)
+    cudaCheck(cudaMemsetAsync(m.main_grads, 0, m.num_params * sizeof(float), m.stream), "zero_grads", "main P=%zu",
+              m.num_params);
+  std::fill(m.step_loads.begin(), m.step_loads.end(), 0);
+}
+
+// After a pass: main_grads += grads in fp32, and grads back to zero for the next pass (BF16 build;
+// in the FP32 build the two are one buffer, which keeps summing).
+inline void model_fold_grads(Model& m) {
+  if ((void*)m.main_grads == (void*)m.grads) return;
+  add_inplace_or_out(m.main_grads, m.main_grads, m.grads, m.num_params, m.stream);
+  cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "fold_grads", "P=%zu", m.num_params);
 }
 
 inline void model_upload_router_bias(Model& m) {
@@ -228,21 +222,6 @@ inline void model_layout(Model& m) {
   m.local_numel = std::move(layout.local_numel);
   m.regions = std::move(layout.regions);
   m.num_params = layout.num_params;
-}
-
-// This rank's shard as optimizer segments: each tensor's part of each region's shard, in order.
-inline std::vector<ShardSegment> shard_segments(const Model& m, size_t* state_count) {
-  std::vector<ShardSegment> segments;
-  size_t state = 0;
-  for (const ParamRegion& r : m.regions) {
-    for (size_t i = 0; i < m.specs.size(); i++) {
-      size_t lo = std::max(r.shard_offset, m.offsets[i]), hi = std::min(r.shard_offset + r.shard, m.offsets[i] + m.local_numel[i]);
-      if (lo < hi) segments.push_back(ShardSegment{lo, state + (lo - r.shard_offset), hi - lo, m.specs[i].decay});
-    }
-    state += r.shard;
-  }
-  *state_count = state;
-  return segments;
 }
 
 // The seams, from their names (validate(TrainConfig) has refused unknown or unbuilt ones).
@@ -265,7 +244,7 @@ inline void model_make_seams(Model& m, const Seams& seams) {
   if (seams.optimizer != "adamw")
     fm_fail("model_create", ("--optimizer " + seams.optimizer + " is not built").c_str(), "P=%zu", m.num_params);
   size_t S = 0;
-  std::vector<ShardSegment> segments = shard_segments(m, &S);
+  std::vector<ShardSegment> segments = shard_segments(m.specs, model_param_layout(m), &S);
   m.opt = std::make_unique<DeviceAdamW>(std::move(segments), S, m.stream);
 }
 
@@ -283,7 +262,9 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   const size_t P = m.num_params;
   m.params = pool().alloc_t<floatX>(P, Mem::Weights, "params");
   m.grads = pool().alloc_t<floatX>(P, Mem::Grads, "grads");
-  cudaCheck(cudaMemsetAsync(m.grads, 0, P * sizeof(floatX), stream), "model_create", "P=%zu", P);
+  if (std::is_same<floatX, float>::value) m.main_grads = reinterpret_cast<float*>(m.grads);  // FP32: one buffer
+  else m.main_grads = pool().alloc_t<float>(P, Mem::Grads, "main_grads");
+  model_zero_grads(m);
   model_make_seams(m, seams);
   m.p = view_tensors(m.params, m);
   m.g = view_tensors(m.grads, m);
@@ -294,11 +275,13 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   model_upload_router_bias(m);
   m.sumsq_partials = pool().alloc_t<float>(SUMSQ_BLOCKS, Mem::Workspace, "sumsq_partials");
   m.scalar_dev = pool().alloc_t<float>(1, Mem::Workspace, "scalar");
-  model_set_master(m, init_master_weights(cfg, seed));  // every rank draws the same global weights
+  // each rank draws only what it holds; the same seed gives the same model at any W
+  model_set_local_master(m, init_local_weights(cfg, m.specs, model_param_layout(m), par.ep.rank, seed));
   return m;
 }
 
 inline void model_destroy(Model& m) {
+  if ((void*)m.main_grads != (void*)m.grads) pool().free(m.main_grads);
   for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.sumsq_partials,
                   (void*)m.scalar_dev, (void*)m.dense_idx, (void*)m.dense_w})
     pool().free(p);
@@ -647,6 +630,7 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     embedding_backward(m.g.wte, d_x, bucket_dev[0], bucket_dev[1], bucket_dev[2], buckets_used, V, H, s);
     pool().free(d_x);
     for (int* p : bucket_dev) pool().free(p);
+    model_fold_grads(m);  // this pass's gradients into the step's fp32 sum
   }
   if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream, as the loss's download does
   float loss_total = 0.f;
@@ -703,11 +687,6 @@ inline std::vector<std::vector<int>> model_routes(Model& m, const int* inputs, i
 // =============================================================================================
 // Update
 
-inline void model_zero_grads(Model& m) {
-  cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "zero_grads", "P=%zu", m.num_params);
-  std::fill(m.step_loads.begin(), m.step_loads.end(), 0);
-}
-
 // The mean of a per-rank value over all ranks (losses are averaged this way).
 inline float mean_over_ranks(Model& m, float x) {
   if (m.par.world.size == 1) return x;
@@ -717,12 +696,12 @@ inline float mean_over_ranks(Model& m, float x) {
   return x / m.par.world.size;
 }
 
-// Sums each region's gradients over the ranks that hold it, leaving this rank's shard (ZeRO-1:
-// in-place reduce-scatter; the rest of the buffer is not used until the next zeroing).
+// Sums each region's fp32 gradients (main_grads) over the ranks that hold it, leaving this rank's
+// shard (ZeRO-1: in-place reduce-scatter; the rest of the buffer is not used until the next zeroing).
 inline void reduce_scatter_grads(Model& m) {
   for (const ParamRegion& r : m.regions)
     if (region_group(m, r).size > 1)
-      reduce_scatter_sum(region_group(m, r), m.grads + r.offset, m.grads + r.shard_offset, r.shard, m.stream);
+      reduce_scatter_sum(region_group(m, r), m.main_grads + r.offset, m.main_grads + r.shard_offset, r.shard, m.stream);
 }
 
 // Every rank's floatX weights from the shards their owners updated.
@@ -735,7 +714,7 @@ inline void all_gather_weights(Model& m) {
 // Global gradient norm: every element of the model lies in exactly one rank's shard.
 inline float model_grad_norm(Model& m) {
   cudaCheck(cudaMemsetAsync(m.sumsq_partials, 0, SUMSQ_BLOCKS * sizeof(float), m.stream), "grad_norm", "P=%zu", m.num_params);
-  for (const ParamRegion& r : m.regions) sumsq_accumulate(m.sumsq_partials, m.grads + r.shard_offset, r.shard, m.stream);
+  for (const ParamRegion& r : m.regions) sumsq_accumulate(m.sumsq_partials, m.main_grads + r.shard_offset, r.shard, m.stream);
   sumsq_finish(m.scalar_dev, m.sumsq_partials, m.stream);
   if (m.par.world.size > 1) all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
   float sumsq = 0.f;
@@ -762,7 +741,7 @@ inline void all_reduce_loads(Model& m) {
 inline float model_update(Model& m, const TrainConfig& t, float lr) {
   reduce_scatter_grads(m);
   float norm = model_grad_norm(m);
-  m.opt->step(m.params, m.grads, lr, AdamWSettings{t.beta1, t.beta2, t.adam_eps, t.weight_decay},
+  m.opt->step(m.params, m.main_grads, lr, AdamWSettings{t.beta1, t.beta2, t.adam_eps, t.weight_decay},
               clip_scale(norm, t.grad_clip), m.stream);
   all_gather_weights(m);
   all_reduce_loads(m);

@@ -7,7 +7,8 @@
 //   master −= lr · (m̂ / (√v̂ + eps) + wd · master)   master (in place)
 //   param  = floatX(master)                      param (=), round to nearest
 //
-// Shapes: master, m, v [n] float; param, grad [n] floatX. Element-wise, fp32; the bias
+// Shapes: master, m, v [n] float; param [n] floatX; grad [n] float (the model's fp32 gradients summed
+// over a step's micro-batches, model.cuh's main_grads). Element-wise, fp32; the bias
 // corrections are computed on the host in double and passed as fp32.
 // The gradient norm for clipping comes from common.cuh's deterministic sumsq_accumulate /
 // sumsq_finish over all gradient tensors; clip_scale turns it into grad_scale on the host.
@@ -22,6 +23,7 @@
 #include <utility>
 #include <vector>
 #include "common.cuh"
+#include "../config.hpp"
 #include "../runtime/pool.cuh"
 
 // grad_scale for clipping the global gradient norm to max_norm: min(1, max_norm / (norm + 1e-6));
@@ -32,12 +34,12 @@ inline float clip_scale(float grad_norm, float max_norm) {
 }
 
 template <typename T>
-__global__ void adamw_kernel(float* master, T* param, float* m, float* v, const T* grad, size_t n, float lr,
+__global__ void adamw_kernel(float* master, T* param, float* m, float* v, const float* grad, size_t n, float lr,
                              float beta1, float beta2, float eps, float weight_decay, float bias_correction1,
                              float bias_correction2, float grad_scale) {
   size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  float g = to_float(grad[i]) * grad_scale;
+  float g = grad[i] * grad_scale;
   float mi = beta1 * m[i] + (1.f - beta1) * g;
   float vi = beta2 * v[i] + (1.f - beta2) * g * g;
   float m_hat = mi / bias_correction1;
@@ -51,7 +53,7 @@ __global__ void adamw_kernel(float* master, T* param, float* m, float* v, const 
 }
 
 // One AdamW step over n parameters (see the header comment).
-inline void adamw_update(float* master, floatX* param, float* m, float* v, const floatX* grad, size_t n, float lr,
+inline void adamw_update(float* master, floatX* param, float* m, float* v, const float* grad, size_t n, float lr,
                          float beta1, float beta2, float eps, float weight_decay, int t, float grad_scale,
                          cudaStream_t stream) {
   if (t < 1) fm_fail("adamw_update", "step t must be >= 1", "n=%zu t=%d", n, t);
@@ -70,14 +72,8 @@ inline void adamw_update(float* master, floatX* param, float* m, float* v, const
 // rank's shards (ZeRO-1), steps them, and saves/loads them in the one checkpoint format (named
 // sections "master", "adam_m", "adam_v", each [S] floats, S = the shard's element count, and the
 // step count). The shard is a list of segments of the local flat parameter buffer, each one
-// tensor's part of this rank's shard (so that weight decay is per tensor).
-
-struct ShardSegment {
-  size_t param_offset;  // first element in the local flat buffers (params, grads)
-  size_t state_offset;  // first element in the optimizer state [S]
-  size_t count;
-  bool decay;           // weight decay applies (not norm gains)
-};
+// tensor's part of this rank's shard (so that weight decay is per tensor): config.hpp's ShardSegment
+// and shard_segments, pure functions of the layout that the CPU tests check at any size.
 
 struct AdamWSettings {
   float beta1, beta2, eps, weight_decay;
@@ -96,7 +92,7 @@ struct Optimizer {
   // params (=) floatX(master) at the segments
   virtual void write_weights(floatX* params, cudaStream_t stream) = 0;
   // one step from the gradients at the segments (× grad_scale); writes master, moments and params there
-  virtual void step(floatX* params, const floatX* grads, float lr, const AdamWSettings& s, float grad_scale,
+  virtual void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, float grad_scale,
                     cudaStream_t stream) = 0;
   virtual StateSections save(cudaStream_t stream) = 0;
   virtual void load(const StateSections& sections, long long steps_taken, cudaStream_t stream) = 0;
@@ -124,7 +120,7 @@ struct DeviceAdamW : Optimizer {
   void write_weights(floatX* params, cudaStream_t stream) override {
     for (const ShardSegment& g : segments) convert(params + g.param_offset, master + g.state_offset, g.count, stream);
   }
-  void step(floatX* params, const floatX* grads, float lr, const AdamWSettings& s, float grad_scale,
+  void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, float grad_scale,
             cudaStream_t stream) override {
     steps++;
     for (const ShardSegment& g : segments)

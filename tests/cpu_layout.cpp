@@ -1,7 +1,10 @@
 // The parameter layout of one rank (config.hpp: param_layout), built without allocating anything:
 // today's sizes lay out exactly as before issue 15, and a region past 2^31 elements (which the int
-// arithmetic of the old layout turned negative) has the sizes of its closed form.
+// arithmetic of the old layout turned negative) has the sizes of its closed form; the optimizer's
+// segments of every layout cover its shard exactly; each rank's initial weights, drawn only where it
+// holds parameters, are bit for bit what the whole-model draw gave it before.
 #include <gtest/gtest.h>
+#include <cstring>
 #include <string>
 #include <vector>
 #include "../config.hpp"
@@ -53,6 +56,36 @@ void expect_same_layout(const ParamLayout& got, const ParamLayout& want, const s
   }
 }
 
+// The optimizer's segments of one rank's layout (config.hpp: shard_segments): S = the two shards;
+// inside each region's shard the segments follow each other without a gap from the shard's start
+// to where its tensors end (the rest is padding), each inside one tensor with that tensor's decay,
+// each at its place in the state [S] (the shards region after region).
+void expect_segments_cover_the_shard(const std::vector<ParamSpec>& specs, const ParamLayout& layout,
+                                     const std::string& what) {
+  size_t S = 0;
+  const std::vector<ShardSegment> segments = shard_segments(specs, layout, &S);
+  EXPECT_EQ(S, layout.regions[0].shard + layout.regions[1].shard) << what;
+  size_t region_state = 0;
+  for (const ParamRegion& r : layout.regions) {
+    const size_t lo = r.shard_offset, hi = r.shard_offset + r.shard, tensors_end = r.offset + r.count;
+    size_t next = lo;
+    for (const ShardSegment& g : segments) {
+      if (g.param_offset < lo || g.param_offset >= hi) continue;
+      EXPECT_EQ(g.param_offset, next) << what << ": a gap or an overlap before element " << g.param_offset;
+      EXPECT_EQ(g.state_offset, region_state + (g.param_offset - lo)) << what;
+      size_t tensor = specs.size();
+      for (size_t i = 0; i < specs.size(); i++)
+        if (layout.offsets[i] <= g.param_offset && g.param_offset + g.count <= layout.offsets[i] + layout.local_numel[i])
+          tensor = i;
+      ASSERT_LT(tensor, specs.size()) << what << ": segment at " << g.param_offset << " is not inside one tensor";
+      EXPECT_EQ(g.decay, specs[tensor].decay) << what << " " << specs[tensor].name;
+      next = g.param_offset + g.count;
+    }
+    EXPECT_EQ(next, std::max(lo, std::min(hi, tensors_end))) << what << ": the segments stop before the shard's tensors end";
+    region_state += r.shard;
+  }
+}
+
 ModelConfig moe_config(int V, int H, int I, int E, int L) {
   ModelConfig c;
   c.vocab = V; c.hidden = H; c.heads = H / 64; c.expert_dim = I; c.experts = E; c.layers = L;
@@ -93,6 +126,7 @@ void expect_closed_form(const ModelConfig& c, int W, int ep) {
     EXPECT_EQ(layout.num_params, R_pad + X_pad) << what;
     // The last expert stack ends where the expert region's tensors end.
     EXPECT_EQ(layout.offsets.back() + layout.local_numel.back(), R_pad + X) << what;
+    expect_segments_cover_the_shard(param_specs(c), layout, what);
   }
 }
 
@@ -111,10 +145,11 @@ TEST(ParamLayout, TodaysSizesLayOutAsBefore) {
         if (W % ep != 0 || c.experts % ep != 0) continue;
         for (int rank = 0; rank < W; rank++) {
           const RegionGroup replicated{W, rank}, expert{W / ep, rank / ep};
-          expect_same_layout(param_layout(specs, ep, replicated, expert),
-                             layout_before_issue_15(specs, ep, replicated, expert),
-                             "V=" + std::to_string(c.vocab) + " W=" + std::to_string(W) + " E_p=" + std::to_string(ep) +
-                                 " rank " + std::to_string(rank));
+          const std::string what = "V=" + std::to_string(c.vocab) + " W=" + std::to_string(W) + " E_p=" +
+                                   std::to_string(ep) + " rank " + std::to_string(rank);
+          const ParamLayout layout = param_layout(specs, ep, replicated, expert);
+          expect_same_layout(layout, layout_before_issue_15(specs, ep, replicated, expert), what);
+          expect_segments_cover_the_shard(specs, layout, what);
         }
       }
   }
@@ -137,4 +172,48 @@ TEST(ParamLayout, NineteenBillionParameters) {
   expect_closed_form(c, 1, 1);
   expect_closed_form(c, 7, 1);
   expect_closed_form(c, 8, 8);
+}
+
+namespace {
+
+// The initialisation before issue 15 (model.cuh's init_master_weights): every rank drew the whole
+// model, all experts, then kept its part (local_from_global).
+std::vector<float> init_before_issue_15(const ModelConfig& c, unsigned long long seed) {
+  std::vector<float> w(param_count(c));
+  size_t off = 0;
+  for (const ParamSpec& s : param_specs(c)) {
+    bool is_norm = !s.decay;
+    bool is_out_proj = s.name.find(".wo") != std::string::npos || s.name.find("w2") != std::string::npos;
+    float std = c.init_std * (is_out_proj ? 1.f / std::sqrt(2.f * c.layers) : 1.f);
+    for (size_t i = 0; i < s.numel(); i++, off++) w[off] = is_norm ? 1.f : std * normal_at(seed, off);
+  }
+  return w;
+}
+
+}  // namespace
+
+// Issue 15, item 2: a rank draws only the parameters it holds, and gets the same bits as before.
+TEST(ParamInit, EachRankDrawsItsOwnPartBitForBitAsBefore) {
+  ModelConfig tiny;
+  tiny.vocab = 19; tiny.hidden = 32; tiny.layers = 3; tiny.heads = 1; tiny.experts = 6; tiny.topk = 2;
+  tiny.expert_dim = 24; tiny.n_dense = 1; tiny.dense_dim = 40; tiny.shared_expert = 1;
+  ModelConfig moe = moe_config(97, 64, 48, 12, 2);  // MoE layers only, 12 experts
+  moe.heads = 1;
+  for (const ModelConfig& c : {tiny, moe})
+    for (unsigned long long seed : {1337ull, 7ull}) {
+      const std::vector<ParamSpec> specs = param_specs(c);
+      const std::vector<float> whole = init_before_issue_15(c, seed);
+      for (int W : {1, 2, 3, 6})
+        for (int ep : {1, 2, 3, 6}) {
+          if (W % ep != 0 || c.experts % ep != 0) continue;
+          for (int rank = 0; rank < W; rank++) {
+            const ParamLayout layout = param_layout(specs, ep, RegionGroup{W, rank}, RegionGroup{W / ep, rank / ep});
+            const std::vector<float> want = local_from_global(specs, layout, rank % ep, whole);
+            const std::vector<float> got = init_local_weights(c, specs, layout, rank % ep, seed);
+            ASSERT_EQ(got.size(), want.size());
+            EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+                << "V=" << c.vocab << " seed " << seed << " W=" << W << " E_p=" << ep << " rank " << rank;
+          }
+        }
+    }
 }

@@ -96,8 +96,9 @@ std::vector<float> master_as_local(Model& m) {
   return local;
 }
 
-std::vector<float> download_local(const floatX* dev, size_t n) {
-  std::vector<floatX> h = testutil::download_vec(dev, n);
+template <typename T>
+std::vector<float> download_local(const T* dev, size_t n) {
+  std::vector<T> h = testutil::download_vec(dev, n);
   std::vector<float> out(n);
   for (size_t i = 0; i < n; i++) out[i] = to_float(h[i]);
   return out;
@@ -126,7 +127,7 @@ TEST(DistModel, FirstStepShardsMatchReferenceOverGlobalBatch) {
   o.dloss = 1.f / N_global;
   float loss = mean_over_ranks(m, model_pass(m, x.data() + world.rank * N, y.data() + world.rank * N, B, T, o));
   reduce_scatter_grads(m);
-  std::vector<float> grads = download_local(m.grads, m.num_params);
+  std::vector<float> grads = download_local(m.main_grads, m.num_params);
 
   ref::Model<double> r(c, as_seen_by_gpu(master));
   std::vector<std::vector<int>> global_routes = gather_routes(routes, world);
@@ -319,7 +320,7 @@ TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
     o.dloss = 1.f / (N * world.size);
     o.recompute = recompute == 1;
     loss[recompute] = model_pass(m, x.data() + world.rank * N, y.data() + world.rank * N, B, T, o);
-    grads[recompute] = download_local(m.grads, m.num_params);
+    grads[recompute] = download_local(m.main_grads, m.num_params);
   }
   EXPECT_EQ(0, memcmp(&loss[0], &loss[1], sizeof(float)));
   EXPECT_EQ(0, memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)))

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [moe] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [moe] [accum] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank with
 #     --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   moe: the MoE dispatchers alone — test_gpu, then test_dist's EpMoEDist/LlepDist/DistModel tests, in both
 #     precisions (one log), and 30 training steps on every GPU with --moe ep, llep and pllep (hot:0.5/2 routing)
+#   accum: BF16 gradient accumulation against the FP32 build: 200 steps of 8 micro-batches on one GPU,
+#     the loss gap and the pool peak (build/base_bf16_train, when present: the same run before a change)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
 #   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
 #     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
@@ -107,6 +109,23 @@ if [[ " $want " == *" bench-ep "* ]]; then
     echo "| $c | $(( (16384 + c - 1) / c )) | $(echo "$row" | cut -d'|' -f4-8) |" >> "$OUT/bench_ep_budget.md"
   done
   cat "$OUT/bench_ep_budget.md"
+fi
+
+if [[ " $want " == *" accum "* ]]; then
+  a="--data data/fortunes --steps 200 --total_batch 32768 --val_every 0 --sample_every 0 --ckpt_every 0 --log_every 1"
+  runs="fp32:build/fp32/train bf16:build/bf16/train"
+  [ -x build/base_bf16_train ] && runs="$runs bf16-before:build/base_bf16_train"
+  echo "| run | loss at step 200 | mean loss gap to FP32, steps 151-200 | largest gap | pool peak MiB |" > "$OUT/accum.md"
+  echo "|---|---|---|---|---|" >> "$OUT/accum.md"
+  for r in $runs; do
+    name=${r%%:*}
+    ${r#*:} $a --out build/accum-$name > build/accum-$name.log 2>&1 || { status=1; tail -5 build/accum-$name.log; }
+    awk -F, -v run=$name 'FNR == 1 { next } NR == FNR { want[$1] = $2; next }
+      { d = $2 - want[$1]; if (d < 0) d = -d; if ($1 > 150) { sum += d; n++ } if (d > most) most = d; last = $2; peak = $9 }
+      END { printf "| %s | %.4f | %.4f | %.4f | %.1f |\n", run, last, n ? sum / n : 0, most, peak }' \
+      build/accum-fp32/log.csv build/accum-$name/log.csv >> "$OUT/accum.md"
+  done
+  cat "$OUT/accum.md"
 fi
 
 if [[ " $want " == *" bench "* ]]; then

@@ -18,7 +18,8 @@ struct ParamTensor {
   int n;
   ref::Vec<double> master, m, v, grad;       // reference state (double)
   DeviceBuffer<float> d_master, d_m, d_v;    // GPU state (fp32)
-  DeviceBuffer<floatX> d_param, d_grad;     // d_grad: a fresh upload every step
+  DeviceBuffer<floatX> d_param;
+  DeviceBuffer<float> d_grad;                // fp32 gradients (model.cuh's main_grads): a fresh upload every step
 };
 
 ParamTensor make_tensor(Rng& rng, int n) {
@@ -47,10 +48,9 @@ void check_adamw(const char* name, int n1, int n2) {
   for (int t = first_step; t < first_step + steps; t++) {
     std::vector<ref::Vec<double>> grads;
     for (ParamTensor& p : tensors) {
-      ref::Mat<double> g = round_to_floatX(rng.mat<double>(p.n, 1, 0.3));
-      p.grad = g.col(0);
+      p.grad = round_to_float(rng.mat<double>(p.n, 1, 0.3).col(0));
       grads.push_back(p.grad);
-      p.d_grad = upload<floatX>(g, Mem::Grads);
+      p.d_grad = upload<float>(p.grad, Mem::Grads);
     }
     cudaCheck(cudaMemsetAsync(d_partials.ptr, 0, d_partials.bytes(), 0), "test", "sumsq");
     for (ParamTensor& p : tensors) sumsq_accumulate(d_partials.ptr, p.d_grad.ptr, p.n, 0);

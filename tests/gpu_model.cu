@@ -35,12 +35,8 @@ ModelConfig config_variant(int variant) {
   return c;
 }
 
-std::vector<float> download_grads(const Model& m) {
-  std::vector<floatX> g = testutil::download_vec(m.grads, m.num_params);
-  std::vector<float> out(g.size());
-  for (size_t i = 0; i < g.size(); i++) out[i] = to_float(g[i]);
-  return out;
-}
+// A pass's gradients (its fp32 sum: in the BF16 build the bf16 gradients, folded exactly).
+std::vector<float> download_grads(const Model& m) { return testutil::download_vec(m.main_grads, m.num_params); }
 
 // One of the optimizer's state sections ("master", "adam_m", "adam_v": this rank's shard).
 std::vector<float> optimizer_section(Model& m, const std::string& name) {
