@@ -1,4 +1,4 @@
-// checkpoint.hpp — the checkpoint files (DESIGN §9) in plain C++17: what a rank file holds, how it
+// checkpoint.hpp — the checkpoint files (notes/design.md §9) in plain C++17: what a rank file holds, how it
 // is written atomically, and every reason it is refused, each named with the file; no GPU involved.
 //
 // A checkpoint is a directory with one file per rank, rank<R>.bin. A save by W ranks:

@@ -16,7 +16,7 @@
 #include "data/routing_profile.hpp"
 #include "data/routing_trace.hpp"
 
-// The model (DESIGN §2). Every dimension is a flag.
+// The model (notes/design.md §2). Every dimension is a flag.
 struct ModelConfig {
   int vocab = 0;          // V: 0 = read from the tokenizer
   int hidden = 384;       // H
@@ -69,7 +69,7 @@ struct TrainConfig {
   int ep = 0;                              // E_p: expert-parallel group size (0 = W)
   std::string routing = "router";          // "router", or what overrides its choice: "balanced", "hot:r/h", "trace:FILE"
   std::string record_routing;              // a routing trace of the training passes goes to this file ("" = none)
-  // Seams (DESIGN §1.1): which implementation serves each; chosen once, at start-up.
+  // Seams (notes/design.md §1.1): which implementation serves each; chosen once, at start-up.
   std::string moe = "";                    // MoE dispatcher: local (E_p = 1) | ep | llep | pllep; "" = local at E_p = 1, else ep
   float llep_alpha = 1.0f;                 // llep, pllep: capacity cap = ⌈α·routes/E_p⌉ per rank (α >= 1)
   int llep_min_rows = 32;                  // llep, pllep: the smallest helper piece (one weight transfer + one GEMM)

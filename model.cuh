@@ -9,11 +9,11 @@
 //   update:   gradients reduce-scattered per region (ZeRO-1), global-norm clipping, the optimizer on
 //             this rank's shards, weights all-gathered per region, aux-loss-free router-bias update
 //
-// Seams (DESIGN §1.1), each chosen once at model_create from the flags: the MoE dispatcher
+// Seams (notes/design.md §1.1), each chosen once at model_create from the flags: the MoE dispatcher
 // (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep, ops/llep.cuh llep, ops/pipelined_llep.cuh pllep), the output head (--head: ops/cross_entropy.cuh
 // full) and the optimizer (--optimizer: ops/adamw.cuh adamw). The model calls each in one place.
 //
-// Parallel layout (DESIGN §5): W ranks, one process per GPU. Dense tensors are replicated over
+// Parallel layout (notes/design.md §5): W ranks, one process per GPU. Dense tensors are replicated over
 // the world; routed experts are split over the E_p ranks of an expert-parallel group (contiguous
 // blocks of E_p ranks) and replicated over the W/E_p groups.
 #pragma once
@@ -330,7 +330,7 @@ inline void free_acts(LayerActs& a) {
   a = LayerActs();
 }
 
-// The layer-boundary seam (DESIGN §1.1): input[l] is layer l's input, input[L] the final hidden
+// The layer-boundary seam (notes/design.md §1.1): input[l] is layer l's input, input[L] the final hidden
 // state; each is kept until its layer's backward (the only activation kept across the whole pass
 // under recomputation). One object owns them, so that SCO can place some in host memory.
 struct LayerBoundaries {
@@ -409,7 +409,7 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool 
   }
 }
 
-// The attention step (DESIGN §1.1): ln1 (N×H) → att (N×H, before wo); q, k, v with RoPE kept in a.qkv.
+// The attention step (notes/design.md §1.1): ln1 (N×H) → att (N×H, before wo); q, k, v with RoPE kept in a.qkv.
 inline void attention_step(Model& m, int l, LayerActs& a, int B, int T) {
   const ModelConfig& c = m.cfg;
   const int N = B * T, H = c.hidden;

@@ -213,6 +213,9 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
 // fp32 67 TFLOP/s). MFU = flops_per_token · tokens/s / peak.
 double peak_flops_for_build() { return sizeof(floatX) == 2 ? 989e12 : 67e12; }
 
+// Writes the pool's event timeline of one step to OUT/timeline_stepS.csv and plots it with
+// tools/plot_timeline.sh. Only rank 0 records it (the other ranks' pools are not shown). Its time
+// axis is host time: when the host issued each alloc/free, ahead of the GPU's work (runtime/pool.cuh).
 void write_timeline(const std::string& out_dir, int step) {
   std::string csv = out_dir + "/timeline_step" + std::to_string(step) + ".csv";
   if (!pool().write_csv(csv.c_str())) {
@@ -222,7 +225,8 @@ void write_timeline(const std::string& out_dir, int step) {
   std::string png = out_dir + "/timeline_step" + std::to_string(step) + ".png";
   std::string cmd = "tools/plot_timeline.sh '" + csv + "' '" + png + "' > /dev/null 2>&1";
   bool plotted = system(cmd.c_str()) == 0;
-  printf("memory timeline of step %d: %s%s\n", step, csv.c_str(), plotted ? (", plot " + png).c_str() : " (no plot: gnuplot missing)");
+  printf("memory timeline of step %d: %s%s\n", step, csv.c_str(),
+         plotted ? (", plot " + png).c_str() : " (no plot: tools/plot_timeline.sh failed; is gnuplot installed?)");
 }
 
 // The communicators of W ranks: the world, the expert-parallel groups (contiguous blocks of E_p

@@ -7,7 +7,7 @@
 // (row b of the B×T batch is tokens[p + b·T, p + (b+1)·T)). Then position += W·B·T; when the next
 // window would not fit (position + W·B·T + 1 > shard size) the loader moves to the next shard at
 // position 0, and after the last shard back to the first with epoch + 1. Refused at construction,
-// before any batch (DESIGN §9): a shard shorter than one window (W·B·T + 1 tokens), and a shard
+// before any batch (notes/design.md §9): a shard shorter than one window (W·B·T + 1 tokens), and a shard
 // holding a token id outside the vocabulary [0, V) (every shard is read once to check it).
 //
 // State {shard, position, epoch} names the next batch and is the same on every rank; saving it in

@@ -10,7 +10,7 @@
 // The documents are shuffled with --seed (own Fisher–Yates over mt19937_64, the same on every
 // platform); the last --val-frac of them are the validation set. The tokenizer is trained on the
 // training documents only. Every document is encoded and followed by <|endoftext|>.
-// Writes the set DIR/tokenizer.bin, DIR/train_000.bin, DIR/val_000.bin as one (DESIGN §9): into the
+// Writes the set DIR/tokenizer.bin, DIR/train_000.bin, DIR/val_000.bin as one (notes/design.md §9): into the
 // folder DIR.tmp beside DIR, which becomes DIR once every file is out (an existing DIR is moved to
 // DIR.old first and removed after). A failure removes DIR.tmp and leaves the previous DIR intact.
 // An existing DIR may hold only those three files (anything else is refused before any work), and

@@ -1,7 +1,9 @@
 // routing_profile.hpp — routing profiles (host side, plain C++; paper "flattening memory peaks",
 // appendix B.2). A profile replaces the router's choice of experts by a fixed one, for benchmarks and
-// skew tests; routing weights are then 1/k on every selected expert (the paper's setting; the caller
-// fills them), or the router's scores of the chosen experts (the trainer's --routing).
+// skew tests. A profile gives only the expert indices; the caller fills the weights: the trainer
+// (--routing, model.cuh router_step) uses router_weights (ops/router.cuh), the router's own scores for
+// the forced experts, renormalised over the k slots when --renorm 1; tools/bench_ep_moe.cu uses 1/k
+// (the paper's setting); tests/dist_ep_moe.cu draws random positive weights.
 //   balanced  token i selects experts {(i + j) mod E : j = 0..k−1}
 //   hot:r/h   experts 0..h−1 are hot, h..E−1 cold. The first ⌊rN⌋ token positions are hot and
 //             select {j mod h : j = 0..k−1}: with h < k a hot token's k routes collapse onto h

@@ -13,8 +13,9 @@
 // The gradient norm for clipping comes from common.cuh's deterministic sumsq_accumulate /
 // sumsq_finish over all gradient tensors; clip_scale turns it into grad_scale on the host.
 //
-// Memory: adamw_update has none of its own. The optimizer seam at the end of this file (DESIGN
-// §1.1, --optimizer adamw) owns this rank's shard of the state: master, m, v, 3·S·4 B (Optimizer).
+// Memory: adamw_update has none of its own. The optimizer seam at the end of this file
+// (notes/design.md §1.1, --optimizer adamw) owns this rank's shard of the state: master, m, v,
+// 3·S·4 B (Optimizer).
 #pragma once
 #include <cmath>
 #include <memory>
@@ -68,7 +69,7 @@ inline void adamw_update(float* master, floatX* param, float* m, float* v, const
 }
 
 // ---------------------------------------------------------------------------------------------
-// The optimizer seam (DESIGN §1.1): one unit owns the fp32 master weights and the moments of this
+// The optimizer seam (notes/design.md §1.1): one unit owns the fp32 master weights and the moments of this
 // rank's shards (ZeRO-1), steps them, and saves/loads them in the one checkpoint format (named
 // sections "master", "adam_m", "adam_v", each [S] floats, S = the shard's element count, and the
 // step count). The shard is a list of segments of the local flat parameter buffer, each one

@@ -3,7 +3,7 @@
 // so that a resumed run replays bit for bit. Error checks live in runtime/check.cuh, the cuBLAS
 // handle with its pooled workspace in runtime/pool.cuh.
 //
-// Precision (DESIGN §3), chosen at compile time:
+// Precision (notes/design.md §3), chosen at compile time:
 //   -DFLATMOE_BF16  floatX = __nv_bfloat16 (weights/activations); fp32 master weights, optimizer
 //                   state, softmax/LSE/loss accumulation; cuBLAS computes in fp32.
 //   (default)       floatX = float; every GEMM in pedantic FP32 (no TF32).

@@ -17,7 +17,7 @@
 // commutative, so every lane gets the same value) and then across warps in warp order.
 //
 // Memory: none of its own in the three launchers. The output head at the end of this file (the
-// seam of DESIGN §1.1, --head full) owns its logits: N·V·b (Logits) + 2·N·4 B (losses, lse).
+// seam of notes/design.md §1.1, --head full) owns its logits: N·V·b (Logits) + 2·N·4 B (losses, lse).
 #pragma once
 #include "common.cuh"
 #include "matmul.cuh"
@@ -134,7 +134,7 @@ inline void loss_sum(float* out, const float* losses, int N, cudaStream_t stream
 }
 
 // ---------------------------------------------------------------------------------------------
-// The output head seam (DESIGN §1.1): from the final normed hidden states x [N,H], the vocabulary
+// The output head seam (notes/design.md §1.1): from the final normed hidden states x [N,H], the vocabulary
 // projection W [V,H] and the targets [N] (device), the summed token loss *loss_sum (=, device fp32);
 // with dx != nullptr also the backward of the objective dloss · Σ_n loss_n: dx [N,H] (=) and
 // dW [V,H] (+=). Logits exist only inside a head. A head is chosen once (--head).

@@ -1,4 +1,4 @@
-// ep_moe.cuh — standard expert parallelism (DESIGN §6.1): the dropless MoE FFN of ops/moe.cuh with
+// ep_moe.cuh — standard expert parallelism (notes/design.md §6.1): the dropless MoE FFN of ops/moe.cuh with
 // its experts split over the E_p ranks of an EP group. Twin of ref/ep_moe.hpp. The baseline that the
 // memory-bounded MoE operators are compared with.
 //

@@ -1,4 +1,4 @@
-// llep.cuh — least-loaded expert parallelism, LLEP (DESIGN §6.2; Nguyen et al. 2026a, the LLEP of
+// llep.cuh — least-loaded expert parallelism, LLEP (notes/design.md §6.2; Nguyen et al. 2026a, the LLEP of
 // papers/flattening-memory-peaks.txt §1 and §3.1): the dropless MoE FFN of ops/moe.cuh over an EP
 // group, with standard EP's expert shards and the router's expert choices (ops/ep_moe.cuh), where
 // only the rank that computes a route changes: the overflow of a popular expert is computed on ranks

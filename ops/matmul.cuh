@@ -12,7 +12,7 @@
 //   dxᵀ  [IC, N] = W as [IC, OC] · doutᵀ [OC, N]
 //   dWᵀ  [IC, OC] += xᵀ [IC, N] · op_T(doutᵀ as [OC, N])
 // Element type: every launcher is a template over the type T of all its operands — floatX (the
-// model's layers) or float (the router, FP32 in both builds, DESIGN §3); MatmulTypes<T> gives the
+// model's layers) or float (the router, FP32 in both builds, notes/design.md §3); MatmulTypes<T> gives the
 // cuBLAS types. bf16 operands (CUDA_R_16BF) accumulate in fp32 (CUBLAS_COMPUTE_32F, tensor cores).
 // float operands (CUDA_R_32F) run CUBLAS_COMPUTE_32F in both builds: FP32 arithmetic, never TF32 —
 // the shared handle's math mode is pedantic in the FP32 build and CUBLAS_DEFAULT_MATH in the BF16

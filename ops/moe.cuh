@@ -1,4 +1,4 @@
-// moe.cuh — dropless Mixture-of-Experts SwiGLU FFN on one GPU (DESIGN §2, §6.1 without the
+// moe.cuh — dropless Mixture-of-Experts SwiGLU FFN on one GPU (notes/design.md §2, §6.1 without the
 // exchange). Twin of ref/moe.hpp. Every (token, expert) route is computed: no capacity, no padding.
 //
 // Shapes: x [N,H]; topk_idx [N,k] int; topk_w [N,k] float; W13 [E,2I,H] (rows 0..I−1 of expert e =
@@ -492,7 +492,7 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
 inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const MoESaved& saved,
                          const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
                          cudaStream_t stream) {
-  (void)topk_idx;  // the routing is replayed from saved.route_of_slot / slot_of_route (DESIGN §3)
+  (void)topk_idx;  // the routing is replayed from saved.route_of_slot / slot_of_route (notes/design.md §3)
   if (!saved.route_of_slot || !saved.h13 || !saved.y)
     fm_fail("moe_backward", "MoESaved is empty: run moe_forward first", "N=%d", saved.N);
   const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k;
@@ -523,11 +523,12 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The MoE dispatcher seam (DESIGN §1.1): how a layer's routed experts are computed. Every
-// dispatcher (ops/moe.cuh: local; ops/ep_moe.cuh: ep; later llep, pllep, relay) has the same three
-// entry points: forward returns its own saved state, backward reads it, and destroying the saved
-// state frees it (back to the pool). The model picks one dispatcher at start-up (--moe) and calls
-// it in one place. Sizes H, I, E, k are fixed at construction; N may change per call.
+// The MoE dispatcher seam (notes/design.md §1.1): how a layer's routed experts are computed. Every
+// dispatcher (ops/moe.cuh: local; ops/ep_moe.cuh: ep; ops/llep.cuh: llep; ops/pipelined_llep.cuh:
+// pllep; later relay) has the same three entry points: forward returns its own saved state,
+// backward reads it, and destroying the saved state frees it (back to the pool). The model picks
+// one dispatcher at start-up (--moe) and calls it in one place. Sizes H, I, E, k are fixed at
+// construction; N may change per call.
 //   forward:  out [N,H] (=) = Σ_j topk_w[n,j] · expert_{topk_idx[n,j]}(x[n])
 //   backward: dx [N,H] (=), dtopk_w [N,k] (=), dW13 (+=), dW2 (+=) on this rank's experts
 

@@ -1,4 +1,4 @@
-// pipelined_llep.cuh — PipelinedLLEP (DESIGN §6.3; papers/flattening-memory-peaks.txt §3.1,
+// pipelined_llep.cuh — PipelinedLLEP (notes/design.md §6.3; papers/flattening-memory-peaks.txt §3.1,
 // appendix B.1, Eq. 1): LLEP's routes (ops/llep.cuh) delivered in K chunks of strided token positions,
 // each source emitting at most k·c_eff routes per chunk, so that no rank receives more than E_p·k·c_eff
 // routes in one chunk, whatever the router does. Twin of ref/pipelined_llep.hpp (the chunking),

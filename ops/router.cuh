@@ -1,8 +1,8 @@
 // router.cuh — MoE router: logits, scores, top-k selection with aux-loss-free bias, combine
-// weights, and their backward (DESIGN §2). Twin of ref/router.hpp (scores, selection, weights,
+// weights, and their backward (notes/design.md §2). Twin of ref/router.hpp (scores, selection, weights,
 // dlogits) and ref/matmul.hpp (the logits GEMM and its gradients).
 //
-// Precision: FP32 in both builds (DESIGN §3). Only the inputs x, W and the gradients dx, dW are
+// Precision: FP32 in both builds (notes/design.md §3). Only the inputs x, W and the gradients dx, dW are
 // floatX; logits, scores, selection keys, weights, dlogits and the three GEMMs are fp32 (never TF32:
 // ops/matmul.cuh on float operands): bf16 logits change routing decisions, and the router's own
 // roundings should not add to the error its gradient inherits from its bf16 inputs.
@@ -23,8 +23,10 @@
 //   dx  = dlogits · W      fp32 GEMM, then rounded once to floatX
 //   dW += dlogitsᵀ · x     ΔW = dlogitsᵀ · x in fp32, then dW[i] = floatX(float(dW[i]) + ΔW[i]) (one rounding)
 //
-// A routing profile (data/routing_profile.hpp) may replace the selection: router_weights then gives
-// the weights of the given choice from the same scores.
+// A routing profile or trace (data/routing_profile.hpp, data/routing_trace.hpp; the trainer's --routing)
+// may replace the selection: router_weights then sets topk_w[n,j] = s_{topk_idx[n,j]}, the router's own
+// scores for the forced experts (the bias plays no part), divided by their sum over the k slots when
+// renorm (an expert forced into two slots counts twice). Not 1/k: only tools/bench_ep_moe.cu uses 1/k.
 //
 // Shapes: x [N,H] floatX; W [E,H] floatX; logits [N,E] float; bias [E] float; dtopk_w [N,k] float.
 // Outputs: logits (=), topk_idx [N,k] int (=), topk_w [N,k] float (=), scores [N,E] float (=, saved

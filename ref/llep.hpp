@@ -1,5 +1,5 @@
 // ref/llep.hpp — LLEP's plan in plain code (twin of the host-side plan of ops/llep.cuh): the rules of
-// DESIGN §6.2 applied one route at a time, every load counted afresh when it is needed. What each rank
+// notes/design.md §6.2 applied one route at a time, every load counted afresh when it is needed. What each rank
 // computes is then ref/moe.hpp over the global batch, as for standard EP (ref/ep_moe.hpp).
 //   counts[s][e]  routes of source rank s to expert e; C_e = Σ_s counts[s][e]; T = Σ_e C_e
 //   home(e)       e / E_l, E_l = E / E_p

@@ -5,7 +5,7 @@
 // It also reports the smallest routing margin it met: for every token of every MoE layer, the gap
 // between the k-th and the (k+1)-th largest score + bias. A test that compares the GPU with this
 // model needs that margin well above rounding, otherwise the two may legitimately pick different
-// experts (DESIGN §3: near-ties must not make a correct implementation fail).
+// experts (notes/design.md §3: near-ties must not make a correct implementation fail).
 #pragma once
 #include <limits>
 #include <string>

@@ -1,4 +1,4 @@
-// comm.cuh — the communication layer of the multi-GPU runtime (DESIGN §5): NCCL communicators over
+// comm.cuh — the communication layer of the multi-GPU runtime (notes/design.md §5): NCCL communicators over
 // the world's W ranks (one process per GPU) and over sub-groups of them, the collectives the model
 // uses, and waits that cannot hang.
 //
@@ -458,7 +458,7 @@ inline std::string block_group_place(int world_rank, int world_size, int group_s
   return "";
 }
 
-// Contiguous blocks of `size` ranks of `world` (DESIGN §5: sub-groups are independent views of the
+// Contiguous blocks of `size` ranks of `world` (notes/design.md §5: sub-groups are independent views of the
 // same W ranks). Every rank of `world` must call it with the same size.
 inline Comm comm_block_group(const Comm& world, int size, const char* name) {
   BlockPlace place;

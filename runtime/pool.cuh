@@ -1,11 +1,18 @@
-// pool.cuh — the one device-memory pool (DESIGN §4). Every byte of device memory that flatmoe
-// uses is allocated here, with a category and a tag, so that the live set of any operator can be
-// measured and compared with its closed-form bound.
+// pool.cuh — the one device-memory pool (notes/design.md §4). Every device buffer that flatmoe's own
+// code allocates comes from here, with a category and a tag, so that the live set of any operator can
+// be measured and compared with its closed-form bound. What the pool does not see: the CUDA context,
+// NCCL's buffers, cuBLAS's own memory other than its GEMM workspace (the handle's state; the workspace
+// is pooled, see cublas_on), and pinned host memory (NCCL's; the trainer and operators allocate none
+// today). The trainer's cudaMemGetInfo figure ("device used") counts the device-side ones, and the
+// pool's cached free blocks, on top of the pool's live bytes.
 //
 // What it records:
 //   live bytes per category (what callers asked for and have not freed), the peak of the total
 //   live bytes and of each category since the last reset_peak(), and (when enabled) a timeline of
 //   events: time since the pool was created (us), action (alloc/free/mark), bytes, category, tag.
+//   The time is host time, read when the host calls alloc/free: the host enqueues work ahead of the
+//   GPU, so an event's time is when the host issued it, not when the GPU ran the work around it.
+//   The trainer turns the timeline on for one step and on rank 0 only (--timeline_step).
 // What it keeps underneath: freed blocks are cached by their rounded size and handed out again
 // (cudaFree synchronises the device, so a training step must never call it). `reserved()` is what
 // the pool holds from CUDA; `live_total()` is what is in use.
@@ -28,7 +35,7 @@
 //
 // The process's runtime (bottom of this file): runtime_prepare() after cudaSetDevice, before any
 // measurement, creates the shared cuBLAS handle and its pooled workspace; runtime_release() at exit
-// gives everything back to CUDA and refuses to when anything else is still live (a leak, DESIGN §4).
+// gives everything back to CUDA and refuses to when anything else is still live (a leak, notes/design.md §4).
 #pragma once
 #include <chrono>
 #include <cstdint>

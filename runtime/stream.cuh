@@ -1,4 +1,4 @@
-// stream.cuh — streams, the order between them, and host waits that cannot hang (DESIGN §5).
+// stream.cuh — streams, the order between them, and host waits that cannot hang (notes/design.md §5).
 //
 // One process drives one GPU with several streams: the model's compute stream (created by the
 // trainer; stream 0 in single-stream tests) and one stream per NCCL communicator (runtime/comm.cuh),

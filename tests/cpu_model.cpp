@@ -28,7 +28,7 @@ void random_tokens(const ModelConfig& c, int N, testutil::Rng& rng, std::vector<
 
 // Draws weights and tokens until every routing margin is far above the finite-difference step, then
 // compares a random subset of each parameter tensor's gradient entries with central differences,
-// asserting every tensor on its own (DESIGN §3).
+// asserting every tensor on its own (notes/design.md §3).
 void check_gradients(const char* what, const ModelConfig& c) {
   const int B = 2, T = c.seq_len, N = B * T;
   for (int attempt = 0; attempt < 20; attempt++) {

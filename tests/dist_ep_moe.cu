@@ -5,7 +5,7 @@
 // its tokens, dW13/dW2 (+=, onto random starting values) of its experts — plus its received route
 // count R_d, the pool's Dispatch and ExpertIntermediates peaks against the closed forms, the pool
 // returning to its starting bytes, and agreement with the single-GPU moe_forward/moe_backward run on
-// the same global batch (schedules agree to rounding, DESIGN §3). Routing: balanced, hot (with a
+// the same global batch (schedules agree to rounding, notes/design.md §3). Routing: balanced, hot (with a
 // hot token's routes repeating an expert), every route to rank 0 (the other ranks receive nothing,
 // and rank 0 has a local expert without routes), random per rank (and a bit-for-bit replay).
 #include <algorithm>
@@ -24,7 +24,7 @@ using testutil::Rng;
 using Mat = ref::Mat<double>;
 
 // EP against the single-GPU moe_forward/moe_backward on the same global batch: two schedules of one
-// operator, which agree to rounding (DESIGN §3). Their arithmetic is the same, in the same order —
+// operator, which agree to rounding (notes/design.md §3). Their arithmetic is the same, in the same order —
 // each expert's rows source-major then by route, the same GEMM problem sizes per expert, the same
 // combine order — but their cuBLAS calls are not: EP's grouped GEMMs hold only the E_l local experts
 // (one GPU: all E), at other addresses, and cuBLAS promises identical bits only for identical calls,

@@ -201,7 +201,7 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
   }
   char what[64];
   snprintf(what, sizeof what, "dist_%s_vs_single_rank%d", seams.moe.c_str(), world.rank);
-  // whole-model training compared over ten Adam steps: the whole-model tolerance of DESIGN §3
+  // whole-model training compared over ten Adam steps: the whole-model tolerance of notes/design.md §3
   EXPECT_REL(what, "max loss", worst, MODEL_TOL);
   // each tensor of this rank's master shards against the single GPU's master at the same parameters
   std::vector<float> single_local = local_from_global(dist, master_as_local(single));

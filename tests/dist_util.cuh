@@ -8,7 +8,7 @@
 // same collectives; check with EXPECT_* (not ASSERT_*) before a collective, so that a failed check on
 // one rank does not make it skip a collective that the others wait in. testutil::Rng draws the same
 // numbers on every rank (the launcher gives all ranks one FLATMOE_SEED), so each rank can build the
-// GLOBAL inputs and check its own shard against the math (DESIGN §3).
+// GLOBAL inputs and check its own shard against the math (notes/design.md §3).
 #pragma once
 #include <sys/stat.h>
 #include <cerrno>

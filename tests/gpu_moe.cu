@@ -1,5 +1,5 @@
 // tests/gpu_moe.cu — ops/moe.cuh against ref/moe.hpp. Routing decisions are inputs (random
-// distinct experts per token, random positive weights; DESIGN §3): uniform, skewed onto one expert,
+// distinct experts per token, random positive weights; notes/design.md §3): uniform, skewed onto one expert,
 // with experts that receive no route, the dense E = 1, k = 1 case, and enough experts to need
 // several pointer chunks. Checks out, dx, dtopk_w, dW13 and dW2 (+=), the measured live set, the
 // pool returning to its starting bytes, bit-for-bit replay, and the stable sort of the plan.

@@ -1,5 +1,5 @@
 // tests/gpu_router.cu — ops/router.cuh against ref/router.hpp and ref/matmul.hpp (double), on fresh
-// random inputs and poisoned outputs. The router is FP32 in both builds (DESIGN §3), so its fp32
+// random inputs and poisoned outputs. The router is FP32 in both builds (notes/design.md §3), so its fp32
 // results — logits, scores, weights, dlogits — are held to the FP32 tolerance 1e-5 in BOTH builds.
 // dx and the += dW end in one rounding to floatX: held to OP_TOL, and in the BF16 build nearly every
 // element must equal the correctly rounded exact value. Cases: selection (exact), weights, scores,

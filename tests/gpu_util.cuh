@@ -1,14 +1,14 @@
 // tests/gpu_util.cuh — GPU-side helpers for the tests: skip (or, with FLATMOE_REQUIRE_GPU=1, fail)
 // when there is no usable device, the runtime prepared before the first test and released after the
 // last, moving reference matrices to and from floatX device buffers (through the pool), and the
-// tolerance of DESIGN §3 for the build.
+// tolerance of notes/design.md §3 for the build.
 #pragma once
 #include <string>
 #include "test_util.hpp"
 #include "../ops/common.cuh"
 #include "../runtime/pool.cuh"
 
-// Per-operator tolerance (DESIGN §3): 1e-5 in FP32, 2e-2 in BF16; the whole model 1e-4 in FP32.
+// Per-operator tolerance (notes/design.md §3): 1e-5 in FP32, 2e-2 in BF16; the whole model 1e-4 in FP32.
 // Computation in fp32 (the router, float GEMMs) is held to the FP32 per-operator tolerance in both builds.
 static const double FP32_TOL = 1e-5;
 #if defined(FLATMOE_BF16)
@@ -21,7 +21,7 @@ static const double MODEL_TOL = 1e-4;
 
 namespace testutil {
 
-// FLATMOE_REQUIRE_GPU=1 (set by the device scripts, DESIGN §3): a test that needs a GPU fails
+// FLATMOE_REQUIRE_GPU=1 (set by the device scripts, notes/design.md §3): a test that needs a GPU fails
 // instead of skipping when none is usable.
 inline bool gpu_required() {
   const char* value = getenv("FLATMOE_REQUIRE_GPU");

@@ -1,5 +1,5 @@
 // tests/test_util.hpp — what every test shares: fresh random inputs, the normwise error of
-// DESIGN §3, its tolerance for the build, and a line that reports the measured error.
+// notes/design.md §3, its tolerance for the build, and a line that reports the measured error.
 #pragma once
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -43,7 +43,7 @@ struct Rng {
   }
 };
 
-// ‖a − b‖₂ / ‖b‖₂ over all elements (DESIGN §3).
+// ‖a − b‖₂ / ‖b‖₂ over all elements (notes/design.md §3).
 template <typename A, typename B>
 double rel_err(const A& a, const B& b) {
   double num = 0, den = 0;

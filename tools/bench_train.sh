@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Training benchmark on one GPU (DESIGN §7, issue "foundation" item 11):
+# Training benchmark on one GPU (notes/design.md §7, issue "foundation" item 11):
 #   1. the default model: median step time, tokens/s, MFU and pool peak over steps 11..N;
 #   2. one stated larger model: the longest context (B = 1) and the largest batch (T = 1024) that fit,
 #      with and without layer recomputation, found by doubling then bisecting in separate processes

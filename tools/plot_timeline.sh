@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Plots a pool timeline CSV (written by train --timeline_step S) as stacked live bytes per
 # category over time, with Debian's gnuplot. Usage: tools/plot_timeline.sh timeline.csv out.png
+# The time axis is host time: when the host issued each alloc/free (runtime/pool.cuh), which runs
+# ahead of the GPU, so it shows the order of the step's allocations, not GPU timing. The trainer
+# records rank 0's pool only.
 set -euo pipefail
 csv=$1; png=$2
 command -v gnuplot > /dev/null || { echo "gnuplot not found (apt-get install gnuplot-nox)" >&2; exit 1; }
