@@ -2,6 +2,7 @@
 #   make train              install what is missing, build, prepare the default data, train (needs a GPU)
 #   make test               install what is missing, build everything (both precisions), run all tests
 #   make bench              training throughput and memory benchmarks (needs a GPU)
+#   make toy                print one toy MoE layer traced through expert parallelism (CPU)
 # Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90, EIGEN_DIR, GTEST_DIR, NVCC.
 
 PRECISION ?= BF16
@@ -32,8 +33,8 @@ GPU_TESTS := $(wildcard tests/gpu_*.cu)
 DIST_TESTS := $(wildcard tests/dist_*.cu)
 BENCHES := $(patsubst tools/%.cu,%,$(wildcard tools/bench_*.cu))
 
-.PHONY: all deps data train test bench clean
-all: $(BUILD)/prepare $(BUILD)/synthetic_tokens $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/train $(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist $(addprefix $(BUILD)/$(p)/,$(BENCHES)))
+.PHONY: all deps data train test bench toy clean
+all: $(BUILD)/prepare $(BUILD)/synthetic_tokens $(BUILD)/toy_trace $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/train $(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist $(addprefix $(BUILD)/$(p)/,$(BENCHES)))
 
 # ---- dependencies (Debian packages), installed only when missing --------------------------
 DEB_PKGS :=
@@ -81,6 +82,10 @@ $(BUILD)/synthetic_tokens: tools/synthetic_tokens.cpp | deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $< -o $@
 
+$(BUILD)/toy_trace: tools/toy_trace.cpp | deps
+	@mkdir -p $(@D)
+	$(CXX) $(CXXFLAGS) $< -o $@
+
 $(BUILD)/cpu/%.o: tests/%.cpp | deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $(GTEST_INC) -c $< -o $@
@@ -125,6 +130,10 @@ train: deps $(BUILD)/$(P)/train data
 
 test: deps all data
 	FLATMOE_BIN=$(BUILD)/ FLATMOE_TRAIN=$(BUILD)/fp32/train tests/run_tests.sh $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist)
+
+# one toy MoE layer traced through expert parallelism on the CPU (tools/toy_trace.hpp)
+toy: $(BUILD)/toy_trace
+	$(BUILD)/toy_trace
 
 bench: deps $(BUILD)/$(P)/train $(BUILD)/synthetic_tokens data
 	tools/bench_train.sh $(BUILD)/$(P)/train $(DATA_DIR)
