@@ -18,7 +18,7 @@ gnuplot <<GP
 set terminal pngcairo size 1400,700 noenhanced font ",11"
 set output "$png"
 set title "flatmoe device memory by category (pool live bytes) — $(basename "$csv")"
-set xlabel "time within the step (ms)"
+set xlabel "host time within the step (ms): when the host enqueued each allocation and free"
 set ylabel "live MiB (stacked)"
 set key outside right
 set grid
