@@ -48,6 +48,7 @@ struct Rank {
 };
 
 struct Result {
+  std::vector<Mat> W13, W2;    // [E] all experts' weights, [2I,H] and [H,I]: rank d holds experts d·E_L …
   std::vector<Rank> ranks;
   std::vector<Mat> reference;  // [RANKS] each rank's rows of ref::moe_forward over the global batch
   double max_diff = 0;         // max |out − reference| over every rank
@@ -89,7 +90,8 @@ inline Result toy_trace(std::ostream& os) {
   Result res;
   std::vector<Rank>& rk = res.ranks;
   rk.resize(RANKS);
-  std::vector<Mat> W13, W2;  // all E experts; rank d holds W13[d·E_L .. d·E_L+E_L−1]
+  std::vector<Mat>& W13 = res.W13;  // all E experts; rank d holds W13[d·E_L .. d·E_L+E_L−1]
+  std::vector<Mat>& W2 = res.W2;
   for (int e = 0; e < E; e++) W13.push_back(draw(2 * I, H)), W2.push_back(draw(H, I));
   os << fmt("Toy MoE layer through standard expert parallelism (ops/ep_moe.cuh), on the CPU\n"
             "  %d ranks, N = %d tokens each, E = %d experts (expert e on rank e/%d as local expert e%%%d),\n"
