@@ -1,9 +1,9 @@
-// llep.cuh — least-loaded expert parallelism, LLEP (notes/design.md §6.2; Nguyen et al. 2026a, the LLEP of
-// papers/flattening-memory-peaks.txt §1 and §3.1): the dropless MoE FFN of ops/moe.cuh over an EP
-// group, with standard EP's expert shards and the router's expert choices (ops/ep_moe.cuh), where
-// only the rank that computes a route changes: the overflow of a popular expert is computed on ranks
-// that would otherwise wait, with the expert's weights lent by its home rank. Twin of ref/llep.hpp
-// (the plan, route by route) and ref/moe.hpp (the math over the global batch, as for ep_moe.cuh).
+// llep.cuh — least-loaded expert parallelism, LLEP (notes/design.md §6.2; Nguyen et al. 2026a, as used in "Flattening
+// Every Memory Peak in Long-Context Mixture-of-Experts Training", §1, §3.1): the dropless MoE FFN of ops/moe.cuh over
+// an EP group, with standard EP's expert shards and the router's expert choices (ops/ep_moe.cuh), where only the rank
+// that computes a route changes: the overflow of a popular expert is computed on ranks that would otherwise wait, with
+// the expert's weights lent by its home rank. Twin of ref/llep.hpp (the plan, route by route) and ref/moe.hpp (the math
+// over the global batch, as for ep_moe.cuh).
 //
 // What it computes: exactly moe_forward / moe_backward over the group's global batch, each rank
 // holding its own token shard and its own expert shard, as in ep_moe.cuh (same shapes, N may differ

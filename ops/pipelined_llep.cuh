@@ -1,10 +1,10 @@
-// pipelined_llep.cuh — PipelinedLLEP (notes/design.md §6.3; papers/flattening-memory-peaks.txt §3.1,
-// appendix B.1, Eq. 1): LLEP's routes (ops/llep.cuh) delivered in K chunks of strided token positions,
-// each source emitting at most k·c_eff routes per chunk, so that no rank receives more than E_p·k·c_eff
-// routes in one chunk, whatever the router does. Twin of ref/pipelined_llep.hpp (the chunking),
-// ref/llep.hpp (each chunk's plan) and ref/moe.hpp (the math). Its own operator and dispatcher
-// (--moe pllep), separate from LLEP's file: what it adds is the chunking, the receiver bound and the
-// pipeline; each chunk is planned by llep_plan, unchanged.
+// pipelined_llep.cuh — PipelinedLLEP (notes/design.md §6.3; "Flattening Every Memory Peak in Long-Context
+// Mixture-of-Experts Training", §3.1, appendix B.1, Eq. 1): LLEP's routes (ops/llep.cuh) delivered in K chunks of
+// strided token positions, each source emitting at most k·c_eff routes per chunk, so that no rank receives more than
+// E_p·k·c_eff routes in one chunk, whatever the router does. Twin of ref/pipelined_llep.hpp (the chunking),
+// ref/llep.hpp (each chunk's plan) and ref/moe.hpp (the math). Its own operator and dispatcher (--moe pllep), separate
+// from LLEP's file: what it adds is the chunking, the receiver bound and the pipeline; each chunk is planned by
+// llep_plan, unchanged.
 //
 // What it computes: exactly what llep.cuh and ep_moe.cuh compute (the same routes, the same expert
 // choices); chunking changes only when a route travels, never where it goes within its chunk's plan.
