@@ -1,6 +1,6 @@
 // data/dataloader.hpp — llm.c-style loader of token shards for next-token prediction.
 //
-// Shards: one file, or every file matching a glob (sorted by name), read with read_shard.
+// Shards: one file, or every file matching a glob (sorted by name), in llm.c's format (shards.hpp).
 // Each step reads one window of W·B·T + 1 consecutive tokens starting at `position` in the
 // current shard; rank r of W takes the r-th B·T slice of it:
 //   p = position + r·B·T,  inputs = tokens[p, p + B·T),  targets = tokens[p + 1, p + B·T + 1)
@@ -8,15 +8,19 @@
 // window would not fit (position + W·B·T + 1 > shard size) the loader moves to the next shard at
 // position 0, and after the last shard back to the first with epoch + 1. Refused at construction,
 // before any batch (notes/design.md §9): a shard shorter than one window (W·B·T + 1 tokens), and a shard
-// holding a token id outside the vocabulary [0, V) (every shard is read once to check it).
+// holding a token id outside the vocabulary [0, V) (every shard is scanned once to check it, in blocks
+// of kScanTokens tokens, so the check needs no memory of the shard's size).
 //
 // State {shard, position, epoch} names the next batch and is the same on every rank; saving it in
 // a checkpoint and restoring it with set_state() replays exactly the batches that would have come.
-// Only the current shard's tokens are held in memory.
+// No shard is held in memory (issue 14): like llm.c, the current shard's file stays open and each
+// batch reads only this rank's B·T + 1 tokens of it (fseek to the token offset, fread), so the
+// loader keeps O(B·T) bytes whatever the shard size.
 #pragma once
 #include <glob.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -51,36 +55,35 @@ class DataLoader {
     globfree(&matches);
     const long long window = window_tokens();
     for (const std::string& file : files_) {
-      const std::vector<int> tokens = read_shard(file);
-      const long long num_tokens = (long long)tokens.size();
+      // The checks, and their order, of reading the whole shard: the header and file size, every
+      // uint32 token fitting an int, the shard holding one window, then the first id ≥ V.
+      long long bad_position = -1;
+      int bad_id = 0;
+      const long long num_tokens = scan_shard(file, vocab, bad_position, bad_id);
       if (num_tokens < window + 1)
         throw std::runtime_error("data loader: shard " + file + " has " + std::to_string(num_tokens) +
                                  " tokens, too few for one batch: world " + std::to_string(world) + " × B " +
                                  std::to_string(B) + " × T " + std::to_string(T) + " + 1 = " +
                                  std::to_string(window + 1));
-      for (size_t i = 0; i < tokens.size(); i++)
-        if (tokens[i] >= vocab)
-          throw std::runtime_error("data loader: shard " + file + ": token id " + std::to_string(tokens[i]) +
-                                   " at position " + std::to_string(i) + " is outside the vocabulary [0, V = " +
-                                   std::to_string(vocab) + ")");
+      if (bad_position >= 0)
+        throw std::runtime_error("data loader: shard " + file + ": token id " + std::to_string(bad_id) +
+                                 " at position " + std::to_string(bad_position) + " is outside the vocabulary [0, V = " +
+                                 std::to_string(vocab) + ")");
       shard_tokens_.push_back(num_tokens);
       total_tokens_ += num_tokens;
     }
     reset();
   }
 
-  // inputs, targets: host arrays of B·T ints each (B×T row-major).
+  // inputs, targets: host arrays of B·T ints each (B×T row-major). Reads this rank's B·T + 1
+  // tokens of the current window from the shard file: inputs are the first B·T, targets the last.
   void next_batch(int* inputs, int* targets) {
-    if (loaded_shard_ != state_.shard) {
-      tokens_ = read_shard(files_[state_.shard]);
-      if ((long long)tokens_.size() != shard_tokens_[state_.shard])
-        throw std::runtime_error("data loader: shard " + files_[state_.shard] + " changed size since it was opened");
-      loaded_shard_ = state_.shard;
-    }
+    if (open_.shard != state_.shard) open_shard(state_.shard);
     const long long batch = (long long)B_ * T_;
-    const int* start = tokens_.data() + state_.position + rank_ * batch;
-    std::copy(start, start + batch, inputs);
-    std::copy(start + 1, start + batch + 1, targets);
+    const long long first = state_.position + rank_ * batch;  // token index of inputs[0] in the shard
+    read_tokens(first, batch + 1, window_);
+    std::copy(window_.begin(), window_.begin() + batch, inputs);
+    std::copy(window_.begin() + 1, window_.begin() + batch + 1, targets);
     state_.position += window_tokens();
     if (state_.position + window_tokens() + 1 > shard_tokens_[state_.shard]) {
       state_.position = 0;
@@ -117,16 +120,135 @@ class DataLoader {
   }
   const std::vector<std::string>& files() const { return files_; }
 
+  // Bytes of token data the loader keeps between batches: the B·T + 1 tokens of one window, raw and
+  // converted (none before the first batch). Not the shard size.
+  size_t buffered_bytes() const { return raw_.capacity() + window_.capacity() * sizeof(int); }
+
  private:
+  static constexpr long long kScanTokens = 1 << 20;  // tokens per block of the open-time scan
+
+  // The open file of one shard. Copying a loader does not share the file: the copy opens its own
+  // at its next batch.
+  struct OpenShard {
+    FILE* file = nullptr;
+    int shard = -1;  // index in files_, -1 when none is open
+    int bytes_per_token = 0;
+    OpenShard() = default;
+    OpenShard(const OpenShard&) {}
+    OpenShard& operator=(const OpenShard&) {
+      close();
+      return *this;
+    }
+    OpenShard(OpenShard&& o) noexcept : file(o.file), shard(o.shard), bytes_per_token(o.bytes_per_token) {
+      o.file = nullptr;
+      o.shard = -1;
+    }
+    OpenShard& operator=(OpenShard&& o) noexcept {
+      if (this != &o) {
+        close();
+        std::swap(file, o.file);
+        std::swap(shard, o.shard);
+        std::swap(bytes_per_token, o.bytes_per_token);
+      }
+      return *this;
+    }
+    ~OpenShard() { close(); }
+    void close() {
+      if (file) std::fclose(file);
+      file = nullptr;
+      shard = -1;
+    }
+  };
+
   long long window_tokens() const { return (long long)world_ * B_ * T_; }
+
+  // Opens shard s for batches: its header and size are validated again (read_shard_header), and it
+  // must hold as many tokens as when the loader was constructed.
+  void open_shard(int s) {
+    open_.close();
+    const std::string& path = files_[s];
+    const ShardInfo info = read_shard_header(path);
+    if (info.num_tokens != shard_tokens_[s])
+      throw std::runtime_error("data loader: shard " + path + " changed size since it was opened");
+    open_.file = std::fopen(path.c_str(), "rb");
+    if (!open_.file) throw std::runtime_error("shard " + path + ": cannot open");
+    open_.shard = s;
+    open_.bytes_per_token = info.bytes_per_token;
+  }
+
+  // Tokens [first, first + count) of the open shard into `out`, converted to int as read_shard does
+  // (uint16 or uint32 little-endian; a uint32 token that does not fit an int is refused).
+  void read_tokens(long long first, long long count, std::vector<int>& out) {
+    const std::string& path = files_[open_.shard];
+    const int width = open_.bytes_per_token;
+    raw_.resize(size_t(count) * width);
+    const bool ok = std::fseek(open_.file, long(kHeaderBytes + first * width), SEEK_SET) == 0 &&
+                    std::fread(raw_.data(), 1, raw_.size(), open_.file) == raw_.size();
+    if (!ok) throw std::runtime_error("shard " + path + ": cannot read its tokens");
+    out.resize(size_t(count));
+    convert(path, raw_.data(), width, first, count, out.data());
+  }
+
+  // Converts `count` little-endian tokens of `width` bytes, the first being token `first` of the
+  // shard at `path` (for the message), into `out`.
+  static void convert(const std::string& path, const unsigned char* raw, int width, long long first, long long count,
+                      int* out) {
+    for (long long i = 0; i < count; i++) {
+      const unsigned char* p = raw + i * width;
+      if (width == 2) {
+        out[i] = int(p[0]) | int(p[1]) << 8;
+      } else {
+        const int32_t token = load_i32_le(p);
+        if (token < 0)
+          throw std::runtime_error("shard " + path + ": token " + std::to_string(first + i) + " = " +
+                                   std::to_string(uint32_t(token)) + " does not fit an int");
+        out[i] = token;
+      }
+    }
+  }
+
+  // Reads the whole shard once, kScanTokens tokens at a time, with read_shard's checks (header,
+  // size, tokens fitting an int, same messages); returns its number of tokens and sets
+  // bad_position / bad_id to the first id ≥ vocab (bad_position −1 when there is none).
+  static long long scan_shard(const std::string& path, int vocab, long long& bad_position, int& bad_id) {
+    const ShardInfo info = read_shard_header(path);
+    FILE* f = std::fopen(path.c_str(), "rb");
+    if (!f) throw std::runtime_error("shard " + path + ": cannot open");
+    std::vector<unsigned char> raw(size_t(std::min(info.num_tokens, kScanTokens)) * info.bytes_per_token);
+    std::vector<int> tokens(size_t(std::min(info.num_tokens, kScanTokens)));
+    bool ok = std::fseek(f, long(kHeaderBytes), SEEK_SET) == 0;
+    try {
+      for (long long first = 0; ok && first < info.num_tokens; first += kScanTokens) {
+        const long long count = std::min(kScanTokens, info.num_tokens - first);
+        const size_t bytes = size_t(count) * info.bytes_per_token;
+        ok = std::fread(raw.data(), 1, bytes, f) == bytes;
+        if (!ok) break;
+        convert(path, raw.data(), info.bytes_per_token, first, count, tokens.data());
+        if (bad_position < 0)
+          for (long long i = 0; i < count; i++)
+            if (tokens[i] >= vocab) {
+              bad_position = first + i;
+              bad_id = tokens[i];
+              break;
+            }
+      }
+    } catch (...) {
+      std::fclose(f);
+      throw;
+    }
+    std::fclose(f);
+    if (!ok) throw std::runtime_error("shard " + path + ": cannot read its tokens");
+    return info.num_tokens;
+  }
 
   int B_, T_, rank_, world_;
   std::vector<std::string> files_;
   std::vector<long long> shard_tokens_;
   long long total_tokens_ = 0;
   State state_{0, 0, 0};
-  int loaded_shard_ = -1;
-  std::vector<int> tokens_;  // the tokens of shard loaded_shard_
+  OpenShard open_;                 // the shard next_batch reads from
+  std::vector<unsigned char> raw_;  // one window's bytes as in the file: (B·T + 1) × 2 or 4
+  std::vector<int> window_;         // the same B·T + 1 tokens as ints
 };
 
 }  // namespace data
