@@ -17,7 +17,13 @@
 //     training and encoding cost of pathological inputs such as a megabyte of '=' or of NULs.
 //
 // Training: merges are learned greedily by pair frequency over the unique chunks weighted by
-// their counts; ties go to the smallest (left id, right id). Encoding applies merges by rank
+// their counts; ties go to the smallest (left id, right id). After each merge only the pairs next
+// to a merge site are updated, not every pair of each rewritten word: a site (left, right) →
+// new_id at i changes only (ids[i−1], left) → (…, new_id), (left, right) itself and
+// (right, ids[i+2]) → (new_id, …); every other pair of the word is the same before and after, so
+// the counts (and the merges learned) are exactly those of recounting whole words. Consecutive
+// sites ("a a a a" with (a, a), "x y x y" with (x, y)) share their middle pair, which is subtracted
+// once and becomes (new_id, new_id). Encoding applies merges by rank
 // (lowest rank first, leftmost first among equal ranks), which reproduces applying the merges
 // one after the other over the whole chunk, as in training.
 //
@@ -109,32 +115,53 @@ class Tokenizer {
       pair_words.erase(merged_key);
       pair_count.erase(merged_key);
 
+      // Rewrites each word in place, left to right, and records only the pair changes at the
+      // merge sites (see "Training" above): each site's old pairs (prev, left), (left, right),
+      // (right, next) are subtracted, a pair shared by two consecutive sites only once, and the
+      // new pairs, exactly those that contain new_id, are added: (prev, new_id) for each site,
+      // which for consecutive sites is (new_id, new_id), and (new_id, next) where next is not a site.
       std::unordered_map<uint64_t, long long> delta;
+      auto add_pair = [&](int a, int b, long long change) { delta[pair_key(a, b)] += change; };
       for (int w : touched) {
         if (last_seen[w] == m) continue;
         last_seen[w] = m;
         Word& word = words[w];
-        std::vector<int> merged;
-        merged.reserve(word.ids.size());
-        for (size_t i = 0; i < word.ids.size(); i++) {
-          if (i + 1 < word.ids.size() && word.ids[i] == left && word.ids[i + 1] == right) {
-            merged.push_back(new_id);
-            i++;
+        std::vector<int>& ids = word.ids;
+        const long long count = word.count;
+        auto index_new_pair = [&](int a, int b) {
+          std::vector<int>& list = pair_words[pair_key(a, b)];
+          if (list.empty() || list.back() != w) list.push_back(w);
+        };
+        const size_t n = ids.size();
+        size_t out = 0;           // ids[0, out) is the rewritten prefix
+        int prev_old = -1;        // the old id before position i (when i > 0)
+        bool prev_site = false;   // whether ids[i − 1] (old) ended a merge site
+        for (size_t i = 0; i < n;) {
+          if (i + 1 < n && ids[i] == left && ids[i + 1] == right) {
+            if (i > 0 && !prev_site) add_pair(prev_old, left, -count);
+            add_pair(left, right, -count);
+            if (i + 2 < n) add_pair(right, ids[i + 2], -count);
+            if (out > 0) {
+              add_pair(ids[out - 1], new_id, count);
+              index_new_pair(ids[out - 1], new_id);
+            }
+            ids[out++] = new_id;
+            prev_old = right;
+            prev_site = true;
+            i += 2;
           } else {
-            merged.push_back(word.ids[i]);
+            const int id = ids[i];
+            if (prev_site) {
+              add_pair(new_id, id, count);
+              index_new_pair(new_id, id);
+            }
+            ids[out++] = id;
+            prev_old = id;
+            prev_site = false;
+            i += 1;
           }
         }
-        if (merged.size() == word.ids.size()) continue;
-        for (size_t i = 0; i + 1 < word.ids.size(); i++) delta[pair_key(word.ids[i], word.ids[i + 1])] -= word.count;
-        for (size_t i = 0; i + 1 < merged.size(); i++) {
-          const uint64_t key = pair_key(merged[i], merged[i + 1]);
-          delta[key] += word.count;
-          if (merged[i] == new_id || merged[i + 1] == new_id) {
-            std::vector<int>& list = pair_words[key];
-            if (list.empty() || list.back() != w) list.push_back(w);
-          }
-        }
-        word.ids = std::move(merged);
+        ids.resize(out);
       }
       for (const auto& [key, change] : delta) {
         if (key == merged_key || change == 0) continue;
