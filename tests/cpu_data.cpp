@@ -31,18 +31,7 @@ void set_i32(std::string& bytes, size_t word, uint32_t v) {
   for (int i = 0; i < 4; i++) bytes[4 * word + i] = char(v >> (8 * i));
 }
 
-// `call` throws std::runtime_error whose message contains every string in `parts`.
-template <typename F>
-void expect_refused(F call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "accepted, expected a refusal mentioning '" << parts.back() << "'";
-  } catch (const std::runtime_error& e) {
-    const std::string msg = e.what();
-    printf("[refused] %s\n", msg.c_str());
-    for (const std::string& part : parts) EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg;
-  }
-}
+using testutil::expect_refused;
 
 // Random English-like sentences from a small word list.
 std::string english(testutil::Rng& rng, int sentences) {

@@ -66,17 +66,7 @@ std::vector<std::vector<int>> write_shards(const TempDir& dir, testutil::Rng& rn
   return shards;
 }
 
-template <typename F>
-void expect_refused(F call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "accepted, expected a refusal mentioning '" << parts.back() << "'";
-  } catch (const std::runtime_error& e) {
-    const std::string msg = e.what();
-    printf("[refused] %s\n", msg.c_str());
-    for (const std::string& part : parts) EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg;
-  }
-}
+using testutil::expect_refused;
 
 void expect_same(const Batch& got, const Batch& want, const std::string& what) {
   ASSERT_EQ(got.inputs, want.inputs) << what;

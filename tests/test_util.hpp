@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 #include "../ref/common.hpp"
@@ -122,6 +123,19 @@ inline void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), (std::streamsize)bytes.size());
   EXPECT_TRUE(out.good()) << "cannot write " << path;
+}
+
+// `call` throws std::runtime_error whose message contains every string in `parts` (printed: [refused]).
+template <typename F>
+void expect_refused(F call, const std::vector<std::string>& parts) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted, expected a refusal mentioning '" << parts.back() << "'";
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    printf("[refused] %s\n", msg.c_str());
+    for (const std::string& part : parts) EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg;
+  }
 }
 
 }  // namespace testutil
