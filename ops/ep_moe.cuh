@@ -182,17 +182,28 @@ static __global__ void ep_scatter_rows_kernel(floatX* dst, const floatX* src, co
 // ---------------------------------------------------------------------------------------------
 // Launchers: pieces
 
-// recv_row_of_slot [R_d] (=) from the plan's block tables (uploaded to a Workspace buffer).
-inline void ep_recv_row_map(int* recv_row_of_slot, const EPPlan& plan, cudaStream_t stream) {
-  const int R_d = (int)plan.received, blocks = plan.groups * plan.ranks;
-  if (R_d == 0) return;
+// The plan's block tables as ep_recv_row_map_kernel reads them: block_slot_offset then block_recv_row.
+inline std::vector<int> ep_blocks_table(const EPPlan& plan) {
   std::vector<int> table(plan.block_slot_offset);
   table.insert(table.end(), plan.block_recv_row.begin(), plan.block_recv_row.end());
-  int* table_dev = pool().alloc_t<int>(table.size(), Mem::Workspace, "ep_recv_row_map.blocks");
-  copy_to_device(table_dev, table.data(), table.size() * sizeof(int), stream, "ep_recv_row_map");
-  ep_recv_row_map_kernel<<<ceil_div(R_d, 256), 256, 0, stream>>>(recv_row_of_slot, table_dev, blocks, R_d);
+  return table;
+}
+
+// recv_row_of_slot [R_d] (=) from the plan's block tables: blocks_table_dev, already on the device
+// (ep_blocks_table's layout), or nullptr to upload them here (a Workspace buffer; synchronises).
+inline void ep_recv_row_map(int* recv_row_of_slot, const EPPlan& plan, const int* blocks_table_dev, cudaStream_t stream) {
+  const int R_d = (int)plan.received, blocks = plan.groups * plan.ranks;
+  if (R_d == 0) return;
+  int* uploaded = nullptr;
+  if (blocks_table_dev == nullptr) {
+    const std::vector<int> table = ep_blocks_table(plan);
+    uploaded = pool().alloc_t<int>(table.size(), Mem::Workspace, "ep_recv_row_map.blocks");
+    copy_to_device(uploaded, table.data(), table.size() * sizeof(int), stream, "ep_recv_row_map");
+    blocks_table_dev = uploaded;
+  }
+  ep_recv_row_map_kernel<<<ceil_div(R_d, 256), 256, 0, stream>>>(recv_row_of_slot, blocks_table_dev, blocks, R_d);
   launchCheck("ep_recv_row_map", "blocks=%d R_d=%d", blocks, R_d);
-  pool().free(table_dev);  // stream-ordered reuse: the next user of this block runs after the kernel
+  pool().free(uploaded);  // stream-ordered reuse: the next user of this block runs after the kernel
 }
 
 // src_major [R_d,H] (=): src_major[recv_row_of_slot[s]] = expert_major[s].
@@ -252,94 +263,156 @@ inline void ep_moe_check(const char* op, const EPSaved& saved, int N, int H, int
     fm_fail(op, "the saved state still holds a forward: free it after backward", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
 }
 
-// The pass once the plan is known, shared by ep and llep. On entry saved.plan, route_of_slot and
-// slot_of_route are set (the send order: destination rank, then group, then route order). Dispatches
-// x's rows, computes each group with its weights, returns the expert outputs into saved.y and
-// combines them: out [N,H] (=). With out = nullptr the combine is left out (a recomputation that
-// needs only saved.y).
-inline void ep_moe_forward_planned(floatX* out, EPSaved& saved, const floatX* x, const float* topk_w,
-                                   const GroupWeights& w, const Comm& ep, const char* op, cudaStream_t stream) {
-  const EPPlan& plan = saved.plan;
-  const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k, R_d = (int)plan.received;
-  const std::string name(op);
+// The pass once the plan is known, shared by ep, llep and pllep, cut at its four exchanges into
+// stages: a compute stage runs on the compute stream `cs`, an exchange (ep_exchange_rows) on an
+// exchange stream `xs`. ep_moe_forward_planned / ep_moe_backward_planned run the stages in order on
+// one stream; ops/pipelined_llep.cuh runs them on two, several chunks in flight. Rows in flight
+// between two stages are an EPExchange: a compute stage fills `sent`, the exchange allocates and
+// fills `received`, and the next compute stage frees `sent` once it runs after the exchange (the
+// caller makes `cs` wait for it first when xs ≠ cs), so the pool's live bytes are exact whatever
+// the streams' timing.
+struct EPExchange {
+  floatX* sent = nullptr;      // [Σ send_rows, H]
+  floatX* received = nullptr;  // [Σ recv_rows, H]
+};
+
+// received (=, allocated here: Dispatch, `tag`) ← the ranks' `sent`, on `xs` after the work queued
+// on `cs` so far. Collective over `ep`.
+inline void ep_exchange_rows(EPExchange& rows, const std::vector<long long>& send_rows,
+                             const std::vector<long long>& recv_rows, int H, const Comm& ep, const std::string& tag,
+                             cudaStream_t cs, cudaStream_t xs) {
+  long long received = 0;
+  for (long long r : recv_rows) received += r;
+  rows.received = alloc_rows<floatX>((size_t)received * H, Mem::Dispatch, tag);
+  stream_after(xs, cs, tag.c_str());
+  all_to_all_v(ep, rows.sent, send_rows, rows.received, recv_rows, (size_t)H, xs);
+}
+
+// Forward stage 1 (cs): on entry saved.plan, route_of_slot and slot_of_route are set (the send
+// order: destination rank, then group, then route order). The receive map from the plan's block
+// tables (blocks_table_dev, see ep_recv_row_map); x's rows in send order into dispatch.sent.
+inline void ep_forward_pack(EPExchange& dispatch, EPSaved& saved, const floatX* x, const int* blocks_table_dev,
+                            const std::string& name, cudaStream_t cs) {
+  const int R = saved.N * saved.k, R_d = (int)saved.plan.received, H = saved.H;
   saved.recv_row_of_slot = alloc_rows<int>(R_d, Mem::Dispatch, name + ".recv_row_of_slot");
-  ep_recv_row_map(saved.recv_row_of_slot, plan, stream);
+  ep_recv_row_map(saved.recv_row_of_slot, saved.plan, blocks_table_dev, cs);
+  dispatch.sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, name + ".x_sent");
+  moe_permute_rows(dispatch.sent, x, saved.route_of_slot, R, H, saved.k, cs);
+}
 
-  // dispatch: x rows in send order → the ranks that compute them (source-major) → group-major xe [R_d,H]
-  floatX* x_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, name + ".x_sent");
-  moe_permute_rows(x_sent, x, saved.route_of_slot, R, H, k, stream);
-  floatX* x_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".x_recv");
-  all_to_all_v(ep, x_sent, plan.send_rows, x_recv, plan.recv_rows, (size_t)H, stream);
-  pool().free(x_sent);
+// Forward stage 2 (cs), after the dispatch: group-major xe [R_d,H] from the received rows; each
+// group: h13_g [R_g,2I] = xe_g W13_gᵀ, a = swiglu(h13), y_g [R_g,H] = a_g W2_gᵀ; y to source-major
+// rows in ret.sent. keep_h13 = false frees h13 at once (a forward that backward recomputes).
+inline void ep_forward_experts(EPExchange& ret, EPExchange& dispatch, EPSaved& saved, const GroupWeights& w,
+                               bool keep_h13, const std::string& name, cudaStream_t cs) {
+  const EPPlan& plan = saved.plan;
+  const int H = saved.H, I = saved.I, R_d = (int)plan.received;
+  pool().free(dispatch.sent);
   saved.xe = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".xe");
-  moe_permute_rows(saved.xe, x_recv, saved.recv_row_of_slot, R_d, H, 1, stream);
-  pool().free(x_recv);
-
-  // groups: h13_g [R_g,2I] = xe_g W13_gᵀ;  a = swiglu(h13);  y_g [R_g,H] = a_g W2_gᵀ
+  moe_permute_rows(saved.xe, dispatch.received, saved.recv_row_of_slot, R_d, H, 1, cs);
+  pool().free(dispatch.received);
+  dispatch = EPExchange();
   saved.h13 = alloc_rows<floatX>((size_t)R_d * 2 * I, Mem::ExpertIntermediates, name + ".h13");
   grouped_gemm((name + ".h13").c_str(), ep_group_problems(plan, [&](int g, size_t first, int rows) {
                  return GroupedGemmProblem{saved.xe + first * H, w.W13[g], saved.h13 + first * 2 * I, rows, 2 * I, H};
                }),
-               false, true, H, H, 2 * I, 0.f, stream);
+               false, true, H, H, 2 * I, 0.f, cs);
   floatX* y_group = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".y_group");
-  experts_swiglu_down(y_group, saved.h13, w.W2, plan.group_rows, plan.group_offsets, R_d, H, I, name, stream);
-
-  // return: group-major → source-major → back to the sources (send order) → weighted combine
-  floatX* y_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".y_recv");
-  ep_scatter_rows(y_recv, y_group, saved.recv_row_of_slot, R_d, H, stream);
+  experts_swiglu_down(y_group, saved.h13, w.W2, plan.group_rows, plan.group_offsets, R_d, H, I, name, cs);
+  if (!keep_h13) {
+    pool().free(saved.h13);
+    saved.h13 = nullptr;
+  }
+  ret.sent = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".y_recv");
+  ep_scatter_rows(ret.sent, y_group, saved.recv_row_of_slot, R_d, H, cs);
   pool().free(y_group);
-  saved.y = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, name + ".y");
-  all_to_all_v(ep, y_recv, plan.recv_rows, saved.y, plan.send_rows, (size_t)H, stream);
-  pool().free(y_recv);
-  if (out != nullptr) moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
 }
 
-// dx [N,H] (=), dtopk_w [N,k] (=), each group's weight gradient (+=) from dout [N,H] and the
-// forward's saved state: backward of ep_moe_forward_planned, shared by ep and llep. Collective over
-// `ep` (the forward's group). Does not synchronise.
-inline void ep_moe_backward_planned(floatX* dx, float* dtopk_w, const GroupGrads& grads, const floatX* dout,
-                                    const EPSaved& saved, const float* topk_w, const GroupWeights& w, const Comm& ep,
-                                    const char* op, cudaStream_t stream) {
+// Forward stage 3 (cs), after the return: the expert outputs back at the source become saved.y
+// [N·k,H] (send order); out [N,H] (=) = their weighted combine (out = nullptr: no combine, a
+// recomputation that needs only saved.y).
+inline void ep_forward_combine(floatX* out, EPExchange& ret, EPSaved& saved, const float* topk_w, cudaStream_t cs) {
+  pool().free(ret.sent);
+  saved.y = ret.received;
+  ret = EPExchange();
+  if (out != nullptr) moe_combine(out, saved.y, saved.slot_of_route, topk_w, saved.N, saved.H, saved.k, cs);
+}
+
+// Backward stage 1 (cs): dy = w·dout at the source (send order) into dispatch.sent, dtopk_w [N,k]
+// (=) = dout·y.
+inline void ep_backward_pack(EPExchange& dispatch, float* dtopk_w, const floatX* dout, const EPSaved& saved,
+                             const float* topk_w, const std::string& name, cudaStream_t cs) {
+  const int N = saved.N, H = saved.H, k = saved.k;
+  dispatch.sent = alloc_rows<floatX>((size_t)N * k * H, Mem::Dispatch, name + ".dy_sent");
+  moe_combine_backward(dispatch.sent, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, cs);
+}
+
+// Backward stage 2 (cs), after the dispatch of dy: group-major dy; each group: da_g = dy_g W2_g,
+// dW2_g += dy_gᵀa_g, dh13 = swiglu'(da), dW13_g += dh13_gᵀ xe_g, dxe_g = dh13_g W13_g; dxe to
+// source-major rows in ret.sent.
+inline void ep_backward_experts(EPExchange& ret, EPExchange& dispatch, const GroupGrads& grads, const EPSaved& saved,
+                                const GroupWeights& w, const std::string& name, cudaStream_t cs) {
   const EPPlan& plan = saved.plan;
-  if (plan.ranks != ep.size)
-    fm_fail(op, "the saved state is empty or from another group: run the forward on this group first",
-            "saved ranks=%d group=%s size=%d", plan.ranks, ep.name.c_str(), ep.size);
-  const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k, R_d = (int)plan.received;
-  const std::string name(op);
-
-  // dy = w·dout at the source (send order), dtopk_w = dout·y → the computing ranks → group-major
-  floatX* dy_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, name + ".dy_sent");
-  moe_combine_backward(dy_sent, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
-  floatX* dy_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".dy_recv");
-  all_to_all_v(ep, dy_sent, plan.send_rows, dy_recv, plan.recv_rows, (size_t)H, stream);
-  pool().free(dy_sent);
+  const int H = saved.H, I = saved.I, R_d = (int)plan.received;
+  pool().free(dispatch.sent);
   floatX* dy = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".dy");
-  moe_permute_rows(dy, dy_recv, saved.recv_row_of_slot, R_d, H, 1, stream);
-  pool().free(dy_recv);
-
-  // groups: da_g = dy_g W2_g;  dW2_g += dy_gᵀa_g;  dh13 = swiglu'(da);  dW13_g += dh13_gᵀ xe_g;  dxe_g = dh13_g W13_g
+  moe_permute_rows(dy, dispatch.received, saved.recv_row_of_slot, R_d, H, 1, cs);
+  pool().free(dispatch.received);
+  dispatch = EPExchange();
   floatX* dh13 = experts_backward_to_h13(dy, grads.dW2, saved.h13, w.W2, plan.group_rows, plan.group_offsets, R_d, H,
-                                         I, name, stream);
+                                         I, name, cs);
   grouped_gemm((name + ".dW13").c_str(), ep_group_problems(plan, [&](int g, size_t first, int rows) {
                  return GroupedGemmProblem{dh13 + first * 2 * I, saved.xe + first * H, grads.dW13[g], 2 * I, H, rows};
                }),
-               true, false, 2 * I, H, H, 1.f, stream);
+               true, false, 2 * I, H, H, 1.f, cs);
   floatX* dxe = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".dxe");
   grouped_gemm((name + ".dxe").c_str(), ep_group_problems(plan, [&](int g, size_t first, int rows) {
                  return GroupedGemmProblem{dh13 + first * 2 * I, w.W13[g], dxe + first * H, rows, H, 2 * I};
                }),
-               false, false, 2 * I, H, H, 0.f, stream);
+               false, false, 2 * I, H, H, 0.f, cs);
   pool().free(dh13);
-
-  // input gradients: group-major → source-major → back to the sources → dx[n] = Σ_j dxp[route n·k+j]
-  floatX* dx_recv = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".dx_recv");
-  ep_scatter_rows(dx_recv, dxe, saved.recv_row_of_slot, R_d, H, stream);
+  ret.sent = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".dx_recv");
+  ep_scatter_rows(ret.sent, dxe, saved.recv_row_of_slot, R_d, H, cs);
   pool().free(dxe);
-  floatX* dx_sent = alloc_rows<floatX>((size_t)R * H, Mem::Dispatch, name + ".dx_sent");
-  all_to_all_v(ep, dx_recv, plan.recv_rows, dx_sent, plan.send_rows, (size_t)H, stream);
-  pool().free(dx_recv);
-  moe_combine(dx, dx_sent, saved.slot_of_route, nullptr, N, H, k, stream);
-  pool().free(dx_sent);
+}
+
+// Backward stage 3 (cs), after the return: dx [N,H] (=) = Σ_j dxp[route n·k+j].
+inline void ep_backward_combine(floatX* dx, EPExchange& ret, const EPSaved& saved, cudaStream_t cs) {
+  pool().free(ret.sent);
+  moe_combine(dx, ret.received, saved.slot_of_route, nullptr, saved.N, saved.H, saved.k, cs);
+  pool().free(ret.received);
+  ret = EPExchange();
+}
+
+// The forward pass on one stream: dispatch x's rows, compute each group with its weights, return the
+// expert outputs into saved.y and combine them: out [N,H] (=; nullptr: no combine).
+inline void ep_moe_forward_planned(floatX* out, EPSaved& saved, const floatX* x, const float* topk_w,
+                                   const GroupWeights& w, const Comm& ep, const char* op, cudaStream_t stream) {
+  const std::string name(op);
+  EPExchange dispatch, ret;
+  ep_forward_pack(dispatch, saved, x, nullptr, name, stream);
+  ep_exchange_rows(dispatch, saved.plan.send_rows, saved.plan.recv_rows, saved.H, ep, name + ".x_recv", stream, stream);
+  ep_forward_experts(ret, dispatch, saved, w, true, name, stream);
+  ep_exchange_rows(ret, saved.plan.recv_rows, saved.plan.send_rows, saved.H, ep, name + ".y", stream, stream);
+  ep_forward_combine(out, ret, saved, topk_w, stream);
+}
+
+// dx [N,H] (=), dtopk_w [N,k] (=), each group's weight gradient (+=) from dout [N,H] and the
+// forward's saved state: backward of ep_moe_forward_planned on one stream. Collective over `ep`
+// (the forward's group). Does not synchronise.
+inline void ep_moe_backward_planned(floatX* dx, float* dtopk_w, const GroupGrads& grads, const floatX* dout,
+                                    const EPSaved& saved, const float* topk_w, const GroupWeights& w, const Comm& ep,
+                                    const char* op, cudaStream_t stream) {
+  if (saved.plan.ranks != ep.size)
+    fm_fail(op, "the saved state is empty or from another group: run the forward on this group first",
+            "saved ranks=%d group=%s size=%d", saved.plan.ranks, ep.name.c_str(), ep.size);
+  const std::string name(op);
+  EPExchange dispatch, ret;
+  ep_backward_pack(dispatch, dtopk_w, dout, saved, topk_w, name, stream);
+  ep_exchange_rows(dispatch, saved.plan.send_rows, saved.plan.recv_rows, saved.H, ep, name + ".dy_recv", stream, stream);
+  ep_backward_experts(ret, dispatch, grads, saved, w, name, stream);
+  ep_exchange_rows(ret, saved.plan.recv_rows, saved.plan.send_rows, saved.H, ep, name + ".dx_sent", stream, stream);
+  ep_backward_combine(dx, ret, saved, stream);
 }
 
 // out [N,H] (=); fills `saved` (which must be empty: ep_saved_free it after backward). Collective

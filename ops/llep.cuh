@@ -348,9 +348,95 @@ inline void llep_return_gradients(const LLEPSaved& saved, const floatX* borrowed
   point_to_point(ep, sends, recvs, stream);
 }
 
+// Pieces of the forward and backward, shared by llep_forward / llep_backward and the chunks of
+// ops/pipelined_llep.cuh.
+
+// The plan this rank acts on, from the group's counts [E_p·E] (llep_plan's input): saved.plan,
+// saved.mine and the EP pass's plan.
+inline void llep_adopt_plan(LLEPSaved& saved, LLEPPlan plan, const std::vector<long long>& counts, int rank) {
+  saved.mine = llep_rank_plan(plan, counts, rank);
+  saved.plan = std::move(plan);
+  saved.ep.plan = saved.mine.ep;
+}
+
+// The route maps in send order (=), from moe_route_sort's order (routes by expert) and this rank's
+// send order on the device (send_slot_of_row [R], LLEPRankPlan::send_slot_of_row).
+inline void llep_send_order(EPSaved& es, const int* send_slot_of_row_dev, cudaStream_t stream) {
+  const int R = es.N * es.k;
+  if (R == 0) return;
+  llep_send_order_kernel<<<ceil_div(R, 256), 256, 0, stream>>>(es.slot_of_route, es.route_of_slot, send_slot_of_row_dev, R);
+  launchCheck("llep_send_order", "R=%d", R);
+  invert_permutation_kernel<<<ceil_div(R, 256), 256, 0, stream>>>(es.route_of_slot, es.slot_of_route, R);
+  launchCheck("llep_invert_permutation", "R=%d", R);
+}
+
+// The borrowed weights' buffers, [B,2I,H] and [B,H,I] (Weights), filled by llep_lend_weights.
+inline void llep_alloc_borrowed(LLEPSaved& saved) {
+  const size_t B = saved.mine.borrowed.size(), H = saved.ep.H, I = saved.ep.I;
+  saved.borrowed_W13 = alloc_rows<floatX>(B * 2 * I * H, Mem::Weights, "llep.borrowed_W13");
+  saved.borrowed_W2 = alloc_rows<floatX>(B * H * I, Mem::Weights, "llep.borrowed_W2");
+}
+
+// The weight gradients of the borrowed experts on their way home (Grads): borrowed [B,...] (zeroed,
+// then += by this rank's pieces), returned [L,...] (what this rank's helpers computed for its experts).
+struct LLEPGradsHome {
+  floatX *borrowed_dW13 = nullptr, *borrowed_dW2 = nullptr;
+  floatX *returned_dW13 = nullptr, *returned_dW2 = nullptr;
+};
+
+// Backward, before the pass: the borrowed gradients zeroed on `stream`; where each group's weight
+// gradient goes (+=): an own expert's dW*_local slice, a borrowed expert's zeroed gradient.
+inline GroupGrads llep_group_grads(LLEPGradsHome& home, const LLEPSaved& saved, floatX* dW13_local, floatX* dW2_local,
+                                   cudaStream_t stream) {
+  const int E_l = saved.plan.local_experts;
+  const size_t w13 = (size_t)2 * saved.ep.I * saved.ep.H, w2 = (size_t)saved.ep.H * saved.ep.I, B = saved.mine.borrowed.size();
+  home.borrowed_dW13 = alloc_rows<floatX>(B * w13, Mem::Grads, "llep.borrowed_dW13");
+  home.borrowed_dW2 = alloc_rows<floatX>(B * w2, Mem::Grads, "llep.borrowed_dW2");
+  if (B > 0) {
+    cudaCheck(cudaMemsetAsync(home.borrowed_dW13, 0, B * w13 * sizeof(floatX), stream), "llep_group_grads", "zero B=%zu", B);
+    cudaCheck(cudaMemsetAsync(home.borrowed_dW2, 0, B * w2 * sizeof(floatX), stream), "llep_group_grads", "zero B=%zu", B);
+  }
+  GroupGrads grads;
+  for (size_t g = 0; g < saved.mine.group_expert.size(); g++) {
+    const int b = saved.mine.group_borrowed[g], l = saved.mine.group_expert[g] % E_l;
+    grads.dW13.push_back(b < 0 ? dW13_local + l * w13 : home.borrowed_dW13 + b * w13);
+    grads.dW2.push_back(b < 0 ? dW2_local + l * w2 : home.borrowed_dW2 + b * w2);
+  }
+  return grads;
+}
+
+// Backward, after the pass: the borrowed gradients go home (one point-to-point group on `xs`, after
+// the work queued on `cs` so far) into the returned buffers.
+inline void llep_send_gradients_home(LLEPGradsHome& home, const LLEPSaved& saved, const Comm& ep, cudaStream_t cs,
+                                     cudaStream_t xs) {
+  const size_t w13 = (size_t)2 * saved.ep.I * saved.ep.H, w2 = (size_t)saved.ep.H * saved.ep.I, L = saved.mine.lent.size();
+  home.returned_dW13 = alloc_rows<floatX>(L * w13, Mem::Grads, "llep.returned_dW13");
+  home.returned_dW2 = alloc_rows<floatX>(L * w2, Mem::Grads, "llep.returned_dW2");
+  stream_after(xs, cs, "llep_send_gradients_home");
+  llep_return_gradients(saved, home.borrowed_dW13, home.borrowed_dW2, home.returned_dW13, home.returned_dW2, ep, xs);
+}
+
+// Backward, last (cs, after the gradients came home): the home adds each returned gradient, in plan
+// order, to its expert's dW*_local (+=); every buffer of `home` freed.
+inline void llep_add_gradients_home(LLEPGradsHome& home, const LLEPSaved& saved, floatX* dW13_local, floatX* dW2_local,
+                                    cudaStream_t cs) {
+  const int E_l = saved.plan.local_experts;
+  const size_t w13 = (size_t)2 * saved.ep.I * saved.ep.H, w2 = (size_t)saved.ep.H * saved.ep.I;
+  pool().free(home.borrowed_dW13);
+  pool().free(home.borrowed_dW2);
+  for (size_t j = 0; j < saved.mine.lent.size(); j++) {
+    const int l = saved.mine.lent[j].expert % E_l;
+    add_inplace_or_out(dW13_local + l * w13, dW13_local + l * w13, home.returned_dW13 + j * w13, w13, cs);
+    add_inplace_or_out(dW2_local + l * w2, dW2_local + l * w2, home.returned_dW2 + j * w2, w2, cs);
+  }
+  pool().free(home.returned_dW13);
+  pool().free(home.returned_dW2);
+  home = LLEPGradsHome();
+}
+
 // out [N,H] (=; nullptr: no combine, see ep_moe_forward_planned); fills `saved` (which must be
-// empty: llep_saved_free it after backward). Collective over `ep`. Synchronises `stream` twice
-// (moe_route_plan's counts, the all-gather of the counts).
+// empty: llep_saved_free it after backward). Collective over `ep`. Synchronises `stream` three times
+// (moe_route_plan's counts, the all-gather of the counts, the upload of the send order).
 inline void llep_forward(floatX* out, LLEPSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                          const floatX* W13_local, const floatX* W2_local, int N, int H, int I, int E, int k, double alpha,
                          long long min_rows, const Comm& ep, cudaStream_t stream) {
@@ -367,25 +453,16 @@ inline void llep_forward(floatX* out, LLEPSaved& saved, const floatX* x, const i
   std::vector<long long> mine_to_all;
   for (int d = 0; d < W; d++) mine_to_all.insert(mine_to_all.end(), routes_per_expert.begin(), routes_per_expert.end());
   const std::vector<long long> counts = all_to_all_host(ep, mine_to_all, E, stream);
-  saved.plan = llep_plan(counts, W, alpha, min_rows);
-  saved.mine = llep_rank_plan(saved.plan, counts, ep.rank);
-  es.plan = saved.mine.ep;
+  llep_adopt_plan(saved, llep_plan(counts, W, alpha, min_rows), counts, ep.rank);
 
   // the route maps in send order
-  if (R > 0) {
-    int* send_slot = pool().alloc_t<int>(R, Mem::Workspace, "llep.send_slot_of_row");
-    copy_to_device(send_slot, saved.mine.send_slot_of_row.data(), (size_t)R * sizeof(int), stream, op);
-    llep_send_order_kernel<<<ceil_div(R, 256), 256, 0, stream>>>(es.slot_of_route, es.route_of_slot, send_slot, R);
-    launchCheck("llep_send_order", "R=%d", R);
-    invert_permutation_kernel<<<ceil_div(R, 256), 256, 0, stream>>>(es.route_of_slot, es.slot_of_route, R);
-    launchCheck("llep_invert_permutation", "R=%d", R);
-    pool().free(send_slot);
-  }
+  int* send_slot = alloc_rows<int>(R, Mem::Workspace, "llep.send_slot_of_row");
+  copy_to_device(send_slot, saved.mine.send_slot_of_row.data(), (size_t)R * sizeof(int), stream, op);
+  llep_send_order(es, send_slot, stream);
+  pool().free(send_slot);
 
-  // lent weights, home → helper
-  const size_t B = saved.mine.borrowed.size();
-  saved.borrowed_W13 = alloc_rows<floatX>(B * 2 * I * H, Mem::Weights, "llep.borrowed_W13");
-  saved.borrowed_W2 = alloc_rows<floatX>(B * H * I, Mem::Weights, "llep.borrowed_W2");
+  // lent weights, home → helper; the pass
+  llep_alloc_borrowed(saved);
   llep_lend_weights(saved, W13_local, W2_local, ep, stream);
   ep_moe_forward_planned(out, es, x, topk_w, llep_group_weights(saved, W13_local, W2_local), ep, op, stream);
 }
@@ -395,36 +472,12 @@ inline void llep_forward(floatX* out, LLEPSaved& saved, const floatX* x, const i
 inline void llep_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floatX* dW2_local, const floatX* dout,
                           const LLEPSaved& saved, const float* topk_w, const floatX* W13_local, const floatX* W2_local,
                           const Comm& ep, cudaStream_t stream) {
-  const int H = saved.ep.H, I = saved.ep.I, E_l = saved.plan.local_experts;
-  const size_t w13 = (size_t)2 * I * H, w2 = (size_t)H * I, B = saved.mine.borrowed.size(), L = saved.mine.lent.size();
-  floatX* borrowed_dW13 = alloc_rows<floatX>(B * w13, Mem::Grads, "llep.borrowed_dW13");
-  floatX* borrowed_dW2 = alloc_rows<floatX>(B * w2, Mem::Grads, "llep.borrowed_dW2");
-  if (B > 0) {
-    cudaCheck(cudaMemsetAsync(borrowed_dW13, 0, B * w13 * sizeof(floatX), stream), "llep_backward", "zero B=%zu", B);
-    cudaCheck(cudaMemsetAsync(borrowed_dW2, 0, B * w2 * sizeof(floatX), stream), "llep_backward", "zero B=%zu", B);
-  }
-  GroupGrads grads;
-  for (size_t g = 0; g < saved.mine.group_expert.size(); g++) {
-    const int b = saved.mine.group_borrowed[g], l = saved.mine.group_expert[g] % E_l;
-    grads.dW13.push_back(b < 0 ? dW13_local + l * w13 : borrowed_dW13 + b * w13);
-    grads.dW2.push_back(b < 0 ? dW2_local + l * w2 : borrowed_dW2 + b * w2);
-  }
+  LLEPGradsHome home;
+  const GroupGrads grads = llep_group_grads(home, saved, dW13_local, dW2_local, stream);
   ep_moe_backward_planned(dx, dtopk_w, grads, dout, saved.ep, topk_w, llep_group_weights(saved, W13_local, W2_local),
                           ep, "llep_backward", stream);
-
-  // borrowed gradients, helper → home; the home adds them in plan order
-  floatX* returned_dW13 = alloc_rows<floatX>(L * w13, Mem::Grads, "llep.returned_dW13");
-  floatX* returned_dW2 = alloc_rows<floatX>(L * w2, Mem::Grads, "llep.returned_dW2");
-  llep_return_gradients(saved, borrowed_dW13, borrowed_dW2, returned_dW13, returned_dW2, ep, stream);
-  pool().free(borrowed_dW13);
-  pool().free(borrowed_dW2);
-  for (size_t j = 0; j < L; j++) {
-    const int l = saved.mine.lent[j].expert % E_l;
-    add_inplace_or_out(dW13_local + l * w13, dW13_local + l * w13, returned_dW13 + j * w13, w13, stream);
-    add_inplace_or_out(dW2_local + l * w2, dW2_local + l * w2, returned_dW2 + j * w2, w2, stream);
-  }
-  pool().free(returned_dW13);
-  pool().free(returned_dW2);
+  llep_send_gradients_home(home, saved, ep, stream, stream);
+  llep_add_gradients_home(home, saved, dW13_local, dW2_local, stream);
 }
 
 // --moe llep: the dispatcher seam (ops/moe.cuh) over this rank's expert-parallel group, with the

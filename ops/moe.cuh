@@ -96,6 +96,7 @@ static __global__ void moe_plan_rank_kernel(int* route_of_slot, int* slot_of_rou
   __syncthreads();
   if (r >= R) return;
   int e = tile_expert[t];
+  if (e < 0 || e >= E) return;  // refused by the host check, or by the caller's own count (moe_route_sort)
   int rank = 0;
   for (int u = 0; u < t; u++) rank += tile_expert[u] == e;
   int slot = expert_offsets[e] + tile_prefix[(size_t)blockIdx.x * E + e] + rank;
@@ -203,36 +204,48 @@ static __global__ void grouped_gemm_pointers_kernel(void** dst, GroupedGemmPoint
 
 // Sorts the R routes of topk_idx [R] by expert, stably: route_of_slot [R] (=) sorted position ->
 // route, slot_of_route [R] (=) route -> sorted position. Expert e owns the sorted positions
-// [offset_e, offset_e + count_e), offset = exclusive prefix of count. Returns count [E] on the host.
-// Synchronises `stream` once: cuBLAS takes the grouped GEMMs' sizes from host memory, so the E
-// per-expert counts must come to the host (one D2H copy of E+1 ints, then a stream sync); the same
-// copy reports expert indices outside [0,E), which are refused.
-inline std::vector<int> moe_route_plan(int* route_of_slot, int* slot_of_route, const int* topk_idx, int R, int E,
-                                       cudaStream_t stream) {
-  if (E < 1 || E > MOE_MAX_E) fm_fail("moe_route_plan", "need 1 <= E <= 12288 (one int per expert in shared memory)", "R=%d E=%d", R, E);
-  if (R == 0) return std::vector<int>(E, 0);
+// [offset_e, offset_e + count_e), offset = exclusive prefix of count.
+// With host_counts: the E per-expert counts come to the host into *host_counts, and expert indices
+// outside [0,E) are refused (one D2H copy of E+1 ints: synchronises `stream` once; cuBLAS takes the
+// grouped GEMMs' sizes from host memory). Without: nothing leaves the GPU and the host does not wait
+// — for a caller that counted the routes and checked the indices itself (ops/pipelined_llep.cuh:
+// every chunk's counts in one copy); a route outside [0,E) then gets no slot.
+inline void moe_route_sort(int* route_of_slot, int* slot_of_route, const int* topk_idx, int R, int E, cudaStream_t stream,
+                           std::vector<int>* host_counts) {
+  if (E < 1 || E > MOE_MAX_E) fm_fail("moe_route_sort", "need 1 <= E <= 12288 (one int per expert in shared memory)", "R=%d E=%d", R, E);
+  if (host_counts) host_counts->assign(E, 0);
+  if (R == 0) return;
   const int tiles = ceil_div(R, MOE_PLAN_TILE);
   // plan_ints: [0,E) counts, [E] bad routes, [E+1, 2E+1) offsets
-  int* plan_ints = pool().alloc_t<int>(2 * (size_t)E + 1, Mem::Workspace, "moe_route_plan.counts");
-  int* tile_counts = pool().alloc_t<int>((size_t)tiles * E, Mem::Workspace, "moe_route_plan.tile_counts");
+  int* plan_ints = pool().alloc_t<int>(2 * (size_t)E + 1, Mem::Workspace, "moe_route_sort.counts");
+  int* tile_counts = pool().alloc_t<int>((size_t)tiles * E, Mem::Workspace, "moe_route_sort.tile_counts");
   int* counts = plan_ints;
   int* bad_routes = plan_ints + E;
   int* offsets = plan_ints + E + 1;
-  cudaCheck(cudaMemsetAsync(bad_routes, 0, sizeof(int), stream), "moe_route_plan", "R=%d E=%d", R, E);
+  cudaCheck(cudaMemsetAsync(bad_routes, 0, sizeof(int), stream), "moe_route_sort", "R=%d E=%d", R, E);
   moe_plan_count_kernel<<<tiles, MOE_PLAN_TILE, (size_t)E * sizeof(int), stream>>>(tile_counts, bad_routes, topk_idx, R, E);
-  launchCheck("moe_route_plan.count", "R=%d E=%d", R, E);
+  launchCheck("moe_route_sort.count", "R=%d E=%d", R, E);
   moe_plan_scan_kernel<<<1, 256, 0, stream>>>(tile_counts, counts, offsets, tiles, E);
-  launchCheck("moe_route_plan.scan", "R=%d E=%d", R, E);
-  std::vector<int> host_counts(E + 1);
-  copy_to_host(host_counts.data(), plan_ints, (E + 1) * sizeof(int), stream, "moe_route_plan");
-  if (host_counts[E] != 0)
-    fm_fail("moe_route_plan", "expert index outside [0, E) in topk_idx", "R=%d E=%d bad_routes=%d", R, E, host_counts[E]);
+  launchCheck("moe_route_sort.scan", "R=%d E=%d", R, E);
+  if (host_counts) {
+    host_counts->resize(E + 1);
+    copy_to_host(host_counts->data(), plan_ints, (E + 1) * sizeof(int), stream, "moe_route_sort");
+    if (host_counts->back() != 0)
+      fm_fail("moe_route_sort", "expert index outside [0, E) in topk_idx", "R=%d E=%d bad_routes=%d", R, E, host_counts->back());
+    host_counts->pop_back();
+  }
   moe_plan_rank_kernel<<<tiles, MOE_PLAN_TILE, 0, stream>>>(route_of_slot, slot_of_route, topk_idx, tile_counts, offsets, R, E);
-  launchCheck("moe_route_plan.rank", "R=%d E=%d", R, E);
+  launchCheck("moe_route_sort.rank", "R=%d E=%d", R, E);
   pool().free(tile_counts);
   pool().free(plan_ints);
-  host_counts.pop_back();
-  return host_counts;
+}
+
+// moe_route_sort with the counts on the host (synchronises `stream` once); returns count [E].
+inline std::vector<int> moe_route_plan(int* route_of_slot, int* slot_of_route, const int* topk_idx, int R, int E,
+                                       cudaStream_t stream) {
+  std::vector<int> counts;
+  moe_route_sort(route_of_slot, slot_of_route, topk_idx, R, E, stream, &counts);
+  return counts;
 }
 
 // rows [R,H] (=): rows[s] = x[route_of_slot[s] / k]; x [N,H].
@@ -452,7 +465,8 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
   return dh13;
 }
 
-// out [N,H] (=); fills `saved` (which must be empty: moe_saved_free it after backward).
+// out [N,H] (=; nullptr: no combine, only what backward needs — a layer's recomputation, whose
+// output is already kept); fills `saved` (which must be empty: moe_saved_free it after backward).
 // Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host).
 inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                         const floatX* W13, const floatX* W2, int N, int H, int I, int E, int k, cudaStream_t stream) {
@@ -484,7 +498,7 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
   saved.y = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe.y");
   experts_swiglu_down(saved.y, saved.h13, expert_slices(W2, E, (size_t)H * I), saved.expert_counts, saved.expert_offsets,
                       R, H, I, "moe_forward", stream);
-  moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
+  if (out != nullptr) moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
 }
 
 // dx [N,H] (=), dtopk_w [N,k] (=), dW13 [E,2I,H] (+=), dW2 [E,H,I] (+=) from dout [N,H], the
@@ -528,7 +542,8 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
 // pllep; later relay) has the same three entry points: forward returns its own saved state,
 // backward reads it, and destroying the saved state frees it (back to the pool). The model picks
 // one dispatcher at start-up (--moe) and calls it in one place. Sizes H, I, E, k are fixed at
-// construction; N may change per call.
+// construction; N may change per call. forward with out = nullptr: the caller needs only the saved
+// state (a layer's recomputation, whose output is already kept).
 //   forward:  out [N,H] (=) = Σ_j topk_w[n,j] · expert_{topk_idx[n,j]}(x[n])
 //   backward: dx [N,H] (=), dtopk_w [N,k] (=), dW13 (+=), dW2 (+=) on this rank's experts
 

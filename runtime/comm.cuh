@@ -8,9 +8,10 @@
 // Every communicator is non-blocking (ncclConfig_t blocking = 0): an NCCL call may return
 // ncclInProgress, and the communicator is then polled with ncclCommGetAsyncError until it is ready.
 //
-// Streams: each communicator owns a non-blocking stream (Comm::stream), so that two communicators can
-// move data at the same time as the compute stream works (runtime/stream.cuh: events between streams,
-// the pool's free_after for buffers whose last user is a communicator's stream). Collectives take the
+// Streams: each communicator owns a non-blocking stream of the highest priority (Comm::stream), so
+// that two communicators can move data at the same time as the compute stream works
+// (runtime/stream.cuh: events between streams, the pool's free_after for buffers whose last user is
+// a communicator's stream). Collectives take the
 // stream they run on; the model's serial path passes its compute stream, an overlapping schedule the
 // communicator's own. Communicators that overlap cannot deadlock against each other as long as every
 // rank issues their calls in one fixed order — also the calls that move nothing (a count of 0 still
@@ -361,7 +362,7 @@ inline void comm_warm_up(const Comm& c) {
 // makes its stream and warms it up.
 inline void comm_finish_init(Comm& c, const char* op) {
   comm_register(c);
-  c.stream = stream_create(op);
+  c.stream = stream_create(op, true);
   comm_warm_up(c);
 }
 

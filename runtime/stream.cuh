@@ -35,9 +35,15 @@ inline std::string (*&wait_watcher())() {
 }
 
 // A stream that never synchronises with the legacy default stream (cudaStreamNonBlocking).
-inline cudaStream_t stream_create(const char* op) {
+// high_priority: the GPU's highest stream priority, for a communicator's stream — its kernels are
+// small and latency-bound, and a block scheduler that picks them before the next wave of a GEMM's
+// blocks keeps an exchange from waiting out a whole GEMM it was meant to overlap.
+inline cudaStream_t stream_create(const char* op, bool high_priority = false) {
   cudaStream_t s = nullptr;
-  cudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), op, "cudaStreamCreateWithFlags(non-blocking)");
+  int least = 0, greatest = 0;
+  if (high_priority) cudaCheck(cudaDeviceGetStreamPriorityRange(&least, &greatest), op, "cudaDeviceGetStreamPriorityRange");
+  cudaCheck(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high_priority ? greatest : 0), op,
+            "cudaStreamCreateWithPriority(non-blocking, priority %d)", high_priority ? greatest : 0);
   return s;
 }
 
@@ -56,6 +62,28 @@ inline void stream_after(cudaStream_t waiter, cudaStream_t producer, const char*
   cudaCheck(cudaEventRecord(event, producer), op, "stream_after: record on the producer stream");
   cudaCheck(cudaStreamWaitEvent(waiter, event, 0), op, "stream_after: wait on the waiter stream");
 }
+
+// One point of a stream's work, waited for later by another stream: where stream_after orders the
+// waiter after everything the producer has so far, a schedule that keeps several exchanges in flight
+// marks each (record after enqueuing it) and waits for one of them (wait_on) when its consumer comes.
+struct StreamPoint {
+  cudaEvent_t event = nullptr;
+  StreamPoint() = default;
+  StreamPoint(const StreamPoint&) = delete;
+  StreamPoint& operator=(const StreamPoint&) = delete;
+  ~StreamPoint() {
+    if (event != nullptr) cudaEventDestroy(event);
+  }
+  void record(cudaStream_t producer, const char* op) {
+    if (event == nullptr) cudaCheck(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), op, "StreamPoint: event");
+    cudaCheck(cudaEventRecord(event, producer), op, "StreamPoint: record");
+  }
+  // Work enqueued on `waiter` from now on runs after the recorded point.
+  void wait_on(cudaStream_t waiter, const char* op) const {
+    if (event == nullptr) fm_fail(op, "waiting for a stream point that was never recorded", "waiter=%p", (void*)waiter);
+    cudaCheck(cudaStreamWaitEvent(waiter, event, 0), op, "StreamPoint: wait");
+  }
+};
 
 // Gives the stream-order event back to CUDA (runtime_release; it is made again when needed).
 inline void stream_order_release() {
