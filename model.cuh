@@ -387,7 +387,7 @@ inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) 
 }
 
 // FFN of layer l on ln2 (N×H) → out (N×H, =): a dense SwiGLU, or router + routed experts through
-// the dispatcher (+ the shared expert).
+// the dispatcher (+ the shared expert). out = nullptr: only what backward needs (a recomputation).
 inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool count_loads) {
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
@@ -401,10 +401,10 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool 
   a.routed = m.moe->forward(out, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, N, s);
   if (c.shared_expert) {
     ensure_dense_routes(m, N);
-    floatX* shared_out = pool().alloc_t<floatX>((size_t)N * c.hidden, Mem::Activations, "shared_out");
+    floatX* shared_out = out ? pool().alloc_t<floatX>((size_t)N * c.hidden, Mem::Activations, "shared_out") : nullptr;
     moe_forward(shared_out, a.shared, a.ln2, m.dense_idx, m.dense_w, P.shared_w13, P.shared_w2, N, c.hidden,
                 c.expert_dim, 1, 1, s);
-    add_inplace_or_out(out, out, shared_out, (size_t)N * c.hidden, s);
+    if (out) add_inplace_or_out(out, out, shared_out, (size_t)N * c.hidden, s);
     pool().free(shared_out);
   }
 }
@@ -420,6 +420,9 @@ inline void attention_step(Model& m, int l, LayerActs& a, int B, int T) {
 }
 
 // One transformer layer: x_out = x_mid + FFN(ln2(x_mid)), x_mid = x_in + wo·Attn(RoPE(wqkv·ln1(x_in))).
+// x_out = nullptr: a recomputation, whose output is already kept (the next layer's boundary): the
+// FFN rebuilds only what its backward needs, and a dispatcher that recomputes in its own backward
+// (--moe pllep) only plans.
 inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, LayerActs& a, int B, int T, bool count_loads) {
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
@@ -442,9 +445,9 @@ inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, La
   pool().free(att_proj);
 
   rmsnorm_forward(a.ln2, a.ln2_rstd, a.x_mid, P.ln2, N, H, c.norm_eps, s);
-  floatX* ffn_out = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ffn_out");
+  floatX* ffn_out = x_out ? pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ffn_out") : nullptr;
   ffn_forward(m, l, a, ffn_out, N, count_loads);
-  add_inplace_or_out(x_out, a.x_mid, ffn_out, (size_t)N * H, s);
+  if (x_out) add_inplace_or_out(x_out, a.x_mid, ffn_out, (size_t)N * H, s);
   pool().free(ffn_out);
 }
 
@@ -618,10 +621,12 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     // stable route sort, a dispatch plan that depends only on the counts, fixed-order combines,
     // deterministic cuBLAS and NCCL point-to-point copies), so no routing needs to be saved. The cost
     // under --moe ep is a second forward exchange per MoE layer: the counts, then R·H·b bytes out and
-    // R·H·b back per rank (R = N·k routes), besides the backward's own two exchanges. Tested at W = 1
+    // R·H·b back per rank (R = N·k routes), besides the backward's own two exchanges. The layer's
+    // output is not rebuilt (x_out = nullptr: it is the kept boundary input[l + 1]); under --moe
+    // pllep the recomputation only plans, since pllep's backward recomputes each chunk itself. Tested at W = 1
     // (tests/gpu_model.cu) and W = 2 (tests/dist_model.cu), gradients compared with memcmp.
     for (int l = L - 1; l >= 0; l--) {
-      if (o.recompute) layer_forward(m, l, boundaries.input[l], boundaries.input[l + 1], acts[l], B, T, false);
+      if (o.recompute) layer_forward(m, l, boundaries.input[l], nullptr, acts[l], B, T, false);
       layer_backward(m, l, acts[l], boundaries.input[l], d_x, B, T);
       free_acts(acts[l]);
       boundaries.release(l + 1);

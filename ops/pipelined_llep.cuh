@@ -24,22 +24,43 @@
 // at most E_p·k·c_eff routes in one chunk (pllep_receive_bound), whatever the router does. LLEP's
 // balancing inside the chunk tightens it to cap_i + min_rows − 1 ≤ ⌈α·k·c_eff⌉ + min_rows − 1
 // (llep_receive_bound of the chunk's plan, cap_i = ⌈α·T_i/E_p⌉ with T_i ≤ E_p·k·c_eff).
-// Schedule (built so far: the chunks run one after another on the caller's stream; the pipeline that
-// overlaps chunk i+1's dispatch and chunk i−1's combine with chunk i's expert GEMMs is the next step):
-//   forward   the N_r all-gathered (all_to_all_host) → the chunking → for each chunk i: its tokens'
-//             rows x_i [n_i,H], topk_idx_i, topk_w_i gathered → llep_forward on them (its own count
-//             exchange and plan, ops/llep.cuh) → out_i scattered to out → everything of chunk i freed.
-//             Nothing stays on the device for backward: the layer's inputs (x, topk_idx, topk_w) are
-//             the routing that backward replays.
-//   backward  for each chunk i: gather again → llep_forward without the combine (the recomputation:
-//             the same counts, hence the same plan and exchanges) → llep_backward with dout_i → dx_i,
-//             dtopk_w_i scattered; the weight gradients accumulate (+=) chunk after chunk.
-// Live set: one chunk at a time, in forward and in backward — its dispatch rows and expert
-// intermediates (ops/ep_moe.cuh's closed forms with R = k·n_i and the chunk's R_d ≤ the receiver
-// bound) and its gathered rows (x_i and out_i, or x_i, dout_i and dx_i: ≤ 3·c_eff·H·b, Dispatch).
-// The paper keeps every chunk's checkpoint to backward; here backward recomputes the chunk, so the
-// expert intermediates of one chunk are all that is ever live. The price: each chunk's exchanges and
-// expert GEMMs of the forward run twice.
+// Schedule. cs = the caller's (compute) stream, xs = the EP communicator's own stream (runtime/comm.cuh);
+// exchanges run on xs, kernels and GEMMs on cs, ordered by events (StreamPoint), never by the host.
+//   plans     (pllep_make_plans) the N_r all-gathered → the chunking → this rank's routes counted per
+//             (chunk, expert) in one kernel → one all-gather of all K·E counts → every chunk's LLEP
+//             plan (llep_plan, unchanged) before any chunk moves. Three host synchronisations per
+//             layer, whatever K; the plans are kept (host) for backward.
+//   forward   per chunk: pack (gather its tokens' rows and routing, sort its routes, put them in
+//             its plan's send order, pack x's rows) → dispatch (lent weights and rows, xs) → experts
+//             (grouped GEMMs, cs) → return (xs) → combine into out's chunk rows (cs). The host issues
+//             pack/dispatch of chunk i+1 before chunk i's experts, and chunk i−1's combine after
+//             them: chunk i's GEMMs run while chunk i+1's rows and chunk i−1's outputs travel.
+//             Nothing stays on the device for backward: the layer's inputs (x, topk_idx, topk_w)
+//             are the routing that backward replays. With out = nullptr (a layer's recomputation,
+//             model.cuh) the forward only plans.
+//   backward  per chunk: the forward recomputed from the kept plans (pack, dispatch, experts with
+//             h13 kept, return: no counts exchanged again) → dy = w·dout and dtopk_w at the source →
+//             dy out → backward GEMMs, weight gradients += (own experts in place, borrowed ones
+//             zeroed then sent home) → dx back, borrowed gradients home → dx's chunk rows, the home
+//             adds the returned gradients. Issued so that chunk i's backward GEMMs run while chunk
+//             i+1's recomputed outputs come back and chunk i+2's rows go out, and chunk i+1's
+//             recomputed GEMMs while chunk i's dy travels.
+// Live set (the pool's categories; b = bytes per floatX). Chunk i (n_i tokens, R_d(i) routes computed)
+// holds at most what one LLEP pass holds at its R's (ops/ep_moe.cuh's closed forms with R = k·n_i) plus
+// its gathered rows and routing: D_i = ep_moe_dispatch_peak_bytes(k·n_i, R_d(i), H, b) + 3·n_i·H·b +
+// 12·n_i·k. In flight at once: 3 consecutive chunks in forward, 4 in backward, so
+//   Dispatch             ≤ max over 4 consecutive chunks of Σ D_i                (pllep_dispatch_bound)
+//   ExpertIntermediates  ≤ I·b·max_i max(5·R_d(i) + 2·R_d(i+1), 2·R_d(i) + 3·R_d(i+1))
+//                          (chunk i's backward with chunk i+1's recomputed h13, or chunk i+1's
+//                          recomputation with chunk i's h13; forward: 3·R_d(i)·I·b, one chunk)
+//                                                                               (pllep_intermediates_bound)
+// with R_d(i) ≤ the receiver bound above. Both depend on the budget c, never on N or the router: K
+// grows with N and every chunk stays under Eq. 1. The paper keeps every chunk's checkpoint to backward
+// (Θ(K) chunks live); here backward recomputes, so a few chunks are all that is ever live. The price:
+// each chunk's forward exchanges and expert GEMMs run twice — which a layer under --recompute pays
+// anyway: its recomputation calls this forward with out = nullptr, which only plans.
+// Workspace beside: the K plans' send orders and block tables (4·(R + 2·Σ_i G_i·E_p) B, uploaded
+// once per pass) and the K·E counts.
 // Layout of this file: the host-side plan first (pure C++, no CUDA call: the plan tests run it for up
 // to 64 ranks without a GPU), then the kernels and launchers.
 #pragma once
@@ -116,8 +137,45 @@ inline std::vector<LLEPPlan> pllep_plan(const PLLEPChunking& chunking, const std
   return plans;
 }
 
+// Closed-form bounds of what one pllep_forward + pllep_backward adds to the pool's Dispatch and
+// ExpertIntermediates bytes (see the header), from each chunk's tokens n_i and routes computed R_d(i).
+inline size_t pllep_dispatch_bound(const std::vector<int>& chunk_tokens, const std::vector<long long>& chunk_received,
+                                   int H, int k, size_t b) {
+  const size_t K = chunk_tokens.size();
+  std::vector<size_t> per_chunk(K);
+  for (size_t i = 0; i < K; i++) {
+    const long long n = chunk_tokens[i];
+    per_chunk[i] = ep_moe_dispatch_peak_bytes(n * k, chunk_received[i], H, b) + 3 * (size_t)n * H * b + 12 * (size_t)n * k;
+  }
+  size_t bound = 0;
+  for (size_t i = 0; i < K; i++) {
+    size_t window = 0;
+    for (size_t j = i; j < std::min(K, i + 4); j++) window += per_chunk[j];
+    bound = std::max(bound, window);
+  }
+  return bound;
+}
+inline size_t pllep_intermediates_bound(const std::vector<long long>& chunk_received, int I, size_t b) {
+  long long most = 0;
+  for (size_t i = 0; i < chunk_received.size(); i++) {
+    const long long here = chunk_received[i], next = i + 1 < chunk_received.size() ? chunk_received[i + 1] : 0;
+    most = std::max({most, 5 * here + 2 * next, 2 * here + 3 * next});
+  }
+  return (size_t)most * I * b;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernels
+
+// chunk_counts [K·E + 1] (+=, zeroed by the caller): entry i·E + e counts this rank's routes of its
+// chunk-i tokens to expert e (route r = n·k + j belongs to token n, in chunk n mod K); the last entry
+// counts expert indices outside [0,E). One thread per route; integer atomics (the counts are exact).
+static __global__ void pllep_chunk_counts_kernel(int* chunk_counts, const int* topk_idx, int R, int k, int K, int E) {
+  int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= R) return;
+  const int e = topk_idx[r], chunk = (r / k) % K;
+  atomicAdd(e >= 0 && e < E ? &chunk_counts[chunk * E + e] : &chunk_counts[K * E], 1);
+}
 
 // chunk [n, cols] (=): row m = src row (i + m·K), the chunk's m-th token. One thread per element.
 template <typename T>
@@ -157,81 +215,293 @@ void pllep_scatter(T* dst, const T* chunk, int n, int cols, int K, int i, cudaSt
   launchCheck("pllep_scatter", "n=%d cols=%d K=%d chunk=%d", n, cols, K, i);
 }
 
-// The layer's settings and what its forward leaves for backward (host only).
+// What the forward leaves for backward: the chunking and every chunk's plan (host only; nothing on
+// the device — the layer's inputs x, topk_idx, topk_w are the routing that backward replays).
 struct PLLEPSaved {
   int N = 0;
   PLLEPChunking chunking;
-  std::vector<long long> chunk_received;  // [K] routes this rank computed in each chunk of the forward
+  std::vector<LLEPPlan> plans;            // [K] each chunk's plan of the group
+  std::vector<LLEPRankPlan> mine;         // [K] this rank's share of each
+  std::vector<int> tables;                // each chunk's send order [R_i] and block tables, for one upload per pass
+  std::vector<size_t> send_order_at;      // [K] offset of chunk i's send order in `tables`
+  std::vector<size_t> blocks_at;          // [K] offset of chunk i's block tables
+  std::vector<long long> chunk_received;  // [K] routes this rank computes in each chunk (R_d of its plan)
 };
 
-// The chunk's token rows and routing, gathered (Dispatch; topk_idx_i and topk_w_i are [n_i·k]).
-struct PLLEPChunk {
-  int n = 0;
-  floatX* x = nullptr;
-  int* topk_idx = nullptr;
-  float* topk_w = nullptr;
-  PLLEPChunk(const floatX* x_all, const int* idx_all, const float* w_all, int N, int H, int k, int K, int i,
-             cudaStream_t stream)
-      : n(pllep_chunk_tokens(N, K, i)) {
-    x = pllep_gather(x_all, n, H, K, i, Mem::Dispatch, "pllep.x_chunk", stream);
-    topk_idx = pllep_gather(idx_all, n, k, K, i, Mem::Dispatch, "pllep.topk_idx_chunk", stream);
-    topk_w = pllep_gather(w_all, n, k, K, i, Mem::Dispatch, "pllep.topk_w_chunk", stream);
+// The plans of every chunk, before any chunk moves: the N_r all-gathered (all_to_all_host) → the
+// chunking → this rank's routes counted per (chunk, expert) in one kernel and one copy (expert indices
+// outside [0,E) refused) → one all-gather of the K·E counts → pllep_plan and llep_rank_plan per
+// chunk. Synchronises `stream` three times (the N_r, the counts' copy, their exchange).
+inline void pllep_make_plans(PLLEPSaved& saved, const int* topk_idx, int N, int E, int k, int token_budget,
+                             int max_chunks, double alpha, long long min_rows, const Comm& ep, cudaStream_t stream) {
+  const char* op = "pllep_make_plans";
+  if (N < 0 || E < 1 || k < 1 || (long long)N * k > INT_MAX)
+    fm_fail(op, "need N >= 0, E, k >= 1 and N·k routes within int indices", "N=%d E=%d k=%d group=%s", N, E, k, ep.name.c_str());
+  const std::vector<long long> n_all = all_to_all_host(ep, std::vector<long long>(ep.size, N), 1, stream);
+  saved = PLLEPSaved();
+  saved.N = N;
+  saved.chunking = pllep_chunking(std::vector<int>(n_all.begin(), n_all.end()), token_budget, max_chunks);
+  const int K = saved.chunking.chunks, R = N * k, W = ep.size;
+  if ((long long)K * E + 1 > INT_MAX) fm_fail(op, "too many (chunk, expert) counts", "K=%d E=%d", K, E);
+
+  std::vector<int> mine_counts((size_t)K * E + 1, 0);
+  if (R > 0) {
+    int* counts_dev = pool().alloc_t<int>(mine_counts.size(), Mem::Workspace, "pllep.chunk_counts");
+    cudaCheck(cudaMemsetAsync(counts_dev, 0, mine_counts.size() * sizeof(int), stream), op, "K=%d E=%d", K, E);
+    pllep_chunk_counts_kernel<<<ceil_div(R, 256), 256, 0, stream>>>(counts_dev, topk_idx, R, k, K, E);
+    launchCheck("pllep_chunk_counts", "R=%d k=%d K=%d E=%d", R, k, K, E);
+    copy_to_host(mine_counts.data(), counts_dev, mine_counts.size() * sizeof(int), stream, op);
+    pool().free(counts_dev);
   }
-  ~PLLEPChunk() {
+  if (mine_counts.back() != 0)
+    fm_fail(op, "expert index outside [0, E) in topk_idx", "R=%d E=%d bad_routes=%d", R, E, mine_counts.back());
+  std::vector<long long> mine_to_all;
+  for (int d = 0; d < W; d++) mine_to_all.insert(mine_to_all.end(), mine_counts.begin(), mine_counts.end() - 1);
+  const std::vector<long long> all = all_to_all_host(ep, mine_to_all, K * E, stream);  // [s][i][e]
+  std::vector<std::vector<long long>> chunk_counts(K, std::vector<long long>((size_t)W * E));
+  for (int s = 0; s < W; s++)
+    for (int i = 0; i < K; i++)
+      for (int e = 0; e < E; e++) chunk_counts[i][(size_t)s * E + e] = all[((size_t)s * K + i) * E + e];
+  saved.plans = pllep_plan(saved.chunking, chunk_counts, k, alpha, min_rows);
+  for (int i = 0; i < K; i++) {
+    saved.mine.push_back(llep_rank_plan(saved.plans[i], chunk_counts[i], ep.rank));
+    const LLEPRankPlan& m = saved.mine.back();
+    saved.chunk_received.push_back(m.ep.received);
+    saved.send_order_at.push_back(saved.tables.size());
+    saved.tables.insert(saved.tables.end(), m.send_slot_of_row.begin(), m.send_slot_of_row.end());
+    saved.blocks_at.push_back(saved.tables.size());
+    const std::vector<int> blocks = ep_blocks_table(m.ep);
+    saved.tables.insert(saved.tables.end(), blocks.begin(), blocks.end());
+  }
+}
+
+// One chunk on its way through the pipeline: its LLEP state (ops/llep.cuh) and the rows in flight.
+struct PLLEPChunkRun {
+  int index = 0;
+  float* topk_w = nullptr;      // [n_i, k] gathered (Dispatch), kept to the combine
+  LLEPSaved llep;               // route maps, receive map, xe, h13, y, borrowed weights
+  EPExchange dispatch, ret;     // rows in flight (ops/ep_moe.cuh)
+  LLEPGradsHome home;           // backward: the borrowed experts' gradients
+  StreamPoint dispatched, returned;  // the latest exchange out and back, on the communicator's stream
+  ~PLLEPChunkRun() {
     pool().free(topk_w);
-    pool().free(topk_idx);
-    pool().free(x);
+    llep_saved_free(llep);
   }
 };
 
-// out [N,H] (=). Collective over `ep`. Synchronises `stream` 1 + 2K times (the token counts, then
-// each chunk's route counts and count exchange).
+// The shapes, weights and streams one pass works with; tables_dev: PLLEPSaved::tables on the device.
+struct PLLEPPass {
+  const PLLEPSaved& saved;
+  int H, I, E, k;
+  const floatX *W13_local, *W2_local;
+  const int* tables_dev;
+  const Comm& ep;
+  cudaStream_t cs;  // compute: kernels and GEMMs
+  cudaStream_t xs;  // exchanges: the communicator's own stream
+  int K() const { return saved.chunking.chunks; }
+  GroupWeights weights(const PLLEPChunkRun& run) const { return llep_group_weights(run.llep, W13_local, W2_local); }
+};
+
+// (cs) Chunk i's routing gathered, its routes sorted by expert and put in send order (its plan's,
+// from the uploaded tables), x's rows packed for the dispatch; the gathered x and topk_idx freed.
+inline std::unique_ptr<PLLEPChunkRun> pllep_chunk_pack(const PLLEPPass& p, int i, const floatX* x, const int* topk_idx,
+                                                       const float* topk_w) {
+  auto run = std::make_unique<PLLEPChunkRun>();
+  const int K = p.K(), n = pllep_chunk_tokens(p.saved.N, K, i), R = n * p.k;
+  run->index = i;
+  LLEPSaved& ls = run->llep;
+  EPSaved& es = ls.ep;
+  es.N = n; es.H = p.H; es.I = p.I; es.E = p.E; es.k = p.k;
+  ls.plan = p.saved.plans[i];
+  ls.mine = p.saved.mine[i];
+  es.plan = ls.mine.ep;
+  floatX* x_chunk = pllep_gather(x, n, p.H, K, i, Mem::Dispatch, "pllep.x_chunk", p.cs);
+  int* idx_chunk = pllep_gather(topk_idx, n, p.k, K, i, Mem::Dispatch, "pllep.topk_idx_chunk", p.cs);
+  run->topk_w = pllep_gather(topk_w, n, p.k, K, i, Mem::Dispatch, "pllep.topk_w_chunk", p.cs);
+  es.route_of_slot = alloc_rows<int>(R, Mem::Dispatch, "pllep.route_of_slot");
+  es.slot_of_route = alloc_rows<int>(R, Mem::Dispatch, "pllep.slot_of_route");
+  moe_route_sort(es.route_of_slot, es.slot_of_route, idx_chunk, R, p.E, p.cs, nullptr);  // counted and checked in pllep_make_plans
+  pool().free(idx_chunk);
+  llep_send_order(es, p.tables_dev + p.saved.send_order_at[i], p.cs);
+  llep_alloc_borrowed(ls);
+  ep_forward_pack(run->dispatch, es, x_chunk, p.tables_dev + p.saved.blocks_at[i], "pllep", p.cs);
+  pool().free(x_chunk);
+  return run;
+}
+
+// (xs) The lent weights and x's rows to the ranks that compute them.
+inline void pllep_chunk_dispatch(const PLLEPPass& p, PLLEPChunkRun& run) {
+  stream_after(p.xs, p.cs, "pllep.dispatch");
+  llep_lend_weights(run.llep, p.W13_local, p.W2_local, p.ep, p.xs);
+  const EPPlan& plan = run.llep.ep.plan;
+  ep_exchange_rows(run.dispatch, plan.send_rows, plan.recv_rows, p.H, p.ep, "pllep.x_recv", p.cs, p.xs);
+  run.dispatched.record(p.xs, "pllep.dispatch");
+}
+
+// (cs, after the dispatch) The chunk's expert GEMMs; keep_h13 for a backward that follows.
+inline void pllep_chunk_experts(const PLLEPPass& p, PLLEPChunkRun& run, bool keep_h13) {
+  run.dispatched.wait_on(p.cs, "pllep.experts");
+  ep_forward_experts(run.ret, run.dispatch, run.llep.ep, p.weights(run), keep_h13, "pllep", p.cs);
+}
+
+// (xs) The expert outputs back to their sources.
+inline void pllep_chunk_return(const PLLEPPass& p, PLLEPChunkRun& run) {
+  const EPPlan& plan = run.llep.ep.plan;
+  ep_exchange_rows(run.ret, plan.recv_rows, plan.send_rows, p.H, p.ep, "pllep.y", p.cs, p.xs);
+  run.returned.record(p.xs, "pllep.return");
+}
+
+// (cs, after the return) out's chunk-i rows (=) = the weighted combine; the chunk freed.
+inline void pllep_chunk_combine(const PLLEPPass& p, std::unique_ptr<PLLEPChunkRun>& run, floatX* out) {
+  run->returned.wait_on(p.cs, "pllep.combine");
+  const int n = run->llep.ep.N;
+  floatX* out_chunk = alloc_rows<floatX>((size_t)n * p.H, Mem::Dispatch, "pllep.out_chunk");
+  ep_forward_combine(out_chunk, run->ret, run->llep.ep, run->topk_w, p.cs);
+  pllep_scatter(out, out_chunk, n, p.H, p.K(), run->index, p.cs);
+  pool().free(out_chunk);
+  run.reset();
+}
+
+// (cs, after the recomputation's return) dtopk_w's chunk-i rows (=) = dout·y and dy = w·dout packed
+// for the dispatch; y, dout's gathered rows and the chunk's dtopk_w freed.
+inline void pllep_chunk_backward_pack(const PLLEPPass& p, PLLEPChunkRun& run, const floatX* dout, float* dtopk_w) {
+  run.returned.wait_on(p.cs, "pllep_backward.pack");
+  EPSaved& es = run.llep.ep;
+  const int n = es.N;
+  ep_forward_combine(nullptr, run.ret, es, run.topk_w, p.cs);
+  floatX* dout_chunk = pllep_gather(dout, n, p.H, p.K(), run.index, Mem::Dispatch, "pllep.dout_chunk", p.cs);
+  float* dtopk_w_chunk = alloc_rows<float>((size_t)n * p.k, Mem::Dispatch, "pllep.dtopk_w_chunk");
+  ep_backward_pack(run.dispatch, dtopk_w_chunk, dout_chunk, es, run.topk_w, "pllep_backward", p.cs);
+  pllep_scatter(dtopk_w, dtopk_w_chunk, n, p.k, p.K(), run.index, p.cs);
+  for (void* q : {(void*)es.y, (void*)dout_chunk, (void*)dtopk_w_chunk}) pool().free(q);
+  es.y = nullptr;
+}
+
+// (xs) dy's rows to the ranks that computed the routes.
+inline void pllep_chunk_backward_dispatch(const PLLEPPass& p, PLLEPChunkRun& run) {
+  const EPPlan& plan = run.llep.ep.plan;
+  ep_exchange_rows(run.dispatch, plan.send_rows, plan.recv_rows, p.H, p.ep, "pllep_backward.dy_recv", p.cs, p.xs);
+  run.dispatched.record(p.xs, "pllep_backward.dispatch");
+}
+
+// (cs, after dy arrived) The chunk's backward GEMMs: its weight gradients (+=) into dW*_local or the
+// borrowed experts' zeroed gradients; dxe packed for the return.
+inline void pllep_chunk_backward_experts(const PLLEPPass& p, PLLEPChunkRun& run, floatX* dW13_local, floatX* dW2_local) {
+  run.dispatched.wait_on(p.cs, "pllep_backward.experts");
+  const GroupGrads grads = llep_group_grads(run.home, run.llep, dW13_local, dW2_local, p.cs);
+  EPSaved& es = run.llep.ep;
+  ep_backward_experts(run.ret, run.dispatch, grads, es, p.weights(run), "pllep_backward", p.cs);
+  pool().free(es.h13);  // the chunk's last use of its recomputed intermediates and received rows
+  pool().free(es.xe);
+  es.h13 = nullptr;
+  es.xe = nullptr;
+}
+
+// (xs) dxe's rows back to their sources; the borrowed experts' gradients home.
+inline void pllep_chunk_backward_return(const PLLEPPass& p, PLLEPChunkRun& run) {
+  const EPPlan& plan = run.llep.ep.plan;
+  ep_exchange_rows(run.ret, plan.recv_rows, plan.send_rows, p.H, p.ep, "pllep_backward.dx_sent", p.cs, p.xs);
+  llep_send_gradients_home(run.home, run.llep, p.ep, p.cs, p.xs);
+  run.returned.record(p.xs, "pllep_backward.return");
+}
+
+// (cs, after the return) dx's chunk-i rows (=); the returned gradients added at home (+=); the chunk freed.
+inline void pllep_chunk_backward_combine(const PLLEPPass& p, std::unique_ptr<PLLEPChunkRun>& run, floatX* dx,
+                                         floatX* dW13_local, floatX* dW2_local) {
+  run->returned.wait_on(p.cs, "pllep_backward.combine");
+  const int n = run->llep.ep.N;
+  floatX* dx_chunk = alloc_rows<floatX>((size_t)n * p.H, Mem::Dispatch, "pllep.dx_chunk");
+  ep_backward_combine(dx_chunk, run->ret, run->llep.ep, p.cs);
+  pllep_scatter(dx, dx_chunk, n, p.H, p.K(), run->index, p.cs);
+  pool().free(dx_chunk);
+  llep_add_gradients_home(run->home, run->llep, dW13_local, dW2_local, p.cs);
+  run.reset();
+}
+
+// The saved tables on the device for one pass (Workspace; one copy, synchronises `stream`).
+inline int* pllep_upload_tables(const PLLEPSaved& saved, cudaStream_t stream) {
+  int* tables_dev = alloc_rows<int>(saved.tables.size(), Mem::Workspace, "pllep.tables");
+  copy_to_device(tables_dev, saved.tables.data(), saved.tables.size() * sizeof(int), stream, "pllep_upload_tables");
+  return tables_dev;
+}
+
+// out [N,H] (=). Collective over `ep`. With out = nullptr only the plans are made (a layer's
+// recomputation: backward replays the chunks itself). Synchronises `stream` four times (three in
+// pllep_make_plans, the tables' upload); the chunks then run without the host waiting.
+// Pipeline (cs = `stream`, xs = ep.stream), in the order the host issues it:
+//   pack 0, dispatch 0; for i: [pack i+1, dispatch i+1], experts i, return i, [combine i−1]; combine K−1
+// so that while chunk i is in its expert GEMMs, chunk i+1's rows and chunk i−1's outputs are on the
+// interconnect. At most three chunks are in flight: i+1 dispatched, i computing, i−1 returned.
 inline void pllep_forward(floatX* out, PLLEPSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                           const floatX* W13_local, const floatX* W2_local, int N, int H, int I, int E, int k,
                           int token_budget, int max_chunks, double alpha, long long min_rows, const Comm& ep,
                           cudaStream_t stream) {
-  if (N < 0) fm_fail("pllep_forward", "need N >= 0", "N=%d group=%s", N, ep.name.c_str());
-  const std::vector<long long> n_all = all_to_all_host(ep, std::vector<long long>(ep.size, N), 1, stream);
-  saved.N = N;
-  saved.chunking = pllep_chunking(std::vector<int>(n_all.begin(), n_all.end()), token_budget, max_chunks);
-  saved.chunk_received.clear();
-  const int K = saved.chunking.chunks;
+  pllep_make_plans(saved, topk_idx, N, E, k, token_budget, max_chunks, alpha, min_rows, ep, stream);
+  if (out == nullptr) return;
+  int* tables_dev = pllep_upload_tables(saved, stream);
+  const PLLEPPass p{saved, H, I, E, k, W13_local, W2_local, tables_dev, ep, stream, ep.stream};
+  const int K = p.K();
+  std::vector<std::unique_ptr<PLLEPChunkRun>> runs(K);
+  runs[0] = pllep_chunk_pack(p, 0, x, topk_idx, topk_w);
+  pllep_chunk_dispatch(p, *runs[0]);
   for (int i = 0; i < K; i++) {
-    PLLEPChunk chunk(x, topk_idx, topk_w, N, H, k, K, i, stream);
-    floatX* out_chunk = alloc_rows<floatX>((size_t)chunk.n * H, Mem::Dispatch, "pllep.out_chunk");
-    LLEPSaved ls;
-    llep_forward(out_chunk, ls, chunk.x, chunk.topk_idx, chunk.topk_w, W13_local, W2_local, chunk.n, H, I, E, k, alpha,
-                 min_rows, ep, stream);
-    saved.chunk_received.push_back(ls.ep.plan.received);
-    llep_saved_free(ls);
-    pllep_scatter(out, out_chunk, chunk.n, H, K, i, stream);
-    pool().free(out_chunk);
+    if (i + 1 < K) {
+      runs[i + 1] = pllep_chunk_pack(p, i + 1, x, topk_idx, topk_w);
+      pllep_chunk_dispatch(p, *runs[i + 1]);
+    }
+    pllep_chunk_experts(p, *runs[i], false);
+    pool().free(runs[i]->llep.borrowed_W13);  // the forward's last use of the lent weights
+    pool().free(runs[i]->llep.borrowed_W2);
+    runs[i]->llep.borrowed_W13 = runs[i]->llep.borrowed_W2 = nullptr;
+    pllep_chunk_return(p, *runs[i]);
+    if (i >= 1) pllep_chunk_combine(p, runs[i - 1], out);
   }
+  pllep_chunk_combine(p, runs[K - 1], out);
+  pool().free(tables_dev);
 }
 
 // dx [N,H] (=), dtopk_w [N,k] (=), dW13_local, dW2_local (+=), chunk by chunk with each chunk's
-// forward recomputed. Collective over `ep`. Synchronises `stream` 2K times.
+// forward recomputed from the saved plans (no counts exchanged again). Collective over `ep`.
+// Synchronises `stream` once (the tables' upload).
+// Pipeline: per chunk i, recomputation (pack, dispatch, experts with h13 kept, return), then backward
+// (pack dy = w·dout, dispatch, experts, return dx and the borrowed gradients, combine). The host
+// issues, for each i: backward pack i, dispatch dy i; [experts i+1 (recomputed), return i+1];
+// [pack i+2, dispatch i+2]; backward experts i, return i; [combine i−1] — so that chunk i's
+// backward GEMMs run while chunk i+1's outputs come back and chunk i+2's rows go out, and chunk
+// i+1's recomputed GEMMs while chunk i's dy travels. In flight: chunk i (backward), i+1 (its h13 and
+// xe), i+2 (dispatched rows), and i−1 until its dx has come back.
 inline void pllep_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floatX* dW2_local, const floatX* dout,
                            const PLLEPSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
-                           const floatX* W13_local, const floatX* W2_local, int H, int I, int E, int k, double alpha,
-                           long long min_rows, const Comm& ep, cudaStream_t stream) {
-  const int N = saved.N, K = saved.chunking.chunks;
-  if (K < 1) fm_fail("pllep_backward", "no forward to replay: run pllep_forward first", "N=%d", N);
+                           const floatX* W13_local, const floatX* W2_local, int H, int I, int E, int k, const Comm& ep,
+                           cudaStream_t stream) {
+  if (saved.chunking.chunks < 1 || (int)saved.plans.size() != saved.chunking.chunks)
+    fm_fail("pllep_backward", "no forward to replay: run pllep_forward first", "N=%d", saved.N);
+  int* tables_dev = pllep_upload_tables(saved, stream);
+  const PLLEPPass p{saved, H, I, E, k, W13_local, W2_local, tables_dev, ep, stream, ep.stream};
+  const int K = p.K();
+  std::vector<std::unique_ptr<PLLEPChunkRun>> runs(K);
+  auto start_chunk = [&](int i) {  // pack and dispatch
+    runs[i] = pllep_chunk_pack(p, i, x, topk_idx, topk_w);
+    pllep_chunk_dispatch(p, *runs[i]);
+  };
+  auto recompute_chunk = [&](int i) {  // experts with h13 kept, return
+    pllep_chunk_experts(p, *runs[i], true);
+    pllep_chunk_return(p, *runs[i]);
+  };
+  start_chunk(0);
+  recompute_chunk(0);
+  if (K > 1) start_chunk(1);
   for (int i = 0; i < K; i++) {
-    PLLEPChunk chunk(x, topk_idx, topk_w, N, H, k, K, i, stream);
-    LLEPSaved ls;
-    llep_forward(nullptr, ls, chunk.x, chunk.topk_idx, chunk.topk_w, W13_local, W2_local, chunk.n, H, I, E, k, alpha,
-                 min_rows, ep, stream);
-    floatX* dout_chunk = pllep_gather(dout, chunk.n, H, K, i, Mem::Dispatch, "pllep.dout_chunk", stream);
-    floatX* dx_chunk = alloc_rows<floatX>((size_t)chunk.n * H, Mem::Dispatch, "pllep.dx_chunk");
-    float* dtopk_w_chunk = alloc_rows<float>((size_t)chunk.n * k, Mem::Dispatch, "pllep.dtopk_w_chunk");
-    llep_backward(dx_chunk, dtopk_w_chunk, dW13_local, dW2_local, dout_chunk, ls, chunk.topk_w, W13_local, W2_local, ep,
-                  stream);
-    llep_saved_free(ls);
-    pllep_scatter(dx, dx_chunk, chunk.n, H, K, i, stream);
-    pllep_scatter(dtopk_w, dtopk_w_chunk, chunk.n, k, K, i, stream);
-    for (void* p : {(void*)dtopk_w_chunk, (void*)dx_chunk, (void*)dout_chunk}) pool().free(p);
+    pllep_chunk_backward_pack(p, *runs[i], dout, dtopk_w);
+    pllep_chunk_backward_dispatch(p, *runs[i]);
+    if (i + 1 < K) recompute_chunk(i + 1);
+    if (i + 2 < K) start_chunk(i + 2);
+    pllep_chunk_backward_experts(p, *runs[i], dW13_local, dW2_local);
+    pllep_chunk_backward_return(p, *runs[i]);
+    if (i >= 1) pllep_chunk_backward_combine(p, runs[i - 1], dx, dW13_local, dW2_local);
   }
+  pllep_chunk_backward_combine(p, runs[K - 1], dx, dW13_local, dW2_local);
+  pool().free(tables_dev);
 }
 
 // --moe pllep: the dispatcher seam (ops/moe.cuh) with the token budget c (--token_budget), the chunk
@@ -259,6 +529,6 @@ struct PLLEPDispatcher : MoEDispatcher {
                 const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
                 cudaStream_t stream) override {
     pllep_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).pllep, x, topk_idx, topk_w, W13, W2,
-                   H, I, E, k, alpha, min_rows, group, stream);
+                   H, I, E, k, group, stream);
   }
 };

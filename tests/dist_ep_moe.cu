@@ -112,8 +112,10 @@ struct Shard {
 };
 
 // One forward + backward through a dispatcher of the MoE seam on this rank's shard (poisoned outputs,
-// gradients starting at dW*_init); checks that the pool returns to its starting bytes.
-Shard run_dispatch(const GlobalCase& c, MoEDispatcher& dispatcher, int r, cudaStream_t stream) {
+// gradients starting at dW*_init); checks that the pool returns to its starting bytes. recomputed:
+// as a layer under --recompute runs it — forward, its saved state dropped, forward again with
+// out = nullptr (only what backward needs), backward.
+Shard run_dispatch(const GlobalCase& c, MoEDispatcher& dispatcher, int r, cudaStream_t stream, bool recomputed = false) {
   const int N = c.N, H = c.H, I = c.I, E_l = c.E / c.ranks, k = c.k;
   const Mat x = c.x.middleRows(r * N, N), dout = c.dout.middleRows(r * N, N), topk_w = c.topk_w.middleRows(r * N, N);
   const ref::MatI topk_idx = c.topk_idx.middleRows(r * N, N);
@@ -138,6 +140,10 @@ Shard run_dispatch(const GlobalCase& c, MoEDispatcher& dispatcher, int r, cudaSt
   pool().reset_peak();
   std::unique_ptr<DispatchSaved> saved =
       dispatcher.forward(d_out.ptr, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, stream);
+  if (recomputed) {
+    saved.reset();
+    saved = dispatcher.forward(nullptr, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, stream);
+  }
   dispatcher.backward(d_dx.ptr, d_dtopk_w.ptr, d_dW13.ptr, d_dW2.ptr, d_dout.ptr, *saved, d_x.ptr, d_idx.ptr, d_w.ptr,
                       d_W13.ptr, d_W2.ptr, stream);
   stream_wait(stream, "dist_ep_moe", "forward + backward");
@@ -356,7 +362,7 @@ void check_llep_case(const std::string& label, const GlobalCase& c, double alpha
          standard.dispatch_peak, lent.dispatch_peak);
 
   // PipelinedLLEP with K chunks (token budget 1, K_max = K): each chunk's R_d = its plan's, within the
-  // receiver bound; one chunk live at a time: the peaks are the largest chunk's
+  // receiver bound; a few consecutive chunks in flight: the peaks within pllep's closed forms
   for (int K : chunk_counts_to_run) {
     PLLEPDispatcher pllep(H, I, c.E, k, ep, 1, K, alpha, min_rows);
     const Shard chunked = run_dispatch(c, pllep, r, stream);
@@ -368,23 +374,25 @@ void check_llep_case(const std::string& label, const GlobalCase& c, double alpha
     for (int i = 0; i < K; i++) counts.push_back(chunk_counts(c, K, i));
     const std::vector<LLEPPlan> plans = pllep_plan(chunking, counts, k, alpha, min_rows);
     ASSERT_EQ(chunked.chunk_received.size(), (size_t)K) << pname;
-    size_t dispatch_bound = 0, inter_bound = 0;
+    std::vector<int> chunk_tokens;
     for (int i = 0; i < K; i++) {
-      const long long R_d = chunked.chunk_received[i], n = pllep_chunk_tokens(c.N, K, i);
+      const long long R_d = chunked.chunk_received[i];
+      chunk_tokens.push_back(pllep_chunk_tokens(c.N, K, i));
       EXPECT_EQ(R_d, plans[i].received[r]) << pname << " chunk " << i;
       EXPECT_LE(R_d, pllep_receive_bound(chunking, k)) << pname << " chunk " << i;
-      // the chunk's llep pass + its gathered rows (x, dout, dx) and routing (topk_idx, topk_w, dtopk_w)
-      dispatch_bound = std::max<size_t>(dispatch_bound, ep_moe_dispatch_peak_bytes(n * k, R_d, H, b) + 3 * n * H * b + 12 * n * k);
-      inter_bound = std::max(inter_bound, ep_moe_intermediates_peak_bytes(R_d, I, b));
     }
+    const size_t dispatch_bound = pllep_dispatch_bound(chunk_tokens, chunked.chunk_received, H, k, b);
+    const size_t inter_bound = pllep_intermediates_bound(chunked.chunk_received, I, b);
     EXPECT_LE(chunked.dispatch_peak, dispatch_bound) << pname;
-    EXPECT_EQ(chunked.intermediates_peak, inter_bound) << pname;
-    if (K >= 2 && lent.received > 0) EXPECT_LT(chunked.dispatch_peak, lent.dispatch_peak) << pname;
+    EXPECT_LE(chunked.intermediates_peak, inter_bound) << pname;
+    // with K ≥ 7 chunks, the (at most 4) in flight hold less than LLEP's whole pass
+    if (K >= 7 && lent.received > 0) EXPECT_LT(chunked.dispatch_peak, lent.dispatch_peak) << pname;
     long long most = 0;
     for (long long R_d : chunked.chunk_received) most = std::max(most, R_d);
-    printf("[peak] %-44s largest chunk R_d=%lld (bound %lld) dispatch=%zu B (%.0f%% of llep's) intermediates=%zu B\n",
-           pname.c_str(), most, pllep_receive_bound(chunking, k), chunked.dispatch_peak,
-           100.0 * chunked.dispatch_peak / std::max<size_t>(1, lent.dispatch_peak), chunked.intermediates_peak);
+    printf("[peak] %-44s largest chunk R_d=%lld (bound %lld) dispatch=%zu B (closed form %zu; %.0f%% of llep's) "
+           "intermediates=%zu B (closed form %zu)\n",
+           pname.c_str(), most, pllep_receive_bound(chunking, k), chunked.dispatch_peak, dispatch_bound,
+           100.0 * chunked.dispatch_peak / std::max<size_t>(1, lent.dispatch_peak), chunked.intermediates_peak, inter_bound);
   }
 }
 
@@ -429,4 +437,31 @@ TEST(LlepDist, PipelinedReplaysBitForBit) {
   EXPECT_EQ(first.dtopk_w, second.dtopk_w);
   EXPECT_EQ(first.dW13, second.dW13);
   EXPECT_EQ(first.dW2, second.dW2);
+}
+
+// A layer under --recompute calls the dispatcher's forward twice: once for its output, once
+// (out = nullptr) for what backward needs. Every dispatcher's gradients are then bit for bit those
+// of one forward + backward; pllep's second forward only plans: it adds nothing to the pool's peak
+// beyond what its backward holds.
+TEST(LlepDist, RecomputedForwardGivesTheSameGradients) {
+  REQUIRE_WORLD(2);
+  const Comm& world = test_world();
+  TestStream stream;
+  GlobalCase c = make_case(testutil::fresh_seed(), world.size, 41, 64, 40, 2, 2, profile_routing("hot:0.5/2"));
+  EPDispatcher ep(c.H, c.I, c.E, c.k, world);
+  LLEPDispatcher llep(c.H, c.I, c.E, c.k, world, 1.0, 2);
+  PLLEPDispatcher pllep(c.H, c.I, c.E, c.k, world, 1, 3, 1.0, 2);
+  for (MoEDispatcher* d : std::vector<MoEDispatcher*>{&ep, &llep, &pllep}) {
+    const Shard once = run_dispatch(c, *d, world.rank, stream.s);
+    const Shard twice = run_dispatch(c, *d, world.rank, stream.s, true);
+    const std::string name = d == &ep ? "ep" : d == &llep ? "llep" : "pllep";
+    SCOPED_TRACE(name);
+    EXPECT_EQ(once.out, twice.out);
+    EXPECT_EQ(once.dx, twice.dx);
+    EXPECT_EQ(once.dtopk_w, twice.dtopk_w);
+    EXPECT_EQ(once.dW13, twice.dW13);
+    EXPECT_EQ(once.dW2, twice.dW2);
+    printf("[recompute] %-5s rank %d dispatch peak %zu B (one forward) %zu B (forward + recomputation's forward)\n",
+           name.c_str(), world.rank, once.dispatch_peak, twice.dispatch_peak);
+  }
 }

@@ -4,8 +4,8 @@
 # Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [moe] [accum] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
-#   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank with
-#     --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
+#   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank, pllep
+#     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   moe: the MoE dispatchers alone — test_gpu, then test_dist's EpMoEDist/LlepDist/DistModel tests, in both
 #     precisions (one log), and 30 training steps on every GPU with --moe ep, llep and pllep (hot:0.5/2 routing)
 #   accum: BF16 gradient accumulation against the FP32 build: 200 steps of 8 micro-batches on one GPU,
@@ -97,16 +97,16 @@ fi
 if [[ " $want " == *" bench-ep "* ]]; then
   gpus=$(nvidia-smi -L | wc -l)
   rm -rf build/ep-timelines && mkdir -p build/ep-timelines
-  build/bf16/bench_ep_moe --gpus "$gpus" --tokens 16384 --check 1 --timeline build/ep-timelines > "$OUT/bench_ep.md" \
+  build/bf16/bench_ep_moe --gpus "$gpus" --tokens 16384 --token_budget 2048 --check 1 --timeline build/ep-timelines > "$OUT/bench_ep.md" \
     2> build/bench_ep.err || { status=1; tail -20 build/bench_ep.err; }
   tar czf "$OUT/ep_timelines.tgz" -C build ep-timelines
   cat "$OUT/bench_ep.md"
-  echo "| token budget c | K | largest chunk R_d | ms | time / llep | peak D+EI MiB | peak / llep |" > "$OUT/bench_ep_budget.md"
-  echo "|---|---|---|---|---|---|---|" >> "$OUT/bench_ep_budget.md"
+  echo "| token budget c | K | largest chunk R_d | fwd ms | / llep | fwd+bwd ms | / llep | checkpointed ms | / llep | peak D+EI MiB | peak / llep |" > "$OUT/bench_ep_budget.md"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|" >> "$OUT/bench_ep_budget.md"
   for c in 16384 8192 4096 2048 1024 512 256; do
     row=$(build/bf16/bench_ep_moe --gpus "$gpus" --tokens 16384 --dispatchers llep,pllep --profiles hot:1/4 --token_budget $c \
       --kmax 64 --warmup 2 --iters 5 2>> build/bench_ep.err | grep '| pllep |')
-    echo "| $c | $(( (16384 + c - 1) / c )) | $(echo "$row" | cut -d'|' -f4-8) |" >> "$OUT/bench_ep_budget.md"
+    echo "| $c | $(( (16384 + c - 1) / c )) | $(echo "$row" | cut -d'|' -f4-12) |" >> "$OUT/bench_ep_budget.md"
   done
   cat "$OUT/bench_ep_budget.md"
 fi

@@ -18,8 +18,10 @@
 //   ep      standard EP over the group of all W ranks (E_p = W, E/W experts each)
 //   llep    LLEP over the same group (--llep_alpha, --llep_min_rows)
 //   pllep   PipelinedLLEP (--token_budget c, --kmax K_max, and LLEP's settings for each chunk)
-// Latency: CUDA events around forward + backward, median of `iters` passes after `warmup`, the
-// slowest rank's median. Peak: the most loaded rank's peak of Dispatch + ExpertIntermediates live
+// Latency: CUDA events around three passes, each the median of `iters` runs after `warmup`, the
+// slowest rank's median: the forward alone (the paper's measure), forward + backward, and the
+// checkpointed step — forward, forward again with out = nullptr, backward: what a layer under
+// --recompute runs (model.cuh), where pllep's second forward only plans since its backward recomputes. Peak: the most loaded rank's peak of Dispatch + ExpertIntermediates live
 // bytes over one forward + backward (replayed from the pool's timeline); LLEP's borrowed expert
 // weights and gradients (Weights, Grads) are not in it. R_d: the most routes one rank computed (for
 // pllep in one chunk). --check 1: one more pass of each dispatcher from zeroed weight gradients,
@@ -28,6 +30,7 @@
 // --timeline DIR: rank 0's pool timeline of the measured pass, DIR/PROFILE_DISPATCHER.csv (the
 // folder must exist). Markdown rows from rank 0.
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <climits>
 #include <cmath>
@@ -189,16 +192,22 @@ DeviceBuffer<floatX> random_buffer(size_t n, float scale, unsigned long long see
   return buf;
 }
 
-// Median of the CUDA-event time of `pass` over `iters` runs after `warmup` runs, in ms.
+// Median of the CUDA-event time of `pass` over `iters` runs after `warmup` runs, in ms; issue_ms
+// (when given): the median host time to enqueue the pass (from its start to its return, before the
+// wait) — near the GPU time, the pass is bound by the host's launches, not by the GPU.
 template <typename F>
-double median_ms(F pass, int warmup, int iters, cudaStream_t stream) {
+double median_ms(F pass, int warmup, int iters, cudaStream_t stream, double* issue_ms = nullptr) {
   cudaEvent_t start, stop;
   cudaCheck(cudaEventCreate(&start), "bench_ep_moe", "event");
   cudaCheck(cudaEventCreate(&stop), "bench_ep_moe", "event");
   std::vector<float> times;
+  std::vector<double> issue_times;
   for (int it = 0; it < warmup + iters; it++) {
     cudaCheck(cudaEventRecord(start, stream), "bench_ep_moe", "event record, pass %d", it);
+    const auto issue_start = std::chrono::steady_clock::now();
     pass();
+    if (it >= warmup)
+      issue_times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - issue_start).count());
     cudaCheck(cudaEventRecord(stop, stream), "bench_ep_moe", "event record, pass %d", it);
     stream_wait(stream, "bench_ep_moe", "pass %d", it);
     float ms = 0;
@@ -207,6 +216,10 @@ double median_ms(F pass, int warmup, int iters, cudaStream_t stream) {
   }
   cudaCheck(cudaEventDestroy(start), "bench_ep_moe", "event");
   cudaCheck(cudaEventDestroy(stop), "bench_ep_moe", "event");
+  if (issue_ms != nullptr) {
+    std::sort(issue_times.begin(), issue_times.end());
+    *issue_ms = issue_times[issue_times.size() / 2];
+  }
   std::sort(times.begin(), times.end());
   const size_t m = times.size() / 2;
   return times.size() % 2 ? times[m] : 0.5 * (times[m - 1] + times[m]);
@@ -284,11 +297,12 @@ int main(int argc, char** argv) {
     time_t now = time(nullptr);
     strftime(date, sizeof(date), "%Y-%m-%d", localtime(&now));
     printf("expert-parallel MoE dispatchers, %s, %d x %s, %s: N=%d tokens/rank, H=%d, I=%d, E=%d (E_l=%d), k=%d, "
-           "llep alpha=%g min_rows=%d, pllep c=%d K_max=%d, fwd+bwd median of %d after %d warm-ups\n\n",
+           "llep alpha=%g min_rows=%d, pllep c=%d K_max=%d, medians of %d after %d warm-ups\n\n",
            date, W, prop.name, FLATMOE_PRECISION_NAME, N, H, I, E, E_l, k, f.llep_alpha, f.llep_min_rows,
            f.token_budget, f.kmax, f.iters, f.warmup);
-    printf("| profile | dispatcher | max R_d | ms | time / llep | peak D+EI MiB | peak / llep | Dispatch closed form MiB |\n");
-    printf("|---|---|---|---|---|---|---|---|\n");
+    printf("| profile | dispatcher | max R_d | fwd ms | / llep | fwd+bwd ms | / llep | checkpointed ms | / llep | "
+           "peak D+EI MiB | peak / llep | Dispatch closed form MiB | fwd host issue ms |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     fflush(stdout);
   }
 
@@ -307,7 +321,7 @@ int main(int argc, char** argv) {
     copy_to_device(topk_idx.ptr, routes.topk_idx.data(), topk_idx.bytes(), stream, "bench_ep_moe.topk_idx");
     struct Row {
       std::string dispatcher;
-      long long ms_us, peak, received;
+      long long fwd_us, fwd_issue_us, pass_us, checkpointed_us, peak, received;
     };
     std::vector<Row> rows;
     for (const std::string& dname : f.dispatchers) {
@@ -328,7 +342,19 @@ int main(int argc, char** argv) {
           received = *std::max_element(s->pllep.chunk_received.begin(), s->pllep.chunk_received.end());
         if (single) received = (long long)N * k;
       };
+      auto forward_only = [&] {
+        d->forward(out.ptr, x.ptr, topk_idx.ptr, topk_w.ptr, W13_used, W2_used, N, stream).reset();
+      };
+      auto checkpointed = [&] {
+        d->forward(out.ptr, x.ptr, topk_idx.ptr, topk_w.ptr, W13_used, W2_used, N, stream).reset();
+        std::unique_ptr<DispatchSaved> saved = d->forward(nullptr, x.ptr, topk_idx.ptr, topk_w.ptr, W13_used, W2_used, N, stream);
+        d->backward(dx.ptr, dtopk_w.ptr, dW13_used, dW2_used, dout.ptr, *saved, x.ptr, topk_idx.ptr, topk_w.ptr, W13_used,
+                    W2_used, stream);
+      };
+      double fwd_issue_ms = 0;
+      const double fwd_ms = median_ms(forward_only, f.warmup, f.iters, stream, &fwd_issue_ms);
       const double ms = median_ms(pass, f.warmup, f.iters, stream);
+      const double checkpointed_ms = median_ms(checkpointed, f.warmup, f.iters, stream);
       std::string csv;  // --timeline DIR: rank 0's pass, DIR/PROFILE_DISPATCHER.csv
       if (!f.timeline_dir.empty() && world.rank == 0) {
         csv = f.timeline_dir + "/" + name + "_" + dname + ".csv";
@@ -337,12 +363,18 @@ int main(int argc, char** argv) {
       }
       const size_t peak = peak_dispatch_and_intermediates(pass, stream, csv);
       comm_sync(world, stream, "bench_ep_moe");
-      const std::vector<long long> all = gather_all(world, {(long long)(ms * 1e3), (long long)peak, received}, stream);
-      Row row{dname, 0, 0, 0};
+      const std::vector<long long> all = gather_all(
+          world, {(long long)(fwd_ms * 1e3), (long long)(fwd_issue_ms * 1e3), (long long)(ms * 1e3),
+                  (long long)(checkpointed_ms * 1e3), (long long)peak, received},
+          stream);
+      Row row{dname, 0, 0, 0, 0, 0, 0};
       for (int r = 0; r < W; r++) {
-        row.ms_us = std::max(row.ms_us, all[r * 3 + 0]);
-        row.peak = std::max(row.peak, all[r * 3 + 1]);
-        row.received = std::max(row.received, all[r * 3 + 2]);
+        row.fwd_us = std::max(row.fwd_us, all[r * 6 + 0]);
+        row.fwd_issue_us = std::max(row.fwd_issue_us, all[r * 6 + 1]);
+        row.pass_us = std::max(row.pass_us, all[r * 6 + 2]);
+        row.checkpointed_us = std::max(row.checkpointed_us, all[r * 6 + 3]);
+        row.peak = std::max(row.peak, all[r * 6 + 4]);
+        row.received = std::max(row.received, all[r * 6 + 5]);
       }
       rows.push_back(row);
     }
@@ -351,17 +383,20 @@ int main(int argc, char** argv) {
       if (row.dispatcher == "llep") llep = &row;
     if (world.rank == 0)
       for (const Row& row : rows) {
-        char vs_time[32] = "-", vs_peak[32] = "-";
+        char vs_fwd[32] = "-", vs_pass[32] = "-", vs_checkpointed[32] = "-", vs_peak[32] = "-";
         if (llep != nullptr) {
-          snprintf(vs_time, sizeof vs_time, "%.2f", (double)row.ms_us / llep->ms_us);
+          snprintf(vs_fwd, sizeof vs_fwd, "%.2f", (double)row.fwd_us / llep->fwd_us);
+          snprintf(vs_pass, sizeof vs_pass, "%.2f", (double)row.pass_us / llep->pass_us);
+          snprintf(vs_checkpointed, sizeof vs_checkpointed, "%.2f", (double)row.checkpointed_us / llep->checkpointed_us);
           snprintf(vs_peak, sizeof vs_peak, "%.2f", (double)row.peak / llep->peak);
         }
         // ep and llep share one schedule and its closed form at their R_d (1gpu and pllep have their own)
         char closed[32] = "-";
         if (row.dispatcher == "ep" || row.dispatcher == "llep")
           snprintf(closed, sizeof closed, "%.1f", ep_moe_dispatch_peak_bytes((long long)N * k, row.received, H, sizeof(floatX)) / MiB);
-        printf("| %s | %s | %lld | %.3f | %s | %.1f | %s | %s |\n", routes.label.c_str(), row.dispatcher.c_str(),
-               row.received, row.ms_us / 1e3, vs_time, row.peak / MiB, vs_peak, closed);
+        printf("| %s | %s | %lld | %.3f | %s | %.3f | %s | %.3f | %s | %.1f | %s | %s | %.3f |\n", routes.label.c_str(),
+               row.dispatcher.c_str(), row.received, row.fwd_us / 1e3, vs_fwd, row.pass_us / 1e3, vs_pass,
+               row.checkpointed_us / 1e3, vs_checkpointed, row.peak / MiB, vs_peak, closed, row.fwd_issue_us / 1e3);
       }
     fflush(stdout);
 
