@@ -297,17 +297,22 @@ inline void llep_saved_free(LLEPSaved& saved) {
   saved = LLEPSaved();
 }
 
-// Each group's weights: an own expert's in place, a lent one's from the borrowed copies.
-inline GroupWeights llep_group_weights(const LLEPSaved& saved, const floatX* W13_local, const floatX* W2_local) {
-  const int H = saved.ep.H, I = saved.ep.I, E_l = saved.plan.local_experts;
+// Each group's weights: an own expert's in place, a borrowed one's at its index (mine.group_borrowed)
+// in borrowed_W13 [B,2I,H] / borrowed_W2 [B,H,I].
+inline GroupWeights llep_group_weights(const LLEPRankPlan& mine, int E_l, int H, int I, const floatX* borrowed_W13,
+                                       const floatX* borrowed_W2, const floatX* W13_local, const floatX* W2_local) {
   const size_t w13 = (size_t)2 * I * H, w2 = (size_t)H * I;
   GroupWeights w;
-  for (size_t g = 0; g < saved.mine.group_expert.size(); g++) {
-    const int b = saved.mine.group_borrowed[g], l = saved.mine.group_expert[g] % E_l;
-    w.W13.push_back(b < 0 ? W13_local + l * w13 : saved.borrowed_W13 + b * w13);
-    w.W2.push_back(b < 0 ? W2_local + l * w2 : saved.borrowed_W2 + b * w2);
+  for (size_t g = 0; g < mine.group_expert.size(); g++) {
+    const int b = mine.group_borrowed[g], l = mine.group_expert[g] % E_l;
+    w.W13.push_back(b < 0 ? W13_local + l * w13 : borrowed_W13 + b * w13);
+    w.W2.push_back(b < 0 ? W2_local + l * w2 : borrowed_W2 + b * w2);
   }
   return w;
+}
+inline GroupWeights llep_group_weights(const LLEPSaved& saved, const floatX* W13_local, const floatX* W2_local) {
+  return llep_group_weights(saved.mine, saved.plan.local_experts, saved.ep.H, saved.ep.I, saved.borrowed_W13,
+                            saved.borrowed_W2, W13_local, W2_local);
 }
 
 // Forward: each lent expert's W13 [2I,H] and W2 [H,I], home → helper, into the helper's borrowed
@@ -384,21 +389,26 @@ struct LLEPGradsHome {
   floatX *returned_dW13 = nullptr, *returned_dW2 = nullptr;
 };
 
-// Backward, before the pass: the borrowed gradients zeroed on `stream`; where each group's weight
-// gradient goes (+=): an own expert's dW*_local slice, a borrowed expert's zeroed gradient.
-inline GroupGrads llep_group_grads(LLEPGradsHome& home, const LLEPSaved& saved, floatX* dW13_local, floatX* dW2_local,
-                                   cudaStream_t stream) {
-  const int E_l = saved.plan.local_experts;
+// Backward, before the pass: the borrowed experts' gradients [B,...] (B = saved.mine.borrowed)
+// allocated and zeroed on `stream`.
+inline void llep_zero_borrowed_grads(LLEPGradsHome& home, const LLEPSaved& saved, cudaStream_t stream) {
   const size_t w13 = (size_t)2 * saved.ep.I * saved.ep.H, w2 = (size_t)saved.ep.H * saved.ep.I, B = saved.mine.borrowed.size();
   home.borrowed_dW13 = alloc_rows<floatX>(B * w13, Mem::Grads, "llep.borrowed_dW13");
   home.borrowed_dW2 = alloc_rows<floatX>(B * w2, Mem::Grads, "llep.borrowed_dW2");
   if (B > 0) {
-    cudaCheck(cudaMemsetAsync(home.borrowed_dW13, 0, B * w13 * sizeof(floatX), stream), "llep_group_grads", "zero B=%zu", B);
-    cudaCheck(cudaMemsetAsync(home.borrowed_dW2, 0, B * w2 * sizeof(floatX), stream), "llep_group_grads", "zero B=%zu", B);
+    cudaCheck(cudaMemsetAsync(home.borrowed_dW13, 0, B * w13 * sizeof(floatX), stream), "llep_zero_borrowed_grads", "B=%zu", B);
+    cudaCheck(cudaMemsetAsync(home.borrowed_dW2, 0, B * w2 * sizeof(floatX), stream), "llep_zero_borrowed_grads", "B=%zu", B);
   }
+}
+
+// Where each group's weight gradient goes (+=): an own expert's dW*_local slice, a borrowed expert's
+// gradient at its index (mine.group_borrowed) in home's borrowed gradients.
+inline GroupGrads llep_group_grads(const LLEPRankPlan& mine, int E_l, int H, int I, const LLEPGradsHome& home,
+                                   floatX* dW13_local, floatX* dW2_local) {
+  const size_t w13 = (size_t)2 * I * H, w2 = (size_t)H * I;
   GroupGrads grads;
-  for (size_t g = 0; g < saved.mine.group_expert.size(); g++) {
-    const int b = saved.mine.group_borrowed[g], l = saved.mine.group_expert[g] % E_l;
+  for (size_t g = 0; g < mine.group_expert.size(); g++) {
+    const int b = mine.group_borrowed[g], l = mine.group_expert[g] % E_l;
     grads.dW13.push_back(b < 0 ? dW13_local + l * w13 : home.borrowed_dW13 + b * w13);
     grads.dW2.push_back(b < 0 ? dW2_local + l * w2 : home.borrowed_dW2 + b * w2);
   }
@@ -473,7 +483,9 @@ inline void llep_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floatX
                           const LLEPSaved& saved, const float* topk_w, const floatX* W13_local, const floatX* W2_local,
                           const Comm& ep, cudaStream_t stream) {
   LLEPGradsHome home;
-  const GroupGrads grads = llep_group_grads(home, saved, dW13_local, dW2_local, stream);
+  llep_zero_borrowed_grads(home, saved, stream);
+  const GroupGrads grads =
+      llep_group_grads(saved.mine, saved.plan.local_experts, saved.ep.H, saved.ep.I, home, dW13_local, dW2_local);
   ep_moe_backward_planned(dx, dtopk_w, grads, dout, saved.ep, topk_w, llep_group_weights(saved, W13_local, W2_local),
                           ep, "llep_backward", stream);
   llep_send_gradients_home(home, saved, ep, stream, stream);

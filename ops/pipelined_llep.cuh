@@ -30,8 +30,12 @@
 //             (chunk, expert) in one kernel → one all-gather of all K·E counts → every chunk's LLEP
 //             plan (llep_plan, unchanged) before any chunk moves. Three host synchronisations per
 //             layer, whatever K; the plans are kept (host) for backward.
+//   loans     every chunk plan's helper pieces name an (expert, helper) pair; their union is lent
+//             once per pass, home → helper, before the first chunk's rows (xs), and in backward the
+//             borrowed experts' gradients accumulate over all chunks and go home once, after the
+//             last chunk's GEMMs. (Lent per chunk, the same expert would cross K times.)
 //   forward   per chunk: pack (gather its tokens' rows and routing, sort its routes, put them in
-//             its plan's send order, pack x's rows) → dispatch (lent weights and rows, xs) → experts
+//             its plan's send order, pack x's rows) → dispatch (rows, xs) → experts
 //             (grouped GEMMs, cs) → return (xs) → combine into out's chunk rows (cs). The host issues
 //             pack/dispatch of chunk i+1 before chunk i's experts, and chunk i−1's combine after
 //             them: chunk i's GEMMs run while chunk i+1's rows and chunk i−1's outputs travel.
@@ -41,15 +45,16 @@
 //   backward  per chunk: the forward recomputed from the kept plans (pack, dispatch, experts with
 //             h13 kept, return: no counts exchanged again) → dy = w·dout and dtopk_w at the source →
 //             dy out → backward GEMMs, weight gradients += (own experts in place, borrowed ones
-//             zeroed then sent home) → dx back, borrowed gradients home → dx's chunk rows, the home
-//             adds the returned gradients. Issued so that chunk i's backward GEMMs run while chunk
+//             into the layer's zeroed borrowed gradients) → dx back → dx's chunk rows; after the
+//             last chunk the borrowed gradients go home and the home adds them. Issued so that chunk i's backward GEMMs run while chunk
 //             i+1's recomputed outputs come back and chunk i+2's rows go out, and chunk i+1's
 //             recomputed GEMMs while chunk i's dy travels.
 // Live set (the pool's categories; b = bytes per floatX). Chunk i (n_i tokens, R_d(i) routes computed)
 // holds at most what one LLEP pass holds at its R's (ops/ep_moe.cuh's closed forms with R = k·n_i) plus
 // its gathered rows and routing: D_i = ep_moe_dispatch_peak_bytes(k·n_i, R_d(i), H, b) + 3·n_i·H·b +
-// 12·n_i·k. In flight at once: 3 consecutive chunks in forward, 4 in backward, so
-//   Dispatch             ≤ max over 4 consecutive chunks of Σ D_i                (pllep_dispatch_bound)
+// 12·n_i·k. In flight at once: 3 consecutive chunks, in forward (i−1 returning, i computing, i+1
+// dispatched) and in backward (i−1's dx returning or i+2 dispatched, i, i+1), so
+//   Dispatch             ≤ max over 3 consecutive chunks of Σ D_i                (pllep_dispatch_bound)
 //   ExpertIntermediates  ≤ I·b·max_i max(5·R_d(i) + 2·R_d(i+1), 2·R_d(i) + 3·R_d(i+1))
 //                          (chunk i's backward with chunk i+1's recomputed h13, or chunk i+1's
 //                          recomputation with chunk i's h13; forward: 3·R_d(i)·I·b, one chunk)
@@ -59,7 +64,9 @@
 // (Θ(K) chunks live); here backward recomputes, so a few chunks are all that is ever live. The price:
 // each chunk's forward exchanges and expert GEMMs run twice — which a layer under --recompute pays
 // anyway: its recomputation calls this forward with out = nullptr, which only plans.
-// Workspace beside: the K plans' send orders and block tables (4·(R + 2·Σ_i G_i·E_p) B, uploaded
+// Beside, for the pass: the layer's borrowed weights B·3·H·I·b (Weights) and in backward their
+// gradients B·3·H·I·b plus the returned ones L·3·H·I·b (Grads), B and L the experts this rank
+// borrows and lends over all chunks (B ≤ E − E_l: never its own). Workspace: the K plans' send orders and block tables (4·(R + 2·Σ_i G_i·E_p) B, uploaded
 // once per pass) and the K·E counts.
 // Layout of this file: the host-side plan first (pure C++, no CUDA call: the plan tests run it for up
 // to 64 ranks without a GPU), then the kernels and launchers.
@@ -150,7 +157,7 @@ inline size_t pllep_dispatch_bound(const std::vector<int>& chunk_tokens, const s
   size_t bound = 0;
   for (size_t i = 0; i < K; i++) {
     size_t window = 0;
-    for (size_t j = i; j < std::min(K, i + 4); j++) window += per_chunk[j];
+    for (size_t j = i; j < std::min(K, i + 3); j++) window += per_chunk[j];
     bound = std::max(bound, window);
   }
   return bound;
@@ -226,6 +233,10 @@ struct PLLEPSaved {
   std::vector<size_t> send_order_at;      // [K] offset of chunk i's send order in `tables`
   std::vector<size_t> blocks_at;          // [K] offset of chunk i's block tables
   std::vector<long long> chunk_received;  // [K] routes this rank computes in each chunk (R_d of its plan)
+  // The experts lent for the whole layer, once: every chunk plan's helper pieces, one transfer per
+  // (expert, helper), by expert then helper. This rank's share: what it borrows (the chunks' groups
+  // index these, LLEPRankPlan::group_borrowed) and what it lends.
+  std::vector<LLEPTransfer> borrowed, lent;
 };
 
 // The plans of every chunk, before any chunk moves: the N_r all-gathered (all_to_all_host) → the
@@ -263,9 +274,28 @@ inline void pllep_make_plans(PLLEPSaved& saved, const int* topk_idx, int N, int 
     for (int i = 0; i < K; i++)
       for (int e = 0; e < E; e++) chunk_counts[i][(size_t)s * E + e] = all[((size_t)s * K + i) * E + e];
   saved.plans = pllep_plan(saved.chunking, chunk_counts, k, alpha, min_rows);
+  std::vector<std::pair<int, int>> loans;  // (expert, helper) of every chunk's helper pieces
+  for (const LLEPPlan& plan : saved.plans)
+    for (const LLEPTransfer& t : plan.transfers) loans.push_back({t.expert, t.helper});
+  std::sort(loans.begin(), loans.end());
+  loans.erase(std::unique(loans.begin(), loans.end()), loans.end());
+  const int E_l = E / W;
+  std::vector<int> borrowed_index(E, -1);  // this rank's index of each expert it borrows
+  for (const std::pair<int, int>& loan : loans) {
+    const LLEPTransfer t{loan.first, loan.first / E_l, loan.second};
+    if (t.helper == ep.rank) {
+      borrowed_index[t.expert] = (int)saved.borrowed.size();
+      saved.borrowed.push_back(t);
+    }
+    if (t.home == ep.rank) saved.lent.push_back(t);
+  }
   for (int i = 0; i < K; i++) {
     saved.mine.push_back(llep_rank_plan(saved.plans[i], chunk_counts[i], ep.rank));
-    const LLEPRankPlan& m = saved.mine.back();
+    LLEPRankPlan& m = saved.mine.back();
+    for (size_t g = 0; g < m.group_expert.size(); g++)  // the layer's borrowed copies instead of the chunk's
+      if (m.group_borrowed[g] >= 0) m.group_borrowed[g] = borrowed_index[m.group_expert[g]];
+    m.borrowed.clear();  // lent once for the layer: saved.borrowed, saved.lent
+    m.lent.clear();
     saved.chunk_received.push_back(m.ep.received);
     saved.send_order_at.push_back(saved.tables.size());
     saved.tables.insert(saved.tables.end(), m.send_slot_of_row.begin(), m.send_slot_of_row.end());
@@ -281,7 +311,6 @@ struct PLLEPChunkRun {
   float* topk_w = nullptr;      // [n_i, k] gathered (Dispatch), kept to the combine
   LLEPSaved llep;               // route maps, receive map, xe, h13, y, borrowed weights
   EPExchange dispatch, ret;     // rows in flight (ops/ep_moe.cuh)
-  LLEPGradsHome home;           // backward: the borrowed experts' gradients
   StreamPoint dispatched, returned;  // the latest exchange out and back, on the communicator's stream
   ~PLLEPChunkRun() {
     pool().free(topk_w);
@@ -289,7 +318,9 @@ struct PLLEPChunkRun {
   }
 };
 
-// The shapes, weights and streams one pass works with; tables_dev: PLLEPSaved::tables on the device.
+// The shapes, weights and streams one pass works with; tables_dev: PLLEPSaved::tables on the device;
+// loans: the layer's borrowed weights (its mine.borrowed / lent = PLLEPSaved's); home: their
+// gradients (backward).
 struct PLLEPPass {
   const PLLEPSaved& saved;
   int H, I, E, k;
@@ -298,9 +329,28 @@ struct PLLEPPass {
   const Comm& ep;
   cudaStream_t cs;  // compute: kernels and GEMMs
   cudaStream_t xs;  // exchanges: the communicator's own stream
+  LLEPSaved* loans;
+  LLEPGradsHome* home;
   int K() const { return saved.chunking.chunks; }
-  GroupWeights weights(const PLLEPChunkRun& run) const { return llep_group_weights(run.llep, W13_local, W2_local); }
+  int E_l() const { return E / ep.size; }
+  GroupWeights weights(const PLLEPChunkRun& run) const {
+    return llep_group_weights(run.llep.mine, E_l(), H, I, loans->borrowed_W13, loans->borrowed_W2, W13_local, W2_local);
+  }
 };
+
+// The layer's loans (every chunk's borrowed experts, once), as an LLEPSaved that ops/llep.cuh's
+// lending and gradient return act on; lent home → helper on xs (after the work on cs so far).
+inline void pllep_lend_layer(LLEPSaved& loans, const PLLEPSaved& saved, int H, int I, int E, const floatX* W13_local,
+                             const floatX* W2_local, const Comm& ep, cudaStream_t cs) {
+  loans.ep.H = H;
+  loans.ep.I = I;
+  loans.plan.local_experts = E / ep.size;
+  loans.mine.borrowed = saved.borrowed;
+  loans.mine.lent = saved.lent;
+  llep_alloc_borrowed(loans);
+  stream_after(ep.stream, cs, "pllep_lend_layer");
+  llep_lend_weights(loans, W13_local, W2_local, ep, ep.stream);
+}
 
 // (cs) Chunk i's routing gathered, its routes sorted by expert and put in send order (its plan's,
 // from the uploaded tables), x's rows packed for the dispatch; the gathered x and topk_idx freed.
@@ -323,16 +373,13 @@ inline std::unique_ptr<PLLEPChunkRun> pllep_chunk_pack(const PLLEPPass& p, int i
   moe_route_sort(es.route_of_slot, es.slot_of_route, idx_chunk, R, p.E, p.cs, nullptr);  // counted and checked in pllep_make_plans
   pool().free(idx_chunk);
   llep_send_order(es, p.tables_dev + p.saved.send_order_at[i], p.cs);
-  llep_alloc_borrowed(ls);
   ep_forward_pack(run->dispatch, es, x_chunk, p.tables_dev + p.saved.blocks_at[i], "pllep", p.cs);
   pool().free(x_chunk);
   return run;
 }
 
-// (xs) The lent weights and x's rows to the ranks that compute them.
+// (xs) x's rows to the ranks that compute them (after the layer's lent weights, on the same stream).
 inline void pllep_chunk_dispatch(const PLLEPPass& p, PLLEPChunkRun& run) {
-  stream_after(p.xs, p.cs, "pllep.dispatch");
-  llep_lend_weights(run.llep, p.W13_local, p.W2_local, p.ep, p.xs);
   const EPPlan& plan = run.llep.ep.plan;
   ep_exchange_rows(run.dispatch, plan.send_rows, plan.recv_rows, p.H, p.ep, "pllep.x_recv", p.cs, p.xs);
   run.dispatched.record(p.xs, "pllep.dispatch");
@@ -385,10 +432,10 @@ inline void pllep_chunk_backward_dispatch(const PLLEPPass& p, PLLEPChunkRun& run
 }
 
 // (cs, after dy arrived) The chunk's backward GEMMs: its weight gradients (+=) into dW*_local or the
-// borrowed experts' zeroed gradients; dxe packed for the return.
+// layer's borrowed experts' gradients; dxe packed for the return.
 inline void pllep_chunk_backward_experts(const PLLEPPass& p, PLLEPChunkRun& run, floatX* dW13_local, floatX* dW2_local) {
   run.dispatched.wait_on(p.cs, "pllep_backward.experts");
-  const GroupGrads grads = llep_group_grads(run.home, run.llep, dW13_local, dW2_local, p.cs);
+  const GroupGrads grads = llep_group_grads(run.llep.mine, p.E_l(), p.H, p.I, *p.home, dW13_local, dW2_local);
   EPSaved& es = run.llep.ep;
   ep_backward_experts(run.ret, run.dispatch, grads, es, p.weights(run), "pllep_backward", p.cs);
   pool().free(es.h13);  // the chunk's last use of its recomputed intermediates and received rows
@@ -397,24 +444,21 @@ inline void pllep_chunk_backward_experts(const PLLEPPass& p, PLLEPChunkRun& run,
   es.xe = nullptr;
 }
 
-// (xs) dxe's rows back to their sources; the borrowed experts' gradients home.
+// (xs) dxe's rows back to their sources.
 inline void pllep_chunk_backward_return(const PLLEPPass& p, PLLEPChunkRun& run) {
   const EPPlan& plan = run.llep.ep.plan;
   ep_exchange_rows(run.ret, plan.recv_rows, plan.send_rows, p.H, p.ep, "pllep_backward.dx_sent", p.cs, p.xs);
-  llep_send_gradients_home(run.home, run.llep, p.ep, p.cs, p.xs);
   run.returned.record(p.xs, "pllep_backward.return");
 }
 
-// (cs, after the return) dx's chunk-i rows (=); the returned gradients added at home (+=); the chunk freed.
-inline void pllep_chunk_backward_combine(const PLLEPPass& p, std::unique_ptr<PLLEPChunkRun>& run, floatX* dx,
-                                         floatX* dW13_local, floatX* dW2_local) {
+// (cs, after the return) dx's chunk-i rows (=); the chunk freed.
+inline void pllep_chunk_backward_combine(const PLLEPPass& p, std::unique_ptr<PLLEPChunkRun>& run, floatX* dx) {
   run->returned.wait_on(p.cs, "pllep_backward.combine");
   const int n = run->llep.ep.N;
   floatX* dx_chunk = alloc_rows<floatX>((size_t)n * p.H, Mem::Dispatch, "pllep.dx_chunk");
   ep_backward_combine(dx_chunk, run->ret, run->llep.ep, p.cs);
   pllep_scatter(dx, dx_chunk, n, p.H, p.K(), run->index, p.cs);
   pool().free(dx_chunk);
-  llep_add_gradients_home(run->home, run->llep, dW13_local, dW2_local, p.cs);
   run.reset();
 }
 
@@ -439,7 +483,9 @@ inline void pllep_forward(floatX* out, PLLEPSaved& saved, const floatX* x, const
   pllep_make_plans(saved, topk_idx, N, E, k, token_budget, max_chunks, alpha, min_rows, ep, stream);
   if (out == nullptr) return;
   int* tables_dev = pllep_upload_tables(saved, stream);
-  const PLLEPPass p{saved, H, I, E, k, W13_local, W2_local, tables_dev, ep, stream, ep.stream};
+  LLEPSaved loans;
+  pllep_lend_layer(loans, saved, H, I, E, W13_local, W2_local, ep, stream);
+  const PLLEPPass p{saved, H, I, E, k, W13_local, W2_local, tables_dev, ep, stream, ep.stream, &loans, nullptr};
   const int K = p.K();
   std::vector<std::unique_ptr<PLLEPChunkRun>> runs(K);
   runs[0] = pllep_chunk_pack(p, 0, x, topk_idx, topk_w);
@@ -450,13 +496,11 @@ inline void pllep_forward(floatX* out, PLLEPSaved& saved, const floatX* x, const
       pllep_chunk_dispatch(p, *runs[i + 1]);
     }
     pllep_chunk_experts(p, *runs[i], false);
-    pool().free(runs[i]->llep.borrowed_W13);  // the forward's last use of the lent weights
-    pool().free(runs[i]->llep.borrowed_W2);
-    runs[i]->llep.borrowed_W13 = runs[i]->llep.borrowed_W2 = nullptr;
     pllep_chunk_return(p, *runs[i]);
     if (i >= 1) pllep_chunk_combine(p, runs[i - 1], out);
   }
   pllep_chunk_combine(p, runs[K - 1], out);
+  llep_saved_free(loans);  // the lent weights' last users were the experts' GEMMs on `stream`
   pool().free(tables_dev);
 }
 
@@ -464,12 +508,12 @@ inline void pllep_forward(floatX* out, PLLEPSaved& saved, const floatX* x, const
 // forward recomputed from the saved plans (no counts exchanged again). Collective over `ep`.
 // Synchronises `stream` once (the tables' upload).
 // Pipeline: per chunk i, recomputation (pack, dispatch, experts with h13 kept, return), then backward
-// (pack dy = w·dout, dispatch, experts, return dx and the borrowed gradients, combine). The host
-// issues, for each i: backward pack i, dispatch dy i; [experts i+1 (recomputed), return i+1];
-// [pack i+2, dispatch i+2]; backward experts i, return i; [combine i−1] — so that chunk i's
-// backward GEMMs run while chunk i+1's outputs come back and chunk i+2's rows go out, and chunk
-// i+1's recomputed GEMMs while chunk i's dy travels. In flight: chunk i (backward), i+1 (its h13 and
-// xe), i+2 (dispatched rows), and i−1 until its dx has come back.
+// (pack dy = w·dout, dispatch, experts, return dx, combine). The host issues, for each i: backward
+// pack i, dispatch dy i; [experts i+1 (recomputed), return i+1]; [combine i−1]; [pack i+2, dispatch
+// i+2]; backward experts i, return i — so that chunk i's backward GEMMs run while chunk i+1's outputs
+// come back and chunk i+2's rows go out, and chunk i+1's recomputed GEMMs while chunk i's dy and chunk
+// i−1's dx travel. Chunk i−1 is combined (and freed) before chunk i+2 is packed: three chunks in
+// flight. After the last chunk, the borrowed gradients go home once.
 inline void pllep_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, floatX* dW2_local, const floatX* dout,
                            const PLLEPSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                            const floatX* W13_local, const floatX* W2_local, int H, int I, int E, int k, const Comm& ep,
@@ -477,7 +521,11 @@ inline void pllep_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, float
   if (saved.chunking.chunks < 1 || (int)saved.plans.size() != saved.chunking.chunks)
     fm_fail("pllep_backward", "no forward to replay: run pllep_forward first", "N=%d", saved.N);
   int* tables_dev = pllep_upload_tables(saved, stream);
-  const PLLEPPass p{saved, H, I, E, k, W13_local, W2_local, tables_dev, ep, stream, ep.stream};
+  LLEPSaved loans;
+  LLEPGradsHome home;
+  pllep_lend_layer(loans, saved, H, I, E, W13_local, W2_local, ep, stream);
+  llep_zero_borrowed_grads(home, loans, stream);
+  const PLLEPPass p{saved, H, I, E, k, W13_local, W2_local, tables_dev, ep, stream, ep.stream, &loans, &home};
   const int K = p.K();
   std::vector<std::unique_ptr<PLLEPChunkRun>> runs(K);
   auto start_chunk = [&](int i) {  // pack and dispatch
@@ -495,12 +543,18 @@ inline void pllep_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, float
     pllep_chunk_backward_pack(p, *runs[i], dout, dtopk_w);
     pllep_chunk_backward_dispatch(p, *runs[i]);
     if (i + 1 < K) recompute_chunk(i + 1);
+    if (i >= 1) pllep_chunk_backward_combine(p, runs[i - 1], dx);  // before chunk i+2 takes its memory
     if (i + 2 < K) start_chunk(i + 2);
     pllep_chunk_backward_experts(p, *runs[i], dW13_local, dW2_local);
     pllep_chunk_backward_return(p, *runs[i]);
-    if (i >= 1) pllep_chunk_backward_combine(p, runs[i - 1], dx, dW13_local, dW2_local);
   }
-  pllep_chunk_backward_combine(p, runs[K - 1], dx, dW13_local, dW2_local);
+  StreamPoint gradients_home;  // every chunk's borrowed gradients, home once
+  llep_send_gradients_home(home, loans, ep, stream, ep.stream);
+  gradients_home.record(ep.stream, "pllep_backward.gradients_home");
+  pllep_chunk_backward_combine(p, runs[K - 1], dx);
+  gradients_home.wait_on(stream, "pllep_backward.gradients_home");
+  llep_add_gradients_home(home, loans, dW13_local, dW2_local, stream);
+  llep_saved_free(loans);
   pool().free(tables_dev);
 }
 

@@ -385,7 +385,7 @@ void check_llep_case(const std::string& label, const GlobalCase& c, double alpha
     const size_t inter_bound = pllep_intermediates_bound(chunked.chunk_received, I, b);
     EXPECT_LE(chunked.dispatch_peak, dispatch_bound) << pname;
     EXPECT_LE(chunked.intermediates_peak, inter_bound) << pname;
-    // with K ≥ 7 chunks, the (at most 4) in flight hold less than LLEP's whole pass
+    // with K ≥ 7 chunks, the (at most 3) in flight hold less than LLEP's whole pass
     if (K >= 7 && lent.received > 0) EXPECT_LT(chunked.dispatch_peak, lent.dispatch_peak) << pname;
     long long most = 0;
     for (long long R_d : chunked.chunk_received) most = std::max(most, R_d);

@@ -7,7 +7,8 @@
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   moe: the MoE dispatchers alone — test_gpu, then test_dist's EpMoEDist/LlepDist/DistModel tests, in both
-#     precisions (one log), and 30 training steps on every GPU with --moe ep, llep and pllep (hot:0.5/2 routing)
+#     precisions (one log), and 30 training steps on every GPU with --moe ep, llep and pllep (hot:0.5/2 routing),
+#     llep and pllep also with --recompute 1
 #   accum: BF16 gradient accumulation against the FP32 build: 200 steps of 8 micro-batches on one GPU,
 #     the loss gap and the pool peak (build/base_bf16_train, when present: the same run before a change)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
@@ -84,9 +85,10 @@ if [[ " $want " == *" moe "* ]]; then
   done
   gpus=$(nvidia-smi -L | wc -l)
   : > "$OUT/moe_train.log"
-  for m in ep llep pllep; do
+  for m in ep llep pllep "llep --recompute 1" "pllep --recompute 1"; do
+    rm -rf build/run-moe
     build/bf16/train --gpus "$gpus" --moe $m --routing hot:0.5/2 --llep_min_rows 16 --token_budget 512 --data data/fortunes \
-      --steps 30 --val_every 0 --sample_every 0 --ckpt_every 0 --log_every 10 --out build/run-moe-$m > build/moe_train.log 2>&1
+      --steps 30 --val_every 0 --sample_every 0 --ckpt_every 0 --log_every 10 --out build/run-moe > build/moe_train.log 2>&1
     rc=$?
     [ "$rc" -eq 0 ] || status=1
     cat build/moe_train.log >> "$OUT/moe_train.log"
