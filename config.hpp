@@ -377,7 +377,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
                                                " and " + std::to_string(t.kmax));
   need(t.moe != "local" || ep == 1, "--moe local keeps every expert on each rank: it needs --ep 1 (got ep " +
                                         std::to_string(ep) + ")");
-  refuse_unbuilt("--head", t.head, {"full"}, {"ring_dtp"});
+  refuse_unbuilt("--head", t.head, {"full"}, {"ring_dtp", "chunked"});
   refuse_unbuilt("--optimizer", t.optimizer, {"adamw"}, {"cpu_adamw", "offload_adamw"});
   need(t.val_every >= 0 && t.val_batches >= 0 && t.sample_every >= 0 && t.sample_len >= 0 &&
            t.ckpt_every >= 0 && t.log_every > 0,

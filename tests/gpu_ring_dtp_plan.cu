@@ -1,0 +1,125 @@
+// tests/gpu_ring_dtp_plan.cu — the host side of Ring-DTP (ops/ring_dtp.cuh), without a GPU: the ring's
+// schedule, the branch rule and the widest logits block, against the twin ref/ring_dtp.hpp, which runs
+// the ring round by round (each rank handing what travels to its right neighbour) in double precision.
+//   - The twin, both branches, P ∈ {1, 2, 3, 5}, V not divisible by P, N on both sides of V/P,
+//     unequal batches, targets in every shard, logits in sub-blocks (1 column, a width that divides
+//     no shard, wider than any shard): each rank's loss sum and dx and each shard's dW equal the full
+//     logits and cross-entropy (ref/cross_entropy.hpp) over the global batch; at every round a rank
+//     holds the plan's ring_dtp_visitor; every hop moves the plan's per-hop volume; the widest
+//     logits block is the plan's closed form.
+//   - The vocabulary intervals tile [0, V) for P up to 64, and the branch rule on both sides of V/P.
+// Fresh inputs every run (FLATMOE_SEED replays a run).
+#include "test_util.hpp"
+#include "../ops/ring_dtp.cuh"
+#include "../ref/cross_entropy.hpp"
+#include "../ref/ring_dtp.hpp"
+
+using Mat = ref::Mat<double>;
+
+TEST(RingDTPPlan, RingMatchesTheFullHeadRoundByRound) {
+  testutil::Rng rng;
+  const int H = 6;
+  const size_t b = 2;  // BF16 rows and weights: the volumes' element size
+  for (int P : {1, 2, 3, 5})
+    for (int V : {13, 29})
+      for (int N : {2, 9}) {  // V/P is 2.6..29: N falls on both sides of it
+        if (P > V) continue;
+        std::vector<std::pair<int, int>> intervals;
+        for (int r = 0; r < P; r++) intervals.push_back(ring_dtp_vocab_interval(V, P, r));
+        const Mat W = rng.mat<double>(V, H);
+        std::vector<Mat> x;
+        std::vector<ref::MatI> targets;
+        for (int r = 0; r < P; r++) {
+          const int rows = N + (r % 2);  // unequal batches
+          x.push_back(rng.mat<double>(rows, H));
+          ref::MatI t(rows, 1);
+          for (int n = 0; n < rows; n++)  // the first rows aim at every shard in turn, the rest anywhere
+            t(n, 0) = n < P ? rng.integer(intervals[n].first, intervals[n].second - 1) : rng.integer(0, V - 1);
+          targets.push_back(t);
+        }
+        const double dloss = rng.uniform(0.5, 2.0);
+        // the full head over the global batch
+        int total = 0;
+        for (const Mat& xr : x) total += (int)xr.rows();
+        Mat X(total, H);
+        ref::MatI T(total, 1);
+        for (int r = 0, row = 0; r < P; row += (int)x[r].rows(), r++) {
+          X.middleRows(row, x[r].rows()) = x[r];
+          T.middleRows(row, x[r].rows()) = targets[r];
+        }
+        const Mat logits = X * W.transpose();
+        ref::Vec<double> lse;
+        const ref::Vec<double> losses = ref::cross_entropy_forward(logits, T, lse);
+        const Mat dlogits = ref::cross_entropy_backward(logits, T, dloss);
+        const Mat dX = dlogits * W, dW = dlogits.transpose() * X;
+
+        const int widest = ring_dtp_widest_shard(V, P);
+        for (int block_cols : {1, 4, widest + 3})
+          for (ref::RingDTPMoves moves : {ref::RingDTPMoves::Weights, ref::RingDTPMoves::Activations}) {
+            const bool weights = moves == ref::RingDTPMoves::Weights;
+            const std::string name = std::string("ring_dtp ") + (weights ? "weights" : "activations") + " P=" +
+                                     std::to_string(P) + " V=" + std::to_string(V) + " N=" + std::to_string(N) +
+                                     " block=" + std::to_string(block_cols);
+            SCOPED_TRACE(name);
+            const ref::RingDTPRun<double> run = ref::ring_dtp(moves, x, targets, W, intervals, dloss, block_cols);
+            double worst = 0;
+            for (int r = 0, row = 0; r < P; row += (int)x[r].rows(), r++) {
+              worst = std::max(worst, std::abs(run.loss_sum[r] - losses.segment(row, x[r].rows()).sum()) /
+                                          std::abs(losses.segment(row, x[r].rows()).sum()));
+              worst = std::max(worst, testutil::rel_err(run.dx[r], Mat(dX.middleRows(row, x[r].rows()))));
+              worst = std::max(worst, testutil::rel_err(run.dW[r], Mat(dW.middleRows(intervals[r].first,
+                                                                                   intervals[r].second - intervals[r].first))));
+            }
+            EXPECT_LE(worst, 1e-12) << name;
+            long long N_max = 0;
+            for (const Mat& xr : x) N_max = std::max<long long>(N_max, xr.rows());
+            EXPECT_EQ(run.widest_block * N_max, ring_dtp_block_elems(N_max, V, P, block_cols)) << name;
+            ASSERT_EQ(run.forward.size(), (size_t)P * P);
+            for (size_t i = 0; i < run.forward.size(); i++) {
+              const ref::RingDTPRound &f = run.forward[i], &bw = run.backward[i];
+              EXPECT_EQ(f.visitor, ring_dtp_visitor(f.rank, f.round, P)) << name;
+              EXPECT_EQ(bw.visitor, ring_dtp_visitor(bw.rank, bw.round, P)) << name;
+              if (f.round + 1 == P) continue;  // the hop home (statistics or an accumulator) is not a round's payload
+              const long long rows = x[weights ? f.rank : f.visitor].rows();  // the batch that moves or stays
+              const RingDTPChoice want = ring_dtp_choose(weights ? "weights" : "activations", rows, V, P, H, b);
+              const long long shard_rows = intervals[f.visitor].second - intervals[f.visitor].first;
+              if (weights) EXPECT_EQ(f.weight_elems * (long long)b, shard_rows * H * (long long)b) << name;
+              else EXPECT_EQ(f.row_elems * (long long)b + f.stat_elems * 4, want.activation_bytes) << name;
+              if (weights && shard_rows == widest) EXPECT_EQ(f.weight_elems * (long long)b, want.weight_bytes) << name;
+            }
+          }
+      }
+}
+
+// Intervals tile [0, V) and differ by at most one; auto moves weights exactly when N > ⌈V/P⌉.
+TEST(RingDTPPlan, IntervalsAndTheBranchRule) {
+  for (int P : {1, 2, 3, 7, 8, 63, 64})
+    for (int V : {64, 97, 200000}) {
+      int next = 0, smallest = V, largest = 0;
+      for (int r = 0; r < P; r++) {
+        const std::pair<int, int> iv = ring_dtp_vocab_interval(V, P, r);
+        EXPECT_EQ(iv.first, next) << "P=" << P << " V=" << V << " r=" << r;
+        next = iv.second;
+        smallest = std::min(smallest, iv.second - iv.first);
+        largest = std::max(largest, iv.second - iv.first);
+      }
+      EXPECT_EQ(next, V);
+      EXPECT_LE(largest - smallest, 1);
+      EXPECT_EQ(largest, ring_dtp_widest_shard(V, P));
+      for (long long N : {(long long)largest - 1, (long long)largest, (long long)largest + 1}) {
+        if (N < 0) continue;
+        const RingDTPChoice c = ring_dtp_choose("auto", N, V, P, 7168, 4);
+        EXPECT_EQ(c.branch, N > largest ? RingDTPBranch::Weights : RingDTPBranch::Activations) << "N=" << N;
+      }
+    }
+  // the paper's Table 2 shape at P = 2 (H 7168, V 200000, FP32): both branches occur at 1 GPU's sizes
+  for (long long N : {4096LL, 131072LL}) {
+    const RingDTPChoice c = ring_dtp_choose("auto", N, 200000, 2, 7168, 4);
+    printf("[ring_dtp] N=%lld V=200000 P=2 H=7168 fp32: weights %lld B/hop, activations %lld B/hop -> %s\n", N,
+           c.weight_bytes, c.activation_bytes, ring_dtp_branch_name(c.branch));
+    EXPECT_EQ(c.branch, N > 100000 ? RingDTPBranch::Weights : RingDTPBranch::Activations);
+  }
+  EXPECT_EQ(ring_dtp_block_elems(4096, 200000, 2, 8192), 4096LL * 8192);
+  EXPECT_DEATH(ring_dtp_choose("ring", 16, 64, 2, 8, 2), "ring_dtp_choose.*weights, activations or auto");
+  EXPECT_DEATH(ring_dtp_vocab_interval(3, 4, 0), "ring_dtp_vocab_interval.*1 <= P <= V");
+}
