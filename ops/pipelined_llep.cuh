@@ -378,11 +378,18 @@ inline std::unique_ptr<PLLEPChunkRun> pllep_chunk_pack(const PLLEPPass& p, int i
   return run;
 }
 
-// (xs) x's rows to the ranks that compute them (after the layer's lent weights, on the same stream).
-inline void pllep_chunk_dispatch(const PLLEPPass& p, PLLEPChunkRun& run) {
+// (xs) The chunk's rows out to the ranks that compute its routes (x's in forward, dy's in backward;
+// after the layer's lent weights, on the same stream), or back to their sources (the expert outputs,
+// dxe); `tag` names the rows that arrive.
+inline void pllep_chunk_send_out(const PLLEPPass& p, PLLEPChunkRun& run, const char* tag) {
   const EPPlan& plan = run.llep.ep.plan;
-  ep_exchange_rows(run.dispatch, plan.send_rows, plan.recv_rows, p.H, p.ep, "pllep.x_recv", p.cs, p.xs);
-  run.dispatched.record(p.xs, "pllep.dispatch");
+  ep_exchange_rows(run.dispatch, plan.send_rows, plan.recv_rows, p.H, p.ep, tag, p.cs, p.xs);
+  run.dispatched.record(p.xs, tag);
+}
+inline void pllep_chunk_send_back(const PLLEPPass& p, PLLEPChunkRun& run, const char* tag) {
+  const EPPlan& plan = run.llep.ep.plan;
+  ep_exchange_rows(run.ret, plan.recv_rows, plan.send_rows, p.H, p.ep, tag, p.cs, p.xs);
+  run.returned.record(p.xs, tag);
 }
 
 // (cs, after the dispatch) The chunk's expert GEMMs; keep_h13 for a backward that follows.
@@ -391,21 +398,17 @@ inline void pllep_chunk_experts(const PLLEPPass& p, PLLEPChunkRun& run, bool kee
   ep_forward_experts(run.ret, run.dispatch, run.llep.ep, p.weights(run), keep_h13, "pllep", p.cs);
 }
 
-// (xs) The expert outputs back to their sources.
-inline void pllep_chunk_return(const PLLEPPass& p, PLLEPChunkRun& run) {
-  const EPPlan& plan = run.llep.ep.plan;
-  ep_exchange_rows(run.ret, plan.recv_rows, plan.send_rows, p.H, p.ep, "pllep.y", p.cs, p.xs);
-  run.returned.record(p.xs, "pllep.return");
-}
-
-// (cs, after the return) out's chunk-i rows (=) = the weighted combine; the chunk freed.
-inline void pllep_chunk_combine(const PLLEPPass& p, std::unique_ptr<PLLEPChunkRun>& run, floatX* out) {
+// (cs, after the rows came back) The chunk's rows of `rows` (=): out, the weighted combine of the
+// expert outputs (forward), or dx, the sum of each token's routes' input gradients (backward); the
+// chunk freed.
+inline void pllep_chunk_combine(const PLLEPPass& p, std::unique_ptr<PLLEPChunkRun>& run, floatX* rows, bool backward) {
   run->returned.wait_on(p.cs, "pllep.combine");
   const int n = run->llep.ep.N;
-  floatX* out_chunk = alloc_rows<floatX>((size_t)n * p.H, Mem::Dispatch, "pllep.out_chunk");
-  ep_forward_combine(out_chunk, run->ret, run->llep.ep, run->topk_w, p.cs);
-  pllep_scatter(out, out_chunk, n, p.H, p.K(), run->index, p.cs);
-  pool().free(out_chunk);
+  floatX* chunk_rows = alloc_rows<floatX>((size_t)n * p.H, Mem::Dispatch, backward ? "pllep.dx_chunk" : "pllep.out_chunk");
+  if (backward) ep_backward_combine(chunk_rows, run->ret, run->llep.ep, p.cs);
+  else ep_forward_combine(chunk_rows, run->ret, run->llep.ep, run->topk_w, p.cs);
+  pllep_scatter(rows, chunk_rows, n, p.H, p.K(), run->index, p.cs);
+  pool().free(chunk_rows);
   run.reset();
 }
 
@@ -424,13 +427,6 @@ inline void pllep_chunk_backward_pack(const PLLEPPass& p, PLLEPChunkRun& run, co
   es.y = nullptr;
 }
 
-// (xs) dy's rows to the ranks that computed the routes.
-inline void pllep_chunk_backward_dispatch(const PLLEPPass& p, PLLEPChunkRun& run) {
-  const EPPlan& plan = run.llep.ep.plan;
-  ep_exchange_rows(run.dispatch, plan.send_rows, plan.recv_rows, p.H, p.ep, "pllep_backward.dy_recv", p.cs, p.xs);
-  run.dispatched.record(p.xs, "pllep_backward.dispatch");
-}
-
 // (cs, after dy arrived) The chunk's backward GEMMs: its weight gradients (+=) into dW*_local or the
 // layer's borrowed experts' gradients; dxe packed for the return.
 inline void pllep_chunk_backward_experts(const PLLEPPass& p, PLLEPChunkRun& run, floatX* dW13_local, floatX* dW2_local) {
@@ -442,24 +438,6 @@ inline void pllep_chunk_backward_experts(const PLLEPPass& p, PLLEPChunkRun& run,
   pool().free(es.xe);
   es.h13 = nullptr;
   es.xe = nullptr;
-}
-
-// (xs) dxe's rows back to their sources.
-inline void pllep_chunk_backward_return(const PLLEPPass& p, PLLEPChunkRun& run) {
-  const EPPlan& plan = run.llep.ep.plan;
-  ep_exchange_rows(run.ret, plan.recv_rows, plan.send_rows, p.H, p.ep, "pllep_backward.dx_sent", p.cs, p.xs);
-  run.returned.record(p.xs, "pllep_backward.return");
-}
-
-// (cs, after the return) dx's chunk-i rows (=); the chunk freed.
-inline void pllep_chunk_backward_combine(const PLLEPPass& p, std::unique_ptr<PLLEPChunkRun>& run, floatX* dx) {
-  run->returned.wait_on(p.cs, "pllep_backward.combine");
-  const int n = run->llep.ep.N;
-  floatX* dx_chunk = alloc_rows<floatX>((size_t)n * p.H, Mem::Dispatch, "pllep.dx_chunk");
-  ep_backward_combine(dx_chunk, run->ret, run->llep.ep, p.cs);
-  pllep_scatter(dx, dx_chunk, n, p.H, p.K(), run->index, p.cs);
-  pool().free(dx_chunk);
-  run.reset();
 }
 
 // The saved tables on the device for one pass (Workspace; one copy, synchronises `stream`).
@@ -489,17 +467,17 @@ inline void pllep_forward(floatX* out, PLLEPSaved& saved, const floatX* x, const
   const int K = p.K();
   std::vector<std::unique_ptr<PLLEPChunkRun>> runs(K);
   runs[0] = pllep_chunk_pack(p, 0, x, topk_idx, topk_w);
-  pllep_chunk_dispatch(p, *runs[0]);
+  pllep_chunk_send_out(p, *runs[0], "pllep.x_recv");
   for (int i = 0; i < K; i++) {
     if (i + 1 < K) {
       runs[i + 1] = pllep_chunk_pack(p, i + 1, x, topk_idx, topk_w);
-      pllep_chunk_dispatch(p, *runs[i + 1]);
+      pllep_chunk_send_out(p, *runs[i + 1], "pllep.x_recv");
     }
     pllep_chunk_experts(p, *runs[i], false);
-    pllep_chunk_return(p, *runs[i]);
-    if (i >= 1) pllep_chunk_combine(p, runs[i - 1], out);
+    pllep_chunk_send_back(p, *runs[i], "pllep.y");
+    if (i >= 1) pllep_chunk_combine(p, runs[i - 1], out, false);
   }
-  pllep_chunk_combine(p, runs[K - 1], out);
+  pllep_chunk_combine(p, runs[K - 1], out, false);
   llep_saved_free(loans);  // the lent weights' last users were the experts' GEMMs on `stream`
   pool().free(tables_dev);
 }
@@ -530,28 +508,28 @@ inline void pllep_backward(floatX* dx, float* dtopk_w, floatX* dW13_local, float
   std::vector<std::unique_ptr<PLLEPChunkRun>> runs(K);
   auto start_chunk = [&](int i) {  // pack and dispatch
     runs[i] = pllep_chunk_pack(p, i, x, topk_idx, topk_w);
-    pllep_chunk_dispatch(p, *runs[i]);
+    pllep_chunk_send_out(p, *runs[i], "pllep.x_recv");
   };
   auto recompute_chunk = [&](int i) {  // experts with h13 kept, return
     pllep_chunk_experts(p, *runs[i], true);
-    pllep_chunk_return(p, *runs[i]);
+    pllep_chunk_send_back(p, *runs[i], "pllep.y");
   };
   start_chunk(0);
   recompute_chunk(0);
   if (K > 1) start_chunk(1);
   for (int i = 0; i < K; i++) {
     pllep_chunk_backward_pack(p, *runs[i], dout, dtopk_w);
-    pllep_chunk_backward_dispatch(p, *runs[i]);
+    pllep_chunk_send_out(p, *runs[i], "pllep_backward.dy_recv");
     if (i + 1 < K) recompute_chunk(i + 1);
-    if (i >= 1) pllep_chunk_backward_combine(p, runs[i - 1], dx);  // before chunk i+2 takes its memory
+    if (i >= 1) pllep_chunk_combine(p, runs[i - 1], dx, true);  // before chunk i+2 takes its memory
     if (i + 2 < K) start_chunk(i + 2);
     pllep_chunk_backward_experts(p, *runs[i], dW13_local, dW2_local);
-    pllep_chunk_backward_return(p, *runs[i]);
+    pllep_chunk_send_back(p, *runs[i], "pllep_backward.dx_sent");
   }
   StreamPoint gradients_home;  // every chunk's borrowed gradients, home once
   llep_send_gradients_home(home, loans, ep, stream, ep.stream);
   gradients_home.record(ep.stream, "pllep_backward.gradients_home");
-  pllep_chunk_backward_combine(p, runs[K - 1], dx);
+  pllep_chunk_combine(p, runs[K - 1], dx, true);
   gradients_home.wait_on(stream, "pllep_backward.gradients_home");
   llep_add_gradients_home(home, loans, dW13_local, dW2_local, stream);
   llep_saved_free(loans);

@@ -4,6 +4,7 @@
 #pragma once
 #include <Eigen/Dense>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace ref {
@@ -18,5 +19,14 @@ template <typename T>
 T silu(T x) { return x / (T(1) + std::exp(-x)); }
 template <typename T>
 T sigmoid(T x) { return T(1) / (T(1) + std::exp(-x)); }
+
+// One hop of a ring of ranks (ref/relay_moe.hpp, ref/ring_dtp.hpp): what rank r holds goes to rank
+// (r + 1) mod ranks.
+template <typename X>
+void ring_pass_right(std::vector<X>& held) {
+  std::vector<X> next(held.size());
+  for (size_t r = 0; r < held.size(); r++) next[(r + 1) % held.size()] = std::move(held[r]);
+  held = std::move(next);
+}
 
 }  // namespace ref

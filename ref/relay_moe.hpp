@@ -61,14 +61,6 @@ struct Pair {
   }
 };
 
-// After a hop: what rank r holds goes to rank r+1.
-template <typename X>
-void pass_right(std::vector<X>& held) {
-  std::vector<X> next(held.size());
-  for (size_t r = 0; r < held.size(); r++) next[(r + 1) % held.size()] = std::move(held[r]);
-  held = std::move(next);
-}
-
 template <typename T>
 std::vector<Mat<T>> zeros_like(const std::vector<Mat<T>>& mats) {
   std::vector<Mat<T>> z;
@@ -123,7 +115,7 @@ RelayRun<T> relay_expert_mode(const std::vector<Mat<T>>& x, const std::vector<Ma
         }
       run.forward.push_back(RelayHop{r, hop, p.id, hop + 1 < ranks ? weight_elems(p) : 0, 0, 0, 0});
     }
-    if (hop + 1 < ranks) pass_right(held);
+    if (hop + 1 < ranks) ring_pass_right(held);
   }
   // backward: the same ring from each rank's own partition, with its zeroed weight-gradient accumulator
   for (int r = 0; r < ranks; r++) {
@@ -149,7 +141,7 @@ RelayRun<T> relay_expert_mode(const std::vector<Mat<T>>& x, const std::vector<Ma
       for (size_t e = 0; e < p.dW13.size(); e++) acc += p.dW13[e].size() + p.dW2[e].size();
       run.backward.push_back(RelayHop{r, hop, p.id, hop + 1 < ranks ? weight_elems(p) : 0, 0, acc, 0});
     }
-    pass_right(held);  // after the last hop only the accumulators' pass matters: it takes each one home
+    ring_pass_right(held);  // after the last hop only the accumulators' pass matters: it takes each one home
   }
   for (int r = 0; r < ranks; r++) {
     if (held[r].id != r) throw std::logic_error("relay_expert_mode: an accumulator did not end at its owner");
@@ -200,7 +192,7 @@ RelayRun<T> relay_token_mode(const std::vector<Mat<T>>& x, const std::vector<Mat
         }
       run.forward.push_back(RelayHop{r, hop, b.source, 0, b.x.size(), b.out.size(), b.topk_idx.size()});
     }
-    pass_right(held);  // after the last hop: every block home, with its output
+    ring_pass_right(held);  // after the last hop: every block home, with its output
   }
   for (int r = 0; r < ranks; r++) {
     if (held[r].source != r) throw std::logic_error("relay_token_mode: a block did not come home");
@@ -225,7 +217,7 @@ RelayRun<T> relay_token_mode(const std::vector<Mat<T>>& x, const std::vector<Mat
       run.backward.push_back(RelayHop{r, hop, b.source, 0, b.x.size() + b.dout.size(), b.dx.size(),
                                       b.topk_idx.size() + b.dtopk_w.size()});
     }
-    pass_right(held);
+    ring_pass_right(held);
   }
   for (int r = 0; r < ranks; r++) {
     if (held[r].source != r) throw std::logic_error("relay_token_mode: a block did not come home");

@@ -49,13 +49,6 @@ struct RingDTPRun {
 
 namespace ring_dtp_detail {
 
-template <typename X>
-void pass_right(std::vector<X>& held) {
-  std::vector<X> next(held.size());
-  for (size_t r = 0; r < held.size(); r++) next[(r + 1) % held.size()] = std::move(held[r]);
-  held = std::move(next);
-}
-
 // A batch with its running statistics: max m, sum l of exp(logit − m), target logit, lse; dx.
 template <typename T>
 struct Batch {
@@ -153,8 +146,8 @@ RingDTPRun<T> ring_dtp(RingDTPMoves moves, const std::vector<Mat<T>>& x, const s
       }
       run.forward.push_back(rec);
     }
-    if (weights_move && round + 1 < P) pass_right(shards);
-    if (!weights_move) pass_right(batches);  // after the last round: every batch home
+    if (weights_move && round + 1 < P) ring_pass_right(shards);
+    if (!weights_move) ring_pass_right(batches);  // after the last round: every batch home
   }
   for (int r = 0; r < P; r++) {
     Batch<T>& b = batches[r];
@@ -180,8 +173,8 @@ RingDTPRun<T> ring_dtp(RingDTPMoves moves, const std::vector<Mat<T>>& x, const s
       }
       run.backward.push_back(rec);
     }
-    if (weights_move) pass_right(shards);  // after the last round: every accumulator to its owner
-    else pass_right(batches);              // after the last round: every batch (and its dx) home
+    if (weights_move) ring_pass_right(shards);  // after the last round: every accumulator to its owner
+    else ring_pass_right(batches);              // after the last round: every batch (and its dx) home
   }
   for (int r = 0; r < P; r++) {
     if (shards[r].owner != r || batches[r].source != r) throw std::logic_error("ring_dtp: a gradient did not come home");
