@@ -436,6 +436,45 @@ TEST(DataShards, WriteRefusesBadTokensAndKeepsTheOldFile) {
   EXPECT_FALSE(fs::exists(path + ".tmp"));
 }
 
+// A shard written in pieces (ShardWriter: the count in the header first, then the tokens as they
+// come) is the same file as one written whole; appending more or fewer tokens than the header says
+// is refused and leaves no file.
+TEST(DataShards, WriterInPiecesWritesTheSameFile) {
+  testutil::Rng rng;
+  TempDir dir;
+  for (const int V : {300, 70000}) {
+    std::vector<int> tokens(size_t(rng.integer(1, 5000)));
+    for (int& t : tokens) t = rng.integer(0, V - 1);
+    const std::string whole = dir.file("whole" + std::to_string(V) + ".bin"),
+                      in_pieces = dir.file("pieces" + std::to_string(V) + ".bin");
+    data::write_shard(whole, tokens, V);
+    data::ShardWriter pieces(in_pieces, (long long)tokens.size(), V);
+    for (size_t done = 0; done < tokens.size();) {
+      const size_t n = std::min(tokens.size() - done, size_t(rng.integer(0, 700)));
+      pieces.append(tokens.data() + done, n);
+      done += n;
+    }
+    EXPECT_FALSE(fs::exists(in_pieces)) << "only PATH.tmp before commit";
+    pieces.commit();
+    EXPECT_EQ(read_bytes(in_pieces), read_bytes(whole)) << "V = " << V;
+  }
+  const std::vector<int> three = {1, 2, 3};
+  expect_refused([&] {
+    data::ShardWriter out(dir.file("more.bin"), 2, 10);
+    out.append(three.data(), 3);
+  }, {dir.file("more.bin"), "3 tokens appended, more than the 2 of its header"});
+  expect_refused([&] {
+    data::ShardWriter out(dir.file("fewer.bin"), 4, 10);
+    out.append(three.data(), 3);
+    out.commit();
+  }, {dir.file("fewer.bin"), "3 tokens appended, fewer than the 4"});
+  expect_refused([&] { data::ShardWriter(dir.file("big.bin"), 1LL << 31, 10); }, {"do not fit the int32 token count"});
+  for (const char* name : {"more.bin", "fewer.bin", "big.bin"}) {
+    EXPECT_FALSE(fs::exists(dir.file(name))) << name;
+    EXPECT_FALSE(fs::exists(dir.file(name) + ".tmp")) << name;
+  }
+}
+
 TEST(DataShards, ReadRefusesCorruptFiles) {
   TempDir dir;
   const std::string good_path = dir.file("good.bin");
