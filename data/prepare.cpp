@@ -14,9 +14,10 @@
 //   ("Abdomen \Ab*do"men\, n. ..."); the entry's senses, quotations and blank lines between them are
 //   indented, and "[1913 Webster]" source lines that stand after an empty line belong to the entry
 //   above. The entry runs to the next such line, without its trailing blank lines. On gcide 0.48
-//   this finds 126,242 entries where gcide.index lists 126,240 (the license paragraphs at the start,
-//   and a few lines at column 0 inside entries, make extra ones); an entry that is not valid UTF-8
-//   (3 in gcide: stray Windows-1252 bytes) is dropped with a note.
+//   this finds 126,242 entries where gcide.index lists 126,240 (20 boundaries differ: license
+//   paragraphs and a few column-0 lines inside entries start extra ones, and 9 index entries that
+//   start at an indented sense stay in the entry above; notes/data.md); an entry that is not valid
+//   UTF-8 (3 in gcide: stray Windows-1252 bytes) is dropped with a note.
 //   Any other file with a line that is exactly "%" (ended by "\n", by DOS's "\r\n", or by the end of
 //   the file) is a fortune file: its documents are the texts between such lines; any other file is
 //   one document. Documents that are empty or only whitespace are dropped.
