@@ -3,7 +3,9 @@
 #   make test               install what is missing, build everything (both precisions), run all tests
 #   make bench              training throughput and memory benchmarks (needs a GPU)
 #   make toy                print one toy MoE layer traced through expert parallelism (CPU)
-# Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90, EIGEN_DIR, GTEST_DIR, NVCC.
+#   make data [CORPUS=large] prepare the corpus: fortunes (default) or large (fortunes + GCIDE)
+# Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90, EIGEN_DIR, GTEST_DIR, NVCC,
+#   CORPUS=fortunes|large, FORTUNES (folder), GCIDE (gcide.dict.dz), DATA_DIR.
 
 PRECISION ?= BF16
 GPU_ARCH  ?= 90
@@ -12,7 +14,23 @@ CXX       ?= g++
 EIGEN_DIR ?= /usr/include/eigen3
 GTEST_DIR ?= /usr/src/googletest/googletest
 FORTUNES  ?= /usr/share/games/fortunes
+CORPUS    ?= fortunes
+# The GNU Collaborative International Dictionary of English, Debian's dict-gcide; when GCIDE is left
+# as it is, the package is downloaded and unpacked into .deps/ (not installed: it would pull dictd).
+GCIDE_DEFAULT := .deps/usr/share/dictd/gcide.dict.dz
+GCIDE     ?= $(GCIDE_DEFAULT)
+ifeq ($(CORPUS),fortunes)
 DATA_DIR  ?= data/fortunes
+CORPUS_FILES :=
+PREPARE_FLAGS := --input $(FORTUNES)
+else ifeq ($(CORPUS),large)
+DATA_DIR  ?= data/large
+CORPUS_FILES := $(GCIDE)
+# --val-frac 0.12: the validation shard holds 12 batches of 16 x 1024 tokens per rank at 8 ranks (README)
+PREPARE_FLAGS := --input $(FORTUNES) --input $(GCIDE) --val-frac 0.12
+else
+$(error CORPUS must be fortunes or large, got '$(CORPUS)')
+endif
 TRAIN_FLAGS ?=
 
 BUILD := build
@@ -120,9 +138,21 @@ $(eval $(call precision_build,bf16,-DFLATMOE_BF16))
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 
 # ---- data ----------------------------------------------------------------------------------
-$(DATA_DIR)/train_000.bin: $(BUILD)/prepare
-	$(BUILD)/prepare --input $(FORTUNES) --out $(DATA_DIR)
+$(DATA_DIR)/train_000.bin: $(BUILD)/prepare $(CORPUS_FILES)
+	$(BUILD)/prepare $(PREPARE_FLAGS) --out $(DATA_DIR)
 data: $(DATA_DIR)/train_000.bin
+
+# dict-gcide's .deb fetched with apt-get download (after an apt-get update if the lists lack it) and
+# unpacked with dpkg -x, only when the file is missing
+$(GCIDE_DEFAULT):
+	@mkdir -p .deps/debs
+	cd .deps/debs && { apt-get download dict-gcide || { $(SUDO) apt-get update -qq && apt-get download dict-gcide; }; }
+	dpkg -x "$$(ls -t .deps/debs/dict-gcide_*.deb | head -n 1)" .deps
+	@test -f $@ || { echo "error: the dict-gcide package holds no $@"; exit 1; }
+ifneq ($(GCIDE),$(GCIDE_DEFAULT))
+$(GCIDE):
+	@echo "error: GCIDE=$@ does not exist (gcide.dict.dz of Debian's dict-gcide; leave GCIDE unset to fetch it into .deps/)"; exit 1
+endif
 
 # ---- the two commands of the README --------------------------------------------------------
 train: deps $(BUILD)/$(P)/train data

@@ -27,31 +27,73 @@ struct ShardInfo {
   int bytes_per_token;  // 2 or 4
 };
 
-// Writes `tokens` (each in [0, vocab_size)) to `path` via PATH.tmp + rename; uint16 tokens when
-// vocab_size ≤ 65535, uint32 otherwise.
+// Writes a shard of exactly `num_tokens` tokens that arrive in pieces (append), so that a writer
+// holds none of them: the header goes out first, each piece is checked and converted as it comes,
+// and commit() renames PATH.tmp to PATH once all num_tokens have been appended (AtomicFileWriter:
+// a writer destroyed before commit() leaves no file). uint16 tokens when vocab_size ≤ 65535,
+// uint32 otherwise.
+class ShardWriter {
+ public:
+  ShardWriter(const std::string& path, long long num_tokens, int vocab_size)
+      : path_(path), num_tokens_(num_tokens), vocab_size_(vocab_size), width_(vocab_size > 65535 ? 4 : 2),
+        out_(checked(path, num_tokens, vocab_size)) {
+    std::string header;
+    int32_t words[kHeaderWords] = {};
+    words[0] = width_ == 4 ? kShardMagicU32 : kShardMagicU16;
+    words[1] = width_ == 4 ? kShardVersionU32 : kShardVersionU16;
+    words[2] = int32_t(num_tokens);
+    for (int32_t word : words) append_i32_le(header, word);
+    out_.write(header);
+  }
+
+  // Appends tokens[0, n), each in [0, vocab_size); refuses more than num_tokens in all.
+  void append(const int* tokens, size_t n) {
+    if ((long long)n > num_tokens_ - written_)
+      throw refuse(std::to_string(written_ + (long long)n) + " tokens appended, more than the " +
+                   std::to_string(num_tokens_) + " of its header");
+    bytes_.clear();
+    for (size_t i = 0; i < n; i++) {
+      const int token = tokens[i];
+      if (token < 0 || token >= vocab_size_)
+        throw refuse("token " + std::to_string(written_ + (long long)i) + " = " + std::to_string(token) +
+                     " outside the vocabulary [0, " + std::to_string(vocab_size_) + ")");
+      for (int b = 0; b < width_; b++) bytes_.push_back(char((uint32_t(token) >> (8 * b)) & 0xFF));
+    }
+    out_.write(bytes_);
+    written_ += (long long)n;
+  }
+
+  void commit() {
+    if (written_ != num_tokens_)
+      throw refuse(std::to_string(written_) + " tokens appended, fewer than the " + std::to_string(num_tokens_) +
+                   " of its header");
+    out_.commit();
+  }
+
+ private:
+  // `path`, once the sizes are known to be writable (before the file is created).
+  static const std::string& checked(const std::string& path, long long num_tokens, int vocab_size) {
+    if (vocab_size <= 0)
+      throw std::runtime_error("shard " + path + ": vocab size " + std::to_string(vocab_size) + " must be positive");
+    if (num_tokens <= 0) throw std::runtime_error("shard " + path + ": no tokens to write");
+    if (num_tokens > std::numeric_limits<int32_t>::max())
+      throw std::runtime_error("shard " + path + ": " + std::to_string(num_tokens) +
+                               " tokens do not fit the int32 token count of the header");
+    return path;
+  }
+  std::runtime_error refuse(const std::string& why) const { return std::runtime_error("shard " + path_ + ": " + why); }
+
+  std::string path_;
+  long long num_tokens_, written_ = 0;
+  int vocab_size_, width_;
+  AtomicFileWriter out_;
+  std::string bytes_;  // one piece in the file's byte order
+};
+
+// Writes `tokens` (each in [0, vocab_size)) to `path` via PATH.tmp + rename (ShardWriter, in one piece).
 inline void write_shard(const std::string& path, const std::vector<int>& tokens, int vocab_size) {
-  auto refuse = [&](const std::string& why) { return std::runtime_error("shard " + path + ": " + why); };
-  if (vocab_size <= 0) throw refuse("vocab size " + std::to_string(vocab_size) + " must be positive");
-  if (tokens.empty()) throw refuse("no tokens to write");
-  if (tokens.size() > size_t(std::numeric_limits<int32_t>::max()))
-    throw refuse(std::to_string(tokens.size()) + " tokens do not fit the int32 token count of the header");
-  for (size_t i = 0; i < tokens.size(); i++)
-    if (tokens[i] < 0 || tokens[i] >= vocab_size)
-      throw refuse("token " + std::to_string(i) + " = " + std::to_string(tokens[i]) + " outside the vocabulary [0, " +
-                   std::to_string(vocab_size) + ")");
-  const bool wide = vocab_size > 65535;
-  const int width = wide ? 4 : 2;
-  std::string bytes;
-  bytes.reserve(size_t(kHeaderBytes) + tokens.size() * width);
-  int32_t header[kHeaderWords] = {};
-  header[0] = wide ? kShardMagicU32 : kShardMagicU16;
-  header[1] = wide ? kShardVersionU32 : kShardVersionU16;
-  header[2] = int32_t(tokens.size());
-  for (int32_t word : header) append_i32_le(bytes, word);
-  for (int token : tokens)
-    for (int b = 0; b < width; b++) bytes.push_back(char((uint32_t(token) >> (8 * b)) & 0xFF));
-  AtomicFileWriter out(path);
-  out.write(bytes);
+  ShardWriter out(path, (long long)tokens.size(), vocab_size);
+  out.append(tokens.data(), tokens.size());
   out.commit();
 }
 

@@ -40,6 +40,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <queue>
 #include <stdexcept>
 #include <string>
@@ -59,7 +60,10 @@ class Tokenizer {
   static constexpr size_t kMaxChunkBytes = 256;
   static constexpr const char* kEotText = "<|endoftext|>";
 
-  static Tokenizer train(const std::vector<std::string>& documents, int vocab_size) {
+  // documents: a vector of texts (std::string, or std::string_view into text kept by the caller);
+  // progress, when given, is called after each merge with (merges done, merges to learn).
+  template <typename Docs = std::vector<std::string>>
+  static Tokenizer train(const Docs& documents, int vocab_size, const std::function<void(int, int)>& progress = {}) {
     if (vocab_size < 257)
       throw std::runtime_error("tokenizer training: vocab_size " + std::to_string(vocab_size) +
                                " is too small: 256 byte tokens + <|endoftext|> need at least 257");
@@ -67,8 +71,8 @@ class Tokenizer {
 
     // Unique chunks (views into `documents`) and how often each occurs.
     std::unordered_map<std::string_view, long long> chunk_count;
-    for (const std::string& doc : documents)
-      for_each_chunk(doc, [&](std::string_view chunk) {
+    for (const auto& doc : documents)
+      for_each_chunk(std::string_view(doc), [&](std::string_view chunk) {
         if (chunk.size() >= 2) chunk_count[chunk]++;
       });
     std::vector<std::pair<std::string_view, long long>> unique(chunk_count.begin(), chunk_count.end());
@@ -174,12 +178,13 @@ class Tokenizer {
           heap.push({count, int(key >> 32), int(uint32_t(key))});
         }
       }
+      if (progress) progress(m + 1, n_merges);
     }
     tok.build_tables();
     return tok;
   }
 
-  std::vector<int> encode(const std::string& text) const {
+  std::vector<int> encode(std::string_view text) const {
     require_merges("encode new text");
     std::vector<int> out;
     out.reserve(text.size() / 3 + 1);

@@ -436,6 +436,45 @@ TEST(DataShards, WriteRefusesBadTokensAndKeepsTheOldFile) {
   EXPECT_FALSE(fs::exists(path + ".tmp"));
 }
 
+// A shard written in pieces (ShardWriter: the count in the header first, then the tokens as they
+// come) is the same file as one written whole; appending more or fewer tokens than the header says
+// is refused and leaves no file.
+TEST(DataShards, WriterInPiecesWritesTheSameFile) {
+  testutil::Rng rng;
+  TempDir dir;
+  for (const int V : {300, 70000}) {
+    std::vector<int> tokens(size_t(rng.integer(1, 5000)));
+    for (int& t : tokens) t = rng.integer(0, V - 1);
+    const std::string whole = dir.file("whole" + std::to_string(V) + ".bin"),
+                      in_pieces = dir.file("pieces" + std::to_string(V) + ".bin");
+    data::write_shard(whole, tokens, V);
+    data::ShardWriter pieces(in_pieces, (long long)tokens.size(), V);
+    for (size_t done = 0; done < tokens.size();) {
+      const size_t n = std::min(tokens.size() - done, size_t(rng.integer(0, 700)));
+      pieces.append(tokens.data() + done, n);
+      done += n;
+    }
+    EXPECT_FALSE(fs::exists(in_pieces)) << "only PATH.tmp before commit";
+    pieces.commit();
+    EXPECT_EQ(read_bytes(in_pieces), read_bytes(whole)) << "V = " << V;
+  }
+  const std::vector<int> three = {1, 2, 3};
+  expect_refused([&] {
+    data::ShardWriter out(dir.file("more.bin"), 2, 10);
+    out.append(three.data(), 3);
+  }, {dir.file("more.bin"), "3 tokens appended, more than the 2 of its header"});
+  expect_refused([&] {
+    data::ShardWriter out(dir.file("fewer.bin"), 4, 10);
+    out.append(three.data(), 3);
+    out.commit();
+  }, {dir.file("fewer.bin"), "3 tokens appended, fewer than the 4"});
+  expect_refused([&] { data::ShardWriter(dir.file("big.bin"), 1LL << 31, 10); }, {"do not fit the int32 token count"});
+  for (const char* name : {"more.bin", "fewer.bin", "big.bin"}) {
+    EXPECT_FALSE(fs::exists(dir.file(name))) << name;
+    EXPECT_FALSE(fs::exists(dir.file(name) + ".tmp")) << name;
+  }
+}
+
 TEST(DataShards, ReadRefusesCorruptFiles) {
   TempDir dir;
   const std::string good_path = dir.file("good.bin");
@@ -753,6 +792,10 @@ TEST(DataPrepare, RefusesBadFlags) {
       {"--seed -1", "non-negative"},
       {"--seed x", "needs an integer"},
       {"--input " + dir.file("nothing_here"), "does not exist"},
+      {"--input " + dir.path.string() + " --input " + dir.file("nothing_here"), "does not exist"},
+      {"--shard-tokens 0", "outside [1, 2^31 - 1]"},
+      {"--shard-tokens 2147483648", "outside [1, 2^31 - 1]"},
+      {"--shard-tokens 1e6", "needs an integer"},
   };
   for (const auto& [args, problem] : cases) {
     std::string output;
@@ -853,8 +896,9 @@ TEST(DataPrepare, ReadsCrlfFortuneFilesAsSeparateDocuments) {
 }
 
 // The set is written into DIR.tmp and renamed to DIR at the end: a run that fails while writing
-// (here the train shard hits a file-size limit, as on a full disk) leaves the previous set byte for
-// byte and nothing beside it; the next good run replaces the whole set.
+// (here the train tokens, spooled in DIR.tmp before they are cut into shards, hit a file-size
+// limit, as on a full disk) leaves the previous set byte for byte and nothing beside it; the next
+// good run replaces the whole set.
 TEST(DataPrepare, AFailedRunLeavesThePreviousSetIntact) {
   if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
   testutil::Rng rng;
@@ -872,7 +916,7 @@ TEST(DataPrepare, AFailedRunLeavesThePreviousSetIntact) {
   EXPECT_EQ(run_prepare(dir, args + "2", output, file_size_limit), 1) << output;
   printf("%s", output.c_str());
   EXPECT_NE(output.find("prepare: error: "), std::string::npos) << output;
-  EXPECT_NE(output.find("train_000.bin"), std::string::npos) << output;
+  EXPECT_NE(output.find(out + ".tmp/train.spool"), std::string::npos) << output;
   EXPECT_NE(output.find("File too large"), std::string::npos) << output;
   EXPECT_EQ(read_set(out), first) << "the previous set must stay as it was";
   EXPECT_EQ(names_in(dir.path.string()), (std::set<std::string>{"corpus.txt", "out", "prepare.log"}));
@@ -914,6 +958,165 @@ TEST(DataPrepare, ReplacesOnlyItsOwnSet) {
   ASSERT_EQ(run_prepare(dir, args, output), 0) << output;
   EXPECT_EQ(read_set(out), first);
   EXPECT_EQ(names_in(dir.path.string()), (std::set<std::string>{"corpus.txt", "out", "prepare.log"}));
+}
+
+// Compresses `path` with gzip into `zipped` (gzip -n: no name or time stamp in the header).
+void gzip_file(const std::string& path, const std::string& zipped) {
+  ASSERT_EQ(std::system(("gzip -nc " + path + " > " + zipped).c_str()), 0) << "gzip " << path;
+}
+
+// Several --input: their documents go into one set. A file that starts with gzip's magic bytes
+// (written here by gzip) is read through gzip -dc. A dictd dictionary (*.dict.dz, dictzip: gzip with
+// an index) is split into its entries: an entry starts at a line that follows an empty line and
+// begins with neither whitespace nor '[' (a "[1913 Webster]" line after an empty line stays in
+// the entry above), and runs to the next one without its trailing blank lines; an entry that is not
+// valid UTF-8 is dropped, with a note.
+TEST(DataPrepare, ReadsSeveralInputsGzipFilesAndDictionaries) {
+  if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
+  testutil::Rng rng;
+  TempDir dir;
+  std::vector<std::string> expected;
+  std::string plain, zipped;
+  for (int d = 0; d < 6; d++) {
+    expected.push_back(english(rng, rng.integer(1, 3)) + "\n");
+    plain += expected.back() + "%\n";
+  }
+  for (int d = 0; d < 5; d++) {
+    expected.push_back(english(rng, rng.integer(1, 3)) + "\n");
+    zipped += expected.back() + "%\n";
+  }
+  write_bytes(dir.file("plain"), plain);
+  write_bytes(dir.file("zipped"), zipped);
+  gzip_file(dir.file("zipped"), dir.file("zipped.gz"));
+  fs::remove(dir.file("zipped"));
+
+  const std::vector<std::string> entries = {
+      "Abdomen \\Ab*do\"men\\, n. [L.]\n   1. (Anat.) The belly.\n      [1913 Webster]\n\n"
+      "   2. (Zool.) The posterior section of the body.\n      [1913 Webster]\n",
+      "Gag \\Gag\\, n.\n   A speech interpolated offhand.\n\n\n[1913 Webster]\n\n   {Gag rein} (Harness), a rein.\n",
+      "Zythum \\Zy\"thum\\, n.\n   A kind of ancient malt beverage. " + english(rng, 2) + "\n",
+  };
+  const std::string not_utf8 = "Cafe \\Caf\xe9\\, n.\n   A coffee house.\n";
+  write_bytes(dir.file("tiny.dict"), "\n" + entries[0] + "\n" + entries[1] + "\n\n" + not_utf8 + "\n" + entries[2] + "\n\n \n");
+  gzip_file(dir.file("tiny.dict"), dir.file("tiny.dict.dz"));
+  fs::remove(dir.file("tiny.dict"));
+  expected.insert(expected.end(), entries.begin(), entries.end());
+
+  const std::string out = dir.file("out");
+  std::string output;
+  ASSERT_EQ(run_prepare(dir, "--input " + dir.file("plain") + " --input " + dir.file("zipped.gz") + " --input " +
+                                 dir.file("tiny.dict.dz") + " --out " + out + " --vocab 300 --val-frac 0.25",
+                        output),
+            0)
+      << output;
+  printf("%s", output.c_str());
+  EXPECT_NE(output.find(dir.file("zipped.gz") + " (through gzip -dc)"), std::string::npos) << output;
+  EXPECT_NE(output.find("3 dictionary entries (dropped 1 entries that are not valid UTF-8)"), std::string::npos) << output;
+  size_t n_train = 0;
+  const std::vector<std::string> got = documents_of_set(out, n_train);
+  EXPECT_EQ(got.size() - n_train, 4u) << "val = round(14 × 0.25) documents";
+  std::multiset<std::string> want(expected.begin(), expected.end()), have(got.begin(), got.end());
+  EXPECT_TRUE(want == have) << "the documents of all three inputs, each once";
+}
+
+// A gzip input that gzip cannot read (cut short, or with a damaged byte that gzip's checks catch)
+// stops prepare before anything is written: exit status 1, an error naming the file, the previous
+// set byte for byte and nothing beside it. The same file compressed whole gives the set of the
+// uncompressed file.
+TEST(DataPrepare, RefusesACorruptGzipInputAndKeepsThePreviousSet) {
+  if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
+  testutil::Rng rng;
+  TempDir dir;
+  const std::string corpus = write_fortune_corpus(dir, rng, 40), out = dir.file("out");
+  const std::string flags = " --out " + out + " --vocab 280 --val-frac 0.2 --seed 5";
+  std::string output;
+  ASSERT_EQ(run_prepare(dir, "--input " + corpus + flags, output), 0) << output;
+  const std::vector<std::string> first = read_set(out);
+
+  gzip_file(corpus, dir.file("good.gz"));
+  const std::string good = read_bytes(dir.file("good.gz"));
+  std::string damaged = good;
+  damaged[damaged.size() / 2] = char(damaged[damaged.size() / 2] ^ 0x55);
+  write_bytes(dir.file("short.gz"), good.substr(0, good.size() / 2));
+  write_bytes(dir.file("damaged.gz"), damaged);
+  for (const char* bad : {"short.gz", "damaged.gz"}) {
+    EXPECT_EQ(run_prepare(dir, "--input " + corpus + " --input " + dir.file(bad) + flags, output), 1) << output;
+    printf("%s", output.c_str());
+    EXPECT_NE(output.find("prepare: error: input " + dir.file(bad) + ": `gzip -dc"), std::string::npos) << output;
+    EXPECT_NE(output.find("not a valid gzip or dictzip file"), std::string::npos) << output;
+    EXPECT_EQ(read_set(out), first) << bad;
+    EXPECT_EQ(names_in(dir.path.string()),
+              (std::set<std::string>{"corpus.txt", "good.gz", "short.gz", "damaged.gz", "out", "prepare.log"}))
+        << bad;
+  }
+  ASSERT_EQ(run_prepare(dir, "--input " + dir.file("good.gz") + flags, output), 0) << output;
+  EXPECT_EQ(read_set(out), first) << "the gzip file holds the same documents";
+}
+
+// --shard-tokens N cuts each split into ⌈n / N⌉ shards NAME_000.bin, NAME_001.bin, ... whose sizes
+// differ by at most one token: read in name order they are exactly the tokens of the one shard
+// written without the limit, each once and in order (a document may straddle two shards). The
+// trainer's pattern DIR/train_*.bin reads across them, shard after shard. A set of many shards is
+// replaced as a whole: the next run's set has none of the old shards.
+TEST(DataPrepare, CutsEachSplitIntoShardsOfAtMostShardTokens) {
+  if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
+  testutil::Rng rng;
+  TempDir dir;
+  const std::string corpus = write_fortune_corpus(dir, rng, 150);
+  const std::string flags = " --input " + corpus + " --vocab 300 --val-frac 0.2 --seed 11";
+  const std::string whole = dir.file("whole"), cut = dir.file("cut");
+  std::string output;
+  ASSERT_EQ(run_prepare(dir, "--out " + whole + flags, output), 0) << output;
+  const long long max_tokens = rng.integer(200, 400);
+  ASSERT_EQ(run_prepare(dir, "--out " + cut + flags + " --shard-tokens " + std::to_string(max_tokens), output), 0) << output;
+  printf("%s", output.c_str());
+  EXPECT_EQ(read_bytes(cut + "/tokenizer.bin"), read_bytes(whole + "/tokenizer.bin"));
+
+  std::set<std::string> names = {"tokenizer.bin"};
+  std::vector<std::vector<int>> train_shards;
+  for (const std::string split : {"train", "val"}) {
+    const std::vector<int> all = data::read_shard(whole + "/" + split + "_000.bin");
+    const long long k = ((long long)all.size() + max_tokens - 1) / max_tokens;
+    ASSERT_GE(k, 2) << split << ": the test needs several shards";
+    std::vector<int> joined;
+    long long smallest = max_tokens, largest = 0;
+    for (long long s = 0; s < k; s++) {
+      char name[32];
+      std::snprintf(name, sizeof name, "%s_%03lld.bin", split.c_str(), s);
+      names.insert(name);
+      const std::vector<int> shard = data::read_shard(cut + "/" + name);
+      smallest = std::min(smallest, (long long)shard.size());
+      largest = std::max(largest, (long long)shard.size());
+      joined.insert(joined.end(), shard.begin(), shard.end());
+      if (split == "train") train_shards.push_back(shard);
+    }
+    EXPECT_LE(largest, max_tokens) << split;
+    EXPECT_LE(largest - smallest, 1) << split;
+    EXPECT_EQ(joined, all) << split << ": every token once, in order";
+    char line[64];
+    std::snprintf(line, sizeof line, "%s_%03lld.bin (%lld shards of", split.c_str(), k - 1, k);
+    EXPECT_NE(output.find(line), std::string::npos) << output;
+  }
+  EXPECT_EQ(names_in(cut), names) << "the set is the tokenizer and the shards, nothing else";
+
+  const int B = 2, T = 16, V = 300;
+  data::DataLoader loader(cut + "/train_*.bin", B, T, V);
+  EXPECT_EQ(loader.files().size(), train_shards.size());
+  long long batches = 0;
+  for (size_t s = 0; s < train_shards.size(); s++)
+    for (size_t p = 0; p + B * T + 1 <= train_shards[s].size(); p += B * T, batches++) {
+      const Batch b = next(loader, B, T);
+      EXPECT_EQ(b.inputs, std::vector<int>(train_shards[s].begin() + p, train_shards[s].begin() + p + B * T))
+          << "shard " << s << " position " << p;
+      EXPECT_EQ(b.targets, std::vector<int>(train_shards[s].begin() + p + 1, train_shards[s].begin() + p + B * T + 1))
+          << "shard " << s << " position " << p;
+    }
+  EXPECT_EQ(loader.windows_per_epoch(), batches);
+  EXPECT_EQ(loader.state().epoch, 1) << "after the last shard the loader is back at the first";
+
+  ASSERT_EQ(run_prepare(dir, "--out " + cut + flags, output), 0) << output;
+  EXPECT_EQ(read_set(cut), read_set(whole));
+  EXPECT_EQ(names_in(cut), std::set<std::string>(kSetFiles.begin(), kSetFiles.end()));
 }
 
 // The benchmark's corpus (tools/synthetic_tokens.cpp): a shard of TOKENS uniform tokens in [0, VOCAB),
