@@ -72,6 +72,17 @@ inline void adamw_update(float* master, floatX* param, float* m, float* v, const
 
 using StateSections = std::vector<std::pair<std::string, std::vector<float>>>;
 
+// The section `name` of a checkpoint's optimizer state, refused when missing or not [S] floats.
+inline const std::vector<float>& state_section(const StateSections& sections, const char* name, size_t S) {
+  const std::vector<float>* found = nullptr;
+  for (const auto& sec : sections)
+    if (sec.first == name) found = &sec.second;
+  if (found == nullptr || found->size() != S)
+    throw std::runtime_error(std::string("optimizer state: section ") + name + (found ? " has the wrong size" : " is missing") +
+                             " (expected " + std::to_string(S) + " floats)");
+  return *found;
+}
+
 struct Optimizer {
   std::vector<ShardSegment> segments;
   size_t state_count = 0;  // S
@@ -87,6 +98,8 @@ struct Optimizer {
                     cudaStream_t stream) = 0;
   virtual StateSections save(cudaStream_t stream) = 0;
   virtual void load(const StateSections& sections, long long steps_taken, cudaStream_t stream) = 0;
+  // pinned host memory it holds (the device memory is the pool's, under Mem::Optimizer)
+  virtual size_t host_bytes() const { return 0; }
 };
 
 // --optimizer adamw: the state on the GPU.
@@ -129,15 +142,9 @@ struct DeviceAdamW : Optimizer {
     return out;
   }
   void load(const StateSections& sections, long long steps_taken, cudaStream_t stream) override {
-    for (auto [name, dst] : {std::pair<const char*, float*>{"master", master}, {"adam_m", m}, {"adam_v", v}}) {
-      const std::vector<float>* found = nullptr;
-      for (const auto& sec : sections)
-        if (sec.first == name) found = &sec.second;
-      if (found == nullptr || found->size() != state_count)
-        throw std::runtime_error(std::string("optimizer state: section ") + name + (found ? " has the wrong size" : " is missing") +
-                                 " (expected " + std::to_string(state_count) + " floats)");
-      copy_to_device(dst, found->data(), state_count * sizeof(float), stream, "adamw.load");
-    }
+    for (auto [name, dst] : {std::pair<const char*, float*>{"master", master}, {"adam_m", m}, {"adam_v", v}})
+      copy_to_device(dst, state_section(sections, name, state_count).data(), state_count * sizeof(float), stream,
+                     "adamw.load");
     steps = steps_taken;
   }
 };
