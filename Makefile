@@ -34,7 +34,7 @@ DIST_TESTS := $(wildcard tests/dist_*.cu)
 BENCHES := $(patsubst tools/%.cu,%,$(wildcard tools/bench_*.cu))
 
 .PHONY: all deps data train test bench toy clean
-all: $(BUILD)/prepare $(BUILD)/synthetic_tokens $(BUILD)/toy_trace $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/train $(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist $(addprefix $(BUILD)/$(p)/,$(BENCHES)))
+all: $(BUILD)/prepare $(BUILD)/synthetic_tokens $(BUILD)/toy_trace $(BUILD)/test_cpu $(BUILD)/bench_cpu_adamw $(foreach p,fp32 bf16,$(BUILD)/$(p)/train $(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist $(addprefix $(BUILD)/$(p)/,$(BENCHES)))
 
 # ---- dependencies (Debian packages), installed only when missing --------------------------
 DEB_PKGS :=
@@ -98,6 +98,10 @@ $(BUILD)/cpu_adamw.vec: ops/cpu_adamw.cpp $(CPU_ADAMW)
 	grep 'cpu_adamw.cpp' $@.tmp > $@; rm -f $@.tmp
 	objdump -d --no-show-raw-insn $(CPU_ADAMW) | grep -oE 'v(fmadd|fnmadd)[0-9]+ps|vdivps|vsqrtps' | sort | uniq -c >> $@
 	cat $@
+
+# the CPU AdamW loop alone (no GPU): scalar vs vectorised, 1 thread to all
+$(BUILD)/bench_cpu_adamw: tools/bench_cpu_adamw.cpp $(CPU_ADAMW) | deps
+	$(CXX) $(CXXFLAGS) $^ -pthread -o $@
 
 $(BUILD)/cpu/%.o: tests/%.cpp | deps
 	@mkdir -p $(@D)

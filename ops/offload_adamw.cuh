@@ -25,6 +25,7 @@
 #pragma once
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include "adamw.cuh"
 #include "cpu_adamw.hpp"
@@ -38,22 +39,39 @@ inline float* pinned_floats(size_t n, const char* op) {
   return (float*)p;
 }
 
+// master, m, v [S] fp32 each in pinned host memory, zeroed: 12·S bytes. One optimizer owns it, or
+// several share it (tools/bench_optimizer.cu runs offload_adamw and cpu_adamw over the same state).
+struct PinnedAdamWState {
+  float *master = nullptr, *m = nullptr, *v = nullptr;
+  size_t count;
+  explicit PinnedAdamWState(size_t S) : count(S) {
+    master = pinned_floats(S, "optimizer state: master");
+    m = pinned_floats(S, "optimizer state: adam_m");
+    v = pinned_floats(S, "optimizer state: adam_v");
+  }
+  ~PinnedAdamWState() {
+    for (float* p : {master, m, v}) cudaCheck(cudaFreeHost(p), "optimizer state", "cudaFreeHost S=%zu", count);
+  }
+  PinnedAdamWState(const PinnedAdamWState&) = delete;
+  PinnedAdamWState& operator=(const PinnedAdamWState&) = delete;
+};
+
 // The host side of both: the state in pinned memory, set/save/load.
 struct HostAdamW : Optimizer {
-  float *master = nullptr, *m = nullptr, *v = nullptr;  // [S] each, pinned
+  std::shared_ptr<PinnedAdamWState> state;
+  float *master, *m, *v;  // state's [S] each
   const char* name;
   cudaStream_t home;  // the compute stream: its copies read and write the state
 
-  HostAdamW(std::vector<ShardSegment> segs, size_t S, const char* optimizer_name, cudaStream_t stream)
-      : Optimizer(std::move(segs), S), name(optimizer_name), home(stream) {
-    master = pinned_floats(S, name);
-    m = pinned_floats(S, name);
-    v = pinned_floats(S, name);
+  // shared: a state of S elements to use (nullptr: a new one)
+  HostAdamW(std::vector<ShardSegment> segs, size_t S, const char* optimizer_name, cudaStream_t stream,
+            std::shared_ptr<PinnedAdamWState> shared)
+      : Optimizer(std::move(segs), S),
+        state(shared ? std::move(shared) : std::make_shared<PinnedAdamWState>(S)),
+        master(state->master), m(state->m), v(state->v), name(optimizer_name), home(stream) {
+    if (state->count != S) fm_fail(name, "the shared host state has the wrong size", "state=%zu S=%zu", state->count, S);
   }
-  ~HostAdamW() override {
-    stream_wait(home, name, "before freeing the host state, S=%zu", state_count);
-    for (float* p : {master, m, v}) cudaCheck(cudaFreeHost(p), name, "cudaFreeHost S=%zu", state_count);
-  }
+  ~HostAdamW() override { stream_wait(home, name, "before releasing the host state, S=%zu", state_count); }
   HostAdamW(const HostAdamW&) = delete;
   HostAdamW& operator=(const HostAdamW&) = delete;
 
@@ -85,8 +103,9 @@ struct CpuAdamW : HostAdamW {
   HostParam* param = nullptr;    // [S] pinned: the updated weights on their way to the GPU
   int threads;
 
-  CpuAdamW(std::vector<ShardSegment> segs, size_t S, int cpu_threads, cudaStream_t stream)
-      : HostAdamW(std::move(segs), S, "cpu_adamw", stream), threads(cpu_threads) {
+  CpuAdamW(std::vector<ShardSegment> segs, size_t S, int cpu_threads, cudaStream_t stream,
+           std::shared_ptr<PinnedAdamWState> shared = nullptr)
+      : HostAdamW(std::move(segs), S, "cpu_adamw", stream, std::move(shared)), threads(cpu_threads) {
     if (threads < 1) fm_fail("cpu_adamw", "needs at least one thread", "threads=%d S=%zu", threads, S);
     grad = pinned_floats(S, name);
     void* p = nullptr;
@@ -133,8 +152,9 @@ struct OffloadAdamW : HostAdamW {
   cudaStream_t h2d = nullptr, d2h = nullptr;
   std::vector<cudaEvent_t> loaded, updated, emptied;  // per slot
 
-  OffloadAdamW(std::vector<ShardSegment> segs, size_t S, size_t bucket_params, int staging_slots, cudaStream_t stream)
-      : HostAdamW(std::move(segs), S, "offload_adamw", stream),
+  OffloadAdamW(std::vector<ShardSegment> segs, size_t S, size_t bucket_params, int staging_slots, cudaStream_t stream,
+               std::shared_ptr<PinnedAdamWState> shared = nullptr)
+      : HostAdamW(std::move(segs), S, "offload_adamw", stream, std::move(shared)),
         bucket(std::max<size_t>(1, std::min(bucket_params, S))), slots(staging_slots) {
     if (bucket_params < 1 || slots < 1)
       fm_fail(name, "needs a bucket of >= 1 parameter and >= 1 slot", "beta=%zu s=%d S=%zu", bucket_params, slots, S);
