@@ -94,7 +94,7 @@ $(CPU_ADAMW): ops/cpu_adamw.cpp | deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $(CPU_ADAMW_FLAGS) -c $< -o $@
 $(BUILD)/cpu_adamw.vec: ops/cpu_adamw.cpp $(CPU_ADAMW)
-	$(CXX) $(CXXFLAGS) $(CPU_ADAMW_FLAGS) -fopt-info-vec-optimized -c $< -o /dev/null 2> $@.tmp
+	$(CXX) $(filter-out -MMD -MP,$(CXXFLAGS)) $(CPU_ADAMW_FLAGS) -fopt-info-vec-optimized -c $< -o /dev/null 2> $@.tmp
 	grep 'cpu_adamw.cpp' $@.tmp > $@; rm -f $@.tmp
 	objdump -d --no-show-raw-insn $(CPU_ADAMW) | grep -oE 'v(fmadd|fnmadd)[0-9]+ps|vdivps|vsqrtps' | sort | uniq -c >> $@
 	cat $@
