@@ -101,7 +101,7 @@ $(BUILD)/cpu_adamw.vec: ops/cpu_adamw.cpp $(CPU_ADAMW)
 
 # the CPU AdamW loop alone (no GPU): scalar vs vectorised, 1 thread to all
 $(BUILD)/bench_cpu_adamw: tools/bench_cpu_adamw.cpp $(CPU_ADAMW) | deps
-	$(CXX) $(CXXFLAGS) $^ -pthread -o $@
+	$(CXX) $(CXXFLAGS) $< $(CPU_ADAMW) -pthread -o $@
 
 $(BUILD)/cpu/%.o: tests/%.cpp | deps
 	@mkdir -p $(@D)
@@ -114,7 +114,7 @@ $(BUILD)/test_cpu: $(patsubst tests/%.cpp,$(BUILD)/cpu/%.o,$(CPU_TESTS)) $(CPU_A
 define precision_build
 $(BUILD)/$(1)/train: train.cu $(CPU_ADAMW) | deps
 	@mkdir -p $$(@D)
-	$(NVCC) $(NVFLAGS) $(2) $$^ $(CUDA_LIBS) -o $$@
+	$(NVCC) $(NVFLAGS) $(2) $$< $(CPU_ADAMW) $(CUDA_LIBS) -o $$@
 
 $(BUILD)/$(1)/%.o: tests/%.cu | deps
 	@mkdir -p $$(@D)
@@ -129,7 +129,7 @@ $(BUILD)/$(1)/test_dist: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(DIST_TESTS)) 
 
 $(BUILD)/$(1)/bench_%: tools/bench_%.cu $(CPU_ADAMW) | deps
 	@mkdir -p $$(@D)
-	$(NVCC) $(NVFLAGS) $(2) $$^ $(CUDA_LIBS) -o $$@
+	$(NVCC) $(NVFLAGS) $(2) $$< $(CPU_ADAMW) $(CUDA_LIBS) -o $$@
 endef
 $(eval $(call precision_build,fp32,))
 $(eval $(call precision_build,bf16,-DFLATMOE_BF16))
