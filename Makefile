@@ -52,7 +52,7 @@ DIST_TESTS := $(wildcard tests/dist_*.cu)
 BENCHES := $(patsubst tools/%.cu,%,$(wildcard tools/bench_*.cu))
 
 .PHONY: all deps data train test bench toy clean
-all: $(BUILD)/prepare $(BUILD)/synthetic_tokens $(BUILD)/toy_trace $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/train $(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist $(addprefix $(BUILD)/$(p)/,$(BENCHES)))
+all: $(BUILD)/prepare $(BUILD)/synthetic_tokens $(BUILD)/toy_trace $(BUILD)/test_cpu $(BUILD)/bench_cpu_adamw $(foreach p,fp32 bf16,$(BUILD)/$(p)/train $(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist $(addprefix $(BUILD)/$(p)/,$(BENCHES)))
 
 # ---- dependencies (Debian packages), installed only when missing --------------------------
 DEB_PKGS :=
@@ -104,33 +104,50 @@ $(BUILD)/toy_trace: tools/toy_trace.cpp | deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $< -o $@
 
+# --optimizer cpu_adamw's loop (ops/cpu_adamw.hpp says why these flags); linked into every binary.
+# make build/cpu_adamw.vec: the compiler's vectorisation report and the packed instructions in the object.
+CPU_ADAMW_FLAGS := -O3 -march=native -fno-math-errno -ffp-contract=off
+CPU_ADAMW := $(BUILD)/cpu_adamw.o
+$(CPU_ADAMW): ops/cpu_adamw.cpp | deps
+	@mkdir -p $(@D)
+	$(CXX) $(CXXFLAGS) $(CPU_ADAMW_FLAGS) -c $< -o $@
+$(BUILD)/cpu_adamw.vec: ops/cpu_adamw.cpp $(CPU_ADAMW)
+	$(CXX) $(filter-out -MMD -MP,$(CXXFLAGS)) $(CPU_ADAMW_FLAGS) -fopt-info-vec-optimized -c $< -o /dev/null 2> $@.tmp
+	grep 'cpu_adamw.cpp' $@.tmp > $@; rm -f $@.tmp
+	objdump -d --no-show-raw-insn $(CPU_ADAMW) | grep -oE 'v(fmadd|fnmadd)[0-9]+ps|vdivps|vsqrtps' | sort | uniq -c >> $@
+	cat $@
+
+# the CPU AdamW loop alone (no GPU): scalar vs vectorised, 1 thread to all
+$(BUILD)/bench_cpu_adamw: tools/bench_cpu_adamw.cpp $(CPU_ADAMW) | deps
+	$(CXX) $(CXXFLAGS) $< $(CPU_ADAMW) -pthread -o $@
+
 $(BUILD)/cpu/%.o: tests/%.cpp | deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $(GTEST_INC) -c $< -o $@
 
-$(BUILD)/test_cpu: $(patsubst tests/%.cpp,$(BUILD)/cpu/%.o,$(CPU_TESTS)) $(GTEST_OBJS)
+$(BUILD)/test_cpu: $(patsubst tests/%.cpp,$(BUILD)/cpu/%.o,$(CPU_TESTS)) $(CPU_ADAMW) $(GTEST_OBJS)
 	$(CXX) $^ -pthread -o $@
 
 # ---- GPU: trainer and GPU tests, one build per precision -----------------------------------
 define precision_build
-$(BUILD)/$(1)/train: train.cu | deps
+$(BUILD)/$(1)/train: train.cu $(CPU_ADAMW) | deps
 	@mkdir -p $$(@D)
-	$(NVCC) $(NVFLAGS) $(2) $$< $(CUDA_LIBS) -o $$@
+	$(NVCC) $(NVFLAGS) $(2) $$< $(CPU_ADAMW) $(CUDA_LIBS) -o $$@
 
 $(BUILD)/$(1)/%.o: tests/%.cu | deps
 	@mkdir -p $$(@D)
 	$(NVCC) $(NVFLAGS) $(2) $(GTEST_INC) -c $$< -o $$@
 
-$(BUILD)/$(1)/test_gpu: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(GPU_TESTS)) $(GTEST_OBJS)
+$(BUILD)/$(1)/test_gpu: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(GPU_TESTS)) $(CPU_ADAMW) $(GTEST_OBJS)
 	$(NVCC) -arch=sm_$(GPU_ARCH) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
 
 # multi-rank tests: dist_main.cu is their main (it starts the ranks), so no gtest_main
-$(BUILD)/$(1)/test_dist: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(DIST_TESTS)) $(BUILD)/gtest/gtest-all.o
+$(BUILD)/$(1)/test_dist: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(DIST_TESTS)) $(CPU_ADAMW) $(BUILD)/gtest/gtest-all.o
 	$(NVCC) -arch=sm_$(GPU_ARCH) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
 
-$(BUILD)/$(1)/bench_%: tools/bench_%.cu | deps
+$(BUILD)/$(1)/bench_%: tools/bench_%.cu $(CPU_ADAMW) | deps
 	@mkdir -p $$(@D)
-	$(NVCC) $(NVFLAGS) $(2) $$< $(CUDA_LIBS) -o $$@
+	$(NVCC) $(NVFLAGS) $(2) $$< $(CPU_ADAMW) $(CUDA_LIBS) -o $$@
 endef
 $(eval $(call precision_build,fp32,))
 $(eval $(call precision_build,bf16,-DFLATMOE_BF16))

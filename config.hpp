@@ -76,7 +76,11 @@ struct TrainConfig {
   int token_budget = 4096;                 // pllep: c, tokens per rank per chunk
   int kmax = 10;                           // pllep: K_max, the most chunks
   std::string head = "full";               // output head: full (logits [N,V] inside the head)
-  std::string optimizer = "adamw";         // optimizer: adamw (fp32 master weights and moments on the GPU)
+  std::string optimizer = "adamw";         // optimizer: adamw (fp32 master weights and moments on the GPU),
+                                           // cpu_adamw (on the host, updated by the CPU), offload_adamw (on the
+                                           // host, streamed through the GPU in buckets)
+  int offload_bucket = 1 << 22;            // offload_adamw: β, parameters per bucket
+  int offload_slots = 2;                   // offload_adamw: s, staging slots on the GPU (s·β·12 bytes)
   unsigned long long seed = 1337;
 };
 
@@ -378,7 +382,12 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.moe != "local" || ep == 1, "--moe local keeps every expert on each rank: it needs --ep 1 (got ep " +
                                         std::to_string(ep) + ")");
   refuse_unbuilt("--head", t.head, {"full"}, {"ring_dtp", "chunked"});
-  refuse_unbuilt("--optimizer", t.optimizer, {"adamw"}, {"cpu_adamw", "offload_adamw"});
+  refuse_unbuilt("--optimizer", t.optimizer, {"adamw", "cpu_adamw", "offload_adamw"}, {});
+  need(t.offload_bucket >= 1, "offload_bucket (β, parameters per bucket of offload_adamw) must be >= 1, got " +
+                                  std::to_string(t.offload_bucket));
+  need(t.offload_slots >= 1 && t.offload_slots <= 16,
+       "offload_slots (s, offload_adamw's staging slots on the GPU) must be in [1, 16], got " +
+           std::to_string(t.offload_slots) + " (2 already overlap both copies with the update)");
   need(t.val_every >= 0 && t.val_batches >= 0 && t.sample_every >= 0 && t.sample_len >= 0 &&
            t.ckpt_every >= 0 && t.log_every > 0,
        "val_every, val_batches, sample_every, sample_len, ckpt_every must be >= 0, log_every > 0");
@@ -421,7 +430,8 @@ inline std::string usage() {
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
-         "seams:  --moe local|ep|llep|pllep (default: local at E_p = 1, else ep) --head full --optimizer adamw\n"
+         "seams:  --moe local|ep|llep|pllep (default: local at E_p = 1, else ep) --head full\n"
+         "        --optimizer adamw|cpu_adamw|offload_adamw --offload_bucket β --offload_slots s (offload_adamw)\n"
          "        --llep_alpha a --llep_min_rows n (llep, pllep) --token_budget c --kmax K (pllep)\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
@@ -558,6 +568,8 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--kmax", &T::kmax),
       text_flag("--head", &T::head),
       text_flag("--optimizer", &T::optimizer),
+      int_flag("--offload_bucket", &T::offload_bucket),
+      int_flag("--offload_slots", &T::offload_slots),
       {"--seed", false,
        [](T& t, const std::string& v) {
          char* end = nullptr;

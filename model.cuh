@@ -11,7 +11,8 @@
 //
 // Seams (notes/design.md §1.1), each chosen once at model_create from the flags: the MoE dispatcher
 // (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep, ops/llep.cuh llep, ops/pipelined_llep.cuh pllep), the output head (--head: ops/cross_entropy.cuh
-// full) and the optimizer (--optimizer: ops/adamw.cuh adamw). The model calls each in one place.
+// full) and the optimizer (--optimizer: ops/adamw.cuh adamw, ops/offload_adamw.cuh cpu_adamw and offload_adamw).
+// The model calls each in one place.
 //
 // Parallel layout (notes/design.md §5): W ranks, one process per GPU. Dense tensors are replicated over
 // the world; routed experts are split over the E_p ranks of an expert-parallel group (contiguous
@@ -24,12 +25,14 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "config.hpp"
 #include "data/routing_profile.hpp"
 #include "data/routing_trace.hpp"
 #include "ops/adamw.cuh"
+#include "ops/offload_adamw.cuh"
 #include "ops/attention.cuh"
 #include "ops/common.cuh"
 #include "ops/cross_entropy.cuh"
@@ -69,15 +72,17 @@ struct Parallel {
 };
 
 // The seams' choices (--moe, --head, --optimizer); moe "" = local at E_p = 1, else ep. The llep
-// settings serve llep and pllep, the chunking pllep.
+// settings serve llep and pllep, the chunking pllep, the bucket and slots offload_adamw.
 struct Seams {
   std::string moe, head = "full", optimizer = "adamw";
   double llep_alpha = 1.0;
   long long llep_min_rows = 32;
   int token_budget = 4096, kmax = 10;
+  int offload_bucket = 1 << 22, offload_slots = 2;
 };
 inline Seams seams_from(const TrainConfig& t) {
-  return Seams{moe_dispatcher(t), t.head, t.optimizer, t.llep_alpha, t.llep_min_rows, t.token_budget, t.kmax};
+  return Seams{moe_dispatcher(t), t.head,         t.optimizer,      t.llep_alpha,   t.llep_min_rows,
+               t.token_budget,    t.kmax,         t.offload_bucket, t.offload_slots};
 }
 
 struct Model {
@@ -241,11 +246,16 @@ inline void model_make_seams(Model& m, const Seams& seams) {
                "W=%d E_p=%d", m.par.world.size, m.par.ep.size);
   if (seams.head != "full") fm_fail("model_create", ("--head " + seams.head + " is not built").c_str(), "V=%d", c.vocab);
   m.head = std::make_unique<FullHead>();
-  if (seams.optimizer != "adamw")
-    fm_fail("model_create", ("--optimizer " + seams.optimizer + " is not built").c_str(), "P=%zu", m.num_params);
   size_t S = 0;
   std::vector<ShardSegment> segments = shard_segments(m.specs, model_param_layout(m), &S);
-  m.opt = std::make_unique<DeviceAdamW>(std::move(segments), S, m.stream);
+  if (seams.optimizer == "adamw") m.opt = std::make_unique<DeviceAdamW>(std::move(segments), S, m.stream);
+  else if (seams.optimizer == "offload_adamw")
+    m.opt = std::make_unique<OffloadAdamW>(std::move(segments), S, (size_t)seams.offload_bucket, seams.offload_slots,
+                                           m.stream);
+  else if (seams.optimizer == "cpu_adamw")  // the node's cores shared by its W ranks
+    m.opt = std::make_unique<CpuAdamW>(std::move(segments), S,
+                                       std::max(1, (int)std::thread::hardware_concurrency() / m.par.world.size), m.stream);
+  else fm_fail("model_create", ("--optimizer " + seams.optimizer + " is not built").c_str(), "P=%zu", m.num_params);
 }
 
 inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const Parallel& par = Parallel(),

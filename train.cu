@@ -201,12 +201,15 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
     row("llep alpha/min_rows", std::to_string(t.llep_alpha).substr(0, 5) + " / " + std::to_string(t.llep_min_rows));
   if (moe_dispatcher(t) == "pllep")
     row("pllep c/K_max", std::to_string(t.token_budget) + " / " + std::to_string(t.kmax));
+  if (t.optimizer == "offload_adamw")
+    row("offload beta/slots", std::to_string(t.offload_bucket) + " / " + std::to_string(t.offload_slots));
   snprintf(buf, sizeof buf, "%.0f TFLOP/s", peak_flops / 1e12);
   row("MFU peak basis", buf);
   row("out dir", t.out_dir);
   printf("+----------------------+------------------------------+\n");
-  printf("memory: weights %.1f MiB, grads %.1f MiB, optimizer %.1f MiB\n", pool().live(Mem::Weights) / 1048576.0,
-         pool().live(Mem::Grads) / 1048576.0, pool().live(Mem::Optimizer) / 1048576.0);
+  printf("memory: weights %.1f MiB, grads %.1f MiB, optimizer %.1f MiB (pinned host: %.1f MiB)\n",
+         pool().live(Mem::Weights) / 1048576.0, pool().live(Mem::Grads) / 1048576.0,
+         pool().live(Mem::Optimizer) / 1048576.0, m.opt->host_bytes() / 1048576.0);
 }
 
 // Dense peak of the GPU's matrix units for MFU: H100/H200 SXM datasheet (dense bf16 989 TFLOP/s,

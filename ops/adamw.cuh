@@ -6,6 +6,8 @@
 //   m̂ = m / (1 − β1ᵗ),  v̂ = v / (1 − β2ᵗ)        t = 1-based step
 //   master −= lr · (m̂ / (√v̂ + eps) + wd · master)   master (in place)
 //   param  = floatX(master)                      param (=), round to nearest
+// The element arithmetic, with its multiply-adds as explicit fmas, is ops/adamw_math.hpp's
+// adamw_element, shared with the CPU loop of --optimizer cpu_adamw (bit-identical results).
 //
 // Shapes: master, m, v [n] float; param [n] floatX; grad [n] float (the model's fp32 gradients summed
 // over a step's micro-batches, model.cuh's main_grads). Element-wise, fp32; the bias
@@ -23,6 +25,7 @@
 #include <string>
 #include <utility>
 #include <vector>
+#include "adamw_math.hpp"
 #include "common.cuh"
 #include "../config.hpp"
 #include "../runtime/pool.cuh"
@@ -35,18 +38,12 @@ inline float clip_scale(float grad_norm, float max_norm) {
 }
 
 template <typename T>
-__global__ void adamw_kernel(float* master, T* param, float* m, float* v, const float* grad, size_t n, float lr,
-                             float beta1, float beta2, float eps, float weight_decay, float bias_correction1,
-                             float bias_correction2, float grad_scale) {
+__global__ void adamw_kernel(float* master, T* param, float* m, float* v, const float* grad, size_t n,
+                             const AdamWCoefficients c) {
   size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  float g = grad[i] * grad_scale;
-  float mi = beta1 * m[i] + (1.f - beta1) * g;
-  float vi = beta2 * v[i] + (1.f - beta2) * g * g;
-  float m_hat = mi / bias_correction1;
-  float v_hat = vi / bias_correction2;
-  float p = master[i];
-  p -= lr * (m_hat / (sqrtf(v_hat) + eps) + weight_decay * p);
+  float mi = m[i], vi = v[i];
+  const float p = adamw_element(mi, vi, master[i], grad[i], c);
   m[i] = mi;
   v[i] = vi;
   master[i] = p;
@@ -59,12 +56,9 @@ inline void adamw_update(float* master, floatX* param, float* m, float* v, const
                          cudaStream_t stream) {
   if (t < 1) fm_fail("adamw_update", "step t must be >= 1", "n=%zu t=%d", n, t);
   if (n == 0) return;
-  float bias_correction1 = (float)(1.0 - std::pow((double)beta1, t));
-  float bias_correction2 = (float)(1.0 - std::pow((double)beta2, t));
   const int threads = 256;
-  adamw_kernel<<<ceil_div((long long)n, threads), threads, 0, stream>>>(master, param, m, v, grad, n, lr, beta1, beta2,
-                                                                       eps, weight_decay, bias_correction1,
-                                                                       bias_correction2, grad_scale);
+  adamw_kernel<<<ceil_div((long long)n, threads), threads, 0, stream>>>(
+      master, param, m, v, grad, n, adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, grad_scale));
   launchCheck("adamw_update", "n=%zu t=%d", n, t);
 }
 
@@ -76,11 +70,18 @@ inline void adamw_update(float* master, floatX* param, float* m, float* v, const
 // tensor's part of this rank's shard (so that weight decay is per tensor): config.hpp's ShardSegment
 // and shard_segments, pure functions of the layout that the CPU tests check at any size.
 
-struct AdamWSettings {
-  float beta1, beta2, eps, weight_decay;
-};
-
 using StateSections = std::vector<std::pair<std::string, std::vector<float>>>;
+
+// The section `name` of a checkpoint's optimizer state, refused when missing or not [S] floats.
+inline const std::vector<float>& state_section(const StateSections& sections, const char* name, size_t S) {
+  const std::vector<float>* found = nullptr;
+  for (const auto& sec : sections)
+    if (sec.first == name) found = &sec.second;
+  if (found == nullptr || found->size() != S)
+    throw std::runtime_error(std::string("optimizer state: section ") + name + (found ? " has the wrong size" : " is missing") +
+                             " (expected " + std::to_string(S) + " floats)");
+  return *found;
+}
 
 struct Optimizer {
   std::vector<ShardSegment> segments;
@@ -97,6 +98,8 @@ struct Optimizer {
                     cudaStream_t stream) = 0;
   virtual StateSections save(cudaStream_t stream) = 0;
   virtual void load(const StateSections& sections, long long steps_taken, cudaStream_t stream) = 0;
+  // pinned host memory it holds (the device memory is the pool's, under Mem::Optimizer)
+  virtual size_t host_bytes() const { return 0; }
 };
 
 // --optimizer adamw: the state on the GPU.
@@ -139,15 +142,9 @@ struct DeviceAdamW : Optimizer {
     return out;
   }
   void load(const StateSections& sections, long long steps_taken, cudaStream_t stream) override {
-    for (auto [name, dst] : {std::pair<const char*, float*>{"master", master}, {"adam_m", m}, {"adam_v", v}}) {
-      const std::vector<float>* found = nullptr;
-      for (const auto& sec : sections)
-        if (sec.first == name) found = &sec.second;
-      if (found == nullptr || found->size() != state_count)
-        throw std::runtime_error(std::string("optimizer state: section ") + name + (found ? " has the wrong size" : " is missing") +
-                                 " (expected " + std::to_string(state_count) + " floats)");
-      copy_to_device(dst, found->data(), state_count * sizeof(float), stream, "adamw.load");
-    }
+    for (auto [name, dst] : {std::pair<const char*, float*>{"master", master}, {"adam_m", m}, {"adam_v", v}})
+      copy_to_device(dst, state_section(sections, name, state_count).data(), state_count * sizeof(float), stream,
+                     "adamw.load");
     steps = steps_taken;
   }
 };

@@ -80,7 +80,7 @@ TrainConfig random_train(testutil::Rng& rng, int min_text_length) {
   for (int T::*field :
        {&T::batch, &T::total_batch, &T::steps, &T::warmup, &T::recompute, &T::val_every, &T::val_batches,
         &T::sample_every, &T::sample_len, &T::ckpt_every, &T::log_every, &T::timeline_step, &T::gpus, &T::ep,
-        &T::llep_min_rows, &T::token_budget, &T::kmax})
+        &T::llep_min_rows, &T::token_budget, &T::kmax, &T::offload_bucket, &T::offload_slots})
     t.*field = rng.integer(-2147483647, 2147483647);
   for (float T::*field :
        {&T::lr, &T::min_lr_frac, &T::weight_decay, &T::beta1, &T::beta2, &T::adam_eps, &T::grad_clip, &T::bias_update,

@@ -61,7 +61,7 @@ const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::
                                           &T::recompute,  &T::val_every,    &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step,
                                           &T::gpus,       &T::ep,           &T::llep_min_rows, &T::token_budget,
-                                          &T::kmax};
+                                          &T::kmax,       &T::offload_bucket, &T::offload_slots};
 const std::vector<float T::*> kTrainFloats = {&T::lr,    &T::min_lr_frac, &T::weight_decay, &T::beta1,
                                               &T::beta2, &T::adam_eps,    &T::grad_clip,    &T::bias_update,
                                               &T::llep_alpha};
@@ -296,6 +296,29 @@ TEST(ConfigSeams, RefusesLLEPSettingsThatCannotRun) {
   t.kmax = 1;
   t.moe = "relay";
   EXPECT_EQ(validate_error(t, m), "--moe relay is not built yet (available: local, ep, llep, pllep)");
+}
+
+// --optimizer: the three optimizers run; offload_adamw's bucket and slots are refused outside their ranges.
+TEST(ConfigSeams, OptimizersAndOffloadSettings) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  for (const char* optimizer : {"adamw", "cpu_adamw", "offload_adamw"}) {
+    t.optimizer = optimizer;
+    EXPECT_EQ(validate_error(t, m), "") << optimizer;
+  }
+  t.optimizer = "sgd";
+  EXPECT_EQ(validate_error(t, m), "--optimizer expects one of adamw, cpu_adamw, offload_adamw, got 'sgd'");
+  t.optimizer = "offload_adamw";
+  t.offload_bucket = 0;
+  EXPECT_EQ(validate_error(t, m), "offload_bucket (β, parameters per bucket of offload_adamw) must be >= 1, got 0");
+  t.offload_bucket = 1;
+  EXPECT_EQ(validate_error(t, m), "");
+  for (int slots : {0, 17}) {
+    t.offload_slots = slots;
+    EXPECT_EQ(validate_error(t, m), "offload_slots (s, offload_adamw's staging slots on the GPU) must be in [1, 16], got " +
+                                        std::to_string(slots) + " (2 already overlap both copies with the update)");
+  }
+  EXPECT_EQ(parse_error({"--optimizer", "offload_adamw", "--offload_bucket", "7", "--offload_slots", "3"}), "");
 }
 
 // --routing: the router, a profile that fits the model, or trace:FILE (whose file the trainer checks

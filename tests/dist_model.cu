@@ -10,6 +10,7 @@
 #include "dist_util.cuh"
 #include "gpu_util.cuh"
 #include "model_util.cuh"
+#include "optimizer_training.cuh"
 
 namespace {
 
@@ -232,6 +233,17 @@ TEST(DistModel, TenStepsWithLLEPAgreeWithOneGpu) {
 TEST(DistModel, TenStepsWithPipelinedLLEPAgreeWithOneGpu) {
   REQUIRE_WORLD(2);
   ten_steps_agree_with_one_gpu(moe_seams("pllep"));
+}
+
+// --optimizer offload_adamw and cpu_adamw at W ranks (each rank's ZeRO-1 shards in its own pinned
+// memory) train like adamw, bit for bit, and resume adamw's state (tests/optimizer_training.cuh).
+TEST(DistModel, OptimizersTrainAlikeAndResumeAcrossOptimizersAtWRanks) {
+  REQUIRE_WORLD(2);
+  Parallel par = test_parallel();
+  char what[32];
+  snprintf(what, sizeof what, "W=%d rank %d", par.world.size, par.world.rank);
+  testutil::optimizers_train_alike(par, what);
+  release(par);
 }
 
 // The model's state at W ranks — every rank's optimizer sections, step count and router biases —

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [moe] [accum] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [moe] [accum] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
+#   bench-opt: the optimizer step (notes/offload_adamw.md): the CPU AdamW loop alone (scalar vs vectorised, 1 thread to
+#     all) at 256M parameters; offload_adamw (beta x s sweep), cpu_adamw and adamw at 1B parameters on one GPU, at 4B
+#     and 16B (where host memory allows) with beta 2^22 and 2^24 at s = 2; on every GPU at once at 1B and 4B per rank;
+#     the compiler's vectorisation report of the CPU loop (cpu_adamw_vec.txt); about 3 minutes after the build
 #   moe: the MoE dispatchers alone — test_gpu, then test_dist's EpMoEDist/LlepDist/DistModel tests, in both
 #     precisions (one log), and 30 training steps on every GPU with --moe ep, llep and pllep (hot:0.5/2 routing),
 #     llep and pllep also with --recompute 1
@@ -111,6 +115,23 @@ if [[ " $want " == *" bench-ep "* ]]; then
     echo "| $c | $(( (16384 + c - 1) / c )) | $(echo "$row" | cut -d'|' -f4-12) |" >> "$OUT/bench_ep_budget.md"
   done
   cat "$OUT/bench_ep_budget.md"
+fi
+
+if [[ " $want " == *" bench-opt "* ]]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  rm -f build/cpu_adamw.vec
+  make $vars build/cpu_adamw.vec > /dev/null 2>&1 && cp build/cpu_adamw.vec "$OUT/cpu_adamw_vec.txt" || status=1
+  build/bench_cpu_adamw --mparams 256 > "$OUT/bench_cpu_adamw.md" 2>&1 || status=1
+  {
+    build/bf16/bench_optimizer --mparams 1000 &&
+      build/bf16/bench_optimizer --mparams 4000,16000 --buckets 4194304,16777216 --slots 2 | sed -n '/^| [0-9]/p'
+  } > "$OUT/bench_optimizer_1gpu.md" 2> build/bench_opt.err || { status=1; tail -20 build/bench_opt.err; }
+  if [ "$gpus" -ge 2 ]; then
+    build/bf16/bench_optimizer --gpus "$gpus" --mparams 1000,4000 --buckets 16777216 --slots 2 \
+      > "$OUT/bench_optimizer_${gpus}gpu.md" 2>> build/bench_opt.err || { status=1; tail -20 build/bench_opt.err; }
+  fi
+  cat "$OUT/bench_cpu_adamw.md" "$OUT"/bench_optimizer_*gpu.md
+  summary+=("bench-opt: $(grep -c '^| [0-9]' "$OUT"/bench_optimizer_*gpu.md | tr '\n' ' ') rows")
 fi
 
 if [[ " $want " == *" accum "* ]]; then

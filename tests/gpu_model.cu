@@ -12,6 +12,7 @@
 #include "../ref/model.hpp"
 #include "gpu_util.cuh"
 #include "model_util.cuh"
+#include "optimizer_training.cuh"
 
 namespace {
 
@@ -164,6 +165,13 @@ TEST(GpuModel, TenTrainingStepsMatchReferenceTrainer) {
   EXPECT_EQ(r.route_disagreements, 0);  // BF16: reported only (see first_step_matches_reference)
 #endif
   model_destroy(m);
+}
+
+// --optimizer offload_adamw and cpu_adamw train like adamw, bit for bit, and resume adamw's state
+// (tests/optimizer_training.cuh).
+TEST(GpuModel, OptimizersTrainAlikeAndResumeAcrossOptimizers) {
+  REQUIRE_GPU();
+  testutil::optimizers_train_alike(Parallel(), "one GPU");
 }
 
 // Layer-level recomputation replays the forward exactly: identical gradients, bit for bit, with

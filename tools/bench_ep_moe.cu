@@ -30,7 +30,6 @@
 // --timeline DIR: rank 0's pool timeline of the measured pass, DIR/PROFILE_DISPATCHER.csv (the
 // folder must exist). Markdown rows from rank 0.
 #include <algorithm>
-#include <chrono>
 #include <cerrno>
 #include <climits>
 #include <cmath>
@@ -42,6 +41,7 @@
 #include "../runtime/comm.cuh"
 #include "../ops/pipelined_llep.cuh"
 #include "../runtime/launch.cuh"
+#include "bench_util.cuh"
 #include "../ops/moe.cuh"
 #include "../ops/router.cuh"
 #include "../data/routing_profile.hpp"
@@ -59,18 +59,6 @@ struct BenchFlags {
   std::string timeline_dir;  // "": no timelines
 };
 
-// "a,b,c" → {"a", "b", "c"}
-std::vector<std::string> split_list(const std::string& list) {
-  std::vector<std::string> items;
-  for (size_t start = 0; start <= list.size();) {
-    size_t comma = list.find(',', start);
-    if (comma == std::string::npos) comma = list.size();
-    items.push_back(list.substr(start, comma - start));
-    start = comma + 1;
-  }
-  return items;
-}
-
 [[noreturn]] void bench_usage(const std::string& why) {
   fprintf(stderr,
           "bench_ep_moe: %s\n"
@@ -81,16 +69,6 @@ std::vector<std::string> split_list(const std::string& list) {
           "                    [--timeline DIR]\n",
           why.c_str());
   exit(EXIT_FAILURE);
-}
-
-// A decimal integer in [lo, hi] and nothing else.
-long long parse_flag_int(const std::string& flag, const char* text, long long lo, long long hi) {
-  char* end = nullptr;
-  errno = 0;
-  long long v = strtoll(text, &end, 10);
-  if (text[0] == '\0' || *end != '\0' || errno != 0 || v < lo || v > hi)
-    bench_usage(flag + " '" + text + "': expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  return v;
 }
 
 // The routes [N·k] of `rank` of `world` under profile `name`, and the name of the routing for the table.
@@ -122,39 +100,43 @@ BenchRoutes bench_routes(const BenchFlags& f, const std::string& name, int world
 
 BenchFlags parse_bench_flags(int argc, char** argv) {
   BenchFlags f;
-  for (int i = 1; i < argc; i++) {
-    const std::string flag = argv[i];
-    if (flag == "--help") bench_usage("help");
-    if (i + 1 >= argc) bench_usage(flag + " needs a value (or is not a flag)");
-    const char* value = argv[++i];
-    if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
-    else if (flag == "--tokens") f.tokens = (int)parse_flag_int(flag, value, 1, 1 << 24);
-    else if (flag == "--hidden") f.hidden = (int)parse_flag_int(flag, value, 1, 1 << 16);
-    else if (flag == "--inter") f.inter = (int)parse_flag_int(flag, value, 1, 1 << 16);
-    else if (flag == "--experts") f.experts = (int)parse_flag_int(flag, value, 1, MOE_MAX_E);
-    else if (flag == "--topk") f.topk = (int)parse_flag_int(flag, value, 1, 64);
-    else if (flag == "--warmup") f.warmup = (int)parse_flag_int(flag, value, 0, 1000);
-    else if (flag == "--iters") f.iters = (int)parse_flag_int(flag, value, 1, 10000);
-    else if (flag == "--seed") f.seed = (unsigned long long)parse_flag_int(flag, value, 0, LLONG_MAX);
-    else if (flag == "--trace_batch") f.trace_batch = (int)parse_flag_int(flag, value, 0, INT_MAX);
-    else if (flag == "--trace_layer") f.trace_layer = (int)parse_flag_int(flag, value, 0, INT_MAX);
-    else if (flag == "--llep_min_rows") f.llep_min_rows = (int)parse_flag_int(flag, value, 1, INT_MAX);
-    else if (flag == "--token_budget") f.token_budget = (int)parse_flag_int(flag, value, 1, INT_MAX);
-    else if (flag == "--kmax") f.kmax = (int)parse_flag_int(flag, value, 1, INT_MAX);
-    else if (flag == "--check") f.check = (int)parse_flag_int(flag, value, 0, 1);
-    else if (flag == "--timeline") f.timeline_dir = value;
-    else if (flag == "--llep_alpha") {
-      char* end = nullptr;
-      f.llep_alpha = strtod(value, &end);
-      if (value[0] == '\0' || *end != '\0' || !(f.llep_alpha >= 1.0) || !std::isfinite(f.llep_alpha))
-        bench_usage(flag + " '" + value + "': expected a number >= 1");
-    } else if (flag == "--profiles") f.profiles = split_list(value);
-    else if (flag == "--dispatchers") {
-      f.dispatchers = split_list(value);
-      for (const std::string& d : f.dispatchers)
-        if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep")
-          bench_usage("--dispatchers: unknown dispatcher '" + d + "' (1gpu, ep, llep, pllep)");
-    } else bench_usage("unknown flag " + flag);
+  try {  // parse_flag_int names a malformed value
+    for (int i = 1; i < argc; i++) {
+      const std::string flag = argv[i];
+      if (flag == "--help") bench_usage("help");
+      if (i + 1 >= argc) bench_usage(flag + " needs a value (or is not a flag)");
+      const char* value = argv[++i];
+      if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
+      else if (flag == "--tokens") f.tokens = (int)parse_flag_int(flag, value, 1, 1 << 24);
+      else if (flag == "--hidden") f.hidden = (int)parse_flag_int(flag, value, 1, 1 << 16);
+      else if (flag == "--inter") f.inter = (int)parse_flag_int(flag, value, 1, 1 << 16);
+      else if (flag == "--experts") f.experts = (int)parse_flag_int(flag, value, 1, MOE_MAX_E);
+      else if (flag == "--topk") f.topk = (int)parse_flag_int(flag, value, 1, 64);
+      else if (flag == "--warmup") f.warmup = (int)parse_flag_int(flag, value, 0, 1000);
+      else if (flag == "--iters") f.iters = (int)parse_flag_int(flag, value, 1, 10000);
+      else if (flag == "--seed") f.seed = (unsigned long long)parse_flag_int(flag, value, 0, LLONG_MAX);
+      else if (flag == "--trace_batch") f.trace_batch = (int)parse_flag_int(flag, value, 0, INT_MAX);
+      else if (flag == "--trace_layer") f.trace_layer = (int)parse_flag_int(flag, value, 0, INT_MAX);
+      else if (flag == "--llep_min_rows") f.llep_min_rows = (int)parse_flag_int(flag, value, 1, INT_MAX);
+      else if (flag == "--token_budget") f.token_budget = (int)parse_flag_int(flag, value, 1, INT_MAX);
+      else if (flag == "--kmax") f.kmax = (int)parse_flag_int(flag, value, 1, INT_MAX);
+      else if (flag == "--check") f.check = (int)parse_flag_int(flag, value, 0, 1);
+      else if (flag == "--timeline") f.timeline_dir = value;
+      else if (flag == "--llep_alpha") {
+        char* end = nullptr;
+        f.llep_alpha = strtod(value, &end);
+        if (value[0] == '\0' || *end != '\0' || !(f.llep_alpha >= 1.0) || !std::isfinite(f.llep_alpha))
+          bench_usage(flag + " '" + value + "': expected a number >= 1");
+      } else if (flag == "--profiles") f.profiles = split_list(value);
+      else if (flag == "--dispatchers") {
+        f.dispatchers = split_list(value);
+        for (const std::string& d : f.dispatchers)
+          if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep")
+            bench_usage("--dispatchers: unknown dispatcher '" + d + "' (1gpu, ep, llep, pllep)");
+      } else bench_usage("unknown flag " + flag);
+    }
+  } catch (const std::invalid_argument& e) {
+    bench_usage(e.what());
   }
   if (f.check && std::find(f.dispatchers.begin(), f.dispatchers.end(), "ep") == f.dispatchers.end())
     bench_usage("--check 1 compares every dispatcher with ep: --dispatchers must include ep");
@@ -192,39 +174,6 @@ DeviceBuffer<floatX> random_buffer(size_t n, float scale, unsigned long long see
   return buf;
 }
 
-// Median of the CUDA-event time of `pass` over `iters` runs after `warmup` runs, in ms; issue_ms
-// (when given): the median host time to enqueue the pass (from its start to its return, before the
-// wait) — near the GPU time, the pass is bound by the host's launches, not by the GPU.
-template <typename F>
-double median_ms(F pass, int warmup, int iters, cudaStream_t stream, double* issue_ms = nullptr) {
-  cudaEvent_t start, stop;
-  cudaCheck(cudaEventCreate(&start), "bench_ep_moe", "event");
-  cudaCheck(cudaEventCreate(&stop), "bench_ep_moe", "event");
-  std::vector<float> times;
-  std::vector<double> issue_times;
-  for (int it = 0; it < warmup + iters; it++) {
-    cudaCheck(cudaEventRecord(start, stream), "bench_ep_moe", "event record, pass %d", it);
-    const auto issue_start = std::chrono::steady_clock::now();
-    pass();
-    if (it >= warmup)
-      issue_times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - issue_start).count());
-    cudaCheck(cudaEventRecord(stop, stream), "bench_ep_moe", "event record, pass %d", it);
-    stream_wait(stream, "bench_ep_moe", "pass %d", it);
-    float ms = 0;
-    cudaCheck(cudaEventElapsedTime(&ms, start, stop), "bench_ep_moe", "elapsed, pass %d", it);
-    if (it >= warmup) times.push_back(ms);
-  }
-  cudaCheck(cudaEventDestroy(start), "bench_ep_moe", "event");
-  cudaCheck(cudaEventDestroy(stop), "bench_ep_moe", "event");
-  if (issue_ms != nullptr) {
-    std::sort(issue_times.begin(), issue_times.end());
-    *issue_ms = issue_times[issue_times.size() / 2];
-  }
-  std::sort(times.begin(), times.end());
-  const size_t m = times.size() / 2;
-  return times.size() % 2 ? times[m] : 0.5 * (times[m - 1] + times[m]);
-}
-
 // Peak of Dispatch + ExpertIntermediates live bytes that one run of `pass` adds, replayed from the
 // pool's timeline (the pool keeps per-category peaks only, not the peak of their sum). A non-empty
 // `csv` gets that timeline (tools/plot_timeline.sh plots it).
@@ -246,13 +195,6 @@ size_t peak_dispatch_and_intermediates(F pass, cudaStream_t stream, const std::s
   }
   pool().clear_timeline();
   return (size_t)(peak - base);
-}
-
-// Every rank's `values` (the same count on each), rank-major: [rank·count + i].
-std::vector<long long> gather_all(const Comm& world, const std::vector<long long>& values, cudaStream_t stream) {
-  std::vector<long long> send;
-  for (int d = 0; d < world.size; d++) send.insert(send.end(), values.begin(), values.end());
-  return all_to_all_host(world, send, (int)values.size(), stream);
 }
 
 int main(int argc, char** argv) {
@@ -352,9 +294,9 @@ int main(int argc, char** argv) {
                     W2_used, stream);
       };
       double fwd_issue_ms = 0;
-      const double fwd_ms = median_ms(forward_only, f.warmup, f.iters, stream, &fwd_issue_ms);
-      const double ms = median_ms(pass, f.warmup, f.iters, stream);
-      const double checkpointed_ms = median_ms(checkpointed, f.warmup, f.iters, stream);
+      const double fwd_ms = median_ms(forward_only, f.warmup, f.iters, stream, "bench_ep_moe", &fwd_issue_ms);
+      const double ms = median_ms(pass, f.warmup, f.iters, stream, "bench_ep_moe");
+      const double checkpointed_ms = median_ms(checkpointed, f.warmup, f.iters, stream, "bench_ep_moe");
       std::string csv;  // --timeline DIR: rank 0's pass, DIR/PROFILE_DISPATCHER.csv
       if (!f.timeline_dir.empty() && world.rank == 0) {
         csv = f.timeline_dir + "/" + name + "_" + dname + ".csv";

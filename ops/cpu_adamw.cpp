@@ -1,0 +1,101 @@
+// cpu_adamw.cpp — see cpu_adamw.hpp (built with CPU_ADAMW_FLAGS, Makefile).
+#include "cpu_adamw.hpp"
+#include <algorithm>
+#include <thread>
+
+namespace {
+
+inline void store_param(float* param, size_t i, float x) { param[i] = x; }
+inline void store_param(uint16_t* param, size_t i, float x) { param[i] = bf16_bits_rn(x); }
+
+// Elements [lo, hi) of one segment's state; the loop the compiler vectorises.
+template <typename Param>
+void adamw_range(float* __restrict master, float* __restrict m, float* __restrict v, const float* __restrict grad,
+                 Param* __restrict param, size_t lo, size_t hi, const AdamWCoefficients c) {
+  for (size_t i = lo; i < hi; i++) {
+    float mi = m[i], vi = v[i];
+    const float p = adamw_element(mi, vi, master[i], grad[i], c);
+    m[i] = mi;
+    v[i] = vi;
+    master[i] = p;
+    store_param(param, i, p);
+  }
+}
+
+// The same loop, kept scalar (the baseline).
+template <typename Param>
+__attribute__((optimize("no-tree-vectorize"))) void adamw_range_scalar(float* master, float* m, float* v,
+                                                                       const float* grad, Param* param, size_t lo,
+                                                                       size_t hi, const AdamWCoefficients c) {
+  for (size_t i = lo; i < hi; i++) {
+    float mi = m[i], vi = v[i];
+    const float p = adamw_element(mi, vi, master[i], grad[i], c);
+    m[i] = mi;
+    v[i] = vi;
+    master[i] = p;
+    store_param(param, i, p);
+  }
+}
+
+AdamWCoefficients segment_coefficients(const ShardSegment& g, float lr, const AdamWSettings& s, int t,
+                                       float grad_scale) {
+  return adamw_coefficients(lr, s.beta1, s.beta2, s.eps, g.decay ? s.weight_decay : 0.f, t, grad_scale);
+}
+
+// Calls range(segment, lo, hi) over the slice [first, last) of the segments' concatenated elements.
+template <typename Range>
+void for_slice(const std::vector<ShardSegment>& segments, size_t first, size_t last, Range range) {
+  size_t start = 0;  // the segment's first element in the concatenation
+  for (const ShardSegment& g : segments) {
+    const size_t lo = std::max(first, start), hi = std::min(last, start + g.count);
+    if (lo < hi) range(g, g.state_offset + (lo - start), g.state_offset + (hi - start));
+    start += g.count;
+  }
+}
+
+}  // namespace
+
+template <typename Param>
+void cpu_adamw_step(float* master, float* m, float* v, const float* grad, Param* param,
+                    const std::vector<ShardSegment>& segments, float lr, const AdamWSettings& s, int t,
+                    float grad_scale, int threads) {
+  size_t total = 0;
+  for (const ShardSegment& g : segments) total += g.count;
+  const size_t per_thread = (total + std::max(threads, 1) - 1) / std::max(threads, 1);
+  const size_t slice = (per_thread + 15) & ~size_t(15);  // whole 64-byte lines of fp32 per thread
+  auto work = [&](size_t first) {
+    for_slice(segments, first, std::min(total, first + slice), [&](const ShardSegment& g, size_t lo, size_t hi) {
+      adamw_range(master, m, v, grad, param, lo, hi, segment_coefficients(g, lr, s, t, grad_scale));
+    });
+  };
+  std::vector<std::thread> workers;
+  for (size_t first = slice; first < total; first += slice) workers.emplace_back(work, first);
+  work(0);
+  for (std::thread& w : workers) w.join();
+}
+
+template <typename Param>
+void cpu_adamw_step_scalar(float* master, float* m, float* v, const float* grad, Param* param,
+                           const std::vector<ShardSegment>& segments, float lr, const AdamWSettings& s, int t,
+                           float grad_scale) {
+  for (const ShardSegment& g : segments)
+    adamw_range_scalar(master, m, v, grad, param, g.state_offset, g.state_offset + g.count,
+                       segment_coefficients(g, lr, s, t, grad_scale));
+}
+
+template <typename Param>
+void cpu_params_from_master(const float* master, Param* param, const std::vector<ShardSegment>& segments) {
+  for (const ShardSegment& g : segments)
+    for (size_t i = g.state_offset; i < g.state_offset + g.count; i++) store_param(param, i, master[i]);
+}
+
+#define FM_CPU_ADAMW_INSTANTIATE(Param)                                                                         \
+  template void cpu_adamw_step<Param>(float*, float*, float*, const float*, Param*,                             \
+                                      const std::vector<ShardSegment>&, float, const AdamWSettings&, int, float, \
+                                      int);                                                                     \
+  template void cpu_adamw_step_scalar<Param>(float*, float*, float*, const float*, Param*,                      \
+                                             const std::vector<ShardSegment>&, float, const AdamWSettings&, int, \
+                                             float);                                                            \
+  template void cpu_params_from_master<Param>(const float*, Param*, const std::vector<ShardSegment>&);
+FM_CPU_ADAMW_INSTANTIATE(float)
+FM_CPU_ADAMW_INSTANTIATE(uint16_t)

@@ -1,0 +1,148 @@
+// CPU tests of ops/cpu_adamw.cpp (--optimizer cpu_adamw's arithmetic) against ref/adamw.hpp: several
+// steps from a random mid-training state over segments of odd sizes (1, 37, 1001, 5) with shard padding
+// between them and weight decay on some, clipping scales that change per step. Per segment: θ, m and
+// v element by element within fp32 rounding of the reference (normwise errors of the update
+// θ_new − θ_old, m and v reported); the weights are the master rounded (fp32: equal;
+// bf16: round to nearest even); the padding is untouched. Any thread count and the scalar baseline loop
+// give bit-identical results (memcmp).
+#include <cstring>
+#include "adamw_check.hpp"
+#include "test_util.hpp"
+#include "../ops/cpu_adamw.hpp"
+
+using namespace testutil;
+
+namespace {
+
+const AdamWSettings kSettings{0.9f, 0.95f, 1e-8f, 0.1f};
+const float kLr = 1e-2f;
+const float kPadding = -7.f;  // what the elements between segments hold; no step may change it
+
+// {param_offset, state_offset, count, decay}: segments in state order with padding between them
+const std::vector<ShardSegment> kSegments = {{0, 0, 1, false}, {5, 3, 37, true}, {50, 41, 1001, true}, {1100, 1045, 5, false}};
+const size_t kState = 1053;
+
+struct HostState {
+  std::vector<float> master, m, v, grad;
+  std::vector<float> param_fp32;
+  std::vector<uint16_t> param_bf16;
+};
+
+// Random mid-training state (non-zero moments); padding everywhere outside the segments.
+HostState random_state(Rng& rng) {
+  HostState h;
+  for (auto* x : {&h.master, &h.m, &h.v, &h.grad, &h.param_fp32}) x->assign(kState, kPadding);
+  h.param_bf16.assign(kState, 0xdead);
+  for (const ShardSegment& g : kSegments)
+    for (size_t i = g.state_offset; i < g.state_offset + g.count; i++) {
+      h.master[i] = (float)rng.normal();
+      h.m[i] = (float)rng.normal(0.1);
+      h.v[i] = (float)std::pow(rng.normal(0.1), 2);
+    }
+  return h;
+}
+
+void new_gradients(Rng& rng, HostState& h) {
+  for (const ShardSegment& g : kSegments)
+    for (size_t i = g.state_offset; i < g.state_offset + g.count; i++) h.grad[i] = (float)rng.normal(0.3);
+}
+
+ref::Vec<double> segment_of(const std::vector<float>& x, const ShardSegment& g) {
+  ref::Vec<double> out(g.count);
+  for (size_t i = 0; i < g.count; i++) out(i) = x[g.state_offset + i];
+  return out;
+}
+
+bool padding_untouched(const std::vector<float>& x) {
+  size_t next = 0;
+  for (const ShardSegment& g : kSegments) {
+    for (size_t i = next; i < g.state_offset; i++)
+      if (x[i] != kPadding) return false;
+    next = g.state_offset + g.count;
+  }
+  for (size_t i = next; i < kState; i++)
+    if (x[i] != kPadding) return false;
+  return true;
+}
+
+}  // namespace
+
+// Each step from the same fp32 state on both sides (the reference restarts from the CPU's state, so that
+// one step's arithmetic is measured, not five steps' compounding): every element of m, v and θ within
+// fp32 rounding of the reference (adamw_check.hpp); the normwise errors per segment are reported.
+TEST(CpuAdamW, MatchesReferenceOverStepsPerSegment) {
+  Rng rng;
+  HostState h = random_state(rng);
+  const int first_step = 7, steps = 5;
+  for (int t = first_step; t < first_step + steps; t++) {
+    new_gradients(rng, h);
+    const float grad_scale = (t % 2 == 0) ? 0.37f : 1.f;  // clipped on even steps
+    const HostState before = h;
+    cpu_adamw_step(h.master.data(), h.m.data(), h.v.data(), h.grad.data(), h.param_fp32.data(), kSegments, kLr,
+                   kSettings, t, grad_scale, 3);
+    for (const ShardSegment& g : kSegments) {
+      const size_t o = g.state_offset;
+      const AdamWStepCheck c = check_adamw_step(
+          &before.master[o], &before.m[o], &before.v[o], &h.grad[o], &h.master[o], &h.m[o], &h.v[o], g.count, kLr,
+          kSettings.beta1, kSettings.beta2, kSettings.eps, g.decay ? kSettings.weight_decay : 0.0, t, grad_scale);
+      EXPECT_EQ(c.outside, 0) << "elements beyond fp32 rounding, t=" << t << " n=" << g.count;
+      const std::string seg = " t" + std::to_string(t) + " n" + std::to_string(g.count);
+      const ref::Vec<double> update = segment_of(h.master, g) - segment_of(before.master, g);
+      const ref::Vec<double> update_ref = c.master_ref - segment_of(before.master, g);
+      report_normwise("CpuAdamW", ("update" + seg).c_str(), rel_err(update, update_ref));
+      report_normwise("CpuAdamW", ("m" + seg).c_str(), rel_err(segment_of(h.m, g), c.m_ref));
+      report_normwise("CpuAdamW", ("v" + seg).c_str(), rel_err(segment_of(h.v, g), c.v_ref));
+    }
+  }
+  for (const ShardSegment& g : kSegments)
+    EXPECT_EQ(0, memcmp(h.param_fp32.data() + g.state_offset, h.master.data() + g.state_offset, g.count * sizeof(float)))
+        << "fp32 weights must equal the master weights, n=" << g.count;
+  for (auto* x : {&h.master, &h.m, &h.v, &h.param_fp32}) EXPECT_TRUE(padding_untouched(*x));
+}
+
+TEST(CpuAdamW, AnyThreadCountAndTheScalarLoopAreBitIdentical) {
+  Rng rng;
+  const HostState start = random_state(rng);
+  HostState scalar = start;
+  new_gradients(rng, scalar);
+  const std::vector<float> grad = scalar.grad;
+  for (int t = 3; t < 6; t++)
+    cpu_adamw_step_scalar(scalar.master.data(), scalar.m.data(), scalar.v.data(), grad.data(),
+                          scalar.param_bf16.data(), kSegments, kLr, kSettings, t, 0.5f);
+  for (int threads : {1, 2, 3, 7, 64}) {
+    HostState h = start;
+    for (int t = 3; t < 6; t++)
+      cpu_adamw_step(h.master.data(), h.m.data(), h.v.data(), grad.data(), h.param_bf16.data(), kSegments, kLr,
+                     kSettings, t, 0.5f, threads);
+    EXPECT_EQ(0, memcmp(h.master.data(), scalar.master.data(), kState * sizeof(float))) << threads << " threads";
+    EXPECT_EQ(0, memcmp(h.m.data(), scalar.m.data(), kState * sizeof(float))) << threads << " threads";
+    EXPECT_EQ(0, memcmp(h.v.data(), scalar.v.data(), kState * sizeof(float))) << threads << " threads";
+    EXPECT_EQ(h.param_bf16, scalar.param_bf16) << threads << " threads";
+  }
+  std::vector<uint16_t> from_master(kState, 0xdead);
+  cpu_params_from_master(scalar.master.data(), from_master.data(), kSegments);
+  EXPECT_EQ(from_master, scalar.param_bf16) << "weights from loaded master weights = the step's weights";
+  int rounded_wrong = 0;
+  for (const ShardSegment& g : kSegments)
+    for (size_t i = g.state_offset; i < g.state_offset + g.count; i++)
+      rounded_wrong += scalar.param_bf16[i] != bf16_bits_rn(scalar.master[i]);
+  EXPECT_EQ(rounded_wrong, 0);
+}
+
+TEST(CpuAdamW, Bf16RoundsToNearestEven) {
+  auto bits = [](uint32_t b) {
+    float x;
+    memcpy(&x, &b, sizeof x);
+    return bf16_bits_rn(x);
+  };
+  EXPECT_EQ(bits(0x3f800000u), 0x3f80);  // 1
+  EXPECT_EQ(bits(0x3f807fffu), 0x3f80);  // below half: down
+  EXPECT_EQ(bits(0x3f808000u), 0x3f80);  // tie, even below: down
+  EXPECT_EQ(bits(0x3f818000u), 0x3f82);  // tie, odd below: up
+  EXPECT_EQ(bits(0x3f808001u), 0x3f81);  // above half: up
+  EXPECT_EQ(bits(0xbf808001u), 0xbf81);  // sign kept
+  EXPECT_EQ(bits(0x7f7fffffu), 0x7f80);  // largest float rounds to infinity
+  EXPECT_EQ(bits(0x7f800000u), 0x7f80);  // infinity
+  EXPECT_EQ(bits(0x7fc00001u), 0x7fff);  // NaN
+  EXPECT_EQ(bits(0x00000001u), 0x0000);  // smallest denormal
+}

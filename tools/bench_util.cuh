@@ -1,0 +1,74 @@
+// tools/bench_util.cuh — what the benchmarks share: flag values, the median of CUDA-event timings,
+// and every rank's numbers on every rank.
+#pragma once
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+#include "../runtime/comm.cuh"
+
+// "a,b,c" → {"a", "b", "c"}
+inline std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> items;
+  for (size_t start = 0; start <= list.size();) {
+    size_t comma = list.find(',', start);
+    if (comma == std::string::npos) comma = list.size();
+    items.push_back(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return items;
+}
+
+// A decimal integer in [lo, hi] and nothing else; throws std::invalid_argument naming the flag.
+inline long long parse_flag_int(const std::string& flag, const char* text, long long lo, long long hi) {
+  char* end = nullptr;
+  errno = 0;
+  long long v = strtoll(text, &end, 10);
+  if (text[0] == '\0' || *end != '\0' || errno != 0 || v < lo || v > hi)
+    throw std::invalid_argument(flag + " '" + text + "': expected an integer in [" + std::to_string(lo) + ", " +
+                                std::to_string(hi) + "]");
+  return v;
+}
+
+// Median of the CUDA-event time of `pass` over `iters` runs after `warmup` runs, in ms; issue_ms
+// (when given): the median host time to enqueue the pass (from its start to its return, before the
+// wait) — near the GPU time, the pass is bound by the host's launches, not by the GPU.
+template <typename F>
+double median_ms(F pass, int warmup, int iters, cudaStream_t stream, const char* op, double* issue_ms = nullptr) {
+  cudaEvent_t start, stop;
+  cudaCheck(cudaEventCreate(&start), op, "event");
+  cudaCheck(cudaEventCreate(&stop), op, "event");
+  std::vector<float> times;
+  std::vector<double> issue_times;
+  for (int it = 0; it < warmup + iters; it++) {
+    cudaCheck(cudaEventRecord(start, stream), op, "event record, pass %d", it);
+    const auto issue_start = std::chrono::steady_clock::now();
+    pass();
+    if (it >= warmup)
+      issue_times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - issue_start).count());
+    cudaCheck(cudaEventRecord(stop, stream), op, "event record, pass %d", it);
+    stream_wait(stream, op, "pass %d", it);
+    float ms = 0;
+    cudaCheck(cudaEventElapsedTime(&ms, start, stop), op, "elapsed, pass %d", it);
+    if (it >= warmup) times.push_back(ms);
+  }
+  cudaCheck(cudaEventDestroy(start), op, "event");
+  cudaCheck(cudaEventDestroy(stop), op, "event");
+  if (issue_ms != nullptr) {
+    std::sort(issue_times.begin(), issue_times.end());
+    *issue_ms = issue_times[issue_times.size() / 2];
+  }
+  std::sort(times.begin(), times.end());
+  const size_t m = times.size() / 2;
+  return times.size() % 2 ? times[m] : 0.5 * (times[m - 1] + times[m]);
+}
+
+// Every rank's `values` (the same count on each), rank-major: [rank·count + i].
+inline std::vector<long long> gather_all(const Comm& world, const std::vector<long long>& values, cudaStream_t stream) {
+  std::vector<long long> send;
+  for (int d = 0; d < world.size; d++) send.insert(send.end(), values.begin(), values.end());
+  return all_to_all_host(world, send, (int)values.size(), stream);
+}
