@@ -46,9 +46,9 @@
 //             h13 kept, return: no counts exchanged again) → dy = w·dout and dtopk_w at the source →
 //             dy out → backward GEMMs, weight gradients += (own experts in place, borrowed ones
 //             into the layer's zeroed borrowed gradients) → dx back → dx's chunk rows; after the
-//             last chunk the borrowed gradients go home and the home adds them. Issued so that chunk i's backward GEMMs run while chunk
-//             i+1's recomputed outputs come back and chunk i+2's rows go out, and chunk i+1's
-//             recomputed GEMMs while chunk i's dy travels.
+//             last chunk the borrowed gradients go home and the home adds them. Issued so that
+//             chunk i's backward GEMMs run while chunk i+1's recomputed outputs come back and chunk
+//             i+2's rows go out, and chunk i+1's recomputed GEMMs while chunk i's dy travels.
 // Live set (the pool's categories; b = bytes per floatX). Chunk i (n_i tokens, R_d(i) routes computed)
 // holds at most what one LLEP pass holds at its R's (ops/ep_moe.cuh's closed forms with R = k·n_i) plus
 // its gathered rows and routing: D_i = ep_moe_dispatch_peak_bytes(k·n_i, R_d(i), H, b) + 3·n_i·H·b +
@@ -59,15 +59,15 @@
 //                          (chunk i's backward with chunk i+1's recomputed h13, or chunk i+1's
 //                          recomputation with chunk i's h13; forward: 3·R_d(i)·I·b, one chunk)
 //                                                                               (pllep_intermediates_bound)
-// with R_d(i) ≤ the receiver bound above. Both depend on the budget c, never on N or the router: K
-// grows with N and every chunk stays under Eq. 1. The paper keeps every chunk's checkpoint to backward
+// with R_d(i) ≤ the receiver bound above. Both depend on the budget c, never on the router, nor on N
+// until K_max binds: K grows with N and every chunk stays under Eq. 1. The paper keeps every chunk's checkpoint to backward
 // (Θ(K) chunks live); here backward recomputes, so a few chunks are all that is ever live. The price:
 // each chunk's forward exchanges and expert GEMMs run twice — which a layer under --recompute pays
 // anyway: its recomputation calls this forward with out = nullptr, which only plans.
 // Beside, for the pass: the layer's borrowed weights B·3·H·I·b (Weights) and in backward their
 // gradients B·3·H·I·b plus the returned ones L·3·H·I·b (Grads), B and L the experts this rank
-// borrows and lends over all chunks (B ≤ E − E_l: never its own). Workspace: the K plans' send orders and block tables (4·(R + 2·Σ_i G_i·E_p) B, uploaded
-// once per pass) and the K·E counts.
+// borrows and lends over all chunks (B ≤ E − E_l: never its own). Workspace: the K plans' send
+// orders and block tables (4·(R + 2·Σ_i G_i·E_p) B, uploaded once per pass) and the K·E counts.
 // Layout of this file: the host-side plan first (pure C++, no CUDA call: the plan tests run it for up
 // to 64 ranks without a GPU), then the kernels and launchers.
 #pragma once
