@@ -100,44 +100,36 @@ BenchRoutes bench_routes(const BenchFlags& f, const std::string& name, int world
 
 BenchFlags parse_bench_flags(int argc, char** argv) {
   BenchFlags f;
-  try {  // parse_flag_int names a malformed value
-    for (int i = 1; i < argc; i++) {
-      const std::string flag = argv[i];
-      if (flag == "--help") bench_usage("help");
-      if (i + 1 >= argc) bench_usage(flag + " needs a value (or is not a flag)");
-      const char* value = argv[++i];
-      if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
-      else if (flag == "--tokens") f.tokens = (int)parse_flag_int(flag, value, 1, 1 << 24);
-      else if (flag == "--hidden") f.hidden = (int)parse_flag_int(flag, value, 1, 1 << 16);
-      else if (flag == "--inter") f.inter = (int)parse_flag_int(flag, value, 1, 1 << 16);
-      else if (flag == "--experts") f.experts = (int)parse_flag_int(flag, value, 1, MOE_MAX_E);
-      else if (flag == "--topk") f.topk = (int)parse_flag_int(flag, value, 1, 64);
-      else if (flag == "--warmup") f.warmup = (int)parse_flag_int(flag, value, 0, 1000);
-      else if (flag == "--iters") f.iters = (int)parse_flag_int(flag, value, 1, 10000);
-      else if (flag == "--seed") f.seed = (unsigned long long)parse_flag_int(flag, value, 0, LLONG_MAX);
-      else if (flag == "--trace_batch") f.trace_batch = (int)parse_flag_int(flag, value, 0, INT_MAX);
-      else if (flag == "--trace_layer") f.trace_layer = (int)parse_flag_int(flag, value, 0, INT_MAX);
-      else if (flag == "--llep_min_rows") f.llep_min_rows = (int)parse_flag_int(flag, value, 1, INT_MAX);
-      else if (flag == "--token_budget") f.token_budget = (int)parse_flag_int(flag, value, 1, INT_MAX);
-      else if (flag == "--kmax") f.kmax = (int)parse_flag_int(flag, value, 1, INT_MAX);
-      else if (flag == "--check") f.check = (int)parse_flag_int(flag, value, 0, 1);
-      else if (flag == "--timeline") f.timeline_dir = value;
-      else if (flag == "--llep_alpha") {
-        char* end = nullptr;
-        f.llep_alpha = strtod(value, &end);
-        if (value[0] == '\0' || *end != '\0' || !(f.llep_alpha >= 1.0) || !std::isfinite(f.llep_alpha))
-          bench_usage(flag + " '" + value + "': expected a number >= 1");
-      } else if (flag == "--profiles") f.profiles = split_list(value);
-      else if (flag == "--dispatchers") {
-        f.dispatchers = split_list(value);
-        for (const std::string& d : f.dispatchers)
-          if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep")
-            bench_usage("--dispatchers: unknown dispatcher '" + d + "' (1gpu, ep, llep, pllep)");
-      } else bench_usage("unknown flag " + flag);
-    }
-  } catch (const std::invalid_argument& e) {
-    bench_usage(e.what());
-  }
+  parse_flag_pairs(argc, argv, bench_usage, [&](const std::string& flag, const char* value) {
+    if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
+    else if (flag == "--tokens") f.tokens = (int)parse_flag_int(flag, value, 1, 1 << 24);
+    else if (flag == "--hidden") f.hidden = (int)parse_flag_int(flag, value, 1, 1 << 16);
+    else if (flag == "--inter") f.inter = (int)parse_flag_int(flag, value, 1, 1 << 16);
+    else if (flag == "--experts") f.experts = (int)parse_flag_int(flag, value, 1, MOE_MAX_E);
+    else if (flag == "--topk") f.topk = (int)parse_flag_int(flag, value, 1, 64);
+    else if (flag == "--warmup") f.warmup = (int)parse_flag_int(flag, value, 0, 1000);
+    else if (flag == "--iters") f.iters = (int)parse_flag_int(flag, value, 1, 10000);
+    else if (flag == "--seed") f.seed = (unsigned long long)parse_flag_int(flag, value, 0, LLONG_MAX);
+    else if (flag == "--trace_batch") f.trace_batch = (int)parse_flag_int(flag, value, 0, INT_MAX);
+    else if (flag == "--trace_layer") f.trace_layer = (int)parse_flag_int(flag, value, 0, INT_MAX);
+    else if (flag == "--llep_min_rows") f.llep_min_rows = (int)parse_flag_int(flag, value, 1, INT_MAX);
+    else if (flag == "--token_budget") f.token_budget = (int)parse_flag_int(flag, value, 1, INT_MAX);
+    else if (flag == "--kmax") f.kmax = (int)parse_flag_int(flag, value, 1, INT_MAX);
+    else if (flag == "--check") f.check = (int)parse_flag_int(flag, value, 0, 1);
+    else if (flag == "--timeline") f.timeline_dir = value;
+    else if (flag == "--llep_alpha") {
+      char* end = nullptr;
+      f.llep_alpha = strtod(value, &end);
+      if (value[0] == '\0' || *end != '\0' || !(f.llep_alpha >= 1.0) || !std::isfinite(f.llep_alpha))
+        bench_usage(flag + " '" + value + "': expected a number >= 1");
+    } else if (flag == "--profiles") f.profiles = split_list(value);
+    else if (flag == "--dispatchers") {
+      f.dispatchers = split_list(value);
+      for (const std::string& d : f.dispatchers)
+        if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep")
+          bench_usage("--dispatchers: unknown dispatcher '" + d + "' (1gpu, ep, llep, pllep)");
+    } else bench_usage("unknown flag " + flag);
+  });
   if (f.check && std::find(f.dispatchers.begin(), f.dispatchers.end(), "ep") == f.dispatchers.end())
     bench_usage("--check 1 compares every dispatcher with ep: --dispatchers must include ep");
   if ((long long)f.tokens * f.topk * f.gpus > INT_MAX) bench_usage("--tokens x --topk x --gpus exceeds int route indices");

@@ -55,28 +55,20 @@ std::vector<long long> int_list(const std::string& flag, const char* text, long 
 
 BenchFlags parse_bench_flags(int argc, char** argv) {
   BenchFlags f;
-  try {  // parse_flag_int names a malformed value
-    for (int i = 1; i < argc; i++) {
-      const std::string flag = argv[i];
-      if (flag == "--help") bench_usage("help");
-      if (i + 1 >= argc) bench_usage(flag + " needs a value (or is not a flag)");
-      const char* value = argv[++i];
-      if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
-      else if (flag == "--warmup") f.warmup = (int)parse_flag_int(flag, value, 0, 1000);
-      else if (flag == "--iters") f.iters = (int)parse_flag_int(flag, value, 1, 1000);
-      else if (flag == "--mparams") f.mparams = int_list(flag, value, 1, 1 << 20);
-      else if (flag == "--buckets") f.buckets = int_list(flag, value, 1, INT_MAX);
-      else if (flag == "--slots") f.slots = int_list(flag, value, 1, 16);
-      else if (flag == "--optimizers") {
-        f.optimizers = split_list(value);
-        for (const std::string& o : f.optimizers)
-          if (o != "offload_adamw" && o != "cpu_adamw" && o != "adamw")
-            bench_usage("--optimizers: unknown optimizer '" + o + "' (offload_adamw, cpu_adamw, adamw)");
-      } else bench_usage("unknown flag " + flag);
-    }
-  } catch (const std::invalid_argument& e) {
-    bench_usage(e.what());
-  }
+  parse_flag_pairs(argc, argv, bench_usage, [&](const std::string& flag, const char* value) {
+    if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
+    else if (flag == "--warmup") f.warmup = (int)parse_flag_int(flag, value, 0, 1000);
+    else if (flag == "--iters") f.iters = (int)parse_flag_int(flag, value, 1, 1000);
+    else if (flag == "--mparams") f.mparams = int_list(flag, value, 1, 1 << 20);
+    else if (flag == "--buckets") f.buckets = int_list(flag, value, 1, INT_MAX);
+    else if (flag == "--slots") f.slots = int_list(flag, value, 1, 16);
+    else if (flag == "--optimizers") {
+      f.optimizers = split_list(value);
+      for (const std::string& o : f.optimizers)
+        if (o != "offload_adamw" && o != "cpu_adamw" && o != "adamw")
+          bench_usage("--optimizers: unknown optimizer '" + o + "' (offload_adamw, cpu_adamw, adamw)");
+    } else bench_usage("unknown flag " + flag);
+  });
   return f;
 }
 

@@ -33,6 +33,23 @@ inline long long parse_flag_int(const std::string& flag, const char* text, long 
   return v;
 }
 
+// Every "--flag value" pair of argv to on_flag(flag, value); --help, a flag without its value and a
+// malformed value (std::invalid_argument from on_flag, e.g. parse_flag_int's) go to usage(why),
+// which does not return.
+template <typename Usage, typename OnFlag>
+void parse_flag_pairs(int argc, char** argv, Usage usage, OnFlag on_flag) {
+  try {
+    for (int i = 1; i < argc; i++) {
+      const std::string flag = argv[i];
+      if (flag == "--help") usage("help");
+      if (i + 1 >= argc) usage(flag + " needs a value (or is not a flag)");
+      on_flag(flag, argv[++i]);
+    }
+  } catch (const std::invalid_argument& e) {
+    usage(e.what());
+  }
+}
+
 // Median of the CUDA-event time of `pass` over `iters` runs after `warmup` runs, in ms; issue_ms
 // (when given): the median host time to enqueue the pass (from its start to its return, before the
 // wait) — near the GPU time, the pass is bound by the host's launches, not by the GPU.
