@@ -34,7 +34,6 @@
 #include <climits>
 #include <cmath>
 #include <memory>
-#include <ctime>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -224,15 +223,9 @@ int main(int argc, char** argv) {
   floatX* dW2_local = dW2.ptr + (size_t)world.rank * E_l * w2_stride;
 
   if (world.rank == 0) {
-    cudaDeviceProp prop;
-    const int device = rank_device(info);
-    cudaCheck(cudaGetDeviceProperties(&prop, device), "bench_ep_moe", "device %d", device);
-    char date[32];
-    time_t now = time(nullptr);
-    strftime(date, sizeof(date), "%Y-%m-%d", localtime(&now));
-    printf("expert-parallel MoE dispatchers, %s, %d x %s, %s: N=%d tokens/rank, H=%d, I=%d, E=%d (E_l=%d), k=%d, "
+    printf("expert-parallel MoE dispatchers, %s: N=%d tokens/rank, H=%d, I=%d, E=%d (E_l=%d), k=%d, "
            "llep alpha=%g min_rows=%d, pllep c=%d K_max=%d, medians of %d after %d warm-ups\n\n",
-           date, W, prop.name, FLATMOE_PRECISION_NAME, N, H, I, E, E_l, k, f.llep_alpha, f.llep_min_rows,
+           bench_setting(W, "bench_ep_moe").c_str(), N, H, I, E, E_l, k, f.llep_alpha, f.llep_min_rows,
            f.token_budget, f.kmax, f.iters, f.warmup);
     printf("| profile | dispatcher | max R_d | fwd ms | / llep | fwd+bwd ms | / llep | checkpointed ms | / llep | "
            "peak D+EI MiB | peak / llep | Dispatch closed form MiB | fwd host issue ms |\n");

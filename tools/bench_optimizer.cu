@@ -18,7 +18,6 @@
 #include <unistd.h>
 #include <algorithm>
 #include <climits>
-#include <ctime>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -146,16 +145,9 @@ int main(int argc, char** argv) {
   const LinkTimes link = measure_link(world, stream);
   const double floor_ms_per_param = link.both_ms * 12.0 / link.bytes;  // 12 B/param each way, both at once
   if (world.rank == 0) {
-    cudaDeviceProp prop;
-    int device = 0;
-    cudaCheck(cudaGetDevice(&device), "bench_optimizer", "cudaGetDevice");
-    cudaCheck(cudaGetDeviceProperties(&prop, device), "bench_optimizer", "device %d", device);
-    char date[32];
-    time_t now = time(nullptr);
-    strftime(date, sizeof(date), "%Y-%m-%d", localtime(&now));
-    printf("optimizer step, %s, %d x %s, %s, host %.0f GiB, %u CPU threads (cpu_adamw: %d per rank), "
+    printf("optimizer step, %s, host %.0f GiB, %u CPU threads (cpu_adamw: %d per rank), "
            "median of %d after %d warm-ups, slowest rank\n",
-           date, W, prop.name, FLATMOE_PRECISION_NAME, host_bytes_total / (1024 * MiB),
+           bench_setting(W, "bench_optimizer").c_str(), host_bytes_total / (1024 * MiB),
            std::thread::hardware_concurrency(), threads, f.iters, f.warmup);
     printf("pinned link per GPU (1 GiB copies, all %d GPUs at once): H2D %.1f GB/s, D2H %.1f GB/s alone; both at once "
            "%.1f GB/s each way -> floor %.3f s per Gparam (12 B/param each way)\n\n",

@@ -5,9 +5,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <ctime>
 #include <stdexcept>
 #include <string>
 #include <vector>
+#include "../ops/common.cuh"
 #include "../runtime/comm.cuh"
 
 // "a,b,c" → {"a", "b", "c"}
@@ -31,6 +33,19 @@ inline long long parse_flag_int(const std::string& flag, const char* text, long 
     throw std::invalid_argument(flag + " '" + text + "': expected an integer in [" + std::to_string(lo) + ", " +
                                 std::to_string(hi) + "]");
   return v;
+}
+
+// "DATE, W x GPU, PRECISION" (the current device's name, the build's precision): what a benchmark's
+// first line states before its own settings.
+inline std::string bench_setting(int W, const char* op) {
+  int device = 0;
+  cudaDeviceProp prop;
+  cudaCheck(cudaGetDevice(&device), op, "cudaGetDevice");
+  cudaCheck(cudaGetDeviceProperties(&prop, device), op, "device %d", device);
+  char date[32];
+  const time_t now = time(nullptr);
+  strftime(date, sizeof(date), "%Y-%m-%d", localtime(&now));
+  return std::string(date) + ", " + std::to_string(W) + " x " + prop.name + ", " + FLATMOE_PRECISION_NAME;
 }
 
 // Every "--flag value" pair of argv to on_flag(flag, value); --help, a flag without its value and a
