@@ -75,13 +75,6 @@ bool wants(const BenchFlags& f, const char* optimizer) {
   return std::find(f.optimizers.begin(), f.optimizers.end(), optimizer) != f.optimizers.end();
 }
 
-// The largest of every rank's value (a collective: every rank calls it at the same point).
-long long slowest(const Comm& world, long long value, cudaStream_t stream) {
-  if (world.size == 1) return value;
-  const std::vector<long long> all = gather_all(world, {value}, stream);
-  return *std::max_element(all.begin(), all.end());
-}
-
 // Pinned H2D and D2H of `bytes` each: alone, and both directions at once. Milliseconds, medians of 5.
 struct LinkTimes {
   double h2d_ms, d2h_ms, both_ms;

@@ -104,3 +104,10 @@ inline std::vector<long long> gather_all(const Comm& world, const std::vector<lo
   for (int d = 0; d < world.size; d++) send.insert(send.end(), values.begin(), values.end());
   return all_to_all_host(world, send, (int)values.size(), stream);
 }
+
+// The largest of every rank's value (a collective: every rank calls it at the same point).
+inline long long slowest(const Comm& world, long long value, cudaStream_t stream) {
+  if (world.size == 1) return value;
+  const std::vector<long long> all = gather_all(world, {value}, stream);
+  return *std::max_element(all.begin(), all.end());
+}
