@@ -75,7 +75,12 @@ struct TrainConfig {
   int llep_min_rows = 32;                  // llep, pllep: the smallest helper piece (one weight transfer + one GEMM)
   int token_budget = 4096;                 // pllep: c, tokens per rank per chunk
   int kmax = 10;                           // pllep: K_max, the most chunks
-  std::string head = "full";               // output head: full (logits [N,V] inside the head)
+  std::string head = "full";               // output head: full (logits [N,V] inside the head) | chunked (the
+                                           // same loss over vocabulary blocks, no [N,V]) | ring_dtp (vocabulary
+                                           // shards over P ranks, ops/ring_dtp.cuh)
+  int vocab_group = 0;                     // ring_dtp: P, ranks of a vocabulary group (contiguous blocks; 0 = W)
+  std::string ring_dtp = "auto";           // ring_dtp: what travels the ring: auto | weights | activations
+  int vocab_block = 4096;                  // chunked, ring_dtp: logits columns per block
   std::string optimizer = "adamw";         // optimizer: adamw (fp32 master weights and moments on the GPU),
                                            // cpu_adamw (on the host, updated by the CPU), offload_adamw (on the
                                            // host, streamed through the GPU in buckets)
@@ -92,6 +97,7 @@ struct ParamSpec {
   size_t rows, cols;  // a [E, R, C] expert stack is rows = E·R
   bool decay;
   bool expert;        // a routed-expert stack: split over the E_p ranks of the expert-parallel group
+  bool vocab = false; // rows are vocabulary entries: split over the P ranks of a vocabulary group (Ring-DTP)
   size_t numel() const { return rows * cols; }
 };
 
@@ -122,7 +128,7 @@ inline std::vector<ParamSpec> param_specs(const ModelConfig& c) {
     experts.push_back({p + "w2", E * H, I, true, true});
   }
   specs.push_back({"lnf", 1, H, false, false});
-  specs.push_back({"lm_head", V, H, true, false});
+  specs.push_back({"lm_head", V, H, true, false, true});
   specs.insert(specs.end(), experts.begin(), experts.end());
   return specs;
 }
@@ -135,8 +141,8 @@ inline size_t param_count(const ModelConfig& c) {
 
 // A region of a rank's local flat parameter buffer whose tensors are shared by the same ranks: the
 // gradient reduction, the norm, the optimizer, the weight all-gather and the checkpoint each loop
-// over the regions once. (A vocabulary-sharded kind comes with the Ring-DTP head.)
-enum class Sharding { Replicated, Expert };
+// over the regions once.
+enum class Sharding { Replicated, Expert, Vocab };
 
 struct ParamRegion {
   Sharding sharding;
@@ -152,27 +158,53 @@ struct RegionGroup {
   int size = 1, rank = 0;
 };
 
+// Rank r's interval [lo, hi) of V vocabulary rows split over P ranks: lo = ⌊r·V/P⌋, so the sizes
+// differ by at most one and V need not be divisible by P (callers check 1 <= P <= V, 0 <= r < P).
+inline std::pair<int, int> vocab_interval(int V, int P, int r) {
+  return {(int)((long long)r * V / P), (int)((long long)(r + 1) * V / P)};
+}
+
+// The vocabulary split of the output head (Ring-DTP): P ranks of a vocabulary group each hold one
+// interval of lm_head's rows; `replicas` are the ranks that hold the same interval (the same place in
+// their groups). P = 1: every rank holds the whole head, in the replicated region.
+struct VocabSplit {
+  int size = 1, rank = 0;
+  RegionGroup replicas;
+};
+
 // One rank's local flat parameter buffer.
 struct ParamLayout {
   std::vector<size_t> offsets;       // element offset of each spec in the local flat buffer
-  std::vector<size_t> local_numel;   // expert stacks hold E/E_p experts here
-  std::vector<ParamRegion> regions;  // [replicated, expert], in buffer order
+  std::vector<size_t> local_numel;   // expert stacks hold E/E_p experts here, lm_head its vocabulary interval
+  std::vector<ParamRegion> regions;  // [replicated, expert] (+ [vocab] when P > 1), in buffer order
   size_t num_params = 0;             // local flat buffer length (regions padded)
+  size_t vocab_first_row = 0;        // lo of this rank's vocabulary interval (0 when P = 1)
 };
 
-// Lays the local flat buffer out as regions: [replicated | pad | expert | pad], each padded to a
-// multiple of the size of the group that shares it, each rank updating one shard of each. The
-// expert stacks are split over the ep ranks of the expert-parallel group. Every size is a size_t:
-// one rank's expert region passes 2^31 elements at H 2048, I 1024, E 64, L 6 on one GPU.
-inline ParamLayout param_layout(const std::vector<ParamSpec>& specs, int ep, RegionGroup replicated,
-                                RegionGroup expert) {
+// Lays the local flat buffer out as regions: [replicated | pad | expert | pad] and, with a vocabulary
+// split (P > 1), [vocab | pad] holding this rank's rows of lm_head; each padded to a multiple of the
+// size of the group that shares it, each rank updating one shard of each. The expert stacks are split
+// over the ep ranks of the expert-parallel group. Every size is a size_t: one rank's expert region
+// passes 2^31 elements at H 2048, I 1024, E 64, L 6 on one GPU.
+inline ParamLayout param_layout(const std::vector<ParamSpec>& specs, int ep, RegionGroup replicated, RegionGroup expert,
+                                VocabSplit vocab = VocabSplit()) {
   ParamLayout layout;
   layout.regions = {ParamRegion{Sharding::Replicated}, ParamRegion{Sharding::Expert}};
-  for (const ParamSpec& s : specs) layout.local_numel.push_back(s.expert ? s.numel() / ep : s.numel());
-  for (size_t i = 0; i < specs.size(); i++) layout.regions[specs[i].expert ? 1 : 0].count += layout.local_numel[i];
+  if (vocab.size > 1) layout.regions.push_back(ParamRegion{Sharding::Vocab});
+  auto region_of = [&](const ParamSpec& s) { return s.expert ? 1 : s.vocab && vocab.size > 1 ? 2 : 0; };
+  for (const ParamSpec& s : specs) {
+    size_t n = s.expert ? s.numel() / ep : s.numel();
+    if (s.vocab && vocab.size > 1) {
+      const std::pair<int, int> rows = vocab_interval((int)s.rows, vocab.size, vocab.rank);
+      layout.vocab_first_row = rows.first;
+      n = (size_t)(rows.second - rows.first) * s.cols;
+    }
+    layout.local_numel.push_back(n);
+  }
+  for (size_t i = 0; i < specs.size(); i++) layout.regions[region_of(specs[i])].count += layout.local_numel[i];
   size_t next = 0;
   for (ParamRegion& r : layout.regions) {
-    const RegionGroup g = r.sharding == Sharding::Expert ? expert : replicated;
+    const RegionGroup g = r.sharding == Sharding::Expert ? expert : r.sharding == Sharding::Vocab ? vocab.replicas : replicated;
     const size_t group = (size_t)g.size;
     r.offset = next;
     r.padded = (r.count + group - 1) / group * group;
@@ -181,9 +213,10 @@ inline ParamLayout param_layout(const std::vector<ParamSpec>& specs, int ep, Reg
     next += r.padded;
   }
   layout.num_params = next;
-  std::vector<size_t> region_next = {layout.regions[0].offset, layout.regions[1].offset};
+  std::vector<size_t> region_next;
+  for (const ParamRegion& r : layout.regions) region_next.push_back(r.offset);
   for (size_t i = 0; i < specs.size(); i++) {
-    size_t& at = region_next[specs[i].expert ? 1 : 0];
+    size_t& at = region_next[region_of(specs[i])];
     layout.offsets.push_back(at);
     at += layout.local_numel[i];
   }
@@ -192,12 +225,15 @@ inline ParamLayout param_layout(const std::vector<ParamSpec>& specs, int ep, Reg
 
 // Where a spec's local elements sit in the global flat buffer (param_specs order, all experts):
 // global element global_first(i) + j is local element layout.offsets[i] + j, j < local_numel[i]. An
-// expert stack's E/E_p experts of this rank are contiguous: rank ep_rank holds the ep_rank-th slice.
+// expert stack's E/E_p experts of this rank are contiguous: rank ep_rank holds the ep_rank-th slice;
+// lm_head's rows of this rank start at its vocabulary interval's first row.
 inline std::vector<size_t> global_firsts(const std::vector<ParamSpec>& specs, const ParamLayout& layout, int ep_rank) {
   std::vector<size_t> first;
   size_t global_off = 0;
   for (size_t i = 0; i < specs.size(); i++) {
-    first.push_back(global_off + (specs[i].expert ? (size_t)ep_rank * layout.local_numel[i] : 0));
+    first.push_back(global_off + (specs[i].expert ? (size_t)ep_rank * layout.local_numel[i]
+                                  : specs[i].vocab ? layout.vocab_first_row * specs[i].cols
+                                                   : 0));
     global_off += specs[i].numel();
   }
   return first;
@@ -329,6 +365,12 @@ inline void validate(const ModelConfig& c) {
   need(c.rope_theta > 0 && c.norm_eps > 0 && c.init_std > 0, "rope_theta, norm_eps and init_std must be positive");
 }
 
+// P, the ranks of a vocabulary group: --vocab_group (0 = W) under --head ring_dtp, else 1.
+inline int vocab_group_size(const TrainConfig& t) {
+  if (t.head != "ring_dtp") return 1;
+  return t.vocab_group ? t.vocab_group : t.gpus;
+}
+
 inline void validate(const TrainConfig& t, const ModelConfig& c) {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
@@ -381,7 +423,19 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
                                                " and " + std::to_string(t.kmax));
   need(t.moe != "local" || ep == 1, "--moe local keeps every expert on each rank: it needs --ep 1 (got ep " +
                                         std::to_string(ep) + ")");
-  refuse_unbuilt("--head", t.head, {"full"}, {"ring_dtp", "chunked"});
+  refuse_unbuilt("--head", t.head, {"full", "chunked", "ring_dtp"}, {});
+  need(t.vocab_group >= 0, "vocab_group must be >= 0 (0 = every rank), got " + std::to_string(t.vocab_group));
+  need(t.vocab_group == 0 || t.head == "ring_dtp",
+       "--vocab_group " + std::to_string(t.vocab_group) + " splits the vocabulary of --head ring_dtp (this run has --head " +
+           t.head + ")");
+  const int P = vocab_group_size(t);
+  need(t.gpus % P == 0, "vocab_group (" + std::to_string(P) + ") must divide the number of ranks (" +
+                            std::to_string(t.gpus) + ")");
+  need(P <= c.vocab, "vocab_group (" + std::to_string(P) + ") must be at most the vocabulary (" +
+                         std::to_string(c.vocab) + "): every rank holds at least one row");
+  need(t.ring_dtp == "auto" || t.ring_dtp == "weights" || t.ring_dtp == "activations",
+       "--ring_dtp expects auto, weights or activations, got '" + t.ring_dtp + "'");
+  need(t.vocab_block >= 1, "vocab_block (logits columns per block) must be >= 1, got " + std::to_string(t.vocab_block));
   refuse_unbuilt("--optimizer", t.optimizer, {"adamw", "cpu_adamw", "offload_adamw"}, {});
   need(t.offload_bucket >= 1, "offload_bucket (β, parameters per bucket of offload_adamw) must be >= 1, got " +
                                   std::to_string(t.offload_bucket));
@@ -430,7 +484,8 @@ inline std::string usage() {
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
-         "seams:  --moe local|ep|llep|pllep (default: local at E_p = 1, else ep) --head full\n"
+         "seams:  --moe local|ep|llep|pllep (default: local at E_p = 1, else ep) --head full|chunked|ring_dtp\n"
+         "        --vocab_group P --ring_dtp auto|weights|activations (ring_dtp) --vocab_block C (chunked, ring_dtp)\n"
          "        --optimizer adamw|cpu_adamw|offload_adamw --offload_bucket β --offload_slots s (offload_adamw)\n"
          "        --llep_alpha a --llep_min_rows n (llep, pllep) --token_budget c --kmax K (pllep)\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
@@ -567,6 +622,9 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--token_budget", &T::token_budget),
       int_flag("--kmax", &T::kmax),
       text_flag("--head", &T::head),
+      int_flag("--vocab_group", &T::vocab_group),
+      text_flag("--ring_dtp", &T::ring_dtp),
+      int_flag("--vocab_block", &T::vocab_block),
       text_flag("--optimizer", &T::optimizer),
       int_flag("--offload_bucket", &T::offload_bucket),
       int_flag("--offload_slots", &T::offload_slots),

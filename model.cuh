@@ -11,12 +11,13 @@
 //
 // Seams (notes/design.md §1.1), each chosen once at model_create from the flags: the MoE dispatcher
 // (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep, ops/llep.cuh llep, ops/pipelined_llep.cuh pllep), the output head (--head: ops/cross_entropy.cuh
-// full) and the optimizer (--optimizer: ops/adamw.cuh adamw, ops/offload_adamw.cuh cpu_adamw and offload_adamw).
+// full, ops/ring_dtp.cuh chunked and ring_dtp) and the optimizer (--optimizer: ops/adamw.cuh adamw, ops/offload_adamw.cuh cpu_adamw and offload_adamw).
 // The model calls each in one place.
 //
 // Parallel layout (notes/design.md §5): W ranks, one process per GPU. Dense tensors are replicated over
 // the world; routed experts are split over the E_p ranks of an expert-parallel group (contiguous
-// blocks of E_p ranks) and replicated over the W/E_p groups.
+// blocks of E_p ranks) and replicated over the W/E_p groups; under --head ring_dtp lm_head's rows are
+// split over the P ranks of a vocabulary group (contiguous blocks of P ranks) in the same way.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -39,6 +40,7 @@
 #include "ops/embedding.cuh"
 #include "ops/ep_moe.cuh"
 #include "ops/pipelined_llep.cuh"
+#include "ops/ring_dtp.cuh"
 #include "ops/matmul.cuh"
 #include "ops/moe.cuh"
 #include "ops/rmsnorm.cuh"
@@ -69,20 +71,24 @@ struct Parallel {
   Comm world;            // all W ranks
   Comm ep;               // the E_p ranks that hold disjoint expert shards (contiguous block of ranks)
   Comm expert_replicas;  // the W/E_p ranks that hold the same expert shard (same rank in their ep group)
+  Comm vocab;            // the P ranks that hold disjoint vocabulary intervals of lm_head (--head ring_dtp)
+  Comm vocab_replicas;   // the W/P ranks that hold the same interval (same rank in their vocab group)
 };
 
 // The seams' choices (--moe, --head, --optimizer); moe "" = local at E_p = 1, else ep. The llep
 // settings serve llep and pllep, the chunking pllep, the bucket and slots offload_adamw.
 struct Seams {
   std::string moe, head = "full", optimizer = "adamw";
+  std::string ring_dtp = "auto";
+  int vocab_block = 4096;
   double llep_alpha = 1.0;
   long long llep_min_rows = 32;
   int token_budget = 4096, kmax = 10;
   int offload_bucket = 1 << 22, offload_slots = 2;
 };
 inline Seams seams_from(const TrainConfig& t) {
-  return Seams{moe_dispatcher(t), t.head,         t.optimizer,      t.llep_alpha,   t.llep_min_rows,
-               t.token_budget,    t.kmax,         t.offload_bucket, t.offload_slots};
+  return Seams{moe_dispatcher(t), t.head,           t.optimizer,     t.ring_dtp,       t.vocab_block, t.llep_alpha,
+               t.llep_min_rows,   t.token_budget,   t.kmax,          t.offload_bucket, t.offload_slots};
 }
 
 struct Model {
@@ -93,6 +99,7 @@ struct Model {
   std::vector<size_t> local_numel;  // expert stacks hold E/E_p experts here
   std::vector<ParamRegion> regions; // [replicated, expert], in buffer order
   size_t num_params = 0;            // local flat buffer length (regions padded)
+  size_t vocab_first_row = 0;       // lm_head's first row here (its vocabulary interval under ring_dtp)
 
   floatX* params = nullptr;  // [num_params] floatX weights the kernels read      (Weights)
   floatX* grads = nullptr;   // [num_params] one pass's gradients, the kernels' += target (Grads)
@@ -136,7 +143,9 @@ struct Model {
 
 // The ranks that share a region (and shard its optimizer state).
 inline const Comm& region_group(const Model& m, const ParamRegion& r) {
-  return r.sharding == Sharding::Expert ? m.par.expert_replicas : m.par.world;
+  return r.sharding == Sharding::Expert ? m.par.expert_replicas
+         : r.sharding == Sharding::Vocab ? m.par.vocab_replicas
+                                         : m.par.world;
 }
 
 inline floatX* tensor_at(floatX* base, const Model& m, const std::string& name) {
@@ -170,7 +179,9 @@ inline ModelTensors view_tensors(floatX* base, const Model& m) {
 }
 
 // The rank's parameter layout as config.hpp's functions take it.
-inline ParamLayout model_param_layout(const Model& m) { return ParamLayout{m.offsets, m.local_numel, m.regions, m.num_params}; }
+inline ParamLayout model_param_layout(const Model& m) {
+  return ParamLayout{m.offsets, m.local_numel, m.regions, m.num_params, m.vocab_first_row};
+}
 
 // The local flat buffer (this rank's experts) from a global one in param_specs order.
 inline std::vector<float> local_from_global(const Model& m, const std::vector<float>& global) {
@@ -222,11 +233,14 @@ inline void model_upload_router_bias(Model& m) {
 // The local flat buffer's layout (config.hpp: param_layout) for this rank's groups.
 inline void model_layout(Model& m) {
   ParamLayout layout = param_layout(m.specs, m.par.ep.size, RegionGroup{m.par.world.size, m.par.world.rank},
-                                    RegionGroup{m.par.expert_replicas.size, m.par.expert_replicas.rank});
+                                    RegionGroup{m.par.expert_replicas.size, m.par.expert_replicas.rank},
+                                    VocabSplit{m.par.vocab.size, m.par.vocab.rank,
+                                               RegionGroup{m.par.vocab_replicas.size, m.par.vocab_replicas.rank}});
   m.offsets = std::move(layout.offsets);
   m.local_numel = std::move(layout.local_numel);
   m.regions = std::move(layout.regions);
   m.num_params = layout.num_params;
+  m.vocab_first_row = layout.vocab_first_row;
 }
 
 // The seams, from their names (validate(TrainConfig) has refused unknown or unbuilt ones).
@@ -244,8 +258,12 @@ inline void model_make_seams(Model& m, const Seams& seams) {
                                               seams.kmax, seams.llep_alpha, seams.llep_min_rows);
   else fm_fail("model_create", ("--moe " + moe + " does not fit this layout (local needs E_p = 1, ep, llep and pllep W > 1)").c_str(),
                "W=%d E_p=%d", m.par.world.size, m.par.ep.size);
-  if (seams.head != "full") fm_fail("model_create", ("--head " + seams.head + " is not built").c_str(), "V=%d", c.vocab);
-  m.head = std::make_unique<FullHead>();
+  if (seams.head == "full" && m.par.vocab.size == 1) m.head = std::make_unique<FullHead>();
+  else if (seams.head == "chunked" && m.par.vocab.size == 1)
+    m.head = std::make_unique<RingDTPHead>(Comm(), "auto", seams.vocab_block);
+  else if (seams.head == "ring_dtp") m.head = std::make_unique<RingDTPHead>(m.par.vocab, seams.ring_dtp, seams.vocab_block);
+  else fm_fail("model_create", ("--head " + seams.head + " does not fit this layout (full and chunked need P = 1)").c_str(),
+               "V=%d P=%d", c.vocab, m.par.vocab.size);
   size_t S = 0;
   std::vector<ShardSegment> segments = shard_segments(m.specs, model_param_layout(m), &S);
   if (seams.optimizer == "adamw") m.opt = std::make_unique<DeviceAdamW>(std::move(segments), S, m.stream);
@@ -670,7 +688,7 @@ inline std::vector<float> model_logits_row(Model& m, const int* inputs, int T, i
   float* lnf_rstd = pool().alloc_t<float>(1, Mem::Activations, "lnf_row_rstd");
   floatX* logits = pool().alloc_t<floatX>(V, Mem::Logits, "logits_row");
   rmsnorm_forward(lnf, lnf_rstd, boundaries.input[c.layers] + (size_t)row * H, m.p.lnf, 1, H, c.norm_eps, s);
-  matmul_forward(logits, lnf, m.p.lm_head, 1, H, V, s);
+  m.head->logits_rows(logits, lnf, m.p.lm_head, 1, H, V, s);
   std::vector<floatX> host(V);
   copy_to_host(host.data(), logits, V * sizeof(floatX), s, "model_logits_row");
   for (void* p : {(void*)tokens_dev, (void*)lnf, (void*)lnf_rstd, (void*)logits}) pool().free(p);

@@ -37,7 +37,7 @@ using data::Tokenizer;
 // model configuration, the training flags, the step, the data position, this rank's optimizer
 // sections and the router biases, and a checksum over all of it). Every rank writes into DIR.tmp/;
 // after all have finished rank 0 publishes it as DIR, so an interrupted save never replaces a good
-// checkpoint. Resume needs the same W and E_p.
+// checkpoint. Resume needs the same W, E_p and vocabulary split P (--head ring_dtp).
 
 struct TrainState {
   int step = 0;              // optimizer steps completed
@@ -85,6 +85,10 @@ Model checkpoint_load(const std::string& dir, const ModelConfig& flags_model, co
   if (f.world != par.world.size || f.ep != par.ep.size)
     throw std::invalid_argument("--resume " + dir + ": written by W=" + std::to_string(f.world) + " E_p=" + std::to_string(f.ep) +
                                 "; this run has W=" + std::to_string(par.world.size) + " E_p=" + std::to_string(par.ep.size));
+  if (vocab_group_size(f.train) != par.vocab.size)  // each rank's file holds its vocabulary interval of lm_head
+    throw std::invalid_argument("--resume " + dir + ": written with lm_head split over P=" +
+                                std::to_string(vocab_group_size(f.train)) + " ranks (--head " + f.train.head +
+                                "); this run has P=" + std::to_string(par.vocab.size) + " (--head " + tc.head + ")");
   if (par.world.rank == 0)
     for (const std::string& d : ckpt::train_flag_differences(f.train, tc)) printf("note: training flag differs from the checkpoint's: %s\n", d.c_str());
   Model m = model_create(f.model, 0, par, stream, seams_from(tc));
@@ -181,7 +185,9 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("ranks W / E_p", std::to_string(m.par.world.size) + " / " + std::to_string(m.par.ep.size));
   // Each region as this rank holds it (the expert stacks of its E/E_p experts) and the shard it updates.
   for (const ParamRegion& r : m.regions)
-    row(r.sharding == Sharding::Expert ? "experts / shard" : "replicated / shard",
+    row(r.sharding == Sharding::Expert  ? "experts / shard"
+        : r.sharding == Sharding::Vocab ? "vocab rows / shard"
+                                        : "replicated / shard",
         std::to_string(r.count) + " / " + std::to_string(r.shard) + " per rank");
   row("batch B / accum", std::to_string(t.batch) + " / " + std::to_string(accum) + " per rank");
   row("tokens per step", std::to_string((long long)t.batch * c.seq_len * accum * m.par.world.size));
@@ -201,6 +207,15 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
     row("llep alpha/min_rows", std::to_string(t.llep_alpha).substr(0, 5) + " / " + std::to_string(t.llep_min_rows));
   if (moe_dispatcher(t) == "pllep")
     row("pllep c/K_max", std::to_string(t.token_budget) + " / " + std::to_string(t.kmax));
+  if (t.head == "chunked") row("vocab block", std::to_string(t.vocab_block) + " columns");
+  if (t.head == "ring_dtp") {  // the branch and both per-hop volumes, from sizes every rank knows
+    const int P = m.par.vocab.size;
+    const RingDTPChoice ring = ring_dtp_choose(t.ring_dtp, (long long)t.batch * c.seq_len, c.vocab, P, c.hidden, sizeof(floatX));
+    row("ring_dtp P / moves", std::to_string(P) + " / " + ring_dtp_branch_name(ring.branch) + " (" + t.ring_dtp + ")");
+    snprintf(buf, sizeof buf, "%.2f / %.2f MiB", ring.weight_bytes / 1048576.0, ring.activation_bytes / 1048576.0);
+    row("hop weights / acts", buf);
+    row("vocab block", std::to_string(t.vocab_block) + " columns");
+  }
   if (t.optimizer == "offload_adamw")
     row("offload beta/slots", std::to_string(t.offload_bucket) + " / " + std::to_string(t.offload_slots));
   snprintf(buf, sizeof buf, "%.0f TFLOP/s", peak_flops / 1e12);
@@ -233,8 +248,10 @@ void write_timeline(const std::string& out_dir, int step) {
 }
 
 // The communicators of W ranks: the world, the expert-parallel groups (contiguous blocks of E_p
-// ranks) and the groups of ranks that hold the same expert shard.
-Parallel parallel_init(const LaunchInfo& li, int ep_size) {
+// ranks) and the groups of ranks that hold the same expert shard; under --head ring_dtp with P > 1
+// the vocabulary groups (contiguous blocks of P ranks) and, when W > P, the ranks that hold the
+// same vocabulary interval.
+Parallel parallel_init(const LaunchInfo& li, int ep_size, int vocab_size) {
   Parallel par;
   if (li.world == 1) {
     const int device = rank_device(li);
@@ -244,11 +261,14 @@ Parallel parallel_init(const LaunchInfo& li, int ep_size) {
   par.world = comm_world_init(li);
   par.ep = comm_block_group(par.world, ep_size, "ep");
   par.expert_replicas = comm_split(par.world, par.world.rank % ep_size, par.world.rank, "expert_replicas");
+  if (vocab_size > 1) par.vocab = comm_block_group(par.world, vocab_size, "vocab");
+  if (vocab_size > 1 && li.world > vocab_size)
+    par.vocab_replicas = comm_split(par.world, par.world.rank % vocab_size, par.world.rank, "vocab_replicas");
   return par;
 }
 
 void parallel_destroy(Parallel& par) {
-  for (Comm* c : {&par.expert_replicas, &par.ep, &par.world}) comm_destroy(*c);
+  for (Comm* c : {&par.vocab_replicas, &par.vocab, &par.expert_replicas, &par.ep, &par.world}) comm_destroy(*c);
 }
 
 // flags → data → model → loop → checkpoints
@@ -306,7 +326,7 @@ int train_main(int argc, char** argv) {
       data::check_routing_trace_fits(trace, routing_trace_shape(mc, tc.batch * mc.seq_len, li.world));
       replay = std::make_unique<data::RankRoutes>(data::rank_routes(trace, li.rank));
     }
-    Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus);
+    Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus, vocab_group_size(tc));
     runtime_prepare();  // the cuBLAS handle and its pooled workspace, before anything is measured
     const bool main_rank = par.world.rank == 0;
     const int W = par.world.size;

@@ -41,14 +41,15 @@ __device__ inline CrossEntropyOnlineLse cross_entropy_combine(CrossEntropyOnline
   return CrossEntropyOnlineLse{m, sa + sb};
 }
 
-// One block per row.
+// (m, s) of one row's `width` values, in thread 0 of the block (the other threads' results are
+// partial): each thread folds its strided columns, a warp xor butterfly combines the lanes (every lane
+// gets the same value), and thread 0 combines the warps in warp order. Call with all threads.
 template <typename T>
-__global__ void cross_entropy_forward_kernel(float* losses, float* lse, const T* logits, const int* targets, int V) {
+__device__ CrossEntropyOnlineLse row_online_lse(const T* z, int width) {
   __shared__ CrossEntropyOnlineLse warp_acc[32];
-  const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
-  const T* z = logits + (size_t)row * V;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   CrossEntropyOnlineLse acc{-INFINITY, 0.f};
-  for (int j = threadIdx.x; j < V; j += blockDim.x) {
+  for (int j = threadIdx.x; j < width; j += blockDim.x) {
     float zj = to_float(z[j]);
     if (zj > acc.m) {
       acc.s = acc.s * expf(acc.m - zj) + 1.f;
@@ -63,9 +64,19 @@ __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const T*
   }
   if (lane == 0) warp_acc[warp] = acc;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    CrossEntropyOnlineLse total = warp_acc[0];
+  CrossEntropyOnlineLse total = warp_acc[0];
+  if (threadIdx.x == 0)
     for (int i = 1; i < num_warps; i++) total = cross_entropy_combine(total, warp_acc[i]);
+  return total;
+}
+
+// One block per row.
+template <typename T>
+__global__ void cross_entropy_forward_kernel(float* losses, float* lse, const T* logits, const int* targets, int V) {
+  const int row = blockIdx.x;
+  const T* z = logits + (size_t)row * V;
+  CrossEntropyOnlineLse total = row_online_lse(z, V);
+  if (threadIdx.x == 0) {
     float row_lse = total.m + logf(total.s);
     int t = targets[row];
     lse[row] = row_lse;
@@ -73,19 +84,59 @@ __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const T*
   }
 }
 
-// One block per row. No __restrict__: dlogits may alias logits.
+// A block of columns [col0, col0 + width) of the vocabulary (logits [N, width]) folded into each
+// row's running statistics: max m, sum l of exp(z − m), and the target's logit when the target lies
+// in the block. One block per row.
+template <typename T>
+__global__ void cross_entropy_block_forward_kernel(float* m, float* l, float* target_logit, const T* logits,
+                                                   const int* targets, int width, int col0) {
+  const int row = blockIdx.x;
+  const T* z = logits + (size_t)row * width;
+  CrossEntropyOnlineLse total = row_online_lse(z, width);
+  if (threadIdx.x == 0) {
+    CrossEntropyOnlineLse running = cross_entropy_combine(CrossEntropyOnlineLse{m[row], l[row]}, total);
+    m[row] = running.m;
+    l[row] = running.s;
+    const int t = targets[row] - col0;
+    if (t >= 0 && t < width) target_logit[row] = to_float(z[t]);
+  }
+}
+
+// Running statistics before the first block: m = −inf, l = 0, target logit NaN (a target in no block,
+// i.e. outside [0, V), keeps a NaN loss).
+static __global__ void cross_entropy_stats_init_kernel(float* m, float* l, float* target_logit, int N) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < N) {
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+    target_logit[i] = NAN;
+  }
+}
+
+// lse = m + log l, losses = lse − target logit.
+static __global__ void cross_entropy_stats_finish_kernel(float* losses, float* lse, const float* m, const float* l,
+                                                         const float* target_logit, int N) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < N) {
+    lse[i] = m[i] + logf(l[i]);
+    losses[i] = lse[i] - target_logit[i];
+  }
+}
+
+// One block per row; the row holds vocabulary columns [col0, col0 + width) of V. No __restrict__:
+// dlogits may alias logits.
 template <typename T>
 __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const float* lse, const int* targets,
-                                              float dloss, int V) {
+                                              float dloss, int width, int col0, int V) {
   const int row = blockIdx.x;
   const int t = targets[row];
   const bool valid = t >= 0 && t < V;
   const float row_lse = lse[row];
-  const T* z = logits + (size_t)row * V;
-  T* dz = dlogits + (size_t)row * V;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) {
+  const T* z = logits + (size_t)row * width;
+  T* dz = dlogits + (size_t)row * width;
+  for (int j = threadIdx.x; j < width; j += blockDim.x) {
     float p = expf(to_float(z[j]) - row_lse);
-    float g = valid ? dloss * (p - (j == t ? 1.f : 0.f)) : NAN;
+    float g = valid ? dloss * (p - (col0 + j == t ? 1.f : 0.f)) : NAN;
     dz[j] = from_float<T>(g);
   }
 }
@@ -118,13 +169,47 @@ inline void cross_entropy_forward(float* losses, float* lse, const floatX* logit
   launchCheck("cross_entropy_forward", "N=%d V=%d", N, V);
 }
 
+// The online form over vocabulary blocks (ops/ring_dtp.cuh): statistics m, l, target_logit [N]
+// (fp32) are set to the empty set by cross_entropy_stats_init, each block of columns [col0, col0 +
+// width) of logits [N, width] is folded in by cross_entropy_block_forward (in any order of blocks),
+// and cross_entropy_stats_finish gives lse and losses [N] (=) as cross_entropy_forward would.
+inline void cross_entropy_stats_init(float* m, float* l, float* target_logit, int N, cudaStream_t stream) {
+  if (N == 0) return;
+  cross_entropy_stats_init_kernel<<<ceil_div(N, 256), 256, 0, stream>>>(m, l, target_logit, N);
+  launchCheck("cross_entropy_stats_init", "N=%d", N);
+}
+
+inline void cross_entropy_block_forward(float* m, float* l, float* target_logit, const floatX* logits,
+                                        const int* targets, int N, int width, int col0, cudaStream_t stream) {
+  if (N == 0) return;
+  if (width <= 0) fm_fail("cross_entropy_block_forward", "width must be positive", "N=%d width=%d col0=%d", N, width, col0);
+  cross_entropy_block_forward_kernel<<<N, CROSS_ENTROPY_THREADS, 0, stream>>>(m, l, target_logit, logits, targets, width,
+                                                                              col0);
+  launchCheck("cross_entropy_block_forward", "N=%d width=%d col0=%d", N, width, col0);
+}
+
+inline void cross_entropy_stats_finish(float* losses, float* lse, const float* m, const float* l,
+                                       const float* target_logit, int N, cudaStream_t stream) {
+  if (N == 0) return;
+  cross_entropy_stats_finish_kernel<<<ceil_div(N, 256), 256, 0, stream>>>(losses, lse, m, l, target_logit, N);
+  launchCheck("cross_entropy_stats_finish", "N=%d", N);
+}
+
+// dlogits [N, width] (=) = dloss · (softmax − onehot(targets)) over the vocabulary columns [col0,
+// col0 + width) of V, with each row's lse over all V; may alias logits.
+inline void cross_entropy_block_backward(floatX* dlogits, const floatX* logits, const float* lse, const int* targets,
+                                         float dloss, int N, int width, int col0, int V, cudaStream_t stream) {
+  if (N == 0) return;
+  if (width <= 0 || V <= 0)
+    fm_fail("cross_entropy_backward", "width and V must be positive", "N=%d width=%d col0=%d V=%d", N, width, col0, V);
+  cross_entropy_backward_kernel<<<N, 256, 0, stream>>>(dlogits, logits, lse, targets, dloss, width, col0, V);
+  launchCheck("cross_entropy_backward", "N=%d width=%d col0=%d V=%d", N, width, col0, V);
+}
+
 // dlogits [N, V] (=) = dloss · (softmax(logits) − onehot(targets)); may alias logits.
 inline void cross_entropy_backward(floatX* dlogits, const floatX* logits, const float* lse, const int* targets,
                                    float dloss, int N, int V, cudaStream_t stream) {
-  if (N == 0) return;
-  if (V <= 0) fm_fail("cross_entropy_backward", "V must be positive", "N=%d V=%d", N, V);
-  cross_entropy_backward_kernel<<<N, 256, 0, stream>>>(dlogits, logits, lse, targets, dloss, V);
-  launchCheck("cross_entropy_backward", "N=%d V=%d", N, V);
+  cross_entropy_block_backward(dlogits, logits, lse, targets, dloss, N, V, 0, V, stream);
 }
 
 // *out (=) = Σ losses[0..N), fixed order (N = 0 writes 0).
@@ -143,6 +228,10 @@ struct OutputHead {
   virtual ~OutputHead() = default;
   virtual void forward_backward(float* loss_sum, floatX* dx, floatX* dW, const floatX* x, const floatX* W,
                                 const int* targets, float dloss, int N, int H, int V, cudaStream_t stream) = 0;
+  // logits [n, V] (=) of a few rows x [n, H] over the whole vocabulary (sampling: n = 1).
+  virtual void logits_rows(floatX* logits, const floatX* x, const floatX* W, int n, int H, int V, cudaStream_t stream) {
+    matmul_forward(logits, x, W, n, H, V, stream);
+  }
 };
 
 // --head full: logits [N,V] = x Wᵀ, cross-entropy over all of them (the Ring-DTP baseline).

@@ -1,7 +1,7 @@
 // matmul.cuh — bias-free linear layer through cuBLAS (twin: ref/matmul.hpp).
 //
 //   forward:  out = x · Wᵀ                    out [N, OC] (=)                 matmul_forward
-//   backward: dx  = dout · W                  dx  [N, IC] (=)                 matmul_backward_dx
+//   backward: dx  = dout · W                  dx  [N, IC] (=, or += asked)    matmul_backward_dx
 //             dW += doutᵀ · x                 dW  [OC, IC] (+=)               matmul_backward_dW
 //             both                            dx skipped when dx == nullptr   matmul_backward
 //
@@ -71,13 +71,14 @@ inline void matmul_forward(T* out, const T* x, const T* W, int N, int IC, int OC
   matmul_gemm("matmul_forward", CUBLAS_OP_T, CUBLAS_OP_N, OC, N, IC, W, IC, x, IC, 0.0f, out, OC, N, IC, OC, stream);
 }
 
-// dx [N, IC] (=) = dout [N, OC] · W [OC, IC]
+// dx [N, IC] (=, or += with accumulate) = dout [N, OC] · W [OC, IC]
 template <typename T>
-inline void matmul_backward_dx(T* dx, const T* dout, const T* W, int N, int IC, int OC, cudaStream_t stream) {
+inline void matmul_backward_dx(T* dx, const T* dout, const T* W, int N, int IC, int OC, cudaStream_t stream,
+                               bool accumulate = false) {
   if (N == 0 || IC == 0) return;
   if (OC <= 0) fm_fail("matmul_backward.dx", "OC must be positive", "N=%d IC=%d OC=%d", N, IC, OC);
-  matmul_gemm("matmul_backward.dx", CUBLAS_OP_N, CUBLAS_OP_N, IC, N, OC, W, IC, dout, OC, 0.0f, dx, IC, N, IC, OC,
-              stream);
+  matmul_gemm("matmul_backward.dx", CUBLAS_OP_N, CUBLAS_OP_N, IC, N, OC, W, IC, dout, OC, accumulate ? 1.0f : 0.0f, dx,
+              IC, N, IC, OC, stream);
 }
 
 // dW [OC, IC] (+=) doutᵀ [OC, N] · x [N, IC]

@@ -4,34 +4,56 @@
 // ref/ring_dtp.hpp (the ring, round by round, in plain math) and ref/cross_entropy.hpp (the loss).
 //
 // What it computes: exactly the full head (ops/cross_entropy.cuh FullHead) over the group's batches:
-// rank r's loss sum and dx over its own batch X_r [N_r,H], and dW (+=) of its vocabulary interval
+// rank r's loss sum (=) and dx (=) over its own batch X_r [N,H], and dW (+=) of its vocabulary interval
 // [lo_r, hi_r) of W [V,H], summed over every rank's batch. Intervals: lo_r = ⌊r·V/P⌋, so sizes differ
-// by at most one and V need not be divisible by P.
+// by at most one and V need not be divisible by P. Every rank of the group passes the same N.
 //
 // The ring: rank r sends to (r+1) mod P, receives from (r−1) mod P; P rounds. At round q rank r holds
 // shard (r − q) mod P (weights move) or the batch of rank (r − q) mod P (activations move): every
 // batch meets every shard once. A meeting computes the logits block X·W_sᵀ [N, V_s] in sub-blocks of
-// at most block_cols columns, updates each row's running max m and sum l of exp(logit − m) (online
-// softmax), and the meeting whose shard owns a row's target takes its target logit;
-// loss_n = m + log l − target logit. Backward replays the meetings: dlogits = dloss·(softmax − onehot),
-// dX += dlogits·W_sub, dW_sub += dlogitsᵀ·X; the gradient of the moving tensor travels with it.
+// at most C = block_cols columns, folds each into the rows' running max m and sum l of exp(logit − m)
+// (online softmax, ops/cross_entropy.cuh cross_entropy_block_forward), and the meeting whose shard
+// owns a row's target takes its target logit; loss_n = m + log l − target logit. Backward replays the
+// meetings: dlogits = dloss·(softmax − onehot), dX += dlogits·W_sub, dW_sub += dlogitsᵀ·X; the
+// gradient of the moving tensor travels with it.
 //   weights      (N > V/P) batches and statistics stay, shards travel: V_s·H·b bytes per hop and no
-//                hop home in forward (the owner has its shard); backward: the shard and its gradient
-//                accumulator, which takes one more hop, home.
-//   activations  (N ≤ V/P) shards stay, batches travel with their statistics: N·H·b + 3·N·4 bytes
-//                per hop (x rows; m, l, target logit in fp32); one more hop takes the statistics home.
-//   auto (the default) picks by that rule, from sizes every rank knows (N = the most tokens any rank
-//   holds, V/P = the widest shard), printed at start-up with both volumes.
-// Largest live block: N × min(block_cols, ⌈V/P⌉) logits, never N × V (ring_dtp_block_elems).
+//                hop home in forward (the owner has its shard); backward: the shard, and its gradient
+//                accumulator one step behind, which takes one more hop, home.
+//   activations  (N ≤ V/P) shards stay, batches travel with their statistics: N·H·b + 4·N·4 bytes
+//                per hop (x rows; m, l, target logit in fp32, the targets); one more hop takes the
+//                statistics home. Backward: x, targets and lse travel, and the dx accumulator one step
+//                behind, with one more hop home.
+//   auto (the default) picks by that rule, from sizes every rank knows (N, and V/P = the widest
+//   shard), printed at start-up with both volumes.
+// P = 1 is the chunked head (--head chunked): one meeting, no communicator, no N×V either.
 //
-// Built so far: the host-side plan below (intervals, the branch, the ring's schedule, the widest
-// block), checked against its twin on the CPU. The GPU schedule and the single-GPU chunked head
-// (--head chunked: the same online softmax over vocabulary blocks on one rank, P = 1) are the next
-// step; until then --head ring_dtp and --head chunked are refused at start-up.
+// Streams: the meetings run on the caller's (compute) stream; the hops on the group communicator's
+// own stream, ordered by StreamPoints, never by the host. What a round does not modify — the next
+// shard (weights) or the next batch's rows (activations) — is received while the round computes; what
+// it modifies — the gradient accumulator, the statistics — leaves after the round and arrives while
+// the next round computes its first logits block (the round waits for it before its first product
+// into the accumulator). The call returns with the compute stream after every hop.
+//
+// Live set (pool bytes, b = sizeof(floatX), w = ⌈V/P⌉ rows, C' = min(C, w) columns, S = min(2, P − 1)
+// slots: the next shard or batch, and at P > 2 the one being computed with), ring_dtp_live_bytes:
+//   always      logits block N·C'·b (Logits) and losses, lse 2·N·4 (Logits)
+//   P = 1       + statistics 3·N·4 in forward
+//   weights     forward: statistics 3·N·4 + S shard slots S·w·H·b (CommStaging);
+//               backward: the shard slots + two gradient accumulators 2·w·H·b
+//   activations forward: statistics twice 6·N·4 + S batch slots S·(N·H·b + N·4);
+//               backward: the batch slots + S lse slots S·N·4 + two dx accumulators 2·N·H·b
+// The largest logits block is N × C', never N × V (ring_dtp_block_elems); the full head holds N·V·b.
 #pragma once
+#include <algorithm>
+#include <array>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include "../config.hpp"
 #include "../runtime/check.cuh"
+#include "../runtime/comm.cuh"
+#include "../runtime/stream.cuh"
+#include "cross_entropy.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // Host-side plan (pure C++: no CUDA call)
@@ -44,7 +66,7 @@ inline const char* ring_dtp_branch_name(RingDTPBranch branch) { return branch ==
 inline std::pair<int, int> ring_dtp_vocab_interval(int V, int P, int r) {
   if (V < 1 || P < 1 || P > V || r < 0 || r >= P)
     fm_fail("ring_dtp_vocab_interval", "need 1 <= P <= V and 0 <= r < P", "V=%d P=%d r=%d", V, P, r);
-  return {(int)((long long)r * V / P), (int)((long long)(r + 1) * V / P)};
+  return vocab_interval(V, P, r);
 }
 
 // The widest shard, ⌈V/P⌉ rows.
@@ -65,7 +87,7 @@ inline RingDTPChoice ring_dtp_choose(const std::string& mode, long long N_max, i
   const long long widest = ring_dtp_widest_shard(V, P);
   RingDTPChoice choice;
   choice.weight_bytes = widest * H * (long long)b;
-  choice.activation_bytes = N_max * H * (long long)b + 3 * N_max * 4;
+  choice.activation_bytes = N_max * H * (long long)b + 4 * N_max * 4;
   if (mode == "weights") choice.branch = RingDTPBranch::Weights;
   else if (mode == "activations") choice.branch = RingDTPBranch::Activations;
   else if (mode == "auto") choice.branch = N_max > widest ? RingDTPBranch::Weights : RingDTPBranch::Activations;
@@ -87,3 +109,281 @@ inline long long ring_dtp_block_elems(long long N_max, int V, int P, int block_c
   const int widest = ring_dtp_widest_shard(V, P);
   return N_max * (block_cols < widest ? block_cols : widest);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The GPU schedule
+
+// Bytes the head holds in the pool at its peak (the header's live set), for N tokens per rank.
+inline size_t ring_dtp_live_bytes(RingDTPBranch branch, size_t N, int V, int P, int H, int block_cols, size_t b) {
+  const size_t w = (size_t)ring_dtp_widest_shard(V, P), cols = std::min<size_t>(block_cols, w);
+  const size_t always = N * cols * b + 2 * N * 4, slots = std::min(2, P - 1);
+  if (P == 1) return always + 3 * N * 4;
+  if (branch == RingDTPBranch::Weights) return always + std::max(3 * N * 4 + slots * w * H * b, (slots + 2) * w * H * b);
+  return always + slots * (N * H * b + N * 4) + std::max(6 * N * 4, slots * N * 4 + 2 * N * H * b);
+}
+
+// One hop: `send` (send_count elements) to the right neighbour, `recv` (recv_count) from the left.
+template <typename T>
+inline void ring_dtp_hop(const Comm& group, const T* send, size_t send_count, T* recv, size_t recv_count, cudaStream_t xs) {
+  point_to_point<T>(group, {PeerMessage<const T>{send, send_count, (group.rank + 1) % group.size}},
+                    {PeerMessage<T>{recv, recv_count, (group.rank - 1 + group.size) % group.size}}, xs);
+}
+
+// Running statistics of a batch, one buffer [3N] fp32 so that they travel in one message.
+struct RingDTPStats {
+  float* data = nullptr;
+  int N = 0;
+  float* m() const { return data; }
+  float* l() const { return data + N; }
+  float* target_logit() const { return data + 2 * (size_t)N; }
+};
+
+// One meeting, forward: batch x [N,H] (targets [N]) meets the shard W_s [rows,H] of vocabulary rows
+// [lo, lo + rows): logits [N, ≤ C] block by block into the statistics.
+inline void ring_dtp_meet_forward(const RingDTPStats& st, const floatX* x, const int* targets, const floatX* W_s, int lo,
+                                  int rows, int N, int H, int block_cols, floatX* logits, cudaStream_t cs) {
+  for (int c0 = 0; c0 < rows; c0 += block_cols) {
+    const int width = std::min(block_cols, rows - c0);
+    matmul_forward(logits, x, W_s + (size_t)c0 * H, N, H, width, cs);
+    cross_entropy_block_forward(st.m(), st.l(), st.target_logit(), logits, targets, N, width, lo + c0, cs);
+  }
+}
+
+// One meeting, backward: dx_acc [N,H] (+=) and dW_acc [rows,H] (+=) from the blocks' dlogits. When
+// the accumulator that travels is still arriving, acc_ready is its arrival: the first block's logits
+// and dlogits are computed before the wait, the products into the accumulators after it.
+inline void ring_dtp_meet_backward(floatX* dx_acc, floatX* dW_acc, const floatX* x, const int* targets, const float* lse,
+                                   float dloss, const floatX* W_s, int lo, int rows, int N, int H, int V, int block_cols,
+                                   floatX* logits, const StreamPoint* acc_ready, cudaStream_t cs) {
+  for (int c0 = 0; c0 < rows; c0 += block_cols) {
+    const int width = std::min(block_cols, rows - c0);
+    const floatX* W_sub = W_s + (size_t)c0 * H;
+    matmul_forward(logits, x, W_sub, N, H, width, cs);
+    cross_entropy_block_backward(logits, logits, lse, targets, dloss, N, width, lo + c0, V, cs);
+    if (c0 == 0 && acc_ready != nullptr) acc_ready->wait_on(cs, "ring_dtp");
+    matmul_backward_dx(dx_acc, logits, W_sub, N, H, width, cs, true);
+    matmul_backward_dW(dW_acc + (size_t)c0 * H, logits, x, N, H, width, cs);
+  }
+}
+
+inline void ring_dtp_zero(void* p, size_t bytes, cudaStream_t s) {
+  cudaCheck(cudaMemsetAsync(p, 0, bytes, s), "ring_dtp", "memset bytes=%zu", bytes);
+}
+
+// --head ring_dtp (P = group.size) and --head chunked (P = 1, a group of one): the output head seam
+// over this rank's vocabulary interval W [hi − lo, H] of lm_head and dW (+=) of it.
+struct RingDTPHead : OutputHead {
+  Comm group;  // the vocabulary group (size 1: the chunked head, no communicator)
+  std::string mode;
+  int block_cols;
+  RingDTPHead(const Comm& vocab_group, const std::string& ring_mode, int block_cols)
+      : group(vocab_group), mode(ring_mode), block_cols(block_cols) {
+    if (block_cols < 1) fm_fail("ring_dtp", "block_cols must be >= 1", "block_cols=%d", block_cols);
+  }
+
+  // Each rank projects its interval ([n, w] padded), the group gathers [P, n, w], and each rank's
+  // columns go to their place in [n, V].
+  void logits_rows(floatX* logits, const floatX* x, const floatX* W, int n, int H, int V, cudaStream_t cs) override {
+    const int P = group.size;
+    if (P == 1) return matmul_forward(logits, x, W, n, H, V, cs);
+    const size_t w = (size_t)ring_dtp_widest_shard(V, P);
+    floatX* mine = pool().alloc_t<floatX>((size_t)n * w, Mem::Logits, "ring_dtp.logits_rows");
+    floatX* gathered = pool().alloc_t<floatX>((size_t)P * n * w, Mem::Logits, "ring_dtp.logits_rows_gathered");
+    const std::pair<int, int> own = rows_of(group.rank, V);
+    ring_dtp_zero(mine, (size_t)n * w * sizeof(floatX), cs);
+    matmul_gemm("ring_dtp.logits_rows", CUBLAS_OP_T, CUBLAS_OP_N, own.second - own.first, n, H, W, H, x, H, 0.0f, mine,
+                (int)w, n, H, V, cs);
+    all_gather(group, mine, gathered, (size_t)n * w, cs);
+    for (int p = 0; p < P; p++) {
+      const std::pair<int, int> iv = rows_of(p, V);
+      cudaCheck(cudaMemcpy2DAsync(logits + iv.first, (size_t)V * sizeof(floatX), gathered + (size_t)p * n * w,
+                                  w * sizeof(floatX), (size_t)(iv.second - iv.first) * sizeof(floatX), n,
+                                  cudaMemcpyDeviceToDevice, cs),
+                "ring_dtp.logits_rows", "n=%d V=%d P=%d", n, V, P);
+    }
+    for (void* p : {(void*)mine, (void*)gathered}) pool().free(p);
+  }
+
+  std::pair<int, int> rows_of(int rank, int V) const { return ring_dtp_vocab_interval(V, group.size, rank); }
+  int visitor(int round) const { return ring_dtp_visitor(group.rank, round % group.size, group.size); }
+
+  void forward_backward(float* loss_sum_out, floatX* dx, floatX* dW, const floatX* x, const floatX* W,
+                        const int* targets, float dloss, int N, int H, int V, cudaStream_t cs) override {
+    const int P = group.size;
+    const RingDTPBranch branch = ring_dtp_choose(mode, N, V, P, H, sizeof(floatX)).branch;
+    const size_t w = (size_t)ring_dtp_widest_shard(V, P);
+    floatX* logits = pool().alloc_t<floatX>((size_t)N * std::min<size_t>(block_cols, w), Mem::Logits, "ring_dtp.logits");
+    float* losses = pool().alloc_t<float>(N, Mem::Logits, "ring_dtp.losses");
+    float* lse = pool().alloc_t<float>(N, Mem::Logits, "ring_dtp.lse");
+    if (P == 1) {
+      RingDTPStats st{pool().alloc_t<float>(3 * (size_t)N, Mem::Logits, "ring_dtp.stats"), N};
+      cross_entropy_stats_init(st.m(), st.l(), st.target_logit(), N, cs);
+      ring_dtp_meet_forward(st, x, targets, W, 0, V, N, H, block_cols, logits, cs);
+      cross_entropy_stats_finish(losses, lse, st.m(), st.l(), st.target_logit(), N, cs);
+      pool().free(st.data);
+      if (dx != nullptr) {
+        ring_dtp_zero(dx, (size_t)N * H * sizeof(floatX), cs);
+        ring_dtp_meet_backward(dx, dW, x, targets, lse, dloss, W, 0, V, N, H, V, block_cols, logits, nullptr, cs);
+      }
+    } else if (branch == RingDTPBranch::Weights) {
+      weights_pass(losses, lse, dx, dW, x, W, targets, dloss, N, H, V, logits, cs);
+    } else {
+      activations_pass(losses, lse, dx, dW, x, W, targets, dloss, N, H, V, logits, cs);
+    }
+    ::loss_sum(loss_sum_out, losses, N, cs);
+    for (void* p : {(void*)logits, (void*)losses, (void*)lse}) pool().free(p);
+  }
+
+  // Batches stay; shards travel through min(2, P − 1) slots, and in backward the shard's gradient
+  // accumulator one step behind (two buffers: one being added to, one arriving).
+  void weights_pass(float* losses, float* lse, floatX* dx, floatX* dW, const floatX* x, const floatX* W,
+                    const int* targets, float dloss, int N, int H, int V, floatX* logits, cudaStream_t cs) {
+    const int P = group.size;
+    const size_t w = (size_t)ring_dtp_widest_shard(V, P);
+    const cudaStream_t xs = group.stream;
+    auto rows = [&](int round) { const std::pair<int, int> iv = rows_of(visitor(round), V); return iv.second - iv.first; };
+    auto lo = [&](int round) { return rows_of(visitor(round), V).first; };
+    floatX* slot[2] = {pool().alloc_t<floatX>(w * H, Mem::CommStaging, "ring_dtp.shard_slot"),
+                       P > 2 ? pool().alloc_t<floatX>(w * H, Mem::CommStaging, "ring_dtp.shard_slot") : nullptr};
+    StreamPoint computed, arrived, acc_arrived;
+    // The shards' round trip, the same in forward and backward: round q computes with `cur` while
+    // the next shard arrives in slot q % 2 (the slot round q − 1 computed with, free once it has).
+    auto prefetch_next_shard = [&](int q, const floatX* cur) {
+      if (q + 1 == P) return;
+      if (q > 0) computed.wait_on(xs, "ring_dtp");
+      ring_dtp_hop(group, cur, (size_t)rows(q) * H, slot[q % 2], (size_t)rows(q + 1) * H, xs);
+      arrived.record(xs, "ring_dtp");
+    };
+    stream_after(xs, cs, "ring_dtp");  // W, x and the slots are ready for the communicator's stream
+
+    RingDTPStats st{pool().alloc_t<float>(3 * (size_t)N, Mem::Logits, "ring_dtp.stats"), N};
+    cross_entropy_stats_init(st.m(), st.l(), st.target_logit(), N, cs);
+    const floatX* cur = W;
+    for (int q = 0; q < P; q++) {
+      prefetch_next_shard(q, cur);
+      ring_dtp_meet_forward(st, x, targets, cur, lo(q), rows(q), N, H, block_cols, logits, cs);
+      computed.record(cs, "ring_dtp");
+      if (q + 1 < P) {
+        arrived.wait_on(cs, "ring_dtp");
+        cur = slot[q % 2];
+      }
+    }
+    cross_entropy_stats_finish(losses, lse, st.m(), st.l(), st.target_logit(), N, cs);
+    pool().free(st.data);
+
+    if (dx != nullptr) {
+      floatX* acc[2] = {pool().alloc_t<floatX>(w * H, Mem::CommStaging, "ring_dtp.dW_acc"),
+                        pool().alloc_t<floatX>(w * H, Mem::CommStaging, "ring_dtp.dW_acc")};
+      ring_dtp_zero(dx, (size_t)N * H * sizeof(floatX), cs);
+      ring_dtp_zero(acc[0], w * H * sizeof(floatX), cs);  // round 0's accumulator: nothing yet
+      stream_after(xs, cs, "ring_dtp");
+      cur = W;
+      for (int q = 0; q < P; q++) {
+        prefetch_next_shard(q, cur);
+        ring_dtp_meet_backward(dx, acc[q % 2], x, targets, lse, dloss, cur, lo(q), rows(q), N, H, V, block_cols, logits,
+                               q > 0 ? &acc_arrived : nullptr, cs);
+        computed.record(cs, "ring_dtp");
+        // the accumulator to the rank that holds this shard next (after the last round: its owner)
+        computed.wait_on(xs, "ring_dtp");
+        ring_dtp_hop(group, (const floatX*)acc[q % 2], (size_t)rows(q) * H, acc[(q + 1) % 2], (size_t)rows(q + 1) * H, xs);
+        acc_arrived.record(xs, "ring_dtp");
+        if (q + 1 < P) {
+          arrived.wait_on(cs, "ring_dtp");
+          cur = slot[q % 2];
+        }
+      }
+      acc_arrived.wait_on(cs, "ring_dtp");
+      add_inplace_or_out(dW, dW, acc[P % 2], (size_t)rows(P) * H, cs);
+      for (void* p : {(void*)acc[0], (void*)acc[1]}) pool().free(p);
+    }
+    stream_after(cs, xs, "ring_dtp");  // every hop done before the caller reuses W, x or the slots
+    for (void* p : {(void*)slot[0], (void*)slot[1]}) pool().free(p);
+  }
+
+  // Shards stay; batches travel through min(2, P − 1) slots (rows, targets, and the statistics one step
+  // behind in forward; rows, targets, lse, and the dx accumulator one step behind in backward), each one
+  // more hop home (the dx accumulator's last hop lands in dx).
+  void activations_pass(float* losses, float* lse, floatX* dx, floatX* dW, const floatX* x, const floatX* W,
+                        const int* targets, float dloss, int N, int H, int V, floatX* logits, cudaStream_t cs) {
+    const int P = group.size;
+    const cudaStream_t xs = group.stream;
+    const std::pair<int, int> mine = rows_of(group.rank, V);
+    const int lo = mine.first, rows = mine.second - mine.first;
+    const size_t NH = (size_t)N * H;
+    auto slots_of = [&](auto* type, size_t count, const char* tag) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      return std::array<T*, 2>{pool().alloc_t<T>(count, Mem::CommStaging, tag),
+                               P > 2 ? pool().alloc_t<T>(count, Mem::CommStaging, tag) : nullptr};
+    };
+    const std::array<floatX*, 2> x_slot = slots_of((floatX*)nullptr, NH, "ring_dtp.x_slot");
+    const std::array<int*, 2> t_slot = slots_of((int*)nullptr, (size_t)N, "ring_dtp.targets_slot");
+    StreamPoint computed, arrived, acc_arrived;
+    const floatX* cur_x;
+    const int* cur_t;
+    // round q computes with (cur_x, cur_t) while the next batch's rows arrive in slot q % 2
+    auto prefetch_next_batch = [&](int q) {
+      if (q + 1 == P) return;
+      if (q > 0) computed.wait_on(xs, "ring_dtp");
+      ring_dtp_hop(group, cur_x, NH, x_slot[q % 2], NH, xs);
+      ring_dtp_hop(group, cur_t, (size_t)N, t_slot[q % 2], (size_t)N, xs);
+      arrived.record(xs, "ring_dtp");
+    };
+    auto take_next_batch = [&](int q) {
+      arrived.wait_on(cs, "ring_dtp");
+      cur_x = x_slot[q % 2];
+      cur_t = t_slot[q % 2];
+    };
+
+    RingDTPStats st[2] = {{pool().alloc_t<float>(3 * (size_t)N, Mem::Logits, "ring_dtp.stats"), N},
+                          {pool().alloc_t<float>(3 * (size_t)N, Mem::Logits, "ring_dtp.stats"), N}};
+    cross_entropy_stats_init(st[0].m(), st[0].l(), st[0].target_logit(), N, cs);
+    cur_x = x;
+    cur_t = targets;
+    stream_after(xs, cs, "ring_dtp");
+    for (int q = 0; q < P; q++) {
+      prefetch_next_batch(q);
+      ring_dtp_meet_forward(st[q % 2], cur_x, cur_t, W, lo, rows, N, H, block_cols, logits, cs);
+      computed.record(cs, "ring_dtp");
+      computed.wait_on(xs, "ring_dtp");  // the statistics on to the batch's next rank (after the last round: home)
+      ring_dtp_hop(group, (const float*)st[q % 2].data, 3 * (size_t)N, st[(q + 1) % 2].data, 3 * (size_t)N, xs);
+      acc_arrived.record(xs, "ring_dtp");
+      acc_arrived.wait_on(cs, "ring_dtp");
+      if (q + 1 < P) take_next_batch(q);
+    }
+    const RingDTPStats& home = st[P % 2];
+    cross_entropy_stats_finish(losses, lse, home.m(), home.l(), home.target_logit(), N, cs);
+    for (const RingDTPStats& s : st) pool().free(s.data);
+
+    if (dx != nullptr) {
+      const std::array<float*, 2> lse_slot = slots_of((float*)nullptr, (size_t)N, "ring_dtp.lse_slot");
+      floatX* acc[2] = {pool().alloc_t<floatX>(NH, Mem::CommStaging, "ring_dtp.dx_acc"),
+                        pool().alloc_t<floatX>(NH, Mem::CommStaging, "ring_dtp.dx_acc")};
+      ring_dtp_zero(acc[0], NH * sizeof(floatX), cs);
+      stream_after(xs, cs, "ring_dtp");
+      cur_x = x;
+      cur_t = targets;
+      const float* cur_lse = lse;
+      for (int q = 0; q < P; q++) {
+        if (q + 1 < P) {
+          if (q > 0) computed.wait_on(xs, "ring_dtp");
+          ring_dtp_hop(group, cur_lse, (size_t)N, lse_slot[q % 2], (size_t)N, xs);
+        }
+        prefetch_next_batch(q);
+        ring_dtp_meet_backward(acc[q % 2], dW, cur_x, cur_t, cur_lse, dloss, W, lo, rows, N, H, V, block_cols, logits,
+                               q > 0 ? &acc_arrived : nullptr, cs);
+        computed.record(cs, "ring_dtp");
+        computed.wait_on(xs, "ring_dtp");  // the dx accumulator on with its batch (after the last round: home, into dx)
+        ring_dtp_hop(group, (const floatX*)acc[q % 2], NH, q + 1 < P ? acc[(q + 1) % 2] : dx, NH, xs);
+        acc_arrived.record(xs, "ring_dtp");
+        if (q + 1 < P) {
+          take_next_batch(q);
+          cur_lse = lse_slot[q % 2];
+        }
+      }
+      acc_arrived.wait_on(cs, "ring_dtp");
+      for (void* p : {(void*)lse_slot[0], (void*)lse_slot[1], (void*)acc[0], (void*)acc[1]}) pool().free(p);
+    }
+    stream_after(cs, xs, "ring_dtp");
+    for (void* p : {(void*)x_slot[0], (void*)x_slot[1], (void*)t_slot[0], (void*)t_slot[1]}) pool().free(p);
+  }
+};

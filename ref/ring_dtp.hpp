@@ -35,7 +35,7 @@ struct RingDTPRound {
   int rank = 0, round = 0, visitor = 0;
   long long weight_elems = 0;  // a shard's rows × H (weights), and its gradient accumulator in backward
   long long row_elems = 0;     // a batch's x rows (activations), and its dx accumulator in backward
-  long long stat_elems = 0;    // per-row statistics: m, l, target logit (forward), lse (backward)
+  long long stat_elems = 0;    // 4-byte values per row: m, l, target logit, target (forward); lse, target (backward)
 };
 
 template <typename T>
@@ -142,7 +142,7 @@ RingDTPRun<T> ring_dtp(RingDTPMoves moves, const std::vector<Mat<T>>& x, const s
       if (weights_move && round + 1 < P) rec.weight_elems = shards[r].W.size();  // no hop home: the owner has its shard
       if (!weights_move) {
         rec.row_elems = round + 1 < P ? batches[r].x.size() : 0;  // home, only the statistics travel
-        rec.stat_elems = 3 * batches[r].x.rows();
+        rec.stat_elems = (round + 1 < P ? 4 : 3) * batches[r].x.rows();  // home: the targets are there
       }
       run.forward.push_back(rec);
     }
@@ -169,7 +169,7 @@ RingDTPRun<T> ring_dtp(RingDTPMoves moves, const std::vector<Mat<T>>& x, const s
       if (weights_move) rec.weight_elems = shards[r].W.size() * (round + 1 < P ? 2 : 1);  // W and dW; dW alone home
       else {
         rec.row_elems = batches[r].x.size() * (round + 1 < P ? 2 : 1);  // x and its dx; dx alone home
-        rec.stat_elems = round + 1 < P ? batches[r].x.rows() : 0;      // lse
+        rec.stat_elems = round + 1 < P ? 2 * batches[r].x.rows() : 0;  // lse and targets
       }
       run.backward.push_back(rec);
     }

@@ -56,12 +56,13 @@ ModelConfig valid_model() {
 using T = TrainConfig;
 const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_pattern, &T::val_pattern, &T::tokenizer,
                                                    &T::out_dir,  &T::resume,        &T::routing,     &T::record_routing,
-                                                   &T::moe,      &T::head,          &T::optimizer};
+                                                   &T::moe,      &T::head,          &T::optimizer,   &T::ring_dtp};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
                                           &T::recompute,  &T::val_every,    &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step,
                                           &T::gpus,       &T::ep,           &T::llep_min_rows, &T::token_budget,
-                                          &T::kmax,       &T::offload_bucket, &T::offload_slots};
+                                          &T::kmax,       &T::offload_bucket, &T::offload_slots, &T::vocab_group,
+                                          &T::vocab_block};
 const std::vector<float T::*> kTrainFloats = {&T::lr,    &T::min_lr_frac, &T::weight_decay, &T::beta1,
                                               &T::beta2, &T::adam_eps,    &T::grad_clip,    &T::bias_update,
                                               &T::llep_alpha};
@@ -319,6 +320,46 @@ TEST(ConfigSeams, OptimizersAndOffloadSettings) {
                                         std::to_string(slots) + " (2 already overlap both copies with the update)");
   }
   EXPECT_EQ(parse_error({"--optimizer", "offload_adamw", "--offload_bucket", "7", "--offload_slots", "3"}), "");
+}
+
+// --head: full, chunked and ring_dtp; the vocabulary group P divides W and leaves every rank a row;
+// --vocab_group belongs to ring_dtp alone.
+TEST(ConfigSeams, OutputHeadsAndTheVocabularyGroup) {
+  ModelConfig m = valid_model();
+  TrainConfig t;
+  for (const char* head : {"full", "chunked", "ring_dtp"}) {
+    t.head = head;
+    EXPECT_EQ(validate_error(t, m), "") << head;
+    EXPECT_EQ(vocab_group_size(t), 1) << head;
+  }
+  t.head = "logits";
+  EXPECT_EQ(validate_error(t, m), "--head expects one of full, chunked, ring_dtp, got 'logits'");
+  t.head = "ring_dtp";
+  t.gpus = 4;
+  EXPECT_EQ(vocab_group_size(t), 4);  // 0 = every rank
+  t.vocab_group = 2;
+  EXPECT_EQ(validate_error(t, m), "");
+  EXPECT_EQ(vocab_group_size(t), 2);
+  t.vocab_group = 3;
+  EXPECT_EQ(validate_error(t, m), "vocab_group (3) must divide the number of ranks (4)");
+  t.vocab_group = -1;
+  EXPECT_EQ(validate_error(t, m), "vocab_group must be >= 0 (0 = every rank), got -1");
+  t.vocab_group = 4;
+  m.vocab = 3;
+  EXPECT_EQ(validate_error(t, m), "vocab_group (4) must be at most the vocabulary (3): every rank holds at least one row");
+  m = valid_model();
+  t.ring_dtp = "tokens";
+  EXPECT_EQ(validate_error(t, m), "--ring_dtp expects auto, weights or activations, got 'tokens'");
+  t.ring_dtp = "weights";
+  t.vocab_block = 0;
+  EXPECT_EQ(validate_error(t, m), "vocab_block (logits columns per block) must be >= 1, got 0");
+  t.vocab_block = 64;
+  EXPECT_EQ(validate_error(t, m), "");
+  t.head = "chunked";
+  EXPECT_EQ(validate_error(t, m), "--vocab_group 4 splits the vocabulary of --head ring_dtp (this run has --head chunked)");
+  EXPECT_EQ(parse_error({"--gpus", "2", "--head", "ring_dtp", "--vocab_group", "2", "--ring_dtp", "activations",
+                         "--vocab_block", "512"}),
+            "");
 }
 
 // --routing: the router, a profile that fits the model, or trace:FILE (whose file the trainer checks

@@ -56,7 +56,7 @@ void expect_same_layout(const ParamLayout& got, const ParamLayout& want, const s
   }
 }
 
-// The optimizer's segments of one rank's layout (config.hpp: shard_segments): S = the two shards;
+// The optimizer's segments of one rank's layout (config.hpp: shard_segments): S = the regions' shards;
 // inside each region's shard the segments follow each other without a gap from the shard's start
 // to where its tensors end (the rest is padding), each inside one tensor with that tensor's decay,
 // each at its place in the state [S] (the shards region after region).
@@ -64,7 +64,9 @@ void expect_segments_cover_the_shard(const std::vector<ParamSpec>& specs, const 
                                      const std::string& what) {
   size_t S = 0;
   const std::vector<ShardSegment> segments = shard_segments(specs, layout, &S);
-  EXPECT_EQ(S, layout.regions[0].shard + layout.regions[1].shard) << what;
+  size_t shards = 0;
+  for (const ParamRegion& r : layout.regions) shards += r.shard;
+  EXPECT_EQ(S, shards) << what;
   size_t region_state = 0;
   for (const ParamRegion& r : layout.regions) {
     const size_t lo = r.shard_offset, hi = r.shard_offset + r.shard, tensors_end = r.offset + r.count;
@@ -215,5 +217,52 @@ TEST(ParamInit, EachRankDrawsItsOwnPartBitForBitAsBefore) {
                 << "V=" << c.vocab << " seed " << seed << " W=" << W << " E_p=" << ep << " rank " << rank;
           }
         }
+    }
+}
+
+// --head ring_dtp: lm_head's rows split over vocabulary groups of P ranks (contiguous blocks, like
+// the expert-parallel groups) in a third region, [vocab | pad], sharded over the W/P ranks that hold
+// the same interval. Every element of every tensor lies in exactly one rank's shard (the gradient
+// norm's premise), each rank's lm_head rows are its interval ⌊pV/P⌋.. of the global tensor, and it
+// draws them at init bit for bit as the whole model would.
+TEST(ParamLayout, VocabularyGroupsSplitLmHead) {
+  ModelConfig c = moe_config(97, 32, 24, 4, 2);  // V = 97: no P below divides it
+  c.heads = 1;
+  const std::vector<ParamSpec> specs = param_specs(c);
+  size_t lm_head_first = 0, lm_head = 0;
+  for (size_t i = 0, off = 0; i < specs.size(); off += specs[i].numel(), i++)
+    if (specs[i].name == "lm_head") lm_head_first = off, lm_head = i;
+  const std::vector<float> whole = init_before_issue_15(c, 99);
+  for (int W : {2, 4, 6})
+    for (int P : {2, 3, 6}) {
+      if (W % P != 0) continue;
+      const int ep = 2;
+      std::vector<int> owners(param_count(c), 0);  // how many ranks' shards hold each global element
+      for (int rank = 0; rank < W; rank++) {
+        const std::string what = "W=" + std::to_string(W) + " P=" + std::to_string(P) + " rank " + std::to_string(rank);
+        const VocabSplit vocab{P, rank % P, RegionGroup{W / P, rank / P}};
+        const ParamLayout layout = param_layout(specs, ep, RegionGroup{W, rank}, RegionGroup{W / ep, rank / ep}, vocab);
+        ASSERT_EQ(layout.regions.size(), 3u) << what;
+        const std::pair<int, int> rows = vocab_interval(c.vocab, P, rank % P);
+        EXPECT_EQ(layout.vocab_first_row, (size_t)rows.first) << what;
+        EXPECT_EQ(layout.local_numel[lm_head], (size_t)(rows.second - rows.first) * c.hidden) << what;
+        EXPECT_EQ(layout.offsets[lm_head], layout.regions[2].offset) << what;
+        EXPECT_EQ(layout.regions[2].count, layout.local_numel[lm_head]) << what;
+        EXPECT_EQ(layout.num_params, layout.regions[2].offset + layout.regions[2].padded) << what;
+        const std::vector<size_t> first = global_firsts(specs, layout, rank % ep);
+        EXPECT_EQ(first[lm_head], lm_head_first + (size_t)rows.first * c.hidden) << what;
+        const std::vector<float> want = local_from_global(specs, layout, rank % ep, whole);
+        const std::vector<float> got = init_local_weights(c, specs, layout, rank % ep, 99);
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << what;
+        expect_segments_cover_the_shard(specs, layout, what);
+        for (const ParamRegion& r : layout.regions)
+          for (size_t i = 0; i < specs.size(); i++) {
+            const size_t lo = std::max(r.shard_offset, layout.offsets[i]);
+            const size_t hi = std::min(r.shard_offset + r.shard, layout.offsets[i] + layout.local_numel[i]);
+            for (size_t j = lo; j < hi; j++) owners[first[i] + (j - layout.offsets[i])]++;
+          }
+      }
+      for (size_t g = 0; g < owners.size(); g++)
+        ASSERT_EQ(owners[g], 1) << "W=" << W << " P=" << P << ": global element " << g << " in " << owners[g] << " shards";
     }
 }

@@ -25,19 +25,22 @@ ModelConfig dist_config() {
   return c;
 }
 
-// Expert parallel over every rank (E_p = W), so each rank holds E/W experts of every MoE layer.
-Parallel test_parallel() {
+// Expert parallel over every rank (E_p = W), so each rank holds E/W experts of every MoE layer; with
+// vocab_split (--head ring_dtp) lm_head's rows are split over every rank too (P = W).
+Parallel test_parallel(bool vocab_split = false) {
   const Comm& world = test_world();
   Parallel par;
   par.world = world;
   par.ep = comm_block_group(world, world.size, "ep");
   par.expert_replicas = comm_split(world, world.rank % world.size, world.rank, "expert_replicas");
+  if (vocab_split) par.vocab = comm_block_group(world, world.size, "vocab");
   return par;
 }
 
 void release(Parallel& par) {
   comm_destroy(par.ep);
   comm_destroy(par.expert_replicas);
+  comm_destroy(par.vocab);
 }
 
 // Every rank's top-k choices of every MoE layer, in global token order ([L][N_global·k]).
@@ -154,7 +157,7 @@ TEST(DistModel, FirstStepShardsMatchReferenceOverGlobalBatch) {
 // with the W ranks' MoE layers dispatched by `seams.moe`.
 static void ten_steps_agree_with_one_gpu(const Seams& seams) {
   const Comm& world = test_world();
-  Parallel par = test_parallel();
+  Parallel par = test_parallel(seams.head == "ring_dtp");
   ModelConfig c = dist_config();
   // Both sides route by themselves here (no reference to force routes from), and W ranks round
   // differently from one GPU (other GEMM shapes): the router's scores must be well separated for
@@ -192,8 +195,9 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
     double e = std::fabs(dist_loss - single_loss) / single_loss;
     worst = std::max(worst, e);
     if (world.rank == 0)
-      printf("[dist] step %d loss W=%d --moe %s %.7f one GPU %.7f rel %.2e\n", step + 1, world.size, seams.moe.c_str(),
-             dist_loss, single_loss, e);
+      printf("[dist] step %d loss W=%d --moe %s --head %s %.7f one GPU %.7f rel %.2e\n", step + 1, world.size,
+             seams.moe.c_str(), (seams.head + (seams.head == "ring_dtp" ? " " + seams.ring_dtp : "")).c_str(), dist_loss,
+             single_loss, e);
 #if !defined(FLATMOE_BF16)
     // identical routing, so identical integer loads (in BF16 the two GEMM layouts round the router's
     // bf16 input differently, and a near-tie may route differently)
@@ -201,7 +205,8 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
 #endif
   }
   char what[64];
-  snprintf(what, sizeof what, "dist_%s_vs_single_rank%d", seams.moe.c_str(), world.rank);
+  snprintf(what, sizeof what, "dist_%s_%s_vs_single_rank%d", seams.moe.c_str(),
+           (seams.head == "ring_dtp" ? "ring_dtp_" + seams.ring_dtp : seams.head).c_str(), world.rank);
   // whole-model training compared over ten Adam steps: the whole-model tolerance of notes/design.md §3
   EXPECT_REL(what, "max loss", worst, MODEL_TOL);
   // each tensor of this rank's master shards against the single GPU's master at the same parameters
@@ -235,6 +240,22 @@ TEST(DistModel, TenStepsWithPipelinedLLEPAgreeWithOneGpu) {
   ten_steps_agree_with_one_gpu(moe_seams("pllep"));
 }
 
+// --head ring_dtp (lm_head split over the W ranks) against one GPU's full head, in both branches:
+// B·T = 74 tokens per rank against shards of 33 and 34 rows (V = 67), in blocks of 16 columns.
+static Seams ring_seams(const std::string& moves) {
+  Seams seams = moe_seams("ep");
+  seams.head = "ring_dtp";
+  seams.ring_dtp = moves;
+  seams.vocab_block = 16;
+  return seams;
+}
+
+TEST(DistModel, TenStepsWithTheRingHeadAgreeWithOneGpuFullHead) {
+  REQUIRE_WORLD(2);
+  ten_steps_agree_with_one_gpu(ring_seams("weights"));
+  ten_steps_agree_with_one_gpu(ring_seams("activations"));
+}
+
 // --optimizer offload_adamw and cpu_adamw at W ranks (each rank's ZeRO-1 shards in its own pinned
 // memory) train like adamw, bit for bit, and resume adamw's state (tests/optimizer_training.cuh).
 TEST(DistModel, OptimizersTrainAlikeAndResumeAcrossOptimizersAtWRanks) {
@@ -247,11 +268,12 @@ TEST(DistModel, OptimizersTrainAlikeAndResumeAcrossOptimizersAtWRanks) {
 }
 
 // The model's state at W ranks — every rank's optimizer sections, step count and router biases —
-// saved after 2 steps and restored into fresh models continues bit-identically to not stopping.
-TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
-  REQUIRE_WORLD(2);
+// saved after 2 steps and restored into fresh models continues bit-identically to not stopping; with
+// the full head and with lm_head split over the ranks (--head ring_dtp: each rank's sections hold its
+// vocabulary interval).
+static void state_saved_and_restored_is_bit_identical(const Seams& seams) {
   const Comm& world = test_world();
-  Parallel par = test_parallel();
+  Parallel par = test_parallel(seams.head == "ring_dtp");
   ModelConfig c = dist_config();
   TrainConfig t;
   t.lr = 2e-3f; t.warmup = 1; t.steps = 4; t.bias_update = 1e-2f;
@@ -271,18 +293,18 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
     }
   };
   std::vector<float> straight_losses, first, resumed_losses;
-  Model a = model_create(c, 21, par);
+  Model a = model_create(c, 21, par, 0, seams);
   run(a, 0, 4, straight_losses);
   StateSections straight = a.opt->save(a.stream);
   std::vector<float> straight_bias = a.router_bias;
   model_destroy(a);
-  Model b = model_create(c, 21, par);
+  Model b = model_create(c, 21, par, 0, seams);
   run(b, 0, 2, first);
   StateSections saved = b.opt->save(b.stream);
   const long long saved_steps = b.opt->steps;
   std::vector<float> saved_bias = b.router_bias;
   model_destroy(b);
-  Model r = model_create(c, 77, par);  // other initial weights: everything must come from the saved state
+  Model r = model_create(c, 77, par, 0, seams);  // other initial weights: everything must come from the saved state
   r.opt->load(saved, saved_steps, r.stream);
   r.opt->write_weights(r.params, r.stream);
   all_gather_weights(r);
@@ -304,6 +326,12 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
   EXPECT_EQ(0, memcmp(r.router_bias.data(), straight_bias.data(), straight_bias.size() * sizeof(float)));
   model_destroy(r);
   release(par);
+}
+
+TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
+  REQUIRE_WORLD(2);
+  state_saved_and_restored_is_bit_identical(Seams());
+  state_saved_and_restored_is_bit_identical(ring_seams("auto"));
 }
 
 // Layer-level recomputation with expert parallelism: the backward reruns each layer's forward,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [moe] [accum] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [bench-head] [head] [moe] [accum] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank, pllep
@@ -10,6 +10,11 @@
 #     all) at 256M parameters; offload_adamw (beta x s sweep), cpu_adamw and adamw at 1B parameters on one GPU, at 4B
 #     and 16B (where host memory allows) with beta 2^22 and 2^24 at s = 2; on every GPU at once at 1B and 4B per rank;
 #     the compiler's vectorisation report of the CPU loop (cpu_adamw_vec.txt); about 3 minutes after the build
+#   bench-head: the output heads (notes/ring_dtp.md): full vs chunked vs Ring-DTP (P = every GPU) at the paper's
+#     Table 2 shape in FP32 (H 7168, V 200000, N 4096 per rank; Ring-DTP alone at N 110000, where weights move,
+#     one timed pass) and at BF16 training shapes
+#   head: the output heads' tests alone (test_gpu's ChunkedHeadGpu, test_dist's RingDTPDist and the ring-head
+#     model tests, both precisions) and 30 training steps on every GPU with --head ring_dtp and --head chunked
 #   moe: the MoE dispatchers alone — test_gpu, then test_dist's EpMoEDist/LlepDist/DistModel tests, in both
 #     precisions (one log), and 30 training steps on every GPU with --moe ep, llep and pllep (hot:0.5/2 routing),
 #     llep and pllep also with --recompute 1
@@ -132,6 +137,36 @@ if [[ " $want " == *" bench-opt "* ]]; then
   fi
   cat "$OUT/bench_cpu_adamw.md" "$OUT"/bench_optimizer_*gpu.md
   summary+=("bench-opt: $(grep -c '^| [0-9]' "$OUT"/bench_optimizer_*gpu.md | tr '\n' ' ') rows")
+fi
+
+if [[ " $want " == *" bench-head "* ]]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  rm -rf build/head-timelines && mkdir -p build/head-timelines
+  {
+    build/fp32/bench_head --gpus "$gpus" --shapes 4096:200000:7168 --block 8192 &&
+      build/fp32/bench_head --gpus "$gpus" --shapes 110000:200000:7168 --block 2048 --heads ring --modes auto \
+        --warmup 0 --iters 1 | sed -n '/^| [0-9]/p' &&
+      build/bf16/bench_head --gpus "$gpus" --shapes 16384:32768:768,65536:32768:768,8192:131072:2048 --block 4096 \
+        --timeline build/head-timelines
+  } > "$OUT/bench_head.md" 2> build/bench_head.err || { status=1; tail -20 build/bench_head.err; }
+  tar czf "$OUT/head_timelines.tgz" -C build/head-timelines $(cd build/head-timelines && ls 65536_*)
+  cat "$OUT/bench_head.md"
+  summary+=("bench-head: $(grep -c '^| [0-9]' "$OUT/bench_head.md") rows")
+fi
+
+if [[ " $want " == *" head "* ]]; then
+  for p in fp32 bf16; do
+    build/$p/test_gpu --gtest_filter='ChunkedHead*:RingDTP*' > "$OUT/head_gpu_$p.log" 2>&1 || status=1
+    build/$p/test_dist --gtest_filter='RingDTPDist.*:DistModel.*Ring*:DistModel.StateSaved*' > "$OUT/head_dist_$p.log" 2>&1 || status=1
+    FLATMOE_TRAIN=build/fp32/train build/$p/test_gpu --gtest_filter='Trainer.Resume*Head*' > "$OUT/head_trainer_$p.log" 2>&1 || status=1
+    summary+=("head tests $p: $(grep -h '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$OUT"/head_*_$p.log | tr '\n' ' ')")
+  done
+  gpus=$(nvidia-smi -L | wc -l)
+  for h in "ring_dtp --gpus $gpus" "chunked --gpus 1"; do
+    build/bf16/train --head $h --data data/fortunes --steps 30 --val_every 10 --sample_every 30 --sample_len 16 \
+      --ckpt_every 0 --log_every 10 --out build/run-head > "$OUT/train_head_${h%% *}.log" 2>&1
+    summary+=("train --head $h: exit $? | $(grep '^step' "$OUT/train_head_${h%% *}.log" | tail -1) | $(grep 'val loss' "$OUT/train_head_${h%% *}.log" | tail -1)")
+  done
 fi
 
 if [[ " $want " == *" accum "* ]]; then

@@ -363,16 +363,16 @@ std::vector<std::string> csv_losses(const std::string& path) {
   return losses;
 }
 
-void trainer_resume_is_bit_identical(int gpus) {
+void trainer_resume_is_bit_identical(int gpus, const std::string& tag = "", const std::string& flags = "") {
   if (getenv("FLATMOE_TRAIN") == nullptr) GTEST_SKIP() << "FLATMOE_TRAIN (the trainer binary) is not set";
   if (gpu_count() < gpus) GTEST_SKIP() << "needs " << gpus << " GPUs; this machine has " << gpu_count();
-  const std::string dir = "build/test-out-trainer-resume-w" + std::to_string(gpus);
+  const std::string dir = "build/test-out-trainer-resume" + tag + "-w" + std::to_string(gpus);
   ckpt::remove_tree(dir);
   mkdir("build", 0755);
   ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
-  TrainerRun straight = run_trainer(dir + "/straight", gpus, "");
+  TrainerRun straight = run_trainer(dir + "/straight", gpus, flags);
   ASSERT_EQ(straight.rc, 0) << "see " << straight.out << ".log";
-  TrainerRun resumed = run_trainer(dir + "/resumed", gpus, "--resume " + dir + "/straight/ckpt_000003");
+  TrainerRun resumed = run_trainer(dir + "/resumed", gpus, flags + " --resume " + dir + "/straight/ckpt_000003");
   ASSERT_EQ(resumed.rc, 0) << "see " << resumed.out << ".log";
   for (int rank = 0; rank < gpus; rank++) {
     ckpt::RankFile a = ckpt::read_rank_file(ckpt::rank_file(straight.out + "/ckpt_000006", rank));
@@ -407,6 +407,26 @@ TEST(Trainer, ResumeFromCheckpointIsBitIdenticalOneRank) {
 TEST(Trainer, ResumeFromCheckpointIsBitIdenticalTwoRanks) {
   REQUIRE_GPU();
   trainer_resume_is_bit_identical(2);
+}
+
+// The output heads that never hold [N,V]: chunked on one rank, and Ring-DTP on two (each rank's file
+// holds its vocabulary interval of lm_head; the samples at steps 3 and 6 project through the split head).
+TEST(Trainer, ResumeWithTheChunkedHeadIsBitIdenticalOneRank) {
+  REQUIRE_GPU();
+  trainer_resume_is_bit_identical(1, "-chunked", "--head chunked --vocab_block 100 --sample_every 3 --sample_len 8");
+}
+
+TEST(Trainer, ResumeWithTheRingHeadIsBitIdenticalTwoRanks) {
+  REQUIRE_GPU();
+  const std::string flags = "--head ring_dtp --vocab_block 100 --sample_every 3 --sample_len 8";
+  trainer_resume_is_bit_identical(2, "-ring_dtp", flags);
+  if (HasFatalFailure() || IsSkipped()) return;
+  // the same checkpoint under the full head (lm_head whole on each rank) is refused, naming both splits
+  const std::string dir = "build/test-out-trainer-resume-ring_dtp-w2";
+  TrainerRun full = run_trainer(dir + "/full", 2, "--resume " + dir + "/straight/ckpt_000003");
+  EXPECT_NE(full.rc, 0);
+  const std::string log = testutil::read_bytes(full.out + ".log");
+  EXPECT_NE(log.find("lm_head split over P=2 ranks (--head ring_dtp); this run has P=1 (--head full)"), std::string::npos) << log;
 }
 
 // Routing traces through the trainer (FLATMOE_TRAIN, the FP32 build's binary), at W = 1 and W = 2:
