@@ -426,6 +426,7 @@ int train_main(int argc, char** argv) {
       size_t free_b = 0, total_b = 0;
       cudaCheck(cudaMemGetInfo(&free_b, &total_b), "train", "meminfo");
       const ExpertBalance bal = expert_balance(m);  // global loads of this step
+      if (step == first_step) printf("memory after the first step (rank 0): %s\n", device_memory_report().c_str());
       if (step % tc.log_every == 0 || step == tc.steps - 1)
         printf("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | experts max/mean "
                "%.2f, bias [%.3f, %.3f] | peak %.1f MiB (device used %.1f MiB)%s\n",

@@ -364,6 +364,7 @@ inline void comm_finish_init(Comm& c, const char* op) {
   comm_register(c);
   c.stream = stream_create(op, true);
   comm_warm_up(c);
+  device_memory_mark("NCCL " + c.name);  // its buffers, connected by the warm-up (the device ledger, runtime/pool.cuh)
 }
 
 // The world communicator: cudaSetDevice(rank_device(info)) (runtime/launch.cuh), then a non-blocking
@@ -379,6 +380,7 @@ inline Comm comm_world_init(const LaunchInfo& info) {
     comm_fail(world, "comm_world_init", comm_format("invalid rank %d of world %d", info.rank, info.world));
   const int device = rank_device(info);
   comm_cuda_check(world, cudaSetDevice(device), "comm_world_init", comm_format("cudaSetDevice(%d)", device));
+  if (device_memory().items.empty()) device_memory_mark("CUDA context");
   ncclUniqueId id = info.id;
   if (info.world == 1) comm_check(world, ncclGetUniqueId(&id), "comm_world_init", "ncclGetUniqueId, world=1");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;

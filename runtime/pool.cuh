@@ -33,6 +33,10 @@
 // Accounting stays exact: live bytes are what callers hold (a pending block is not live, and shows in
 // pending_bytes() instead), so the live peaks are the same on every run whatever the GPU's timing.
 //
+// What the pool does not see is measured by the device ledger (bottom of this file): the growth of the
+// device's used bytes at each step of the runtime's start (the CUDA context, each NCCL communicator,
+// the cuBLAS handle) beside the pool's reserved bytes, and whatever else remains ("other").
+//
 // The process's runtime (bottom of this file): runtime_prepare() after cudaSetDevice, before any
 // measurement, creates the shared cuBLAS handle and its pooled workspace; runtime_release() at exit
 // gives everything back to CUDA and refuses to when anything else is still live (a leak, notes/design.md §4).
@@ -336,6 +340,75 @@ struct DeviceBuffer {
 };
 
 // ---------------------------------------------------------------------------------------------
+// The device ledger: the whole device, not just the pool. cudaMemGetInfo's used bytes (total − free)
+// count the CUDA context, NCCL's buffers, cuBLAS's handle, the pool's reserved blocks (live, cached
+// free, pending) and anything else on this GPU (other processes). device_memory_mark(what) records
+// the growth of (used − pool reserved) since the previous mark as `what`; the first mark records
+// everything before it (the context). device_memory_report() itemises the device now.
+
+struct DeviceMemoryItem {
+  std::string what;
+  long long bytes;
+};
+
+struct DeviceMemoryLedger {
+  std::vector<DeviceMemoryItem> items;
+  long long last_outside_pool = 0;  // used − pool reserved at the last mark
+};
+
+inline DeviceMemoryLedger& device_memory() {
+  static DeviceMemoryLedger ledger;
+  return ledger;
+}
+
+inline long long device_used_bytes() {
+  size_t free_b = 0, total_b = 0;
+  cudaCheck(cudaMemGetInfo(&free_b, &total_b), "device_memory", "cudaMemGetInfo");
+  return (long long)(total_b - free_b);
+}
+
+inline void device_memory_mark(const std::string& what) {
+  DeviceMemoryLedger& ledger = device_memory();
+  const long long outside = device_used_bytes() - (long long)pool().reserved();
+  ledger.items.push_back(DeviceMemoryItem{what, outside - ledger.last_outside_pool});
+  ledger.last_outside_pool = outside;
+}
+
+// The device now: used bytes, the pool's reserved (live, pending), the ledger's items, and the rest.
+struct DeviceMemoryNow {
+  long long used = 0, reserved = 0, live = 0, pending = 0;
+  long long itemised = 0;  // the ledger's items (outside the pool)
+  long long other() const { return used - reserved - itemised; }
+};
+
+inline DeviceMemoryNow device_memory_now() {
+  DeviceMemoryNow now;
+  now.used = device_used_bytes();
+  now.reserved = (long long)pool().reserved();
+  now.live = (long long)pool().live_total();
+  now.pending = (long long)pool().pending_bytes();
+  for (const DeviceMemoryItem& item : device_memory().items) now.itemised += item.bytes;
+  return now;
+}
+
+// "device used U MiB = pool reserved R (live L, cached free F, pending P) + ITEM x + ... + other O"
+inline std::string device_memory_report() {
+  const double MiB = 1048576.0;
+  const DeviceMemoryNow now = device_memory_now();
+  char buf[256];
+  snprintf(buf, sizeof buf, "device used %.1f MiB = pool reserved %.1f (live %.1f, cached free %.1f, pending %.1f)",
+           now.used / MiB, now.reserved / MiB, now.live / MiB, (now.reserved - now.live - now.pending) / MiB,
+           now.pending / MiB);
+  std::string text = buf;
+  for (const DeviceMemoryItem& item : device_memory().items) {
+    snprintf(buf, sizeof buf, " + %s %.1f", item.what.c_str(), item.bytes / MiB);
+    text += buf;
+  }
+  snprintf(buf, sizeof buf, " + other %.1f", now.other() / MiB);
+  return text + buf;
+}
+
+// ---------------------------------------------------------------------------------------------
 // The runtime of the process (one process per GPU): the cuBLAS handle and its workspace, taken from
 // the pool (category Workspace). The FP32 build runs pedantic FP32.
 
@@ -356,6 +429,7 @@ inline CublasRuntime& cublas_runtime() {
 inline void runtime_prepare() {
   CublasRuntime& rt = cublas_runtime();
   if (rt.handle != nullptr) return;
+  if (device_memory().items.empty()) device_memory_mark("CUDA context");  // no communicator marked it first
   cublasCheck(cublasCreate(&rt.handle), "runtime_prepare", "cublasCreate");
 #if defined(FLATMOE_BF16)
   cublasCheck(cublasSetMathMode(rt.handle, CUBLAS_DEFAULT_MATH), "runtime_prepare", "math mode default");
@@ -363,6 +437,7 @@ inline void runtime_prepare() {
   cublasCheck(cublasSetMathMode(rt.handle, CUBLAS_PEDANTIC_MATH), "runtime_prepare", "math mode pedantic");
 #endif
   rt.workspace = pool().alloc(CublasRuntime::workspace_bytes, Mem::Workspace, "cublas_workspace");
+  device_memory_mark("cuBLAS handle");
 }
 
 // At exit: waits for the device, returns the cuBLAS workspace to the pool, destroys the handle and

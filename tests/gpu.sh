@@ -15,6 +15,9 @@
 #     one timed pass) and at BF16 training shapes
 #   head: the output heads' tests alone (test_gpu's ChunkedHeadGpu, test_dist's RingDTPDist and the ring-head
 #     model tests, both precisions) and 30 training steps on every GPU with --head ring_dtp and --head chunked
+#   memory: the whole device beside the pool (the device ledger, runtime/pool.cuh) on the 334M-parameter MoE of
+#     issue 11 (H 768, L 8, E 32, top-4, I 512, T 1024, batch 16), 3 steps on 1 GPU, on 2 with expert
+#     parallelism and on 2 without (--ep 1): the first step's "memory after the first step" line
 #   moe: the MoE dispatchers alone — test_gpu, then test_dist's EpMoEDist/LlepDist/DistModel tests, in both
 #     precisions (one log), and 30 training steps on every GPU with --moe ep, llep and pllep (hot:0.5/2 routing),
 #     llep and pllep also with --recompute 1
@@ -166,6 +169,15 @@ if [[ " $want " == *" head "* ]]; then
     build/bf16/train --head $h --data data/fortunes --steps 30 --val_every 10 --sample_every 30 --sample_len 16 \
       --ckpt_every 0 --log_every 10 --out build/run-head > "$OUT/train_head_${h%% *}.log" 2>&1
     summary+=("train --head $h: exit $? | $(grep '^step' "$OUT/train_head_${h%% *}.log" | tail -1) | $(grep 'val loss' "$OUT/train_head_${h%% *}.log" | tail -1)")
+  done
+fi
+
+if [[ " $want " == *" memory "* ]]; then
+  m334="--hidden 768 --layers 8 --heads 12 --experts 32 --topk 4 --expert_dim 512 --seq_len 1024 --batch 16"
+  for run in "--gpus 1" "--gpus 2" "--gpus 2 --ep 1"; do
+    build/bf16/train $run $m334 --data data/fortunes --steps 3 --val_every 0 --sample_every 0 --ckpt_every 0 \
+      --log_every 1 --out build/run-memory > "$OUT/memory.log" 2>&1
+    summary+=("memory $run: exit $? | $(grep -o 'device used.*' "$OUT/memory.log" | head -1) | $(grep -o 'peak [0-9.]* MiB' "$OUT/memory.log" | tail -1)")
   done
 fi
 
