@@ -3,6 +3,7 @@
 // and the tests. Plain C++17: CPU tests check flag errors without a GPU.
 #pragma once
 #include <algorithm>
+#include <cerrno>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -86,6 +87,7 @@ struct TrainConfig {
                                            // host, streamed through the GPU in buckets)
   int offload_bucket = 1 << 22;            // offload_adamw: β, parameters per bucket
   int offload_slots = 2;                   // offload_adamw: s, staging slots on the GPU (s·β·12 bytes)
+  long long offload_budget = 0;            // SCO: host bytes for layer boundaries (--recompute 1); 0 = none
   unsigned long long seed = 1337;
 };
 
@@ -442,6 +444,12 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.offload_slots >= 1 && t.offload_slots <= 16,
        "offload_slots (s, offload_adamw's staging slots on the GPU) must be in [1, 16], got " +
            std::to_string(t.offload_slots) + " (2 already overlap both copies with the update)");
+  need(t.offload_budget >= 0, "offload_budget (SCO's pinned host bytes for layer boundaries) must be >= 0, got " +
+                                  std::to_string(t.offload_budget));
+  need(t.offload_budget == 0 || t.recompute == 1,
+       "--offload_budget " + std::to_string(t.offload_budget) +
+           " moves the layer boundaries that recomputation keeps: it needs --recompute 1 (got --recompute " +
+           std::to_string(t.recompute) + ")");
   need(t.val_every >= 0 && t.val_batches >= 0 && t.sample_every >= 0 && t.sample_len >= 0 &&
            t.ckpt_every >= 0 && t.log_every > 0,
        "val_every, val_batches, sample_every, sample_len, ckpt_every must be >= 0, log_every > 0");
@@ -480,7 +488,8 @@ inline std::string usage() {
          "        --score softmax|sigmoid --renorm 0|1 --rope_theta X --norm_eps X --init_std X\n"
          "train:  --batch B --total_batch tokens --steps S --lr X --min_lr_frac X --warmup S\n"
          "        --weight_decay X --beta1 X --beta2 X --adam_eps X --grad_clip X --bias_update u\n"
-         "        --recompute 0|1 --seed S\n"
+         "        --recompute 0|1 --offload_budget BYTES (SCO: layer boundaries in pinned host memory; needs\n"
+         "        --recompute 1) --seed S\n"
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
@@ -514,6 +523,14 @@ inline int int_from_flag(const std::string& flag, const std::string& v) {
   return (int)x;
 }
 
+inline long long int64_from_flag(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  errno = 0;
+  long long x = strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || errno == ERANGE) throw FlagError("flag " + flag + " expects an integer, got '" + v + "'");
+  return x;
+}
+
 inline float float_from_flag(const std::string& flag, const std::string& v) {
   char* end = nullptr;
   float x = strtof(v.c_str(), &end);
@@ -534,6 +551,12 @@ inline std::string float_text(float x) {
 template <typename Config>
 Flag<Config> int_flag(const std::string& name, int Config::*field) {
   return {name, false, [name, field](Config& c, const std::string& v) { c.*field = int_from_flag(name, v); },
+          [field](const Config& c) { return std::to_string(c.*field); }};
+}
+
+template <typename Config>
+Flag<Config> int64_flag(const std::string& name, long long Config::*field) {
+  return {name, false, [name, field](Config& c, const std::string& v) { c.*field = int64_from_flag(name, v); },
           [field](const Config& c) { return std::to_string(c.*field); }};
 }
 
@@ -628,6 +651,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       text_flag("--optimizer", &T::optimizer),
       int_flag("--offload_bucket", &T::offload_bucket),
       int_flag("--offload_slots", &T::offload_slots),
+      int64_flag("--offload_budget", &T::offload_budget),
       {"--seed", false,
        [](T& t, const std::string& v) {
          char* end = nullptr;

@@ -11,7 +11,9 @@
 //
 // Seams (notes/design.md §1.1), each chosen once at model_create from the flags: the MoE dispatcher
 // (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep, ops/llep.cuh llep, ops/pipelined_llep.cuh pllep), the output head (--head: ops/cross_entropy.cuh
-// full, ops/ring_dtp.cuh chunked and ring_dtp) and the optimizer (--optimizer: ops/adamw.cuh adamw, ops/offload_adamw.cuh cpu_adamw and offload_adamw).
+// full, ops/ring_dtp.cuh chunked and ring_dtp), the optimizer (--optimizer: ops/adamw.cuh adamw,
+// ops/offload_adamw.cuh cpu_adamw and offload_adamw) and the layer boundaries (--offload_budget: ops/sco.cuh
+// places some in pinned host memory).
 // The model calls each in one place.
 //
 // Parallel layout (notes/design.md §5): W ranks, one process per GPU. Dense tensors are replicated over
@@ -46,6 +48,7 @@
 #include "ops/rmsnorm.cuh"
 #include "ops/rope.cuh"
 #include "ops/router.cuh"
+#include "ops/sco.cuh"
 #include "runtime/comm.cuh"
 #include "runtime/pool.cuh"
 
@@ -75,8 +78,9 @@ struct Parallel {
   Comm vocab_replicas;   // the W/P ranks that hold the same interval (same rank in their vocab group)
 };
 
-// The seams' choices (--moe, --head, --optimizer); moe "" = local at E_p = 1, else ep. The llep
-// settings serve llep and pllep, the chunking pllep, the bucket and slots offload_adamw.
+// The seams' choices (--moe, --head, --optimizer, --offload_budget); moe "" = local at E_p = 1, else ep.
+// The llep settings serve llep and pllep, the chunking pllep, the bucket and slots offload_adamw, the
+// offload budget (host bytes for layer boundaries, 0 = none) SCO.
 struct Seams {
   std::string moe, head = "full", optimizer = "adamw";
   std::string ring_dtp = "auto";
@@ -85,10 +89,11 @@ struct Seams {
   long long llep_min_rows = 32;
   int token_budget = 4096, kmax = 10;
   int offload_bucket = 1 << 22, offload_slots = 2;
+  long long offload_budget = 0;
 };
 inline Seams seams_from(const TrainConfig& t) {
-  return Seams{moe_dispatcher(t), t.head,           t.optimizer,     t.ring_dtp,       t.vocab_block, t.llep_alpha,
-               t.llep_min_rows,   t.token_budget,   t.kmax,          t.offload_bucket, t.offload_slots};
+  return Seams{moe_dispatcher(t), t.head,           t.optimizer,     t.ring_dtp,       t.vocab_block,  t.llep_alpha,
+               t.llep_min_rows,   t.token_budget,   t.kmax,          t.offload_bucket, t.offload_slots, t.offload_budget};
 }
 
 struct Model {
@@ -113,6 +118,7 @@ struct Model {
   std::unique_ptr<MoEDispatcher> moe;  // routed experts (--moe)
   std::unique_ptr<OutputHead> head;    // vocabulary projection + loss (--head)
   std::unique_ptr<Optimizer> opt;      // master weights and moments of this rank's shards (--optimizer)
+  std::unique_ptr<CheckpointOffload> sco;  // layer boundaries in pinned host memory (--offload_budget)
 
   // Router biases (aux-loss-free balancing): [L, E] floats, host copy is the source of truth.
   std::vector<float> router_bias;       // host [L·E]
@@ -274,6 +280,7 @@ inline void model_make_seams(Model& m, const Seams& seams) {
     m.opt = std::make_unique<CpuAdamW>(std::move(segments), S,
                                        std::max(1, (int)std::thread::hardware_concurrency() / m.par.world.size), m.stream);
   else fm_fail("model_create", ("--optimizer " + seams.optimizer + " is not built").c_str(), "P=%zu", m.num_params);
+  m.sco = std::make_unique<CheckpointOffload>(seams.offload_budget);
 }
 
 inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const Parallel& par = Parallel(),
@@ -359,12 +366,34 @@ inline void free_acts(LayerActs& a) {
 }
 
 // The layer-boundary seam (notes/design.md §1.1): input[l] is layer l's input, input[L] the final hidden
-// state; each is kept until its layer's backward (the only activation kept across the whole pass
-// under recomputation). One object owns them, so that SCO can place some in host memory.
+// state; each lives from the step that writes it until its layer's backward (the only activation kept
+// across the whole pass under recomputation). Given an offload (SCO, ops/sco.cuh: a training pass
+// under recomputation), the boundaries of its plan leave the device once their layer's forward is
+// issued and come back, prefetched, one layer before their recomputation; without one all stay.
 struct LayerBoundaries {
-  std::vector<floatX*> input;  // [L + 1] × [N, H]                                   (Checkpoints)
-  LayerBoundaries(int L, size_t NH) : input(L + 1) {
-    for (floatX*& x : input) x = pool().alloc_t<floatX>(NH, Mem::Checkpoints, "residual");
+  std::vector<floatX*> input;  // [L + 1] × [N, H], nullptr while not on the device   (Checkpoints)
+  LayerBoundaries(int L, size_t NH, cudaStream_t stream, CheckpointOffload* offload = nullptr)
+      : input(L + 1, nullptr), elements(NH), stream(stream), offload(offload),
+        plan(offload ? &offload->plan_for(L, NH) : nullptr) {}
+  // input[l] on the device, before the step that writes it (the embedding, layer l − 1's forward).
+  floatX* allocate(int l) {
+    input[l] = pool().alloc_t<floatX>(elements, Mem::Checkpoints, "residual");
+    return input[l];
+  }
+  // Forward: layer l has been issued, the last reader of input[l] until its backward.
+  void after_forward(int l) {
+    if (!offloaded(l)) return;
+    offload->to_host(l, input[l], stream);
+    input[l] = nullptr;
+  }
+  // Backward, before layer l is recomputed: input[l] on the device for the compute stream, and the
+  // prefetch of input[l − 1] started.
+  void before_backward(int l) {
+    if (offloaded(l)) {
+      if (input[l] == nullptr) input[l] = offload->prefetch(l, stream);  // the topmost of the set: nothing prefetched it
+      offload->wait_arrived(l, stream);
+    }
+    if (l > 0 && offloaded(l - 1)) input[l - 1] = offload->prefetch(l - 1, stream);
   }
   void release(int l) {
     pool().free(input[l]);
@@ -375,6 +404,13 @@ struct LayerBoundaries {
   }
   LayerBoundaries(const LayerBoundaries&) = delete;
   LayerBoundaries& operator=(const LayerBoundaries&) = delete;
+
+ private:
+  bool offloaded(int l) const { return plan != nullptr && plan->offloaded[l]; }
+  size_t elements;              // N·H
+  cudaStream_t stream;          // the compute stream
+  CheckpointOffload* offload;   // nullptr: every boundary stays on the device
+  const ScoPlan* plan;          // offload's plan for this size
 };
 
 // Router of MoE layer l on ln2 (N×H), in FP32 in both builds (logits, scores, top-k, bias; its
@@ -560,9 +596,10 @@ inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, LayerB
                            const std::function<void(int, const LayerActs&)>& after_layer = nullptr) {
   const ModelConfig& c = m.cfg;
   const int N = B * T;
-  embedding_forward(boundaries.input[0], tokens_dev, m.p.wte, N, c.hidden, c.vocab, m.stream);
+  embedding_forward(boundaries.allocate(0), tokens_dev, m.p.wte, N, c.hidden, c.vocab, m.stream);
   for (int l = 0; l < c.layers; l++) {
-    layer_forward(m, l, boundaries.input[l], boundaries.input[l + 1], acts[l], B, T, count_loads);
+    layer_forward(m, l, boundaries.input[l], boundaries.allocate(l + 1), acts[l], B, T, count_loads);
+    boundaries.after_forward(l);
     if (after_layer) after_layer(l, acts[l]);
     if (!keep_acts) free_acts(acts[l]);
   }
@@ -619,7 +656,7 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     for (const std::vector<int>* v : {&buckets.offsets, &buckets.positions, &buckets.used_ids})
       bucket_dev.push_back(upload_ints(v->data(), (int)v->size(), Mem::Workspace, "token_buckets", s));
   }
-  LayerBoundaries boundaries(L, NH);
+  LayerBoundaries boundaries(L, NH, s, o.backward && o.recompute ? m.sco.get() : nullptr);  // SCO: --offload_budget
   std::vector<LayerActs> acts(L);
   const bool record = m.record_routing && m.training_pass >= 0;  // --record_routing
   const size_t recorded_count = record ? (size_t)(L - c.n_dense) * m.par.world.size * N * c.topk : 0;
@@ -643,6 +680,7 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     floatX* d_x = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_residual");
     rmsnorm_backward(d_x, m.g.lnf, d_lnf, boundaries.input[L], m.p.lnf, lnf_rstd, N, H, s);
     pool().free(d_lnf);
+    boundaries.release(L);
     // layers in reverse; with recompute, rebuild each layer's activations from its input first.
     // Rerunning the layer (router and dispatcher included) reproduces the forward bit for bit: every
     // step is deterministic given the layer input (FP32 router, top-k ties to the lower index, a
@@ -650,14 +688,16 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     // deterministic cuBLAS and NCCL point-to-point copies), so no routing needs to be saved. The cost
     // under --moe ep is a second forward exchange per MoE layer: the counts, then R·H·b bytes out and
     // R·H·b back per rank (R = N·k routes), besides the backward's own two exchanges. The layer's
-    // output is not rebuilt (x_out = nullptr: it is the kept boundary input[l + 1]); under --moe
-    // pllep the recomputation only plans, since pllep's backward recomputes each chunk itself. Tested at W = 1
-    // (tests/gpu_model.cu) and W = 2 (tests/dist_model.cu), gradients compared with memcmp.
+    // output is not rebuilt (x_out = nullptr: it was the boundary input[l + 1], kept until layer l + 1's
+    // backward); under --moe pllep the recomputation only plans, since pllep's backward recomputes
+    // each chunk itself. Tested at W = 1 (tests/gpu_model.cu) and W = 2 (tests/dist_model.cu),
+    // gradients compared with memcmp; with SCO's boundaries from the host too (tests/sco_training.cuh).
     for (int l = L - 1; l >= 0; l--) {
+      boundaries.before_backward(l);
       if (o.recompute) layer_forward(m, l, boundaries.input[l], nullptr, acts[l], B, T, false);
       layer_backward(m, l, acts[l], boundaries.input[l], d_x, B, T);
       free_acts(acts[l]);
-      boundaries.release(l + 1);
+      boundaries.release(l);
     }
     // embedding: deterministic per-token sums over the host-built buckets
     embedding_backward(m.g.wte, d_x, bucket_dev[0], bucket_dev[1], bucket_dev[2], buckets_used, V, H, s);
@@ -681,7 +721,7 @@ inline std::vector<float> model_logits_row(Model& m, const int* inputs, int T, i
   cudaStream_t s = m.stream;
   check_seq_len(m, T);
   int* tokens_dev = upload_ints(inputs, T, Mem::Activations, "tokens", s);
-  LayerBoundaries boundaries(c.layers, (size_t)T * H);
+  LayerBoundaries boundaries(c.layers, (size_t)T * H, s);
   std::vector<LayerActs> acts(c.layers);
   forward_layers(m, tokens_dev, 1, T, boundaries, acts, false, false);
   floatX* lnf = pool().alloc_t<floatX>(H, Mem::Activations, "lnf_row");
@@ -705,7 +745,7 @@ inline std::vector<std::vector<int>> model_routes(Model& m, const int* inputs, i
   const int N = B * T;
   check_seq_len(m, T);
   int* tokens_dev = upload_ints(inputs, N, Mem::Activations, "tokens", m.stream);
-  LayerBoundaries boundaries(c.layers, (size_t)N * c.hidden);
+  LayerBoundaries boundaries(c.layers, (size_t)N * c.hidden, m.stream);
   std::vector<LayerActs> acts(c.layers);
   std::vector<std::vector<int>> routes(c.layers);
   forward_layers(m, tokens_dev, B, T, boundaries, acts, false, false, [&](int l, const LayerActs& a) {

@@ -200,6 +200,12 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   snprintf(buf, sizeof buf, "%.3g", t.bias_update);
   row("router bias u", buf);
   row("recompute", t.recompute ? "layer-level" : "off");
+  // SCO (ops/sco.cuh): the boundaries of one training micro-batch that the budget sends to pinned host memory
+  const ScoPlan sco = sco_plan(c.layers, (size_t)t.batch * c.seq_len * c.hidden * sizeof(floatX), t.offload_budget);
+  if (t.offload_budget > 0) {
+    snprintf(buf, sizeof buf, "%d of %d, %.1f MiB", sco.count, c.layers, sco.host_bytes / 1048576.0);
+    row("offloaded boundaries", buf);
+  }
   row("routing", t.routing);
   row("record routing", t.record_routing.empty() ? "off" : t.record_routing);
   row("seams moe/head/opt", moe_dispatcher(t) + " / " + t.head + " / " + t.optimizer);
@@ -225,6 +231,11 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   printf("memory: weights %.1f MiB, grads %.1f MiB, optimizer %.1f MiB (pinned host: %.1f MiB)\n",
          pool().live(Mem::Weights) / 1048576.0, pool().live(Mem::Grads) / 1048576.0,
          pool().live(Mem::Optimizer) / 1048576.0, m.opt->host_bytes() / 1048576.0);
+  if (t.recompute)
+    printf("layer boundaries: %.1f MiB each, %d on the host (%.1f MiB pinned), at most %.1f MiB on the device (%.1f MiB "
+           "without SCO)\n",
+           sco.boundary_bytes / 1048576.0, sco.count, sco.host_bytes / 1048576.0, sco_device_peak(sco) / 1048576.0,
+           (c.layers + 1) * sco.boundary_bytes / 1048576.0);
 }
 
 // Dense peak of the GPU's matrix units for MFU: H100/H200 SXM datasheet (dense bf16 989 TFLOP/s,

@@ -88,6 +88,7 @@ TrainConfig random_train(testutil::Rng& rng, int min_text_length) {
        {&T::lr, &T::min_lr_frac, &T::weight_decay, &T::beta1, &T::beta2, &T::adam_eps, &T::grad_clip, &T::bias_update,
         &T::llep_alpha})
     t.*field = random_finite_float(rng);
+  t.offload_budget = (long long)rng.gen();
   t.seed = rng.gen();
   return t;
 }

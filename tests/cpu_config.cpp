@@ -66,7 +66,8 @@ const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::
 const std::vector<float T::*> kTrainFloats = {&T::lr,    &T::min_lr_frac, &T::weight_decay, &T::beta1,
                                               &T::beta2, &T::adam_eps,    &T::grad_clip,    &T::bias_update,
                                               &T::llep_alpha};
-const size_t kTrainFields = kTrainTexts.size() + kTrainInts.size() + kTrainFloats.size() + 1;  // + seed
+const std::vector<long long T::*> kTrainInt64s = {&T::offload_budget};
+const size_t kTrainFields = kTrainTexts.size() + kTrainInts.size() + kTrainFloats.size() + kTrainInt64s.size() + 1;  // + seed
 
 float random_finite_float(testutil::Rng& rng) {  // any finite bit pattern, denormals included
   for (;;) {
@@ -86,6 +87,7 @@ TrainConfig random_train(testutil::Rng& rng) {
   }
   for (int T::*field : kTrainInts) t.*field = rng.integer(-2147483647, 2147483647);
   for (float T::*field : kTrainFloats) t.*field = random_finite_float(rng);
+  for (long long T::*field : kTrainInt64s) t.*field = (long long)rng.gen();
   t.seed = rng.gen();
   return t;
 }
@@ -143,6 +145,7 @@ TEST(ConfigFlags, TrainFlagValuesReadBackAsEveryField) {
   for (std::string T::*field : kTrainTexts) EXPECT_EQ(read.*field, written.*field);
   for (int T::*field : kTrainInts) EXPECT_EQ(read.*field, written.*field);
   for (float T::*field : kTrainFloats) EXPECT_EQ(std::memcmp(&(read.*field), &(written.*field), sizeof(float)), 0);
+  for (long long T::*field : kTrainInt64s) EXPECT_EQ(read.*field, written.*field);
   EXPECT_EQ(read.seed, written.seed);
 }
 
@@ -360,6 +363,37 @@ TEST(ConfigSeams, OutputHeadsAndTheVocabularyGroup) {
   EXPECT_EQ(parse_error({"--gpus", "2", "--head", "ring_dtp", "--vocab_group", "2", "--ring_dtp", "activations",
                          "--vocab_block", "512"}),
             "");
+}
+
+// --offload_budget (SCO): bytes, past 2^31 too; refused when negative, and without --recompute 1 unless 0.
+TEST(ConfigSeams, OffloadBudgetNeedsRecomputeAndIsNotNegative) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  EXPECT_EQ(t.offload_budget, 0) << "SCO is off by default";
+  EXPECT_EQ(validate_error(t, m), "");
+  t.offload_budget = 1;
+  EXPECT_EQ(validate_error(t, m), "--offload_budget 1 moves the layer boundaries that recomputation keeps: it needs "
+                                  "--recompute 1 (got --recompute 0)");
+  t.recompute = 1;
+  EXPECT_EQ(validate_error(t, m), "");
+  t.offload_budget = -1;
+  EXPECT_EQ(validate_error(t, m), "offload_budget (SCO's pinned host bytes for layer boundaries) must be >= 0, got -1");
+  t.recompute = 0;
+  EXPECT_EQ(validate_error(t, m), "offload_budget (SCO's pinned host bytes for layer boundaries) must be >= 0, got -1");
+  t.offload_budget = 0;
+  EXPECT_EQ(validate_error(t, m), "") << "a zero budget needs no recomputation";
+
+  EXPECT_EQ(parse_error({"--recompute", "1", "--offload_budget", "68719476736"}), "");  // 64 GiB, past int
+  EXPECT_EQ(parse_error({"--offload_budget", "1e9"}), "flag --offload_budget expects an integer, got '1e9'");
+  EXPECT_EQ(parse_error({"--offload_budget", "99999999999999999999"}),
+            "flag --offload_budget expects an integer, got '99999999999999999999'");
+  std::vector<std::string> args = {"train", "--recompute", "1", "--offload_budget", "68719476736"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(&a[0]);
+  ModelConfig parsed_model;
+  TrainConfig parsed;
+  parse_flags((int)argv.size(), argv.data(), parsed_model, parsed);
+  EXPECT_EQ(parsed.offload_budget, 68719476736LL);
 }
 
 // --routing: the router, a profile that fits the model, or trace:FILE (whose file the trainer checks

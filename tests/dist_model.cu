@@ -1,8 +1,9 @@
 // The whole model on W ranks (data parallel + ZeRO-1 + expert parallel over all W ranks) against
 // the CPU reference over the global batch, each rank checking each tensor of its own shards; W ranks
 // against one GPU on the same global batch over ten steps; the model's state saved and restored at
-// W ranks, bit for bit; recomputation at W ranks, bit for bit. A rank that leaves in the middle of a
-// layer's exchange: the others stop within the communication timeout, aborting every communicator.
+// W ranks, bit for bit; recomputation at W ranks, bit for bit, with and without SCO. A rank that
+// leaves in the middle of a layer's exchange: the others stop within the communication timeout,
+// aborting every communicator.
 #include <unistd.h>
 #include "../model.cuh"
 #include "../ref/model.hpp"
@@ -11,6 +12,7 @@
 #include "gpu_util.cuh"
 #include "model_util.cuh"
 #include "optimizer_training.cuh"
+#include "sco_training.cuh"
 
 namespace {
 
@@ -366,6 +368,18 @@ TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
   EXPECT_EQ(0, memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)))
       << "rank " << world.rank << ": recomputation must reproduce the gradients bit for bit";
   model_destroy(m);
+  release(par);
+}
+
+// SCO (--offload_budget) at W ranks with expert parallelism: each rank offloads its own boundaries
+// while the recomputation's exchanges run; training is bit-identical to keeping them on the device and
+// each rank's checkpoint peak falls with the budget (tests/sco_training.cuh).
+TEST(DistModel, ScoAtWRanksIsBitIdenticalAndLowersTheCheckpointPeak) {
+  REQUIRE_WORLD(2);
+  Parallel par = test_parallel();
+  char what[32];
+  snprintf(what, sizeof what, "W=%d rank %d", par.world.size, par.world.rank);
+  testutil::sco_trains_alike(par, what);
   release(par);
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [bench-head] [head] [moe] [accum] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [bench-head] [head] [moe] [accum] [sco] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank, pllep
@@ -23,6 +23,9 @@
 #     llep and pllep also with --recompute 1
 #   accum: BF16 gradient accumulation against the FP32 build: 200 steps of 8 micro-batches on one GPU,
 #     the loss gap and the pool peak (build/base_bf16_train, when present: the same run before a change)
+#   sco: SCO (notes/sco.md) — GpuSco.* in both precisions, then 30 BF16 training steps of B1 (T = 2048, batch 8,
+#     --recompute 1) on the fortunes data at --offload_budget 0, 1, 4 and 8 boundaries (32 MiB each): the start-up
+#     line, the mean step time of steps 11-30 and the pool peak, as a table (sco.md)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
 #   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
 #     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
@@ -196,6 +199,30 @@ if [[ " $want " == *" accum "* ]]; then
       build/accum-fp32/log.csv build/accum-$name/log.csv >> "$OUT/accum.md"
   done
   cat "$OUT/accum.md"
+fi
+
+if [[ " $want " == *" sco "* ]]; then
+  for p in fp32 bf16; do
+    build/$p/test_gpu --gtest_filter='GpuSco.*' > build/sco_tests_$p.log 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    cat build/sco_tests_$p.log >> "$OUT/sco_tests.log"
+    summary+=("$p GpuSco: exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' build/sco_tests_$p.log | tr '\n' ' ')")
+  done
+  b1="--hidden 1024 --layers 8 --heads 16 --experts 32 --topk 4 --expert_dim 512 --seq_len 2048 --batch 8 --recompute 1"
+  boundary=$((8 * 2048 * 1024 * 2))
+  echo "| budget (boundaries) | start-up | ms/step (steps 11-30) | pool peak MiB |" > "$OUT/sco.md"
+  echo "|---|---|---|---|" >> "$OUT/sco.md"
+  for n in 0 1 4 8; do
+    rm -rf build/run-sco
+    build/bf16/train $b1 --offload_budget $((n * boundary)) --data data/fortunes --steps 30 --val_every 0 --sample_every 0 \
+      --ckpt_every 0 --log_every 1 --out build/run-sco > build/sco_train.log 2>&1 || { status=1; tail -5 build/sco_train.log; }
+    cat build/sco_train.log >> "$OUT/sco_train.log"
+    awk -F, -v n=$n -v line="$(grep '^layer boundaries' build/sco_train.log)" 'FNR == 1 || $2 == "nan" { next }
+      { if ($1 > 10) { sum += $6; k++ } peak = $9 } END { printf "| %d | %s | %.1f | %.1f |\n", n, line, k ? sum / k : 0, peak }' \
+      build/run-sco/log.csv >> "$OUT/sco.md"
+  done
+  cat "$OUT/sco.md"
 fi
 
 if [[ " $want " == *" bench "* ]]; then
