@@ -1,7 +1,8 @@
 // matmul.cuh — bias-free linear layer through cuBLAS (twin: ref/matmul.hpp).
 //
 //   forward:  out = x · Wᵀ                    out [N, OC] (=)                 matmul_forward
-//   backward: dx  = dout · W                  dx  [N, IC] (=, or += asked)    matmul_backward_dx
+//   backward: dx  = dout · W                  dx  [N, IC] (=, or += asked;    matmul_backward_dx
+//                                                          fp32 dx allowed)
 //             dW += doutᵀ · x                 dW  [OC, IC] (+=)               matmul_backward_dW
 //             both                            dx skipped when dx == nullptr   matmul_backward
 //
@@ -50,17 +51,18 @@ struct MatmulSameType {
 };
 
 // C [m, n] (column-major, ldc) = alpha · op(A) · op(B) + beta · C, on `stream`; N, IC, OC name the
-// layer's sizes in the error message.
-template <typename T>
+// layer's sizes in the error message. C may be fp32 beside bf16 A and B (TC = float: the products
+// accumulate in fp32 across calls, e.g. an output head's dx over vocabulary blocks).
+template <typename T, typename TC = T>
 inline void matmul_gemm(const char* op_name, cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k,
-                        const T* A, int lda, const T* B, int ldb, float beta, T* C, int ldc, int N, int IC, int OC,
+                        const T* A, int lda, const T* B, int ldb, float beta, TC* C, int ldc, int N, int IC, int OC,
                         cudaStream_t stream) {
   const float alpha = 1.0f;
   const cudaDataType_t type = MatmulTypes<T>::data;
   cublasHandle_t handle = cublas_on(stream, op_name);
-  cublasCheck(cublasGemmEx(handle, op_a, op_b, m, n, k, &alpha, A, type, lda, B, type, ldb, &beta, C, type, ldc,
-                           MatmulTypes<T>::compute, CUBLAS_GEMM_DEFAULT),
-              op_name, "N=%d IC=%d OC=%d type=%s", N, IC, OC, MatmulTypes<T>::name);
+  cublasCheck(cublasGemmEx(handle, op_a, op_b, m, n, k, &alpha, A, type, lda, B, type, ldb, &beta, C,
+                           MatmulTypes<TC>::data, ldc, MatmulTypes<T>::compute, CUBLAS_GEMM_DEFAULT),
+              op_name, "N=%d IC=%d OC=%d type=%s out=%s", N, IC, OC, MatmulTypes<T>::name, MatmulTypes<TC>::name);
 }
 
 // out [N, OC] (=) = x [N, IC] · W [OC, IC]ᵀ
@@ -71,9 +73,9 @@ inline void matmul_forward(T* out, const T* x, const T* W, int N, int IC, int OC
   matmul_gemm("matmul_forward", CUBLAS_OP_T, CUBLAS_OP_N, OC, N, IC, W, IC, x, IC, 0.0f, out, OC, N, IC, OC, stream);
 }
 
-// dx [N, IC] (=, or += with accumulate) = dout [N, OC] · W [OC, IC]
-template <typename T>
-inline void matmul_backward_dx(T* dx, const T* dout, const T* W, int N, int IC, int OC, cudaStream_t stream,
+// dx [N, IC] (=, or += with accumulate) = dout [N, OC] · W [OC, IC]; dx of type T, or fp32 (TD).
+template <typename T, typename TD>
+inline void matmul_backward_dx(TD* dx, const T* dout, const T* W, int N, int IC, int OC, cudaStream_t stream,
                                bool accumulate = false) {
   if (N == 0 || IC == 0) return;
   if (OC <= 0) fm_fail("matmul_backward.dx", "OC must be positive", "N=%d IC=%d OC=%d", N, IC, OC);

@@ -37,11 +37,16 @@
 // Live set (pool bytes, b = sizeof(floatX), w = ⌈V/P⌉ rows, C' = min(C, w) columns, S = min(2, P − 1)
 // slots: the next shard or batch, and at P > 2 the one being computed with), ring_dtp_live_bytes:
 //   always      logits block N·C'·b (Logits) and losses, lse 2·N·4 (Logits)
-//   P = 1       + statistics 3·N·4 in forward
+//   P = 1       + statistics 3·N·4 in forward; in backward dx's fp32 accumulator N·H·4 (BF16 build; the
+//               FP32 build sums into dx itself)
 //   weights     forward: statistics 3·N·4 + S shard slots S·w·H·b (CommStaging);
-//               backward: the shard slots + two gradient accumulators 2·w·H·b
+//               backward: the shard slots + two gradient accumulators 2·w·H·b + dx's fp32 accumulator
+//               N·H·4 (BF16 build)
 //   activations forward: statistics twice 6·N·4 + S batch slots S·(N·H·b + N·4);
-//               backward: the batch slots + S lse slots S·N·4 + two dx accumulators 2·N·H·b
+//               backward: the batch slots + S lse slots S·N·4 + two fp32 dx accumulators 2·N·H·4
+// dx sums every block of every round in fp32 and is rounded to floatX once (in the BF16 build a bf16
+// accumulator, rounded at each of the P·⌈V_s/C⌉ products, doubled the whole model's divergence from
+// the full head over ten steps); a shard's dW accumulator is floatX, like the model's gradients.
 // The largest logits block is N × C', never N × V (ring_dtp_block_elems); the full head holds N·V·b.
 #pragma once
 #include <algorithm>
@@ -117,9 +122,11 @@ inline long long ring_dtp_block_elems(long long N_max, int V, int P, int block_c
 inline size_t ring_dtp_live_bytes(RingDTPBranch branch, size_t N, int V, int P, int H, int block_cols, size_t b) {
   const size_t w = (size_t)ring_dtp_widest_shard(V, P), cols = std::min<size_t>(block_cols, w);
   const size_t always = N * cols * b + 2 * N * 4, slots = std::min(2, P - 1);
-  if (P == 1) return always + 3 * N * 4;
-  if (branch == RingDTPBranch::Weights) return always + std::max(3 * N * 4 + slots * w * H * b, (slots + 2) * w * H * b);
-  return always + slots * (N * H * b + N * 4) + std::max(6 * N * 4, slots * N * 4 + 2 * N * H * b);
+  const size_t dx_fp32 = b == 4 ? 0 : N * H * 4;  // dx's fp32 accumulator (the FP32 build sums into dx itself)
+  if (P == 1) return always + std::max(3 * N * 4, dx_fp32);
+  if (branch == RingDTPBranch::Weights)
+    return always + std::max(3 * N * 4 + slots * w * H * b, (slots + 2) * w * H * b + dx_fp32);
+  return always + slots * (N * H * b + N * 4) + std::max(6 * N * 4, slots * N * 4 + 2 * N * H * 4);
 }
 
 // One hop: `send` (send_count elements) to the right neighbour, `recv` (recv_count) from the left.
@@ -149,10 +156,10 @@ inline void ring_dtp_meet_forward(const RingDTPStats& st, const floatX* x, const
   }
 }
 
-// One meeting, backward: dx_acc [N,H] (+=) and dW_acc [rows,H] (+=) from the blocks' dlogits. When
+// One meeting, backward: dx_acc [N,H] (+=, fp32) and dW_acc [rows,H] (+=) from the blocks' dlogits. When
 // the accumulator that travels is still arriving, acc_ready is its arrival: the first block's logits
 // and dlogits are computed before the wait, the products into the accumulators after it.
-inline void ring_dtp_meet_backward(floatX* dx_acc, floatX* dW_acc, const floatX* x, const int* targets, const float* lse,
+inline void ring_dtp_meet_backward(float* dx_acc, floatX* dW_acc, const floatX* x, const int* targets, const float* lse,
                                    float dloss, const floatX* W_s, int lo, int rows, int N, int H, int V, int block_cols,
                                    floatX* logits, const StreamPoint* acc_ready, cudaStream_t cs) {
   for (int c0 = 0; c0 < rows; c0 += block_cols) {
@@ -204,6 +211,20 @@ struct RingDTPHead : OutputHead {
     for (void* p : {(void*)mine, (void*)gathered}) pool().free(p);
   }
 
+  // dx's fp32 accumulator [N,H], zeroed: dx itself in the FP32 build, a pool buffer (CommStaging) in
+  // the BF16 build, so that the products of every block and round add up in fp32 and dx is rounded once.
+  static float* dx_accumulator(floatX* dx, int N, int H, cudaStream_t cs) {
+    float* acc = std::is_same<floatX, float>::value ? reinterpret_cast<float*>(dx)
+                                                     : pool().alloc_t<float>((size_t)N * H, Mem::CommStaging, "ring_dtp.dx_acc");
+    ring_dtp_zero(acc, (size_t)N * H * sizeof(float), cs);
+    return acc;
+  }
+  static void dx_from_accumulator(floatX* dx, float* acc, int N, int H, cudaStream_t cs) {
+    if ((void*)acc == (void*)dx) return;
+    convert(dx, acc, (size_t)N * H, cs);
+    pool().free(acc);
+  }
+
   std::pair<int, int> rows_of(int rank, int V) const { return ring_dtp_vocab_interval(V, group.size, rank); }
   int visitor(int round) const { return ring_dtp_visitor(group.rank, round % group.size, group.size); }
 
@@ -222,8 +243,9 @@ struct RingDTPHead : OutputHead {
       cross_entropy_stats_finish(losses, lse, st.m(), st.l(), st.target_logit(), N, cs);
       pool().free(st.data);
       if (dx != nullptr) {
-        ring_dtp_zero(dx, (size_t)N * H * sizeof(floatX), cs);
-        ring_dtp_meet_backward(dx, dW, x, targets, lse, dloss, W, 0, V, N, H, V, block_cols, logits, nullptr, cs);
+        float* dx_acc = dx_accumulator(dx, N, H, cs);
+        ring_dtp_meet_backward(dx_acc, dW, x, targets, lse, dloss, W, 0, V, N, H, V, block_cols, logits, nullptr, cs);
+        dx_from_accumulator(dx, dx_acc, N, H, cs);
       }
     } else if (branch == RingDTPBranch::Weights) {
       weights_pass(losses, lse, dx, dW, x, W, targets, dloss, N, H, V, logits, cs);
@@ -274,14 +296,14 @@ struct RingDTPHead : OutputHead {
     if (dx != nullptr) {
       floatX* acc[2] = {pool().alloc_t<floatX>(w * H, Mem::CommStaging, "ring_dtp.dW_acc"),
                         pool().alloc_t<floatX>(w * H, Mem::CommStaging, "ring_dtp.dW_acc")};
-      ring_dtp_zero(dx, (size_t)N * H * sizeof(floatX), cs);
+      float* dx_acc = dx_accumulator(dx, N, H, cs);
       ring_dtp_zero(acc[0], w * H * sizeof(floatX), cs);  // round 0's accumulator: nothing yet
       stream_after(xs, cs, "ring_dtp");
       cur = W;
       for (int q = 0; q < P; q++) {
         prefetch_next_shard(q, cur);
-        ring_dtp_meet_backward(dx, acc[q % 2], x, targets, lse, dloss, cur, lo(q), rows(q), N, H, V, block_cols, logits,
-                               q > 0 ? &acc_arrived : nullptr, cs);
+        ring_dtp_meet_backward(dx_acc, acc[q % 2], x, targets, lse, dloss, cur, lo(q), rows(q), N, H, V, block_cols,
+                               logits, q > 0 ? &acc_arrived : nullptr, cs);
         computed.record(cs, "ring_dtp");
         // the accumulator to the rank that holds this shard next (after the last round: its owner)
         computed.wait_on(xs, "ring_dtp");
@@ -294,6 +316,7 @@ struct RingDTPHead : OutputHead {
       }
       acc_arrived.wait_on(cs, "ring_dtp");
       add_inplace_or_out(dW, dW, acc[P % 2], (size_t)rows(P) * H, cs);
+      dx_from_accumulator(dx, dx_acc, N, H, cs);
       for (void* p : {(void*)acc[0], (void*)acc[1]}) pool().free(p);
     }
     stream_after(cs, xs, "ring_dtp");  // every hop done before the caller reuses W, x or the slots
@@ -356,9 +379,9 @@ struct RingDTPHead : OutputHead {
 
     if (dx != nullptr) {
       const std::array<float*, 2> lse_slot = slots_of((float*)nullptr, (size_t)N, "ring_dtp.lse_slot");
-      floatX* acc[2] = {pool().alloc_t<floatX>(NH, Mem::CommStaging, "ring_dtp.dx_acc"),
-                        pool().alloc_t<floatX>(NH, Mem::CommStaging, "ring_dtp.dx_acc")};
-      ring_dtp_zero(acc[0], NH * sizeof(floatX), cs);
+      float* acc[2] = {pool().alloc_t<float>(NH, Mem::CommStaging, "ring_dtp.dx_acc"),
+                       pool().alloc_t<float>(NH, Mem::CommStaging, "ring_dtp.dx_acc")};
+      ring_dtp_zero(acc[0], NH * sizeof(float), cs);
       stream_after(xs, cs, "ring_dtp");
       cur_x = x;
       cur_t = targets;
@@ -372,8 +395,8 @@ struct RingDTPHead : OutputHead {
         ring_dtp_meet_backward(acc[q % 2], dW, cur_x, cur_t, cur_lse, dloss, W, lo, rows, N, H, V, block_cols, logits,
                                q > 0 ? &acc_arrived : nullptr, cs);
         computed.record(cs, "ring_dtp");
-        computed.wait_on(xs, "ring_dtp");  // the dx accumulator on with its batch (after the last round: home, into dx)
-        ring_dtp_hop(group, (const floatX*)acc[q % 2], NH, q + 1 < P ? acc[(q + 1) % 2] : dx, NH, xs);
+        computed.wait_on(xs, "ring_dtp");  // the dx accumulator on with its batch (after the last round: home)
+        ring_dtp_hop(group, (const float*)acc[q % 2], NH, acc[(q + 1) % 2], NH, xs);
         acc_arrived.record(xs, "ring_dtp");
         if (q + 1 < P) {
           take_next_batch(q);
@@ -381,6 +404,7 @@ struct RingDTPHead : OutputHead {
         }
       }
       acc_arrived.wait_on(cs, "ring_dtp");
+      convert(dx, acc[P % 2], NH, cs);  // rounded to floatX once
       for (void* p : {(void*)lse_slot[0], (void*)lse_slot[1], (void*)acc[0], (void*)acc[1]}) pool().free(p);
     }
     stream_after(cs, xs, "ring_dtp");

@@ -810,6 +810,15 @@ TEST(DataPrepare, RefusesBadFlags) {
 
 // The documents of the set prepared in `out`: the train shard's, then the validation shard's, each
 // decoded up to its <|endoftext|>; n_train: how many came from the train shard.
+// The documents of `a` that `b` lacks (multiset difference), one quoted per line.
+std::string missing_from(const std::multiset<std::string>& a, const std::multiset<std::string>& b) {
+  std::vector<std::string> diff;
+  std::set_difference(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(diff));
+  std::string text;
+  for (const std::string& d : diff) text += "  [" + d + "]\n";
+  return text;
+}
+
 std::vector<std::string> documents_of_set(const std::string& out, size_t& n_train) {
   const data::Tokenizer tok = data::Tokenizer::load(out + "/tokenizer.bin");
   std::vector<std::string> documents;
@@ -990,11 +999,15 @@ TEST(DataPrepare, ReadsSeveralInputsGzipFilesAndDictionaries) {
   gzip_file(dir.file("zipped"), dir.file("zipped.gz"));
   fs::remove(dir.file("zipped"));
 
+  // an entry ends at its first blank line: its last line must not end in one (english() ends one
+  // sentence in four with a newline)
+  std::string gloss = english(rng, 2);
+  while (gloss.back() == '\n') gloss.pop_back();
   const std::vector<std::string> entries = {
       "Abdomen \\Ab*do\"men\\, n. [L.]\n   1. (Anat.) The belly.\n      [1913 Webster]\n\n"
       "   2. (Zool.) The posterior section of the body.\n      [1913 Webster]\n",
       "Gag \\Gag\\, n.\n   A speech interpolated offhand.\n\n\n[1913 Webster]\n\n   {Gag rein} (Harness), a rein.\n",
-      "Zythum \\Zy\"thum\\, n.\n   A kind of ancient malt beverage. " + english(rng, 2) + "\n",
+      "Zythum \\Zy\"thum\\, n.\n   A kind of ancient malt beverage. " + gloss + "\n",
   };
   const std::string not_utf8 = "Cafe \\Caf\xe9\\, n.\n   A coffee house.\n";
   write_bytes(dir.file("tiny.dict"), "\n" + entries[0] + "\n" + entries[1] + "\n\n" + not_utf8 + "\n" + entries[2] + "\n\n \n");
@@ -1016,7 +1029,8 @@ TEST(DataPrepare, ReadsSeveralInputsGzipFilesAndDictionaries) {
   const std::vector<std::string> got = documents_of_set(out, n_train);
   EXPECT_EQ(got.size() - n_train, 4u) << "val = round(14 × 0.25) documents";
   std::multiset<std::string> want(expected.begin(), expected.end()), have(got.begin(), got.end());
-  EXPECT_TRUE(want == have) << "the documents of all three inputs, each once";
+  EXPECT_TRUE(want == have) << "the documents of all three inputs, each once; expected but missing:\n"
+                            << missing_from(want, have) << "found but not expected:\n" << missing_from(have, want);
 }
 
 // A gzip input that gzip cannot read (cut short, or with a damaged byte that gzip's checks catch)
