@@ -150,6 +150,8 @@ if [[ " $want " == *" bench-head "* ]]; then
   rm -rf build/head-timelines && mkdir -p build/head-timelines
   {
     build/fp32/bench_head --gpus "$gpus" --shapes 4096:200000:7168 --block 8192 &&
+      build/fp32/bench_head --gpus "$gpus" --shapes 4096:200000:7168 --block 4096 --heads ring --modes auto |
+        sed -n '/^| [0-9]/s/| ring |/| ring, C 4096 |/p' &&
       build/fp32/bench_head --gpus "$gpus" --shapes 110000:200000:7168 --block 2048 --heads ring --modes auto \
         --warmup 0 --iters 1 | sed -n '/^| [0-9]/p' &&
       build/bf16/bench_head --gpus "$gpus" --shapes 16384:32768:768,65536:32768:768,8192:131072:2048 --block 4096 \
