@@ -44,9 +44,9 @@
 //               N·H·4 (BF16 build)
 //   activations forward: statistics twice 6·N·4 + S batch slots S·(N·H·b + N·4);
 //               backward: the batch slots + S lse slots S·N·4 + two fp32 dx accumulators 2·N·H·4
-// dx sums every block of every round in fp32 and is rounded to floatX once (in the BF16 build a bf16
-// accumulator, rounded at each of the P·⌈V_s/C⌉ products, doubled the whole model's divergence from
-// the full head over ten steps); a shard's dW accumulator is floatX, like the model's gradients.
+// dx sums every block of every round in fp32 and is rounded to floatX once, as the full head's single
+// GEMM does (a bf16 accumulator would round at each of the P·⌈V_s/C⌉ products); a shard's dW
+// accumulator is floatX, like the model's gradients.
 // The largest logits block is N × C', never N × V (ring_dtp_block_elems); the full head holds N·V·b.
 #pragma once
 #include <algorithm>
