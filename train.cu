@@ -261,8 +261,10 @@ void write_timeline(const std::string& out_dir, int step) {
 // The communicators of W ranks: the world, the expert-parallel groups (contiguous blocks of E_p
 // ranks) and the groups of ranks that hold the same expert shard; under --head ring_dtp with P > 1
 // the vocabulary groups (contiguous blocks of P ranks) and, when W > P, the ranks that hold the
-// same vocabulary interval.
-Parallel parallel_init(const LaunchInfo& li, int ep_size, int vocab_size) {
+// same vocabulary interval. A group of one rank that nothing exchanges over gets no NCCL
+// communicator (a Comm of size 1): each costs some 390 MiB of device memory (notes/sco.md, the device
+// ledger). ep_exchanges: the MoE dispatcher exchanges over the ep group (every one but local).
+Parallel parallel_init(const LaunchInfo& li, int ep_size, bool ep_exchanges, int vocab_size) {
   Parallel par;
   if (li.world == 1) {
     const int device = rank_device(li);
@@ -270,8 +272,9 @@ Parallel parallel_init(const LaunchInfo& li, int ep_size, int vocab_size) {
     return par;
   }
   par.world = comm_world_init(li);
-  par.ep = comm_block_group(par.world, ep_size, "ep");
-  par.expert_replicas = comm_split(par.world, par.world.rank % ep_size, par.world.rank, "expert_replicas");
+  if (ep_size > 1 || ep_exchanges) par.ep = comm_block_group(par.world, ep_size, "ep");
+  if (li.world > ep_size)
+    par.expert_replicas = comm_split(par.world, par.world.rank % ep_size, par.world.rank, "expert_replicas");
   if (vocab_size > 1) par.vocab = comm_block_group(par.world, vocab_size, "vocab");
   if (vocab_size > 1 && li.world > vocab_size)
     par.vocab_replicas = comm_split(par.world, par.world.rank % vocab_size, par.world.rank, "vocab_replicas");
@@ -337,7 +340,7 @@ int train_main(int argc, char** argv) {
       data::check_routing_trace_fits(trace, routing_trace_shape(mc, tc.batch * mc.seq_len, li.world));
       replay = std::make_unique<data::RankRoutes>(data::rank_routes(trace, li.rank));
     }
-    Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus, vocab_group_size(tc));
+    Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus, moe_dispatcher(tc) != "local", vocab_group_size(tc));
     runtime_prepare();  // the cuBLAS handle and its pooled workspace, before anything is measured
     const bool main_rank = par.world.rank == 0;
     const int W = par.world.size;
