@@ -13,13 +13,19 @@
 // (sequence, head); the tile is split into 4 warp strips of 16 rows. Each warp's strip is the
 // M = 16 side of its MMAs, so the softmax of a row never leaves the 4 lanes that hold it.
 //
-//         64 keys of key tile kt (staged in shared memory, double-buffered, cp.async)
-//        ┌────────────────────────────────┐
-//   warp 0 │ 16 query rows × 64 keys: S       │ ← 8 n-blocks of 8 keys: s[8][4] per lane
-//   warp 1 │ 16 rows                          │
-//   warp 2 │ 16 rows                          │   query tile qt (64 rows)
-//   warp 3 │ 16 rows                          │
-//        └────────────────────────────────┘
+//                  key tile kt: 64 keys (shared memory, double-buffered, cp.async)
+//                +----------------------------------+
+//     warp 0     | rows  0-15 x 64 keys: S = Q K^T  |  per lane s[8][4]: 8 n-blocks of 8 keys
+//     warp 1     | rows 16-31                       |
+//     warp 2     | rows 32-47                       |  query tile qt: 64 rows (Q in shared
+//     warp 3     | rows 48-63                       |  memory, A fragments in registers)
+//                +----------------------------------+
+//   Inside one 16 x 8 n-block (C fragment), lane l = 4g + t holds:
+//                cols 0 1   cols 2 3   cols 4 5   cols 6 7
+//     row g      lane 4g    lane 4g+1  lane 4g+2  lane 4g+3    (c[0], c[1])
+//     row g+8    lane 4g    lane 4g+1  lane 4g+2  lane 4g+3    (c[2], c[3])
+//   so a row's max and sum are two __shfl_xor_sync (1, 2) away.
+//
 //   forward:         block = query tile; loop key tiles 0 … qt (online softmax; O in registers).
 //   backward dK, dV: block = key tile (warp strips are 16 keys); loop query tiles kt … last,
 //                    computing Sᵀ = K Qᵀ and dPᵀ = V dOᵀ per strip, then dV += Pᵀ dO, dK += dSᵀ Q.
@@ -31,7 +37,7 @@
 // bytes: the 8 row addresses of one ldmatrix phase fall on 8 distinct 16-byte bank groups, so
 // ldmatrix is conflict-free; cp.async writes 16-byte chunks). Tiles per block: forward Q + 2 K
 // + 2 V (5), dK/dV K + V + 2 Q + 2 dO (6, + 2·2·64 floats of lse/delta), dQ Q + dO + 2 K + 2 V
-// (6): hd = 64: 45 / 55.5 / 54 KiB, hd = 128: 85 / 103 / 102 KiB (two blocks per SM fit the
+// (6): hd = 64: 45 / 55 / 54 KiB, hd = 128: 85 / 103 / 102 KiB (two blocks per SM fit the
 // 227 KiB of sm_90). Registers per lane: O (or dQ, dK + dV) HD/8·4 fp32 each, S and dP 32 fp32
 // each, the forward's Q fragments HD/16·4 words (ptxas counts: notes/attention.md).
 //
