@@ -11,7 +11,10 @@
 // (five products: QKᵀ recomputed, dO Vᵀ, Pᵀ dO, dSᵀ Q, dS K). Time: CUDA events around one call on
 // a stream, median of --iters after --warmup. The backward's time includes its delta kernel and the
 // pool allocation of delta. Markdown rows. In the FP32 build both paths are the SIMT kernels and
-// only the SIMT rows are printed.
+// only the SIMT rows are printed. "vs SIMT": on the SIMT row of a shape that also ran on tensor
+// cores, ‖x_tc − x_simt‖ / ‖x_simt‖ of out and of dqkv (each path's backward on its own out, lse):
+// a check of the tensor-core kernels at sizes the tests do not reach (expect bf16 level, ~1e-2).
+#include <cmath>
 #include <string>
 #include <vector>
 #include "../ops/attention.cuh"
@@ -74,6 +77,25 @@ void fill(floatX* p, size_t n, unsigned seed, float scale, cudaStream_t s) {
   launchCheck("bench_attention.fill", "n=%zu", n);
 }
 
+std::vector<floatX> download(const floatX* p, size_t n, cudaStream_t s) {
+  std::vector<floatX> host(n);
+  cudaCheck(cudaMemcpyAsync(host.data(), p, n * sizeof(floatX), cudaMemcpyDeviceToHost, s), "bench_attention",
+            "download %zu", n);
+  stream_wait(s, "bench_attention", "download");
+  return host;
+}
+
+// ‖a − b‖ / ‖b‖ (2-norms over every element).
+double rel_diff(const std::vector<floatX>& a, const std::vector<floatX>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); i++) {
+    const double x = to_float(a[i]), y = to_float(b[i]);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -81,8 +103,8 @@ int main(int argc, char** argv) {
   cudaStream_t stream = stream_create("bench_attention");
   printf("causal attention fwd / bwd, %s, median of %d after %d warm-ups, TFLOP/s of the causal count\n\n",
          bench_setting(1, "bench_attention").c_str(), f.iters, f.warmup);
-  printf("| T | hd | B | nh | path | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s |\n");
-  printf("|---|---|---|---|---|---|---|---|---|\n");
+  printf("| T | hd | B | nh | path | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | vs SIMT: out, dqkv |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|\n");
   fflush(stdout);
   for (const int hd : f.hds)
     for (const int T : f.seqs) {
@@ -103,6 +125,7 @@ int main(int argc, char** argv) {
       std::vector<Path> paths;
       if (attention_uses_tensor_cores(hd, {qkv.ptr, dout.ptr, out.ptr, dqkv.ptr})) paths.push_back({"tensor cores", false});
       paths.push_back({"SIMT", true});
+      std::vector<floatX> tc_out, tc_dqkv;  // the tensor-core path's results, when it ran
       for (const Path& p : paths) {
         auto fwd = [&] {
           if (p.simt) attention_forward_simt(out.ptr, lse.ptr, qkv.ptr, B, T, nh, hd, stream);
@@ -114,8 +137,16 @@ int main(int argc, char** argv) {
         };
         const double fwd_ms = median_ms(fwd, f.warmup, f.iters, stream, "bench_attention");
         const double bwd_ms = median_ms(bwd, f.warmup, f.iters, stream, "bench_attention");  // on this path's out, lse
-        printf("| %d | %d | %d | %d | %s | %.3f | %.1f | %.3f | %.1f |\n", T, hd, B, nh, p.name, fwd_ms,
-               fwd_flop / (fwd_ms * 1e9), bwd_ms, bwd_flop / (bwd_ms * 1e9));
+        char vs[64] = "";
+        if (!p.simt) {
+          tc_out = download(out.ptr, out.count, stream);
+          tc_dqkv = download(dqkv.ptr, dqkv.count, stream);
+        } else if (!tc_out.empty()) {
+          snprintf(vs, sizeof vs, "%.2e, %.2e", rel_diff(tc_out, download(out.ptr, out.count, stream)),
+                   rel_diff(tc_dqkv, download(dqkv.ptr, dqkv.count, stream)));
+        }
+        printf("| %d | %d | %d | %d | %s | %.3f | %.1f | %.3f | %.1f | %s |\n", T, hd, B, nh, p.name, fwd_ms,
+               fwd_flop / (fwd_ms * 1e9), bwd_ms, bwd_flop / (bwd_ms * 1e9), vs);
         fflush(stdout);
       }
       stream_wait(stream, "bench_attention", "T=%d hd=%d", T, hd);
