@@ -1,6 +1,13 @@
 // attention.cuh — causal multi-head self-attention, flash-style (FlashAttention-2 schedule on
 // SIMT cores, fp32 accumulation). Twin of ref/attention.hpp.
 //
+// Two implementations of one contract: the SIMT kernels below (the FP32 build's only path,
+// verified against the double reference at 1e-5, and the BF16 build's path for hd = 32), and
+// the tensor-core kernels of attention_mma.cuh (bf16 mma.sync, fp32 softmax statistics; the
+// BF16 build's path for hd = 64 and 128, same schedule, same workspace, deterministic too).
+// attention_forward / attention_backward pick one (attention_uses_tensor_cores);
+// attention_forward_simt / attention_backward_simt always take the SIMT kernels.
+//
 // Shapes: qkv [N = B·T, 3H] (q and k already rotated by RoPE), H = nh·hd; row n = b·T + t holds
 // q (nh×hd), then k (nh×hd), then v (nh×hd). out [N, H]; lse [B, nh, T] (fp32).
 // Per sequence b and head h (Q, K, V: T×hd), scale = 1/sqrt(hd):
@@ -34,8 +41,10 @@
 // dK/dV 122 / 127 / 128, dQ 94 / 120 / 128; no spills in either build.
 #pragma once
 #include <cmath>
+#include <initializer_list>
 #include "common.cuh"
 #include "../runtime/pool.cuh"
+#include "attention_mma.cuh"  // the tensor-core kernels of the BF16 build (hd 64, 128)
 
 static const int ATTN_TILE = 64;       // query and key rows per tile
 static const int ATTN_THREADS = 256;   // 16 × 16
@@ -424,9 +433,10 @@ inline void attention_backward_hd(floatX* dqkv, const floatX* dout, const floatX
   launchCheck("attention_backward", "dQ kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
 }
 
-// out [N, H] (=), lse [B, nh, T] (=) from qkv [N, 3H] (q, k rotated). out must not alias qkv.
-inline void attention_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int nh, int hd,
-                              cudaStream_t stream) {
+// The SIMT kernels above whatever the build and head dim: the FP32 build's only path and the
+// BF16 build's for hd = 32 (tools/bench_attention.cu calls them directly to compare).
+inline void attention_forward_simt(floatX* out, float* lse, const floatX* qkv, int B, int T, int nh, int hd,
+                                   cudaStream_t stream) {
   attention_check_sizes("attention_forward", B, T, nh, hd);
   switch (hd) {
     case 32: attention_forward_hd<32>(out, lse, qkv, B, T, nh, stream); break;
@@ -435,9 +445,10 @@ inline void attention_forward(floatX* out, float* lse, const floatX* qkv, int B,
   }
 }
 
-// dqkv [N, 3H] (=) from dout [N, H] and the forward's qkv, out, lse. dqkv must not alias inputs.
-inline void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
-                               const float* lse, int B, int T, int nh, int hd, cudaStream_t stream) {
+// Both paths of the backward: delta (the only workspace), then the tensor-core or SIMT kernels.
+inline void attention_backward_path(bool tensor_cores, floatX* dqkv, const floatX* dout, const floatX* qkv,
+                                    const floatX* out, const float* lse, int B, int T, int nh, int hd,
+                                    cudaStream_t stream) {
   attention_check_sizes("attention_backward", B, T, nh, hd);
   const int N = B * T;
   DeviceBuffer<float> delta((size_t)N * nh, Mem::Workspace, "attention.delta");
@@ -445,9 +456,54 @@ inline void attention_backward(floatX* dqkv, const floatX* dout, const floatX* q
   attention_delta_kernel<<<ceil_div((long long)N * nh * 32, threads), threads, 0, stream>>>(delta.ptr, dout, out, N,
                                                                                              T, nh, hd);
   launchCheck("attention_backward", "delta kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
+#ifdef FLATMOE_BF16
+  if (tensor_cores) {
+    attn_mma::backward(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, hd, stream);
+    return;
+  }
+#else
+  (void)tensor_cores;
+#endif
   switch (hd) {
     case 32: attention_backward_hd<32>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
     case 64: attention_backward_hd<64>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
     default: attention_backward_hd<128>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
   }
+}
+
+inline void attention_backward_simt(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
+                                    const float* lse, int B, int T, int nh, int hd, cudaStream_t stream) {
+  attention_backward_path(false, dqkv, dout, qkv, out, lse, B, T, nh, hd, stream);
+}
+
+// Whether attention_forward / attention_backward take the tensor-core kernels of
+// attention_mma.cuh: the BF16 build, hd 64 or 128, and 16-byte aligned tensors.
+inline bool attention_uses_tensor_cores(int hd, std::initializer_list<const void*> ptrs) {
+#ifdef FLATMOE_BF16
+  return attn_mma::supported(hd, ptrs);
+#else
+  (void)hd;
+  (void)ptrs;
+  return false;
+#endif
+}
+
+// out [N, H] (=), lse [B, nh, T] (=) from qkv [N, 3H] (q, k rotated). out must not alias qkv.
+inline void attention_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int nh, int hd,
+                              cudaStream_t stream) {
+  attention_check_sizes("attention_forward", B, T, nh, hd);
+#ifdef FLATMOE_BF16
+  if (attention_uses_tensor_cores(hd, {out, qkv})) {
+    attn_mma::forward(out, lse, qkv, B, T, nh, hd, stream);
+    return;
+  }
+#endif
+  attention_forward_simt(out, lse, qkv, B, T, nh, hd, stream);
+}
+
+// dqkv [N, 3H] (=) from dout [N, H] and the forward's qkv, out, lse. dqkv must not alias inputs.
+inline void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
+                               const float* lse, int B, int T, int nh, int hd, cudaStream_t stream) {
+  attention_backward_path(attention_uses_tensor_cores(hd, {dqkv, dout, qkv}), dqkv, dout, qkv, out, lse, B, T, nh,
+                          hd, stream);
 }

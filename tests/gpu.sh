@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [bench-head] [head] [moe] [accum] [sco] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank, pllep
@@ -15,6 +15,9 @@
 #     one timed pass) and at BF16 training shapes
 #   head: the output heads' tests alone (test_gpu's ChunkedHeadGpu, test_dist's RingDTPDist and the ring-head
 #     model tests, both precisions) and 30 training steps on every GPU with --head ring_dtp and --head chunked
+#   attention: the attention kernels alone (notes/attention.md): GpuAttention* in both precisions, compute-sanitizer
+#     racecheck and memcheck over the BF16 determinism test (tensor-core kernels), and bench_attention (BF16:
+#     tensor-core and SIMT paths, T 1024/2048/4096, hd 64/128)
 #   memory: the whole device beside the pool (the device ledger, runtime/pool.cuh) on the 334M-parameter MoE of
 #     issue 11 (H 768, L 8, E 32, top-4, I 512, T 1024, batch 16), 3 steps on 1 GPU, on 2 with expert
 #     parallelism and on 2 without (--ep 1): the first step's "memory after the first step" line
@@ -175,6 +178,23 @@ if [[ " $want " == *" head "* ]]; then
       --ckpt_every 0 --log_every 10 --out build/run-head > "$OUT/train_head_${h%% *}.log" 2>&1
     summary+=("train --head $h: exit $? | $(grep '^step' "$OUT/train_head_${h%% *}.log" | tail -1) | $(grep 'val loss' "$OUT/train_head_${h%% *}.log" | tail -1)")
   done
+fi
+
+if [[ " $want " == *" attention "* ]]; then
+  for p in fp32 bf16; do
+    build/$p/test_gpu --gtest_filter='GpuAttention*' > "$OUT/attention_$p.log" 2>&1 || status=1
+    summary+=("attention tests $p: $(grep -h '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$OUT/attention_$p.log" | tr '\n' ' ')")
+  done
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in racecheck memcheck; do
+    timeout 120 "$sanitizer" --tool $tool build/bf16/test_gpu --gtest_filter='GpuAttention.IsBitwiseDeterministic' \
+      > "$OUT/attention_$tool.log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("attention $tool: exit $rc | $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/attention_$tool.log" | tr '\n' ' ')")
+  done
+  build/bf16/bench_attention > "$OUT/bench_attention.md" 2> build/bench_attention.err || { status=1; tail -20 build/bench_attention.err; }
+  cat "$OUT/bench_attention.md"
 fi
 
 if [[ " $want " == *" memory "* ]]; then

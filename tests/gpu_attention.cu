@@ -1,6 +1,8 @@
 // tests/gpu_attention.cu — ops/attention.cuh against ref/attention.hpp: out, lse and the q, k, v
 // gradients at several shapes (T not a multiple of the 64-row tile, every supported head dim,
-// T = 1 and 2), bitwise determinism, and the refusal of unsupported head dims.
+// T = 1 and 2, B > 1 and nh > 1), bitwise determinism, and the refusal of unsupported head dims.
+// The BF16 build runs hd 64 and 128 on the tensor-core kernels (ops/attention_mma.cuh) and hd 32
+// on the SIMT ones; the SIMT path at hd 64 and 128 is checked there too (SimtPathMatchesReference).
 #include "../ops/attention.cuh"
 #include "../ref/attention.hpp"
 #include "gpu_util.cuh"
@@ -23,6 +25,13 @@ const AttnCase kCases[] = {
     {2, 130, 2, 128}, // 3 tiles, the last with 2 rows
     {1, 128, 2, 64},  // exact multiple of the tile
     {3, 2, 2, 32},    // two tokens per sequence
+    {2, 37, 3, 64},   // one partial tile, hd 64
+    {3, 37, 2, 128},  // one partial tile, hd 128
+    {2, 1000, 2, 64}, // 16 tiles, the last with 40 rows
+    {1, 1000, 3, 128},
+    {2, 2, 3, 64},    // two tokens, hd 64 / 128
+    {2, 2, 2, 128},
+    {2, 1, 3, 128},   // one token (forward only in BackwardMatchesReference)
 };
 
 std::string case_name(const char* test, const AttnCase& c) {
@@ -62,92 +71,119 @@ TEST(GpuAttention, ForwardMatchesReference) {
 // are exactly zero, which a relative error cannot measure, so T = 1 is a forward-only case.)
 TEST(GpuAttention, SingleTokenAttendsToItself) {
   REQUIRE_GPU();
-  testutil::Rng rng;
-  const int B = 3, T = 1, nh = 2, hd = 64, N = B * T, H = nh * hd;
-  const Mat<double> qkv = round_to_floatX(rng.mat<double>(N, 3 * H));
-  Mat<double> lse_want(B * nh, T);
-  for (int b = 0; b < B; b++)
-    for (int h = 0; h < nh; h++)
-      lse_want(b * nh + h, 0) = qkv.row(b).segment(h * hd, hd).dot(qkv.row(b).segment(H + h * hd, hd)) / 8.0;
-
-  DeviceBuffer<floatX> d_qkv = upload<floatX>(qkv);
-  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
-  DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
-  poison(d_out.ptr, d_out.count);
-  poison(d_lse.ptr, d_lse.count);
-  attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, hd, 0);
-  EXPECT_REL("GpuAttention.SingleToken", "out = v", testutil::rel_err(download(d_out.ptr, N, H), part(qkv, 2, H)), OP_TOL);
-  EXPECT_REL("GpuAttention.SingleToken", "lse", testutil::rel_err(download(d_lse.ptr, B * nh, T), lse_want), OP_TOL);
-}
-
-// Backward runs on the GPU forward's own out and lse, as in training.
-TEST(GpuAttention, BackwardMatchesReference) {
-  REQUIRE_GPU();
-  for (const AttnCase& c : kCases) {
+  for (const int hd : {32, 64, 128}) {
     testutil::Rng rng;
-    const int N = c.B * c.T, H = c.nh * c.hd;
+    const int B = 3, T = 1, nh = 2, N = B * T, H = nh * hd;
     const Mat<double> qkv = round_to_floatX(rng.mat<double>(N, 3 * H));
-    const Mat<double> dout = round_to_floatX(rng.mat<double>(N, H));
-    const Mat<double> dqkv_ref = ref::attention_backward(dout, qkv, c.B, c.T, c.nh, c.hd);
+    Mat<double> lse_want(B * nh, T);
+    for (int b = 0; b < B; b++)
+      for (int h = 0; h < nh; h++)
+        lse_want(b * nh + h, 0) =
+            qkv.row(b).segment(h * hd, hd).dot(qkv.row(b).segment(H + h * hd, hd)) / std::sqrt((double)hd);
 
     DeviceBuffer<floatX> d_qkv = upload<floatX>(qkv);
-    DeviceBuffer<floatX> d_dout = upload<floatX>(dout);
     DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
-    DeviceBuffer<float> d_lse((size_t)c.B * c.nh * c.T, Mem::Activations, "test.attention.lse");
-    DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
-    attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
-    poison(d_dqkv.ptr, d_dqkv.count);
-    attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0);
-    const Mat<double> dqkv = download(d_dqkv.ptr, N, 3 * H);
-
-    const std::string name = case_name("GpuAttention.Bwd", c);
-    const char* parts[3] = {"dq", "dk", "dv"};
-    for (int p = 0; p < 3; p++)
-      EXPECT_REL(name.c_str(), parts[p], testutil::rel_err(part(dqkv, p, H), part(dqkv_ref, p, H)), OP_TOL);
+    DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
+    poison(d_out.ptr, d_out.count);
+    poison(d_lse.ptr, d_lse.count);
+    attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, hd, 0);
+    const std::string name = "GpuAttention.SingleToken hd" + std::to_string(hd);
+    EXPECT_REL(name.c_str(), "out = v", testutil::rel_err(download(d_out.ptr, N, H), part(qkv, 2, H)), OP_TOL);
+    EXPECT_REL(name.c_str(), "lse", testutil::rel_err(download(d_lse.ptr, B * nh, T), lse_want), OP_TOL);
   }
+}
+
+// Forward and backward of one case against the reference; the backward runs on the GPU forward's
+// own out and lse, as in training. simt: the SIMT kernels whatever the build (attention_*_simt).
+void check_case(const AttnCase& c, bool simt, const char* test) {
+  testutil::Rng rng;
+  const int N = c.B * c.T, H = c.nh * c.hd;
+  const Mat<double> qkv = round_to_floatX(rng.mat<double>(N, 3 * H));
+  const Mat<double> dout = round_to_floatX(rng.mat<double>(N, H));
+  const Mat<double> dqkv_ref = ref::attention_backward(dout, qkv, c.B, c.T, c.nh, c.hd);
+  Mat<double> out_ref, lse_ref;
+  ref::attention_forward(qkv, c.B, c.T, c.nh, c.hd, out_ref, lse_ref);
+
+  DeviceBuffer<floatX> d_qkv = upload<floatX>(qkv);
+  DeviceBuffer<floatX> d_dout = upload<floatX>(dout);
+  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+  DeviceBuffer<float> d_lse((size_t)c.B * c.nh * c.T, Mem::Activations, "test.attention.lse");
+  DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
+  poison(d_out.ptr, d_out.count);
+  poison(d_lse.ptr, d_lse.count);
+  poison(d_dqkv.ptr, d_dqkv.count);
+  if (simt) attention_forward_simt(d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
+  else attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
+  const std::string fwd = case_name(test, c) + " fwd";
+  EXPECT_REL(fwd.c_str(), "out", testutil::rel_err(download(d_out.ptr, N, H), out_ref), OP_TOL);
+  EXPECT_REL(fwd.c_str(), "lse", testutil::rel_err(download(d_lse.ptr, c.B * c.nh, c.T), lse_ref), OP_TOL);
+  if (c.T == 1) return;  // dq, dk are exactly zero: a relative error cannot measure them
+  if (simt) attention_backward_simt(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0);
+  else attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0);
+  const Mat<double> dqkv = download(d_dqkv.ptr, N, 3 * H);
+  const std::string bwd = case_name(test, c) + " bwd";
+  const char* parts[3] = {"dq", "dk", "dv"};
+  for (int p = 0; p < 3; p++)
+    EXPECT_REL(bwd.c_str(), parts[p], testutil::rel_err(part(dqkv, p, H), part(dqkv_ref, p, H)), OP_TOL);
+}
+
+TEST(GpuAttention, BackwardMatchesReference) {
+  REQUIRE_GPU();
+  for (const AttnCase& c : kCases) check_case(c, false, "GpuAttention");
+}
+
+// The SIMT kernels at the head dims the BF16 build sends to tensor cores (in the FP32 build this
+// repeats the cases above: both calls take the same kernels).
+TEST(GpuAttention, SimtPathMatchesReference) {
+  REQUIRE_GPU();
+  for (const AttnCase& c : {AttnCase{2, 200, 2, 64}, AttnCase{2, 130, 2, 128}}) check_case(c, true, "GpuAttention.Simt");
 }
 
 // Two runs on the same inputs give the same bits (fixed reduction order, no atomics).
 TEST(GpuAttention, IsBitwiseDeterministic) {
   REQUIRE_GPU();
-  testutil::Rng rng;
-  const int B = 2, T = 150, nh = 3, hd = 64, N = B * T, H = nh * hd;
-  DeviceBuffer<floatX> d_qkv = upload<floatX>(rng.mat<double>(N, 3 * H));
-  DeviceBuffer<floatX> d_dout = upload<floatX>(rng.mat<double>(N, H));
-  std::vector<floatX> out[2], dqkv[2];
-  std::vector<float> lse[2];
-  for (int run = 0; run < 2; run++) {
-    DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
-    DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
-    DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
-    attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, hd, 0);
-    attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, B, T, nh, hd, 0);
-    out[run] = testutil::download_vec(d_out.ptr, d_out.count);
-    lse[run] = testutil::download_vec(d_lse.ptr, d_lse.count);
-    dqkv[run] = testutil::download_vec(d_dqkv.ptr, d_dqkv.count);
+  for (const int hd : {32, 64, 128}) {
+    testutil::Rng rng;
+    const int B = 2, T = 150, nh = 3, N = B * T, H = nh * hd;
+    DeviceBuffer<floatX> d_qkv = upload<floatX>(rng.mat<double>(N, 3 * H));
+    DeviceBuffer<floatX> d_dout = upload<floatX>(rng.mat<double>(N, H));
+    std::vector<floatX> out[2], dqkv[2];
+    std::vector<float> lse[2];
+    for (int run = 0; run < 2; run++) {
+      DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+      DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
+      DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
+      attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, hd, 0);
+      attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, B, T, nh, hd, 0);
+      out[run] = testutil::download_vec(d_out.ptr, d_out.count);
+      lse[run] = testutil::download_vec(d_lse.ptr, d_lse.count);
+      dqkv[run] = testutil::download_vec(d_dqkv.ptr, d_dqkv.count);
+    }
+    EXPECT_EQ(0, memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(floatX)));
+    EXPECT_EQ(0, memcmp(lse[0].data(), lse[1].data(), lse[0].size() * sizeof(float)));
+    EXPECT_EQ(0, memcmp(dqkv[0].data(), dqkv[1].data(), dqkv[0].size() * sizeof(floatX))) << "hd " << hd;
   }
-  EXPECT_EQ(0, memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(floatX)));
-  EXPECT_EQ(0, memcmp(lse[0].data(), lse[1].data(), lse[0].size() * sizeof(float)));
-  EXPECT_EQ(0, memcmp(dqkv[0].data(), dqkv[1].data(), dqkv[0].size() * sizeof(floatX)));
 }
 
 // The backward's only device memory is delta (B·nh·T floats of workspace), released on return.
 TEST(GpuAttention, BackwardWorkspaceIsDeltaOnly) {
   REQUIRE_GPU();
-  testutil::Rng rng;
-  const int B = 2, T = 100, nh = 2, hd = 32, N = B * T, H = nh * hd;
-  DeviceBuffer<floatX> d_qkv = upload<floatX>(rng.mat<double>(N, 3 * H));
-  DeviceBuffer<floatX> d_dout = upload<floatX>(rng.mat<double>(N, H));
-  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
-  DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
-  DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
-  attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, hd, 0);
-  const size_t live_before = pool().live_total();
-  pool().reset_peak();
-  attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, B, T, nh, hd, 0);
-  cudaCheck(cudaDeviceSynchronize(), "test", "attention_backward");
-  EXPECT_EQ(pool().peak() - live_before, (size_t)B * nh * T * sizeof(float));
-  EXPECT_EQ(pool().live_total(), live_before);
+  for (const int hd : {32, 64, 128}) {
+    testutil::Rng rng;
+    const int B = 2, T = 100, nh = 2, N = B * T, H = nh * hd;
+    DeviceBuffer<floatX> d_qkv = upload<floatX>(rng.mat<double>(N, 3 * H));
+    DeviceBuffer<floatX> d_dout = upload<floatX>(rng.mat<double>(N, H));
+    DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+    DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
+    DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
+    attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, hd, 0);
+    const size_t live_before = pool().live_total();
+    pool().reset_peak();
+    attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, B, T, nh, hd, 0);
+    cudaCheck(cudaDeviceSynchronize(), "test", "attention_backward");
+    EXPECT_EQ(pool().peak() - live_before, (size_t)B * nh * T * sizeof(float));
+    EXPECT_EQ(pool().live_total(), live_before);
+  }
 }
 
 // Head dims other than 32, 64, 128 are refused with a message that names the sizes (checked

@@ -1,0 +1,547 @@
+// attention_mma.cuh — causal multi-head self-attention on tensor cores (BF16 build only): the
+// same contract as the SIMT kernels of attention.cuh (shapes, out, lse, dqkv (=), the delta
+// workspace), computed with bf16 mma.sync (m16n8k16, fp32 accumulation) instead of fp32 FMA.
+// Included by attention.cuh; attention_forward / attention_backward dispatch here for the BF16
+// build and hd ∈ {64, 128} (qkv, dout, out, dqkv 16-byte aligned); everything else stays SIMT.
+//
+// What is rounded: S = QKᵀ and dP = dO Vᵀ come out of the MMA in fp32; the softmax statistics
+// (row max m, row sum l, lse) and P = exp(S − lse), dS = P ⊙ (dP − delta) are fp32; P and dS are
+// rounded to bf16 only as the A operand of the P·V, Pᵀ·dO, dS·K and dSᵀ·Q products (as in
+// FlashAttention-2). Exponentials are exp2 of log2(e)-scaled scores; lse is stored in natural log.
+//
+// Tiling. Every kernel runs one block of 4 warps (128 threads) on a 64-row tile of one
+// (sequence, head); the tile is split into 4 warp strips of 16 rows. Each warp's strip is the
+// M = 16 side of its MMAs, so the softmax of a row never leaves the 4 lanes that hold it.
+//
+//                  key tile kt: 64 keys (shared memory, double-buffered, cp.async)
+//                +----------------------------------+
+//     warp 0     | rows  0-15 x 64 keys: S = Q K^T  |  per lane s[8][4]: 8 n-blocks of 8 keys
+//     warp 1     | rows 16-31                       |
+//     warp 2     | rows 32-47                       |  query tile qt: 64 rows (Q in shared
+//     warp 3     | rows 48-63                       |  memory, A fragments in registers)
+//                +----------------------------------+
+//   Inside one 16 x 8 n-block (C fragment), lane l = 4g + t holds:
+//                cols 0 1   cols 2 3   cols 4 5   cols 6 7
+//     row g      lane 4g    lane 4g+1  lane 4g+2  lane 4g+3    (c[0], c[1])
+//     row g+8    lane 4g    lane 4g+1  lane 4g+2  lane 4g+3    (c[2], c[3])
+//   so a row's max and sum are two __shfl_xor_sync (1, 2) away.
+//
+//   forward:         block = query tile; loop key tiles 0 … qt (online softmax; O in registers).
+//   backward dK, dV: block = key tile (warp strips are 16 keys); loop query tiles kt … last,
+//                    computing Sᵀ = K Qᵀ and dPᵀ = V dOᵀ per strip, then dV += Pᵀ dO, dK += dSᵀ Q.
+//   backward dQ:     block = query tile; loop key tiles 0 … qt: S, dP, then dQ += dS K.
+// Every output element is accumulated by one lane in a fixed order (no atomics): deterministic.
+// Only the diagonal tile (kt == qt) and, in the backward, the tile holding T are masked.
+//
+// Shared memory: bf16 tiles of 64 rows with row stride LD = HD + 8 (HD + 8 bf16 = 144 / 272
+// bytes: the 8 row addresses of one ldmatrix phase fall on 8 distinct 16-byte bank groups, so
+// ldmatrix is conflict-free; cp.async writes 16-byte chunks). Tiles per block: forward Q + 2 K
+// + 2 V (5), dK/dV K + V + 2 Q + 2 dO (6, + 2·2·64 floats of lse/delta), dQ Q + dO + 2 K + 2 V
+// (6): hd = 64: 45 / 55 / 54 KiB, hd = 128: 85 / 103 / 102 KiB (two blocks per SM fit the
+// 227 KiB of sm_90). Registers per lane: O (or dQ, dK + dV) HD/8·4 fp32 each, S and dP 32 fp32
+// each, the forward's Q fragments HD/16·4 words (ptxas counts: notes/attention.md).
+//
+// MMA fragments relied on (PTX ISA, mma.m16n8k16 .bf16, lane l, g = l/4, t = l%4):
+//   A (16×16, row-major), 4 × b32 of two bf16 (lower column in the low half):
+//     a[0]: (row g,   cols 2t, 2t+1)   a[1]: (row g+8, cols 2t, 2t+1)
+//     a[2]: (row g,   cols 2t+8, +9)   a[3]: (row g+8, cols 2t+8, +9)
+//   B (16×8, "col": k-pairs contiguous), 2 × b32:  b[0]: (k 2t, 2t+1; n g)  b[1]: (k 2t+8, +9; n g)
+//   C/D (16×8 fp32): c[0], c[1]: (row g, cols 2t, 2t+1)   c[2], c[3]: (row g+8, cols 2t, 2t+1)
+// ldmatrix.x4 (non-transposed): lanes 8i … 8i+7 give the 8 row addresses of matrix i, and lane
+// l receives row g, columns 2t, 2t+1 of matrix i in register i; .trans gives rows 2t, 2t+1 of
+// column g instead. So: an A fragment is ldmatrix.x4 of (rows 0–7, 8–15) × (cols 0–7, 8–15) of
+// a row-major tile; a B fragment of an operand stored [n][k] (K for QKᵀ, Q for KQᵀ, V for dO Vᵀ)
+// is the non-transposed ldmatrix of its rows, and of an operand stored [k][n] (V for P V, dO,
+// Q, K for the gradient products) the transposed one. Two n-blocks of C side by side (keys
+// 16j … 16j+15) are exactly the A fragment of k-step j for the next product: P never touches
+// shared memory.
+#pragma once
+#ifdef FLATMOE_BF16
+#include <cstdint>
+#include <initializer_list>
+#include "common.cuh"
+
+namespace attn_mma {
+
+constexpr int TILE = 64;     // rows per query / key tile
+constexpr int THREADS = 128; // 4 warps × 16 rows
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+typedef __nv_bfloat16 bf16;
+
+template <int HD>
+constexpr int ld() { return HD + 8; }  // shared-memory row stride in bf16
+template <int HD>
+constexpr int tile_elems() { return TILE * ld<HD>(); }
+
+// ---- PTX wrappers -------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global → shared, asynchronously; src_bytes = 0 writes zeros (rows past the sequence).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// d += A·B for one m16n8k16 (bf16 inputs, fp32 accumulator).
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two fp32 → one b32 of two bf16 (lo in the low half: the lower column of a fragment).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// ---- tile helpers (lane = threadIdx.x % 32) -----------------------------------------------
+
+// Rows [0, rows_valid) of a 64 × HD tile (global row stride `stride` elements) into shared
+// memory (row stride LD) with cp.async; rows past rows_valid become zeros. rows_valid ≥ 1.
+template <int HD>
+__device__ __forceinline__ void load_tile_async(bf16* dst, const bf16* src, size_t stride, int rows_valid) {
+  constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
+  for (int idx = threadIdx.x; idx < TILE * CHUNKS; idx += THREADS) {
+    const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+    const bool valid = r < rows_valid;
+    cp_async_16(dst + r * ld<HD>() + c, src + (size_t)(valid ? r : 0) * stride + c, valid ? 16 : 0);
+  }
+}
+
+// A fragment of k-step ks (columns 16ks … 16ks+15) of the 16-row strip starting at `rows`.
+template <int HD>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* rows, int ks, int lane) {
+  ldmatrix_x4(a, rows + ((lane % 8) + 8 * ((lane / 8) % 2)) * ld<HD>() + ks * 16 + 8 * (lane / 16));
+}
+
+// acc = strip(16 × HD) · Xᵀ for the 8·NB rows of X (stored [n][k], n = row of X): the
+// 16 × 8NB score-like product. The strip's A fragments come from shared memory (a_rows).
+template <int HD, int NB>
+__device__ __forceinline__ void strip_times_tile_t(float (&acc)[NB][4], const bf16* a_rows, const bf16* X, int lane) {
+#pragma unroll
+  for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) acc[nb][e] = 0.f;
+#pragma unroll
+  for (int kp = 0; kp < HD / 32; kp++) {  // pairs of k-steps: one x4 B load covers 32 columns
+    uint32_t a0[4], a1[4];
+    load_a<HD>(a0, a_rows, 2 * kp, lane);
+    load_a<HD>(a1, a_rows, 2 * kp + 1, lane);
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++) {
+      uint32_t b[4];
+      ldmatrix_x4(b, X + (nb * 8 + lane % 8) * ld<HD>() + kp * 32 + 8 * (lane / 8));
+      mma_16816(acc[nb], a0, b[0], b[1]);
+      mma_16816(acc[nb], a1, b[2], b[3]);
+    }
+  }
+}
+
+// acc += P · Y for P the 16 × 8NB strip held as C fragments (p[NB][4], rounded to bf16 here)
+// and Y an 8NB × HD tile stored [k][n] (row = the keys or queries P's columns index).
+template <int HD, int NB>
+__device__ __forceinline__ void c_strip_times_tile(float (&acc)[HD / 8][4], const float (&p)[NB][4], const bf16* Y,
+                                                   int lane) {
+#pragma unroll
+  for (int j = 0; j < NB / 2; j++) {  // k-step j: columns 16j … 16j+15 of P = n-blocks 2j, 2j+1
+    const uint32_t a[4] = {pack_bf16(p[2 * j][0], p[2 * j][1]), pack_bf16(p[2 * j][2], p[2 * j][3]),
+                           pack_bf16(p[2 * j + 1][0], p[2 * j + 1][1]), pack_bf16(p[2 * j + 1][2], p[2 * j + 1][3])};
+#pragma unroll
+    for (int np = 0; np < HD / 16; np++) {  // pairs of n-blocks: columns 16np … 16np+15 of Y
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, Y + (j * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * ld<HD>() + np * 16 + 8 * (lane / 16));
+      mma_16816(acc[2 * np], a, b[0], b[1]);
+      mma_16816(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// ---- kernels ------------------------------------------------------------------------------
+
+// grid (nh, B, ceil(T/64)); block 128. out and lse of one 64-query tile of one head.
+template <int HD>
+__global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse, const bf16* qkv, int T, int nh) {
+  constexpr int TE = tile_elems<HD>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Q_s = reinterpret_cast<bf16*>(smem_raw);  // [64][LD]
+  bf16* K_s = Q_s + TE;                            // [2][64][LD]
+  bf16* V_s = K_s + 2 * TE;                        // [2][64][LD]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
+  const int q0 = qt * TILE;
+  const int H = nh * HD;
+  const size_t stride = 3 * (size_t)H;
+  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;  // q of (b, t = 0, h)
+  const float scale_log2 = LOG2E / sqrtf((float)HD);
+
+  load_tile_async<HD>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
+  load_tile_async<HD>(K_s, q_base + H, stride, min(TILE, T));
+  load_tile_async<HD>(V_s, q_base + 2 * H, stride, min(TILE, T));
+  cp_async_commit();
+
+  uint32_t qf[HD / 16][4];  // the warp's 16 query rows as A fragments, loaded once
+  float o[HD / 8][4];       // O strip 16 × HD (C fragments), unnormalised
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g, g+8: max (log2 units), partial sum
+#pragma unroll
+  for (int nb = 0; nb < HD / 8; nb++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) o[nb][e] = 0.f;
+  const int row0 = q0 + warp * 16 + g;  // query of c[0], c[1]; c[2], c[3] are row0 + 8
+
+  for (int kt = 0; kt <= qt; kt++) {
+    cp_async_wait_all();
+    __syncthreads();  // tile kt is in; every warp is done with the buffer of tile kt − 1
+    if (kt == 0) {
+#pragma unroll
+      for (int ks = 0; ks < HD / 16; ks++) load_a<HD>(qf[ks], Q_s + warp * 16 * ld<HD>(), ks, lane);
+    }
+    if (kt < qt) {  // prefetch tile kt + 1 into the other buffer
+      const int k1 = (kt + 1) * TILE;
+      load_tile_async<HD>(K_s + ((kt + 1) & 1) * TE, q_base + H + (size_t)k1 * stride, stride, min(TILE, T - k1));
+      load_tile_async<HD>(V_s + ((kt + 1) & 1) * TE, q_base + 2 * H + (size_t)k1 * stride, stride, min(TILE, T - k1));
+      cp_async_commit();
+    }
+    const bf16* Kt = K_s + (kt & 1) * TE;
+    const bf16* Vt = V_s + (kt & 1) * TE;
+
+    // S = Q Kᵀ (16 × 64 per warp), Q from registers.
+    float s[8][4];
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[nb][e] = 0.f;
+#pragma unroll
+    for (int kp = 0; kp < HD / 32; kp++)
+#pragma unroll
+      for (int nb = 0; nb < 8; nb++) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, Kt + (nb * 8 + lane % 8) * ld<HD>() + kp * 32 + 8 * (lane / 8));
+        mma_16816(s[nb], qf[2 * kp], kb[0], kb[1]);
+        mma_16816(s[nb], qf[2 * kp + 1], kb[2], kb[3]);
+      }
+
+    // Online softmax in log2 units. Only the diagonal tile has keys after a query; every row of
+    // every tile keeps at least one key (key k0 ≤ row0 on the diagonal), so m stays finite after
+    // tile 0 and exp2(−inf − m) = 0 covers the masked keys and the first rescale.
+    const int k0 = kt * TILE;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int key = k0 + nb * 8 + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
+        s[nb][e] = (kt == qt && key > row) ? -INFINITY : s[nb][e] * scale_log2;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nb][e]);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {  // the 4 lanes t = 0 … 3 of group g hold the row
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
+      const float m_new = fmaxf(m[r], tile_max[r]);
+      alpha[r] = exp2f(m[r] - m_new);
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nb = 0; nb < HD / 8; nb++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) o[nb][e] *= alpha[e >> 1];
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        s[nb][e] = exp2f(s[nb][e] - m[e >> 1]);  // now P (unnormalised), fp32
+        l[e >> 1] += s[nb][e];
+      }
+
+    c_strip_times_tile<HD, 8>(o, s, Vt, lane);  // O += P V
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+    const int row = row0 + 8 * r;
+    if (row < T) {
+      const float inv = 1.f / l[r];
+      bf16* out_row = out + ((size_t)b * T + row) * H + (size_t)h * HD;
+#pragma unroll
+      for (int nb = 0; nb < HD / 8; nb++)
+        *reinterpret_cast<__nv_bfloat162*>(out_row + nb * 8 + 2 * t) =
+            __floats2bfloat162_rn(o[nb][2 * r] * inv, o[nb][2 * r + 1] * inv);
+      if (t == 0) lse[((size_t)b * nh + h) * T + row] = (m[r] + log2f(l[r])) * LN2;
+    }
+  }
+}
+
+// grid (nh, B, ceil(T/64)); block 128. dK and dV of one 64-key tile of one head; warp w owns
+// keys k0 + 16w … k0 + 16w + 15.
+template <int HD>
+__global__ void __launch_bounds__(THREADS) backward_dkdv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                                const float* lse, const float* delta, int T, int nh) {
+  constexpr int TE = tile_elems<HD>();
+  constexpr int QC = HD == 128 ? 32 : 64;  // query columns per Sᵀ chunk
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* K_s = reinterpret_cast<bf16*>(smem_raw);  // [64][LD]
+  bf16* V_s = K_s + TE;                            // [64][LD]
+  bf16* Q_s = V_s + TE;                            // [2][64][LD]
+  bf16* dO_s = Q_s + 2 * TE;                       // [2][64][LD]
+  float* lse_s = reinterpret_cast<float*>(dO_s + 2 * TE);  // [2][64]  lse·log2(e) of the query tile
+  float* delta_s = lse_s + 2 * TILE;                       // [2][64]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int kt = blockIdx.z;  // key tile 0 (most query tiles) first
+  const int q_tiles = gridDim.z;
+  const int k0 = kt * TILE;
+  const int H = nh * HD;
+  const size_t stride = 3 * (size_t)H;
+  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
+  const bf16* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
+  const float* lse_bh = lse + ((size_t)b * nh + h) * T;
+  const float* delta_bh = delta + ((size_t)b * nh + h) * T;
+  const float scale_log2 = LOG2E / sqrtf((float)HD);
+
+  // Stages query tile qt (Q, dO by cp.async; lse, delta by plain loads) into buffer qt & 1.
+  auto stage = [&](int qt) {
+    const int q0 = qt * TILE, valid = min(TILE, T - q0), buf = qt & 1;
+    load_tile_async<HD>(Q_s + buf * TE, q_base + (size_t)q0 * stride, stride, valid);
+    load_tile_async<HD>(dO_s + buf * TE, dout_base + (size_t)q0 * H, H, valid);
+    for (int i = threadIdx.x; i < TILE; i += THREADS) {
+      lse_s[buf * TILE + i] = i < valid ? lse_bh[q0 + i] * LOG2E : 0.f;
+      delta_s[buf * TILE + i] = i < valid ? delta_bh[q0 + i] : 0.f;
+    }
+  };
+  load_tile_async<HD>(K_s, q_base + H + (size_t)k0 * stride, stride, min(TILE, T - k0));
+  load_tile_async<HD>(V_s, q_base + 2 * H + (size_t)k0 * stride, stride, min(TILE, T - k0));
+  stage(kt);
+  cp_async_commit();
+
+  float dk[HD / 8][4], dv[HD / 8][4];  // keys (rows) key0, key0 + 8; columns 8nb + 2t, +1
+#pragma unroll
+  for (int nb = 0; nb < HD / 8; nb++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) dk[nb][e] = dv[nb][e] = 0.f;
+  const int key0 = k0 + warp * 16 + g;
+  const bf16* K_strip = K_s + warp * 16 * ld<HD>();
+  const bf16* V_strip = V_s + warp * 16 * ld<HD>();
+
+  for (int qt = kt; qt < q_tiles; qt++) {
+    cp_async_wait_all();
+    __syncthreads();  // query tile qt is in; every warp is done with the buffer of qt − 1
+    if (qt + 1 < q_tiles) {
+      stage(qt + 1);
+      cp_async_commit();
+    }
+    const int buf = qt & 1, q0 = qt * TILE;
+    const bf16* Qt = Q_s + buf * TE;
+    const bf16* dOt = dO_s + buf * TE;
+
+    // The query tile in chunks of QC columns (one chunk for hd 64; two for hd 128, where
+    // dK, dV take 128 registers and a 64-column Sᵀ, dPᵀ would spill).
+#pragma unroll 1
+    for (int c0 = 0; c0 < TILE; c0 += QC) {
+      float st[QC / 8][4], dpt[QC / 8][4];  // [nb][e]: key key0 + 8(e/2), query q0 + c0 + 8nb + 2t + (e%2)
+      strip_times_tile_t<HD, QC / 8>(st, K_strip, Qt + c0 * ld<HD>(), lane);    // Sᵀ = K Qᵀ (unscaled)
+      strip_times_tile_t<HD, QC / 8>(dpt, V_strip, dOt + c0 * ld<HD>(), lane);  // dPᵀ = V dOᵀ
+      const bool edge = qt == kt || q0 + TILE > T;  // causal diagonal or queries past T
+#pragma unroll
+      for (int nb = 0; nb < QC / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int qi = c0 + nb * 8 + 2 * t + (e & 1), q = q0 + qi, key = key0 + 8 * (e >> 1);
+          float p = exp2f(st[nb][e] * scale_log2 - lse_s[buf * TILE + qi]);
+          if (edge && (key > q || q >= T)) p = 0.f;
+          st[nb][e] = p;                                             // Pᵀ
+          dpt[nb][e] = p * (dpt[nb][e] - delta_s[buf * TILE + qi]);  // dSᵀ
+        }
+      c_strip_times_tile<HD, QC / 8>(dv, st, dOt + c0 * ld<HD>(), lane);  // dV += Pᵀ dO
+      c_strip_times_tile<HD, QC / 8>(dk, dpt, Qt + c0 * ld<HD>(), lane);  // dK += dSᵀ Q
+    }
+  }
+
+  const float scale = 1.f / sqrtf((float)HD);
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int key = key0 + 8 * r;
+    if (key < T) {
+      bf16* row = dqkv + ((size_t)b * T + key) * stride + (size_t)h * HD;
+#pragma unroll
+      for (int nb = 0; nb < HD / 8; nb++) {
+        *reinterpret_cast<__nv_bfloat162*>(row + H + nb * 8 + 2 * t) =
+            __floats2bfloat162_rn(dk[nb][2 * r] * scale, dk[nb][2 * r + 1] * scale);
+        *reinterpret_cast<__nv_bfloat162*>(row + 2 * H + nb * 8 + 2 * t) =
+            __floats2bfloat162_rn(dv[nb][2 * r], dv[nb][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// grid (nh, B, ceil(T/64)); block 128. dQ of one 64-query tile of one head.
+template <int HD>
+__global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                              const float* lse, const float* delta, int T, int nh) {
+  constexpr int TE = tile_elems<HD>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Q_s = reinterpret_cast<bf16*>(smem_raw);  // [64][LD]
+  bf16* dO_s = Q_s + TE;                           // [64][LD]
+  bf16* K_s = dO_s + TE;                           // [2][64][LD]
+  bf16* V_s = K_s + 2 * TE;                        // [2][64][LD]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
+  const int q0 = qt * TILE;
+  const int H = nh * HD;
+  const size_t stride = 3 * (size_t)H;
+  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
+  const bf16* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
+  const float scale_log2 = LOG2E / sqrtf((float)HD);
+
+  load_tile_async<HD>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
+  load_tile_async<HD>(dO_s, dout_base + (size_t)q0 * H, H, min(TILE, T - q0));
+  load_tile_async<HD>(K_s, q_base + H, stride, min(TILE, T));
+  load_tile_async<HD>(V_s, q_base + 2 * H, stride, min(TILE, T));
+  cp_async_commit();
+
+  const int row0 = q0 + warp * 16 + g;  // rows row0, row0 + 8
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int row = row0 + 8 * r;
+    lse2[r] = row < T ? lse[((size_t)b * nh + h) * T + row] * LOG2E : 0.f;
+    dlt[r] = row < T ? delta[((size_t)b * nh + h) * T + row] : 0.f;
+  }
+  float dq[HD / 8][4];
+#pragma unroll
+  for (int nb = 0; nb < HD / 8; nb++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) dq[nb][e] = 0.f;
+  const bf16* Q_strip = Q_s + warp * 16 * ld<HD>();
+  const bf16* dO_strip = dO_s + warp * 16 * ld<HD>();
+
+  for (int kt = 0; kt <= qt; kt++) {
+    cp_async_wait_all();
+    __syncthreads();  // key tile kt is in; every warp is done with the buffer of kt − 1
+    if (kt < qt) {
+      const int k1 = (kt + 1) * TILE;
+      load_tile_async<HD>(K_s + ((kt + 1) & 1) * TE, q_base + H + (size_t)k1 * stride, stride, min(TILE, T - k1));
+      load_tile_async<HD>(V_s + ((kt + 1) & 1) * TE, q_base + 2 * H + (size_t)k1 * stride, stride, min(TILE, T - k1));
+      cp_async_commit();
+    }
+    const bf16* Kt = K_s + (kt & 1) * TE;
+    const bf16* Vt = V_s + (kt & 1) * TE;
+    const int k0 = kt * TILE;
+
+    float s[8][4], dp[8][4];  // [nb][e]: query row0 + 8(e/2), key k0 + 8nb + 2t + (e%2)
+    strip_times_tile_t<HD, 8>(s, Q_strip, Kt, lane);    // S = Q Kᵀ (unscaled)
+    strip_times_tile_t<HD, 8>(dp, dO_strip, Vt, lane);  // dP = dO Vᵀ
+    const bool edge = kt == qt;  // the diagonal tile also holds every query ≥ T
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int key = k0 + nb * 8 + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
+        float p = exp2f(s[nb][e] * scale_log2 - lse2[e >> 1]);
+        if (edge && (key > row || row >= T)) p = 0.f;
+        dp[nb][e] = p * (dp[nb][e] - dlt[e >> 1]);  // dS
+      }
+    c_strip_times_tile<HD, 8>(dq, dp, Kt, lane);  // dQ += dS K
+  }
+
+  const float scale = 1.f / sqrtf((float)HD);
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int row = row0 + 8 * r;
+    if (row < T) {
+      bf16* out_row = dqkv + ((size_t)b * T + row) * stride + (size_t)h * HD;
+#pragma unroll
+      for (int nb = 0; nb < HD / 8; nb++)
+        *reinterpret_cast<__nv_bfloat162*>(out_row + nb * 8 + 2 * t) =
+            __floats2bfloat162_rn(dq[nb][2 * r] * scale, dq[nb][2 * r + 1] * scale);
+    }
+  }
+}
+
+// ---- shared-memory sizes ------------------------------------------------------------------
+
+template <int HD>
+inline size_t forward_smem() { return sizeof(bf16) * 5 * tile_elems<HD>(); }
+template <int HD>
+inline size_t dkdv_smem() { return sizeof(bf16) * 6 * tile_elems<HD>() + sizeof(float) * 4 * TILE; }
+template <int HD>
+inline size_t dq_smem() { return sizeof(bf16) * 6 * tile_elems<HD>(); }
+
+// ---- launchers (sizes already checked by attention.cuh's attention_check_sizes) ------------
+
+// Whether the tensor-core kernels take (hd, pointers): hd 64 or 128 and every bf16 tensor
+// 16-byte aligned (cp.async moves 16-byte chunks; row strides 3H and H are multiples of 8).
+inline bool supported(int hd, std::initializer_list<const void*> ptrs) {
+  if (hd != 64 && hd != 128) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+template <typename Kernel>
+inline void allow_smem(const char* op, Kernel kernel, size_t bytes, int B, int T, int nh, int hd) {
+  cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes), op,
+            "tensor cores: B=%d T=%d nh=%d hd=%d smem=%zu", B, T, nh, hd, bytes);
+}
+
+template <int HD>
+inline void forward_hd(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh, cudaStream_t stream) {
+  const size_t smem = forward_smem<HD>();
+  allow_smem("attention_forward", forward_kernel<HD>, smem, B, T, nh, HD);
+  const dim3 grid(nh, B, ceil_div(T, TILE));
+  forward_kernel<HD><<<grid, THREADS, smem, stream>>>(out, lse, qkv, T, nh);
+  launchCheck("attention_forward", "tensor-core kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
+}
+
+template <int HD>
+inline void backward_hd(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B,
+                        int T, int nh, cudaStream_t stream) {
+  const dim3 grid(nh, B, ceil_div(T, TILE));
+  const size_t smem_dkdv = dkdv_smem<HD>();
+  allow_smem("attention_backward", backward_dkdv_kernel<HD>, smem_dkdv, B, T, nh, HD);
+  backward_dkdv_kernel<HD><<<grid, THREADS, smem_dkdv, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  launchCheck("attention_backward", "tensor-core dK/dV kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
+  const size_t smem_dq = dq_smem<HD>();
+  allow_smem("attention_backward", backward_dq_kernel<HD>, smem_dq, B, T, nh, HD);
+  backward_dq_kernel<HD><<<grid, THREADS, smem_dq, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  launchCheck("attention_backward", "tensor-core dQ kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
+}
+
+inline void forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh, int hd, cudaStream_t stream) {
+  if (hd == 64) forward_hd<64>(out, lse, qkv, B, T, nh, stream);
+  else if (hd == 128) forward_hd<128>(out, lse, qkv, B, T, nh, stream);
+  else fm_fail("attention_forward", "tensor-core kernels take hd 64 or 128", "B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
+}
+
+inline void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B, int T,
+                     int nh, int hd, cudaStream_t stream) {
+  if (hd == 64) backward_hd<64>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
+  else if (hd == 128) backward_hd<128>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
+  else fm_fail("attention_backward", "tensor-core kernels take hd 64 or 128", "B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
+}
+
+}  // namespace attn_mma
+
+#endif  // FLATMOE_BF16
