@@ -187,7 +187,7 @@ if [[ " $want " == *" attention "* ]]; then
   done
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in racecheck memcheck; do
-    timeout 120 "$sanitizer" --tool $tool build/bf16/test_gpu --gtest_filter='GpuAttention.IsBitwiseDeterministic' \
+    timeout 60 "$sanitizer" --tool $tool build/bf16/test_gpu --gtest_filter='GpuAttention.IsBitwiseDeterministic' \
       > "$OUT/attention_$tool.log" 2>&1
     rc=$?
     [ "$rc" -eq 0 ] || status=1
