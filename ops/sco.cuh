@@ -1,8 +1,8 @@
 // sco.cuh — SCO, selective checkpoint offload (notes/design.md §6.6, notes/sco.md): the layer
 // boundaries of ops/sco_plan.hpp's set S leave the device after their layer's forward, wait in pinned
 // host memory, and come back one layer before their recomputation. Copies only: a pass with SCO is
-// bit-identical to one without (tests/sco_training.cuh asserts it with memcmp). No twin: it computes
-// nothing. model.cuh's LayerBoundaries (the layer-boundary seam) calls it; --offload_budget BYTES sets
+// bit-identical to one without (tests/sco_training.cuh asserts it with memcmp). It computes nothing:
+// what it must preserve is the model's own math, ref/model.hpp, which the model tests hold the model to. model.cuh's LayerBoundaries (the layer-boundary seam) calls it; --offload_budget BYTES sets
 // the budget (a training pass under --recompute 1 offloads; other passes keep every boundary).
 //
 // What it bounds: under --recompute 1 the boundaries input[0..L] (N×H each, b bytes per scalar,

@@ -61,22 +61,6 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
   return f;
 }
 
-// Random floatX values in [-scale, scale) from a hash of the index (no host copy of a large tensor).
-__global__ void fill_kernel(floatX* p, size_t n, unsigned seed, float scale) {
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned h = (unsigned)i * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    p[i] = from_float<floatX>(scale * ((h & 0xffffff) / 8388608.0f - 1.0f));
-  }
-}
-
-void fill(floatX* p, size_t n, unsigned seed, float scale, cudaStream_t s) {
-  fill_kernel<<<1024, 256, 0, s>>>(p, n, seed, scale);
-  launchCheck("bench_attention.fill", "n=%zu", n);
-}
-
 std::vector<floatX> download(const floatX* p, size_t n, cudaStream_t s) {
   std::vector<floatX> host(n);
   cudaCheck(cudaMemcpyAsync(host.data(), p, n * sizeof(floatX), cudaMemcpyDeviceToHost, s), "bench_attention",
@@ -114,8 +98,8 @@ int main(int argc, char** argv) {
       DeviceBuffer<floatX> out((size_t)N * H, Mem::Activations, "bench.out");
       DeviceBuffer<float> lse((size_t)B * nh * T, Mem::Activations, "bench.lse");
       DeviceBuffer<floatX> dqkv((size_t)N * 3 * H, Mem::Grads, "bench.dqkv");
-      fill(qkv.ptr, qkv.count, 17, 1.0f, stream);
-      fill(dout.ptr, dout.count, 29, 1.0f, stream);
+      bench_fill(qkv.ptr, qkv.count, 17, 1.0f, stream);
+      bench_fill(dout.ptr, dout.count, 29, 1.0f, stream);
       const double fwd_flop = 2.0 * 2.0 * B * nh * (double)T * T * hd / 2.0, bwd_flop = 2.5 * fwd_flop;
 
       struct Path {

@@ -67,35 +67,14 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
                                  parse_flag_int("--shapes H", parts[2].c_str(), 1, 1 << 20)});
       }
     } else if (flag == "--heads") {
-      f.heads = split_list(value);
-      for (const std::string& h : f.heads)
-        if (h != "full" && h != "chunked" && h != "ring") bench_usage("--heads: unknown head '" + h + "' (full, chunked, ring)");
+      f.heads = word_list(flag, value, {"full", "chunked", "ring"});
     } else if (flag == "--timeline") {
       f.timeline_dir = value;
     } else if (flag == "--modes") {
-      f.modes = split_list(value);
-      for (const std::string& m : f.modes)
-        if (m != "auto" && m != "weights" && m != "activations")
-          bench_usage("--modes: unknown mode '" + m + "' (auto, weights, activations)");
+      f.modes = word_list(flag, value, {"auto", "weights", "activations"});
     } else bench_usage("unknown flag " + flag);
   });
   return f;
-}
-
-// Random floatX values in [-scale, scale) from a hash of the index (no host copy of a large tensor).
-__global__ void fill_kernel(floatX* p, size_t n, unsigned seed, float scale) {
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned h = (unsigned)i * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    p[i] = from_float<floatX>(scale * ((h & 0xffffff) / 8388608.0f - 1.0f));
-  }
-}
-
-void fill(floatX* p, size_t n, unsigned seed, float scale, cudaStream_t s) {
-  fill_kernel<<<1024, 256, 0, s>>>(p, n, seed, scale);
-  launchCheck("bench_head.fill", "n=%zu", n);
 }
 
 }  // namespace
@@ -127,8 +106,8 @@ int main(int argc, char** argv) {
     floatX* dW = pool().alloc_t<floatX>((size_t)V * H, Mem::Grads, "bench.dlm_head");
     int* targets = pool().alloc_t<int>(N, Mem::Activations, "bench.targets");
     float* loss = pool().alloc_t<float>(1, Mem::Workspace, "bench.loss");
-    fill(x, (size_t)N * H, 17 + world.rank, 1.0f, stream);
-    fill(Wfull, (size_t)V * H, 29, 0.05f, stream);
+    bench_fill(x, (size_t)N * H, 17 + world.rank, 1.0f, stream);
+    bench_fill(Wfull, (size_t)V * H, 29, 0.05f, stream);
     cudaCheck(cudaMemsetAsync(dW, 0, (size_t)V * H * b, stream), "bench_head", "dW");
     std::vector<int> host_targets(N);
     for (int n = 0; n < N; n++) host_targets[n] = (int)(((long long)n * 7919 + world.rank * 104729) % V);

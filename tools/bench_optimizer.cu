@@ -62,10 +62,7 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
     else if (flag == "--buckets") f.buckets = int_list(flag, value, 1, INT_MAX);
     else if (flag == "--slots") f.slots = int_list(flag, value, 1, 16);
     else if (flag == "--optimizers") {
-      f.optimizers = split_list(value);
-      for (const std::string& o : f.optimizers)
-        if (o != "offload_adamw" && o != "cpu_adamw" && o != "adamw")
-          bench_usage("--optimizers: unknown optimizer '" + o + "' (offload_adamw, cpu_adamw, adamw)");
+      f.optimizers = word_list(flag, value, {"offload_adamw", "cpu_adamw", "adamw"});
     } else bench_usage("unknown flag " + flag);
   });
   return f;

@@ -24,6 +24,19 @@ inline std::vector<std::string> split_list(const std::string& list) {
   return items;
 }
 
+// "a,b" for flag `flag`, each item one of `allowed`; throws std::invalid_argument naming the flag,
+// the item and the allowed words (parse_flag_pairs sends it to the usage).
+inline std::vector<std::string> word_list(const std::string& flag, const char* text, const std::vector<std::string>& allowed) {
+  std::vector<std::string> items = split_list(text);
+  for (const std::string& item : items)
+    if (std::find(allowed.begin(), allowed.end(), item) == allowed.end()) {
+      std::string words;
+      for (const std::string& a : allowed) words += (words.empty() ? "" : ", ") + a;
+      throw std::invalid_argument(flag + ": unknown '" + item + "' (" + words + ")");
+    }
+  return items;
+}
+
 // A decimal integer in [lo, hi] and nothing else; throws std::invalid_argument naming the flag.
 inline long long parse_flag_int(const std::string& flag, const char* text, long long lo, long long hi) {
   char* end = nullptr;
@@ -110,4 +123,21 @@ inline long long slowest(const Comm& world, long long value, cudaStream_t stream
   if (world.size == 1) return value;
   const std::vector<long long> all = gather_all(world, {value}, stream);
   return *std::max_element(all.begin(), all.end());
+}
+
+// Random floatX values in [-scale, scale) from a hash of the index and `seed` (a benchmark's inputs,
+// with no host copy of a large tensor).
+static __global__ void bench_fill_kernel(floatX* p, size_t n, unsigned seed, float scale) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    unsigned h = (unsigned)i * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    p[i] = from_float<floatX>(scale * ((h & 0xffffff) / 8388608.0f - 1.0f));
+  }
+}
+
+inline void bench_fill(floatX* p, size_t n, unsigned seed, float scale, cudaStream_t s) {
+  bench_fill_kernel<<<1024, 256, 0, s>>>(p, n, seed, scale);
+  launchCheck("bench_fill", "n=%zu", n);
 }
