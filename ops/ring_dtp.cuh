@@ -129,13 +129,6 @@ inline size_t ring_dtp_live_bytes(RingDTPBranch branch, size_t N, int V, int P, 
   return always + slots * (N * H * b + N * 4) + std::max(6 * N * 4, slots * N * 4 + 2 * N * H * 4);
 }
 
-// One hop: `send` (send_count elements) to the right neighbour, `recv` (recv_count) from the left.
-template <typename T>
-inline void ring_dtp_hop(const Comm& group, const T* send, size_t send_count, T* recv, size_t recv_count, cudaStream_t xs) {
-  point_to_point<T>(group, {PeerMessage<const T>{send, send_count, (group.rank + 1) % group.size}},
-                    {PeerMessage<T>{recv, recv_count, (group.rank - 1 + group.size) % group.size}}, xs);
-}
-
 // Running statistics of a batch, one buffer [3N] fp32 so that they travel in one message.
 struct RingDTPStats {
   float* data = nullptr;
@@ -273,7 +266,7 @@ struct RingDTPHead : OutputHead {
     auto prefetch_next_shard = [&](int q, const floatX* cur) {
       if (q + 1 == P) return;
       if (q > 0) computed.wait_on(xs, "ring_dtp");
-      ring_dtp_hop(group, cur, (size_t)rows(q) * H, slot[q % 2], (size_t)rows(q + 1) * H, xs);
+      ring_send_recv(group, cur, (size_t)rows(q) * H, slot[q % 2], (size_t)rows(q + 1) * H, xs);
       arrived.record(xs, "ring_dtp");
     };
     stream_after(xs, cs, "ring_dtp");  // W, x and the slots are ready for the communicator's stream
@@ -307,7 +300,8 @@ struct RingDTPHead : OutputHead {
         computed.record(cs, "ring_dtp");
         // the accumulator to the rank that holds this shard next (after the last round: its owner)
         computed.wait_on(xs, "ring_dtp");
-        ring_dtp_hop(group, (const floatX*)acc[q % 2], (size_t)rows(q) * H, acc[(q + 1) % 2], (size_t)rows(q + 1) * H, xs);
+        ring_send_recv(group, (const floatX*)acc[q % 2], (size_t)rows(q) * H, acc[(q + 1) % 2],
+                       (size_t)rows(q + 1) * H, xs);
         acc_arrived.record(xs, "ring_dtp");
         if (q + 1 < P) {
           arrived.wait_on(cs, "ring_dtp");
@@ -347,8 +341,8 @@ struct RingDTPHead : OutputHead {
     auto prefetch_next_batch = [&](int q) {
       if (q + 1 == P) return;
       if (q > 0) computed.wait_on(xs, "ring_dtp");
-      ring_dtp_hop(group, cur_x, NH, x_slot[q % 2], NH, xs);
-      ring_dtp_hop(group, cur_t, (size_t)N, t_slot[q % 2], (size_t)N, xs);
+      ring_send_recv(group, cur_x, NH, x_slot[q % 2], NH, xs);
+      ring_send_recv(group, cur_t, (size_t)N, t_slot[q % 2], (size_t)N, xs);
       arrived.record(xs, "ring_dtp");
     };
     auto take_next_batch = [&](int q) {
@@ -368,7 +362,7 @@ struct RingDTPHead : OutputHead {
       ring_dtp_meet_forward(st[q % 2], cur_x, cur_t, W, lo, rows, N, H, block_cols, logits, cs);
       computed.record(cs, "ring_dtp");
       computed.wait_on(xs, "ring_dtp");  // the statistics on to the batch's next rank (after the last round: home)
-      ring_dtp_hop(group, (const float*)st[q % 2].data, 3 * (size_t)N, st[(q + 1) % 2].data, 3 * (size_t)N, xs);
+      ring_send_recv(group, (const float*)st[q % 2].data, 3 * (size_t)N, st[(q + 1) % 2].data, 3 * (size_t)N, xs);
       acc_arrived.record(xs, "ring_dtp");
       acc_arrived.wait_on(cs, "ring_dtp");
       if (q + 1 < P) take_next_batch(q);
@@ -389,14 +383,14 @@ struct RingDTPHead : OutputHead {
       for (int q = 0; q < P; q++) {
         if (q + 1 < P) {
           if (q > 0) computed.wait_on(xs, "ring_dtp");
-          ring_dtp_hop(group, cur_lse, (size_t)N, lse_slot[q % 2], (size_t)N, xs);
+          ring_send_recv(group, cur_lse, (size_t)N, lse_slot[q % 2], (size_t)N, xs);
         }
         prefetch_next_batch(q);
         ring_dtp_meet_backward(acc[q % 2], dW, cur_x, cur_t, cur_lse, dloss, W, lo, rows, N, H, V, block_cols, logits,
                                q > 0 ? &acc_arrived : nullptr, cs);
         computed.record(cs, "ring_dtp");
         computed.wait_on(xs, "ring_dtp");  // the dx accumulator on with its batch (after the last round: home)
-        ring_dtp_hop(group, (const float*)acc[q % 2], NH, acc[(q + 1) % 2], NH, xs);
+        ring_send_recv(group, (const float*)acc[q % 2], NH, acc[(q + 1) % 2], NH, xs);
         acc_arrived.record(xs, "ring_dtp");
         if (q + 1 < P) {
           take_next_batch(q);

@@ -263,18 +263,28 @@ inline void all_to_all_v(const Comm& c, const T* send, const std::vector<long lo
              NcclType<T>::name, c.size);
 }
 
-// Ring: send `count` elements to (rank+1) % size and receive `count` from (rank−1+size) % size.
+// Ring: send `send_count` elements to (rank+1) % size and receive `recv_count` from (rank−1+size) %
+// size (each rank's send_count is its right neighbour's recv_count; a count of 0 is left out).
 template <typename T>
-inline void ring_send_recv(const Comm& c, const T* send, T* recv, size_t count, cudaStream_t stream) {
-  if (count == 0) return;
+inline void ring_send_recv(const Comm& c, const T* send, size_t send_count, T* recv, size_t recv_count,
+                           cudaStream_t stream) {
+  if (send_count == 0 && recv_count == 0) return;
   int next = (c.rank + 1) % c.size, prev = (c.rank - 1 + c.size) % c.size;
   comm_check(c, ncclGroupStart(), "ring_send_recv", "ncclGroupStart");
-  comm_check(c, ncclSend(send, count, NcclType<T>::value, next, c.nccl, stream), "ring_send_recv",
-             "ncclSend to rank %d count=%zu type=%s", next, count, NcclType<T>::name);
-  comm_check(c, ncclRecv(recv, count, NcclType<T>::value, prev, c.nccl, stream), "ring_send_recv",
-             "ncclRecv from rank %d count=%zu type=%s", prev, count, NcclType<T>::name);
-  comm_check(c, ncclGroupEnd(), "ring_send_recv", "ncclGroupEnd count=%zu type=%s ranks=%d", count, NcclType<T>::name,
-             c.size);
+  if (send_count > 0)
+    comm_check(c, ncclSend(send, send_count, NcclType<T>::value, next, c.nccl, stream), "ring_send_recv",
+               "ncclSend to rank %d count=%zu type=%s", next, send_count, NcclType<T>::name);
+  if (recv_count > 0)
+    comm_check(c, ncclRecv(recv, recv_count, NcclType<T>::value, prev, c.nccl, stream), "ring_send_recv",
+               "ncclRecv from rank %d count=%zu type=%s", prev, recv_count, NcclType<T>::name);
+  comm_check(c, ncclGroupEnd(), "ring_send_recv", "ncclGroupEnd send=%zu recv=%zu type=%s ranks=%d", send_count,
+             recv_count, NcclType<T>::name, c.size);
+}
+
+// The same `count` both ways.
+template <typename T>
+inline void ring_send_recv(const Comm& c, const T* send, T* recv, size_t count, cudaStream_t stream) {
+  ring_send_recv(c, send, count, recv, count, stream);
 }
 
 // One message of a point-to-point group: `count` elements to or from rank `peer`.
