@@ -105,6 +105,7 @@ struct Optimizer {
 // --optimizer adamw: the state on the GPU.
 struct DeviceAdamW : Optimizer {
   float *master = nullptr, *m = nullptr, *v = nullptr;  // [S] each (Optimizer)
+  static size_t device_bytes(size_t S) { return 3 * S * sizeof(float); }
 
   // Zeroed on `stream` (the shard's padding stays 0).
   DeviceAdamW(std::vector<ShardSegment> segs, size_t S, cudaStream_t stream) : Optimizer(std::move(segs), S) {
