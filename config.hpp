@@ -90,6 +90,7 @@ struct TrainConfig {
   long long offload_budget = 0;            // SCO: host bytes for layer boundaries (--recompute 1); 0 = none
   std::string device_budget = "0";         // selective attention recomputation (--recompute 1): the pool bytes a
                                            // rank may use, or a fraction (0, 1] of the GPU's memory; "0" = off
+  int dry_run = 0;                         // 1: print the memory prediction (and refuse what cannot fit), then exit
   unsigned long long seed = 1337;
 };
 
@@ -421,6 +422,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.adam_eps > 0 && t.weight_decay >= 0 && t.grad_clip >= 0 && t.bias_update >= 0,
        "adam_eps must be > 0; weight_decay, grad_clip, bias_update >= 0");
   need(t.recompute == 0 || t.recompute == 1, "recompute must be 0 or 1");
+  need(t.dry_run == 0 || t.dry_run == 1, "dry_run must be 0 or 1");
   need(t.gpus >= 1, "gpus must be >= 1");
   const int ep = t.ep ? t.ep : t.gpus;
   need(ep >= 1 && t.gpus % ep == 0, "ep (" + std::to_string(ep) + ") must divide the number of ranks (" +
@@ -518,6 +520,7 @@ inline std::string usage() {
          "        --recompute 0|1 --offload_budget BYTES (SCO: layer boundaries in pinned host memory; needs\n"
          "        --recompute 1) --device_budget BYTES|FRACTION (the pool's bytes per rank, or a fraction of the\n"
          "        GPU: what the predicted peak leaves keeps attention tensors; needs --recompute 1) --seed S\n"
+         "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing)\n"
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
@@ -681,6 +684,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--offload_slots", &T::offload_slots),
       int64_flag("--offload_budget", &T::offload_budget),
       text_flag("--device_budget", &T::device_budget),
+      int_flag("--dry_run", &T::dry_run),
       {"--seed", false,
        [](T& t, const std::string& v) {
          char* end = nullptr;

@@ -409,6 +409,12 @@ int train_main(int argc, char** argv) {
     const int accum = tc.total_batch ? tc.total_batch / (B * T) : 1;
     cudaStream_t stream = stream_create("train");  // the compute stream; each communicator has its own
     const RankMemoryPlan memory_plan = plan_rank_memory(mc, tc, par, B, T);  // before the model allocates
+    if (tc.dry_run) {  // the prediction is the whole answer: nothing is allocated or trained
+      if (main_rank) print_memory_plan(memory_plan, mc);
+      parallel_destroy(par);
+      runtime_release();
+      return 0;
+    }
     TrainState st;
     Model m;
     if (!tc.resume.empty()) {

@@ -76,13 +76,13 @@ TrainConfig random_train(testutil::Rng& rng, int min_text_length) {
   TrainConfig t;
   for (std::string T::*field : {&T::data_dir, &T::train_pattern, &T::val_pattern, &T::tokenizer, &T::out_dir,
                                 &T::resume, &T::routing, &T::record_routing, &T::moe, &T::head, &T::optimizer,
-                                &T::ring_dtp})
+                                &T::ring_dtp, &T::device_budget})
     t.*field = random_text(rng, min_text_length);
   for (int T::*field :
        {&T::batch, &T::total_batch, &T::steps, &T::warmup, &T::recompute, &T::val_every, &T::val_batches,
         &T::sample_every, &T::sample_len, &T::ckpt_every, &T::log_every, &T::timeline_step, &T::gpus, &T::ep,
         &T::llep_min_rows, &T::token_budget, &T::kmax, &T::offload_bucket, &T::offload_slots, &T::vocab_group,
-        &T::vocab_block})
+        &T::vocab_block, &T::dry_run})
     t.*field = rng.integer(-2147483647, 2147483647);
   for (float T::*field :
        {&T::lr, &T::min_lr_frac, &T::weight_decay, &T::beta1, &T::beta2, &T::adam_eps, &T::grad_clip, &T::bias_update,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank, pllep
@@ -30,6 +30,9 @@
 #     GpuMemoryPrediction.* and the DistModel SCO/kept-attention/prediction tests in both precisions, then 30 BF16
 #     training steps of B1 (T = 2048, batch 8) on the fortunes data: recompute off, on, SCO at 2, 4, 8 boundaries,
 #     kept attention at 3 device budgets: mean step time of steps 11-30, pool peak, the prediction (sco.md)
+#   sco-timelines: the pool's timeline of one B1 step under recomputation, with SCO on every boundary and with
+#     kept attention (sco_timelines.tgz, CSV per run)
+#   limits: the longest context and the largest batch of a stated model on one GPU (tools/bench_train.sh limits)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
 #   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
 #     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
@@ -270,6 +273,29 @@ if [[ " $want " == *" sco "* ]]; then
   sco_run "recompute on, attention kept, budget 0.9 of the GPU" --recompute 1 --device_budget 0.9
   sco_run "recompute on, SCO all + attention kept (0.9)" --recompute 1 --offload_budget $((8 * boundary)) --device_budget 0.9
   cat "$OUT/sco.md"
+fi
+
+if [[ " $want " == *" sco-timelines "* ]]; then
+  # the pool's timeline of step 3 of B1 (T = 2048, batch 8, one micro-batch) under recomputation alone, with SCO on
+  # every boundary, and with the attention that 0.9 of the GPU keeps (sco_timelines.tgz; plotted with
+  # tools/plot_timeline.sh); 30 steps each, so that the mean step time is a second sample of the sco table's rows
+  b1="--hidden 1024 --layers 8 --heads 16 --experts 32 --topk 4 --expert_dim 512 --seq_len 2048 --batch 8 --recompute 1"
+  rm -rf build/sco-timelines && mkdir -p build/sco-timelines
+  for run in "recompute:" "sco_all:--offload_budget $((8 * 8 * 2048 * 1024 * 2))" "kept_attention:--device_budget 0.9"; do
+    name=${run%%:*}
+    rm -rf build/run-timeline
+    build/bf16/train $b1 ${run#*:} --data data/fortunes --steps 30 --timeline_step 3 --val_every 0 --sample_every 0 \
+      --ckpt_every 0 --log_every 1 --out build/run-timeline > build/timeline_train.log 2>&1 || { status=1; tail -5 build/timeline_train.log; }
+    cp build/run-timeline/timeline_step3.csv "build/sco-timelines/$name.csv"
+    summary+=("$name: $(awk -F, 'FNR > 1 && $2 != "nan" && $1 > 10 { sum += $6; k++ } END { printf "%.1f ms/step (steps 11-30)", k ? sum / k : 0 }' build/run-timeline/log.csv)")
+  done
+  tar czf "$OUT/sco_timelines.tgz" -C build sco-timelines
+  summary+=("sco-timelines: $(ls build/sco-timelines | tr '\n' ' ')")
+fi
+
+if [[ " $want " == *" limits "* ]]; then
+  tools/bench_train.sh build/bf16/train data/fortunes build/bench limits > "$OUT/limits.md" 2> build/limits.err
+  cat "$OUT/limits.md"
 fi
 
 if [[ " $want " == *" bench "* ]]; then

@@ -3,6 +3,7 @@
 // from CUDA outside the pool shows as "other", memory the pool takes shows as its reserved bytes, and
 // the report's terms add up to the device's used bytes.
 #include <string>
+#include <vector>
 #include "gpu_util.cuh"
 
 TEST(DeviceLedger, ItemisesTheDeviceAndNamesWhatLiesOutsideThePool) {
@@ -33,4 +34,30 @@ TEST(DeviceLedger, ItemisesTheDeviceAndNamesWhatLiesOutsideThePool) {
   EXPECT_EQ(with_inside.used, with_inside.reserved + with_inside.itemised + with_inside.other());
   pool().free(inside);
   cudaCheck(cudaFree(outside), "test", "cudaFree");
+}
+
+// The pool's cache serves only its own sizes. When the device is full, a request of another size makes
+// the pool give its cached blocks back to CUDA and ask again: the cached bytes never cause an
+// out-of-memory that the live bytes alone would not.
+TEST(DeviceLedger, AFullDeviceTakesTheCachedBlocksBack) {
+  REQUIRE_GPU();
+  runtime_prepare();
+  size_t free_b = 0, total_b = 0;
+  cudaCheck(cudaMemGetInfo(&free_b, &total_b), "test", "meminfo");
+  // three blocks of a quarter of what is free, cached once freed; then a block of half of it, which
+  // fits only if the cache goes back to CUDA (a quarter is left)
+  const size_t quarter = (free_b / 4) & ~((size_t(1) << 21) - 1), half = 2 * quarter - (size_t(1) << 21);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 3; i++) blocks.push_back(pool().alloc(quarter, Mem::Workspace, "test.quarter"));
+  for (void* p : blocks) pool().free(p);
+  const size_t releases = pool().cache_releases(), reserved = pool().reserved();
+  EXPECT_GE(reserved, 3 * quarter) << "the freed blocks stay cached";
+  void* big = pool().alloc(half, Mem::Workspace, "test.half");
+  printf("[mem] free %.1f GiB; cached 3 x %.1f GiB; then %.1f GiB: reserved %.1f -> %.1f GiB, cache releases %zu -> %zu\n",
+         free_b / 1073741824.0, quarter / 1073741824.0, half / 1073741824.0, reserved / 1073741824.0,
+         pool().reserved() / 1073741824.0, releases, pool().cache_releases());
+  EXPECT_EQ(pool().cache_releases(), releases + 1) << "the request needed the cached bytes";
+  EXPECT_LT(pool().reserved(), reserved) << "the cached quarters went back to CUDA";
+  pool().free(big);
+  pool().release_cached();
 }
