@@ -91,7 +91,7 @@ Model checkpoint_load(const std::string& dir, const ModelConfig& flags_model, co
                                 "); this run has P=" + std::to_string(par.vocab.size) + " (--head " + tc.head + ")");
   if (par.world.rank == 0)
     for (const std::string& d : ckpt::train_flag_differences(f.train, tc)) printf("note: training flag differs from the checkpoint's: %s\n", d.c_str());
-  Model m = model_create(f.model, 0, par, stream, seams_from(tc));
+  Model m = model_create(f.model, 0, par, stream, seams_from(tc, f.model));
   m.opt->load(f.sections, f.optimizer_steps, stream);
   m.opt->write_weights(m.params, stream);
   all_gather_weights(m);
@@ -213,6 +213,12 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
     row("llep alpha/min_rows", std::to_string(t.llep_alpha).substr(0, 5) + " / " + std::to_string(t.llep_min_rows));
   if (moe_dispatcher(t) == "pllep")
     row("pllep c/K_max", std::to_string(t.token_budget) + " / " + std::to_string(t.kmax));
+  if (moe_dispatcher(t) == "relay") {  // the mode and both per-hop volumes, from sizes every rank knows
+    const RelayChoice relay = relay_choice(t, c);
+    row("relay E_p / moves", std::to_string(m.par.ep.size) + " / " + relay_mode_name(relay.mode) + " (" + t.relay_mode + ")");
+    snprintf(buf, sizeof buf, "%.2f / %.2f MiB", relay.expert_bytes / 1048576.0, relay.token_bytes / 1048576.0);
+    row("hop experts / tokens", buf);
+  }
   if (t.head == "chunked") row("vocab block", std::to_string(t.vocab_block) + " columns");
   if (t.head == "ring_dtp") {  // the branch and both per-hop volumes, from sizes every rank knows
     const int P = m.par.vocab.size;
@@ -307,6 +313,12 @@ int train_main(int argc, char** argv) {
                                   std::to_string(tok.vocab_size()));
     validate(mc);
     validate(tc, mc);
+    if (moe_dispatcher(tc) == "relay" && relay_choice(tc, mc).mode == RelayMode::Token) {
+      const RelayChoice relay = relay_choice(tc, mc);
+      throw std::invalid_argument("--moe relay --relay_mode " + tc.relay_mode + " picks token mode (a hop moves " +
+                                  std::to_string(relay.token_bytes) + " B of tokens vs " + std::to_string(relay.expert_bytes) +
+                                  " B of experts), which is not built yet: pass --relay_mode expert");
+    }
     { DataLoader check_train(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab), check_val(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab); }
     const std::string trace_path = data::routing_trace_path(tc.routing);  // --routing trace:FILE
     // The checkpoint set and the routing trace, whole, before any GPU or NCCL work, at the world the
@@ -360,7 +372,7 @@ int train_main(int argc, char** argv) {
       train_data.set_state(st.train_data);
       if (main_rank) printf("resumed from %s at step %d\n", tc.resume.c_str(), st.step);
     } else {
-      m = model_create(mc, tc.seed, par, stream, seams_from(tc));
+      m = model_create(mc, tc.seed, par, stream, seams_from(tc, mc));
     }
     m.routing_override = tc.routing != "router" && trace_path.empty();
     if (m.routing_override) m.routing = parse_routing_profile(tc.routing);

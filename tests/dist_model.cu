@@ -242,6 +242,14 @@ TEST(DistModel, TenStepsWithPipelinedLLEPAgreeWithOneGpu) {
   ten_steps_agree_with_one_gpu(moe_seams("pllep"));
 }
 
+// --moe relay --relay_mode expert: the expert partitions travel the ring (ops/relay_moe.cuh).
+TEST(DistModel, TenStepsWithRelayExpertModeAgreeWithOneGpu) {
+  REQUIRE_WORLD(2);
+  Seams seams = moe_seams("relay");
+  seams.relay_mode = RelayMode::Expert;
+  ten_steps_agree_with_one_gpu(seams);
+}
+
 // --head ring_dtp (lm_head split over the W ranks) against one GPU's full head, in both branches:
 // B·T = 74 tokens per rank against shards of 33 and 34 rows (V = 67), in blocks of 16 columns.
 static Seams ring_seams(const std::string& moves) {
@@ -334,6 +342,7 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
   REQUIRE_WORLD(2);
   state_saved_and_restored_is_bit_identical(Seams());
   state_saved_and_restored_is_bit_identical(ring_seams("auto"));
+  state_saved_and_restored_is_bit_identical(moe_seams("relay"));
 }
 
 // Layer-level recomputation with expert parallelism: the backward reruns each layer's forward,
@@ -342,8 +351,7 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
 // deterministic given the layer input (FP32 router, top-k ties to the lower index, a stable route
 // sort, a plan that depends only on the counts, fixed-order combines); the cost is a second forward
 // exchange per MoE layer (counts + rows out and back: 2·R·H·b bytes per rank) besides the backward's.
-TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
-  REQUIRE_WORLD(2);
+static void recompute_is_bit_identical(const Seams& seams) {
   const Comm& world = test_world();
   Parallel par = test_parallel();
   ModelConfig c = dist_config();
@@ -352,7 +360,7 @@ TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
   std::vector<float> master = random_master(c, rng);
   std::vector<int> x, y;
   random_tokens(N * world.size, c.vocab, rng, x, y);
-  Model m = model_create(c, 1, par);
+  Model m = model_create(c, 1, par, 0, seams);
   model_set_master(m, master);
   std::vector<float> grads[2];
   float loss[2];
@@ -366,9 +374,17 @@ TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
   }
   EXPECT_EQ(0, memcmp(&loss[0], &loss[1], sizeof(float)));
   EXPECT_EQ(0, memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)))
-      << "rank " << world.rank << ": recomputation must reproduce the gradients bit for bit";
+      << "rank " << world.rank << " --moe " << seams.moe << ": recomputation must reproduce the gradients bit for bit";
   model_destroy(m);
   release(par);
+}
+
+// ep (the default at W > 1) reruns the layer's exchanges; relay's recomputed forward only plans (its
+// backward recomputes every hop).
+TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
+  REQUIRE_WORLD(2);
+  recompute_is_bit_identical(Seams());
+  recompute_is_bit_identical(moe_seams("relay"));
 }
 
 // SCO (--offload_budget) at W ranks with expert parallelism: each rank offloads its own boundaries
