@@ -31,9 +31,7 @@
 // Every (token, expert) pair is computed exactly once: a token's route to expert e meets e's
 // partition e / E_l at exactly one hop (tests/gpu_relay_plan.cu checks it for E_p up to 64).
 //
-// Built: expert mode, forward and backward (RelayDispatcher, --moe relay --relay_mode expert, and auto
-// where it picks expert). Token mode is not built: RelayDispatcher refuses it by name, and the trainer
-// refuses --relay_mode token, and an auto that picks token, at start-up.
+// Built: both modes, forward and backward (RelayDispatcher: --moe relay --relay_mode expert|token|auto).
 //
 // Shapes on rank r: x [N,H]; topk_idx [N,k] global expert ids; topk_w [N,k] float; W13 [E_l,2I,H] and
 // W2 [E_l,H,I] (partition r); out, dx, dout [N,H]; dtopk_w [N,k]. N may differ between ranks (N = 0
@@ -79,6 +77,27 @@
 // intermediates: nothing is sized by the routes that other ranks send (standard EP's R_d·H·b, which
 // grows with E_p under skew) and no buffer holds all k·N expanded rows at once unless every one of this
 // rank's routes meets one partition (R_max = R: all of them to one rank's experts).
+//
+// Schedule, token mode (same streams). The blocks' sizes (every rank's N) are exchanged once per forward
+// (synchronises) and saved; nothing else is, and a recomputed forward (out = nullptr) only exchanges them.
+//   forward   hop h: block (r − h) mod E_p (x rows, topk_idx, topk_w) is here; the next block arrives
+//             into a slot while the hop computes. The hop sorts the block's routes by expert
+//             (moe_route_plan: one synchronisation per hop, the counts size the GEMMs), computes those
+//             to this rank's experts and, once the block's fp32 output accumulator has arrived (one
+//             hop behind the rows), adds w·y into it; the accumulator then leaves for the right, and
+//             the pass after the last hop brings every block's accumulator home: out = it, rounded once.
+//   backward  blocks travel with x, dout and their routing; each hop recomputes the block's routes to
+//             this rank's experts, adds their weight gradients in place (dW13, dW2 +=, where the experts
+//             live), and writes their dtopk_w and adds their dx into the block's fp32 accumulator
+//             [dx n·H | dtopk_w n·k], which travels one hop behind and comes home after the last hop.
+// Live set, token mode (relay_token_live_bytes; N_max = the largest block, R_max = the most routes of
+// one visiting block to this rank's experts; block = N_max·(H·b + 8k) in forward, N_max·(2·H·b + 8k) in
+// backward; A = N_max·H·4 in forward, N_max·(H + k)·4 in backward; two of each when E_p > 1):
+//   forward    Dispatch 8·N_max·k + R_max·H·b   ExpertIntermediates 3·R_max·I·b
+//              CommStaging S·block + 2·A (the forward's exchange of sizes stages 16·E_p bytes before)
+//   backward   Dispatch 8·N_max·k + 2·R_max·H·b   ExpertIntermediates 5·R_max·I·b   CommStaging S·block + 2·A
+// Weight gradients in token mode are added hop by hop into dW13, dW2 (floatX): in the BF16 build one
+// rounding per hop that brings routes, as in expert mode's travelling accumulator.
 // Determinism: fixed hop order, fixed j order inside a hop, grouped GEMMs and NCCL copies: a rerun
 // gives the same bits.
 #pragma once
@@ -210,14 +229,31 @@ inline RelayLiveBytes relay_expert_live_bytes(bool backward, long long N, int k,
   return live;
 }
 
+// Token mode: the peaks of one forward or one backward on a rank of a group whose largest block holds
+// N_max tokens, R_max = the most routes of one visiting block to this rank's experts. A block slot holds
+// x rows (and in backward dout rows), indices and weights; an accumulator the block's fp32 output (in
+// backward dx rows and dtopk_w). The forward's exchange of the blocks' sizes stages 16·E_p bytes first.
+inline RelayLiveBytes relay_token_live_bytes(bool backward, long long N_max, int k, long long R_max, int H, int I,
+                                             int E_p, size_t b) {
+  const size_t slots = (size_t)std::min(2, E_p - 1), accumulators = E_p > 1 ? 2 : 1;
+  const size_t block = (size_t)N_max * ((backward ? 2 : 1) * (size_t)H * b + 8 * (size_t)k);
+  const size_t accumulator = (size_t)N_max * (H + (backward ? k : 0)) * 4;
+  RelayLiveBytes live;
+  live.dispatch = 8 * (size_t)N_max * k + (backward ? 2 : 1) * (size_t)R_max * H * b;
+  live.intermediates = (backward ? 5 : 3) * (size_t)R_max * I * b;
+  live.staging = std::max(!backward && E_p > 1 ? 16 * (size_t)E_p : 0, slots * block + accumulators * accumulator);
+  return live;
+}
+
 // ---------------------------------------------------------------------------------------------
-// The GPU schedule (expert mode)
+// The GPU schedule
 
 // What backward replays: the forward's route sort. Pointers are nullptr when R = 0.
 struct RelaySaved {
   int N = 0;
   bool planned = false;
-  std::vector<int> expert_counts;  // [E] host: routes per global expert
+  std::vector<long long> block_tokens;  // [E_p] host, token mode: every rank's N (the blocks' sizes)
+  std::vector<int> expert_counts;  // [E] host, expert mode: routes per global expert
   int* route_of_slot = nullptr;    // [N·k] sorted slot -> route index r   (Dispatch)
   int* slot_of_route = nullptr;    // [N·k] route index r -> sorted slot   (Dispatch)
 };
@@ -249,9 +285,6 @@ struct RelayDispatcher : MoEDispatcher {
     if (group.size < 1 || E % group.size != 0)
       fm_fail("relay_moe", "the EP group size must divide the number of experts", "E=%d group=%s size=%d", E,
               group.name.c_str(), group.size);
-    if (mode != RelayMode::Expert)
-      fm_fail("relay_moe", "token mode (--relay_mode token) is not built yet: use --relay_mode expert", "E=%d E_p=%d", E,
-              group.size);
   }
   int E_l() const { return E / group.size; }
   size_t w13_elems() const { return (size_t)E_l() * 2 * I * H; }
@@ -287,11 +320,11 @@ struct RelayDispatcher : MoEDispatcher {
   // The hop's rows of x in slot order: xp [R_h,H] (Dispatch) and h13 [R_h,2I] = xp W13ᵀ
   // (ExpertIntermediates); y [R_h,H] = swiglu(h13) W2ᵀ (Dispatch), allocated after xp is freed
   // when keep_xp is false.
-  void hop_forward(floatX** xp, floatX** h13, floatX** y, bool keep_xp, const RelaySaved& saved,
+  void hop_forward(floatX** xp, floatX** h13, floatX** y, bool keep_xp, const int* route_of_slot,
                    const RelayHopSlice& slice, const floatX* x, const RelayPartition& w, cudaStream_t cs) const {
     const int R_h = slice.count;
     *xp = alloc_rows<floatX>((size_t)R_h * H, Mem::Dispatch, "relay_moe.xp");
-    moe_permute_rows(*xp, x, saved.route_of_slot + slice.first, R_h, H, k, cs);
+    moe_permute_rows(*xp, x, route_of_slot + slice.first, R_h, H, k, cs);
     *h13 = alloc_rows<floatX>((size_t)R_h * 2 * I, Mem::ExpertIntermediates, "relay_moe.h13");
     const std::vector<const floatX*> W13 = slices13(w);
     grouped_gemm("relay_moe.h13", expert_problems(slice.counts, slice.offsets, [&](int l, size_t first, int rows) {
@@ -312,6 +345,7 @@ struct RelayDispatcher : MoEDispatcher {
     const char* op = "relay_moe_forward";
     if (N < 0 || (long long)N * k > INT_MAX)
       fm_fail(op, "need 0 <= N and N·k within int indices", "N=%d k=%d group=%s", N, k, group.name.c_str());
+    if (mode == RelayMode::Token) return token_forward(out, x, topk_idx, topk_w, W13, W2, N, cs);
     auto saved_ptr = std::make_unique<Saved>();
     RelaySaved& saved = saved_ptr->relay;
     const int R = N * k, E_p = group.size;
@@ -340,7 +374,7 @@ struct RelayDispatcher : MoEDispatcher {
       const RelayHopSlice slice = relay_hop_slice(saved.expert_counts, partition_at(h), E_l());
       if (slice.count > 0) {
         floatX *xp, *h13, *y;
-        hop_forward(&xp, &h13, &y, false, saved, slice, x, cur, cs);
+        hop_forward(&xp, &h13, &y, false, saved.route_of_slot, slice, x, cur, cs);
         pool().free(h13);
         moe_combine_window_add(out_acc, y, saved.slot_of_route, topk_w, slice.first, slice.count, N, H, k, cs);
         pool().free(y);
@@ -360,11 +394,13 @@ struct RelayDispatcher : MoEDispatcher {
   // dx [N,H] (=), dtopk_w [N,k] (=), dW13 [E_l,2I,H] (+=), dW2 [E_l,H,I] (+=). Collective over the
   // forward's group. Does not synchronise.
   void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const DispatchSaved& saved_base,
-                const floatX* x, const int*, const float* topk_w, const floatX* W13, const floatX* W2,
+                const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
                 cudaStream_t cs) override {
     const char* op = "relay_moe_backward";
     const RelaySaved& saved = static_cast<const Saved&>(saved_base).relay;
     if (!saved.planned) fm_fail(op, "the saved state is empty: run the forward first", "group=%s", group.name.c_str());
+    if (mode == RelayMode::Token)
+      return token_backward(dx, dtopk_w, dW13, dW2, dout, saved, x, topk_idx, topk_w, W13, W2, cs);
     const int N = saved.N, E_p = group.size;
     const size_t NH = (size_t)N * H;
     float* dx_acc = fp32_accumulator(dx, NH, "relay_moe.dx_acc", cs);
@@ -388,7 +424,7 @@ struct RelayDispatcher : MoEDispatcher {
       const RelayPartition& grad = acc[h % 2];
       floatX *xp = nullptr, *h13 = nullptr, *y = nullptr;
       if (slice.count > 0) {  // this hop's intermediates, recomputed; dy = w·dout in place of y
-        hop_forward(&xp, &h13, &y, true, saved, slice, x, cur, cs);
+        hop_forward(&xp, &h13, &y, true, saved.route_of_slot, slice, x, cur, cs);
         moe_combine_backward_window(y, dtopk_w, dout, y, saved.slot_of_route, topk_w, slice.first, slice.count, N, H, k, cs);
       }
       if (h > 0) acc_arrived.wait_on(cs, op);  // the partition's accumulator, one hop behind its weights
@@ -433,6 +469,215 @@ struct RelayDispatcher : MoEDispatcher {
     fp32_accumulator_finish(dx, dx_acc, NH, cs);
     if (E_p > 1) stream_after(cs, xs, op);
     for (RelayPartition* p : {&slot[0], &slot[1], &acc[0], &acc[1]}) free_partition(*p);
+  }
+
+  // ---- token mode: experts stay, blocks of tokens travel
+
+  // A block as it is read (the rank's own inputs, or a slot that received them): x [n,H], topk_idx
+  // [n,k], topk_w [n,k], and in backward dout [n,H].
+  struct Block {
+    const floatX* x = nullptr;
+    const int* idx = nullptr;
+    const float* w = nullptr;
+    const floatX* dout = nullptr;
+  };
+  struct BlockSlot {  // room for the largest block (CommStaging)
+    floatX* x = nullptr;
+    int* idx = nullptr;
+    float* w = nullptr;
+    floatX* dout = nullptr;
+    Block view() const { return Block{x, idx, w, dout}; }
+  };
+  BlockSlot alloc_block(long long n, bool with_dout) const {
+    BlockSlot b;
+    b.x = alloc_rows<floatX>((size_t)n * H, Mem::CommStaging, "relay_moe.block_x");
+    b.idx = alloc_rows<int>((size_t)n * k, Mem::CommStaging, "relay_moe.block_idx");
+    b.w = alloc_rows<float>((size_t)n * k, Mem::CommStaging, "relay_moe.block_w");
+    if (with_dout) b.dout = alloc_rows<floatX>((size_t)n * H, Mem::CommStaging, "relay_moe.block_dout");
+    return b;
+  }
+  static void free_block(BlockSlot& b) {
+    for (void* p : {(void*)b.x, (void*)b.idx, (void*)b.w, (void*)b.dout}) pool().free(p);
+    b = BlockSlot();
+  }
+  // Block `send` (n_send tokens) to the right neighbour, the left neighbour's (n_recv tokens) into
+  // `recv`, on xs; a size of 0 moves nothing on that side.
+  void pass_block(const Block& send, long long n_send, const BlockSlot& recv, long long n_recv, bool with_dout,
+                  cudaStream_t xs) const {
+    ring_send_recv(group, send.x, (size_t)n_send * H, recv.x, (size_t)n_recv * H, xs);
+    ring_send_recv(group, send.idx, (size_t)n_send * k, recv.idx, (size_t)n_recv * k, xs);
+    ring_send_recv(group, send.w, (size_t)n_send * k, recv.w, (size_t)n_recv * k, xs);
+    if (with_dout) ring_send_recv(group, send.dout, (size_t)n_send * H, recv.dout, (size_t)n_recv * H, xs);
+  }
+  // Every rank's N, the sizes of the blocks (one exchange of host integers; synchronises cs).
+  std::vector<long long> exchange_block_tokens(int N, cudaStream_t cs) const {
+    if (group.size == 1) return {(long long)N};
+    return all_to_all_host(group, std::vector<long long>(group.size, N), 1, cs);
+  }
+  // The source of the block this rank holds at hop h (h = E_p: its own, home again).
+  int block_at(int hop) const { return ((group.rank - hop) % group.size + group.size) % group.size; }
+
+  // The visiting block's routes to this rank's experts: its route maps (Dispatch, freed by the
+  // caller) and the slice of partition `group.rank` (synchronises cs: the counts size the GEMMs).
+  RelayHopSlice block_routes(int** route_of_slot, int** slot_of_route, const Block& b, long long n, cudaStream_t cs) const {
+    const int routes = (int)(n * k);
+    *route_of_slot = alloc_rows<int>(routes, Mem::Dispatch, "relay_moe.block_route_of_slot");
+    *slot_of_route = alloc_rows<int>(routes, Mem::Dispatch, "relay_moe.block_slot_of_route");
+    return relay_hop_slice(moe_route_plan(*route_of_slot, *slot_of_route, b.idx, routes, E, cs), group.rank, E_l());
+  }
+
+  // Token mode forward: the block of source (r − h) mod E_p visits at hop h with its routing; its routes
+  // to this rank's experts add w·y into its fp32 output accumulator, which travels one hop behind the
+  // block's rows and comes home after the last hop.
+  std::unique_ptr<DispatchSaved> token_forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
+                                               const floatX* W13, const floatX* W2, int N, cudaStream_t cs) {
+    const char* op = "relay_moe_forward";
+    auto saved_ptr = std::make_unique<Saved>();
+    RelaySaved& saved = saved_ptr->relay;
+    saved.N = N;
+    saved.block_tokens = exchange_block_tokens(N, cs);
+    saved.planned = true;
+    if (out == nullptr) return saved_ptr;
+    const int E_p = group.size;
+    const long long N_max = *std::max_element(saved.block_tokens.begin(), saved.block_tokens.end());
+    auto tokens_at = [&](int hop) { return saved.block_tokens[block_at(hop)]; };
+    BlockSlot slot[2];
+    if (E_p > 1) slot[0] = alloc_block(N_max, false);
+    if (E_p > 2) slot[1] = alloc_block(N_max, false);
+    float* acc[2] = {alloc_rows<float>((size_t)N_max * H, Mem::CommStaging, "relay_moe.out_acc"),
+                     E_p > 1 ? alloc_rows<float>((size_t)N_max * H, Mem::CommStaging, "relay_moe.out_acc") : nullptr};
+    zero(acc[0], (size_t)N * H * sizeof(float), cs);  // the own block's accumulator: nothing yet
+    const RelayPartition own{const_cast<floatX*>(W13), const_cast<floatX*>(W2)};
+    const cudaStream_t xs = group.stream;
+    StreamPoint computed, arrived, acc_arrived;
+    if (E_p > 1) stream_after(xs, cs, op);
+    Block cur{x, topk_idx, topk_w, nullptr};
+    for (int h = 0; h < E_p; h++) {
+      const long long n = tokens_at(h);
+      if (h + 1 < E_p) {  // the next block arrives while this hop computes
+        if (h > 0) computed.wait_on(xs, op);
+        pass_block(cur, n, slot[h % 2], tokens_at(h + 1), false, xs);
+        arrived.record(xs, op);
+      }
+      int *route_of_slot, *slot_of_route;
+      const RelayHopSlice slice = block_routes(&route_of_slot, &slot_of_route, cur, n, cs);
+      floatX *xp = nullptr, *h13 = nullptr, *y = nullptr;
+      if (slice.count > 0) {
+        hop_forward(&xp, &h13, &y, false, route_of_slot, slice, cur.x, own, cs);
+        pool().free(h13);
+      }
+      if (h > 0) acc_arrived.wait_on(cs, op);  // the block's accumulator, one hop behind its rows
+      if (slice.count > 0) {
+        moe_combine_window_add(acc[h % 2], y, slot_of_route, cur.w, slice.first, slice.count, (int)n, H, k, cs);
+        pool().free(y);
+      }
+      pool().free(route_of_slot);
+      pool().free(slot_of_route);
+      computed.record(cs, op);
+      if (E_p > 1) {  // the accumulator on with its block (after the last hop: home)
+        computed.wait_on(xs, op);
+        ring_send_recv(group, (const float*)acc[h % 2], (size_t)n * H, acc[(h + 1) % 2], (size_t)tokens_at(h + 1) * H, xs);
+        acc_arrived.record(xs, op);
+      }
+      if (h + 1 < E_p) {
+        arrived.wait_on(cs, op);
+        cur = slot[h % 2].view();
+      }
+    }
+    if (E_p > 1) acc_arrived.wait_on(cs, op);
+    convert(out, acc[E_p > 1 ? E_p % 2 : 0], (size_t)N * H, cs);  // rounded to floatX once
+    if (E_p > 1) stream_after(cs, xs, op);
+    for (BlockSlot& b : slot) free_block(b);
+    for (float* a : acc) pool().free(a);
+    return saved_ptr;
+  }
+
+  // Token mode backward: blocks travel with x, dout and their routing; each hop recomputes the block's
+  // routes to this rank's experts, adds their weight gradients here (dW13, dW2 +=), and writes their
+  // dtopk_w and adds their dx into the block's accumulator [dx rows n·H | dtopk_w n·k] (fp32), which
+  // travels one hop behind and comes home after the last hop.
+  void token_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const RelaySaved& saved,
+                      const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
+                      cudaStream_t cs) {
+    const char* op = "relay_moe_backward";
+    const int E_p = group.size, N = saved.N;
+    if ((int)saved.block_tokens.size() != E_p)
+      fm_fail(op, "the saved state holds no block sizes of this group: run the forward on this group first",
+              "saved=%zu group=%s size=%d", saved.block_tokens.size(), group.name.c_str(), E_p);
+    const long long N_max = *std::max_element(saved.block_tokens.begin(), saved.block_tokens.end());
+    auto tokens_at = [&](int hop) { return saved.block_tokens[block_at(hop)]; };
+    BlockSlot slot[2];
+    if (E_p > 1) slot[0] = alloc_block(N_max, true);
+    if (E_p > 2) slot[1] = alloc_block(N_max, true);
+    const size_t acc_elems = (size_t)N_max * (H + k);
+    float* acc[2] = {alloc_rows<float>(acc_elems, Mem::CommStaging, "relay_moe.dx_acc"),
+                     E_p > 1 ? alloc_rows<float>(acc_elems, Mem::CommStaging, "relay_moe.dx_acc") : nullptr};
+    zero(acc[0], (size_t)N * (H + k) * sizeof(float), cs);
+    const RelayPartition own{const_cast<floatX*>(W13), const_cast<floatX*>(W2)};
+    const std::vector<floatX*> dW2_own = expert_slices<floatX>(dW2, E_l(), (size_t)H * I);
+    const cudaStream_t xs = group.stream;
+    StreamPoint computed, arrived, acc_arrived;
+    if (E_p > 1) stream_after(xs, cs, op);
+    Block cur{x, topk_idx, topk_w, dout};
+    for (int h = 0; h < E_p; h++) {
+      const long long n = tokens_at(h);
+      if (h + 1 < E_p) {
+        if (h > 0) computed.wait_on(xs, op);
+        pass_block(cur, n, slot[h % 2], tokens_at(h + 1), true, xs);
+        arrived.record(xs, op);
+      }
+      int *route_of_slot, *slot_of_route;
+      const RelayHopSlice slice = block_routes(&route_of_slot, &slot_of_route, cur, n, cs);
+      floatX *xp = nullptr, *h13 = nullptr, *y = nullptr;
+      if (slice.count > 0) hop_forward(&xp, &h13, &y, true, route_of_slot, slice, cur.x, own, cs);  // recomputed
+      if (h > 0) acc_arrived.wait_on(cs, op);  // the block's dx and dtopk_w accumulator
+      float* acc_dx = acc[h % 2];
+      float* acc_dtopk_w = acc[h % 2] + (size_t)n * H;
+      if (slice.count > 0) {
+        const int R_h = slice.count;
+        moe_combine_backward_window(y, acc_dtopk_w, cur.dout, y, slot_of_route, cur.w, slice.first, R_h, (int)n, H, k, cs);
+        floatX* dh13 = experts_backward_to_h13(y, dW2_own, h13, slices2(own), slice.counts, slice.offsets, R_h, H, I,
+                                               "relay_moe_backward", cs);
+        grouped_gemm("relay_moe_backward.dW13", expert_problems(slice.counts, slice.offsets, [&](int l, size_t first, int rows) {
+                       return GroupedGemmProblem{dh13 + first * 2 * I, xp + first * H, dW13 + l * (size_t)2 * I * H, 2 * I,
+                                                 H, rows};
+                     }),
+                     true, false, 2 * I, H, H, 1.f, cs);
+        pool().free(xp);
+        floatX* dxp = alloc_rows<floatX>((size_t)R_h * H, Mem::Dispatch, "relay_moe.dxp");
+        const std::vector<const floatX*> W13_own = slices13(own);
+        grouped_gemm("relay_moe_backward.dxp", expert_problems(slice.counts, slice.offsets, [&](int l, size_t first, int rows) {
+                       return GroupedGemmProblem{dh13 + first * 2 * I, W13_own[l], dxp + first * H, rows, H, 2 * I};
+                     }),
+                     false, false, 2 * I, H, H, 0.f, cs);
+        pool().free(dh13);
+        pool().free(h13);
+        moe_combine_window_add(acc_dx, dxp, slot_of_route, nullptr, slice.first, R_h, (int)n, H, k, cs);
+        pool().free(dxp);
+      }
+      pool().free(route_of_slot);
+      pool().free(slot_of_route);
+      computed.record(cs, op);
+      if (E_p > 1) {
+        computed.wait_on(xs, op);
+        ring_send_recv(group, (const float*)acc[h % 2], (size_t)n * (H + k), acc[(h + 1) % 2],
+                       (size_t)tokens_at(h + 1) * (H + k), xs);
+        acc_arrived.record(xs, op);
+      }
+      if (h + 1 < E_p) {
+        arrived.wait_on(cs, op);
+        cur = slot[h % 2].view();
+      }
+    }
+    if (E_p > 1) acc_arrived.wait_on(cs, op);
+    const float* home = acc[E_p > 1 ? E_p % 2 : 0];
+    convert(dx, home, (size_t)N * H, cs);
+    if (N > 0)
+      cudaCheck(cudaMemcpyAsync(dtopk_w, home + (size_t)N * H, (size_t)N * k * sizeof(float), cudaMemcpyDeviceToDevice, cs),
+                op, "dtopk_w N=%d k=%d", N, k);
+    if (E_p > 1) stream_after(cs, xs, op);
+    for (BlockSlot& b : slot) free_block(b);
+    for (float* a : acc) pool().free(a);
   }
 
   static void zero(void* p, size_t bytes, cudaStream_t cs) {
