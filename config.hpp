@@ -76,7 +76,7 @@ struct TrainConfig {
   int llep_min_rows = 32;                  // llep, pllep: the smallest helper piece (one weight transfer + one GEMM)
   int token_budget = 4096;                 // pllep: c, tokens per rank per chunk
   int kmax = 10;                           // pllep: K_max, the most chunks
-  std::string relay_mode = "auto";         // relay: what travels the ring: auto | expert (token: not built yet)
+  std::string relay_mode = "auto";         // relay: what travels the ring: auto | expert | token
   std::string head = "full";               // output head: full (logits [N,V] inside the head) | chunked (the
                                            // same loss over vocabulary blocks, no [N,V]) | ring_dtp (vocabulary
                                            // shards over P ranks, ops/ring_dtp.cuh)
@@ -431,7 +431,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.llep_min_rows >= 1, "llep_min_rows must be >= 1, got " + std::to_string(t.llep_min_rows));
   need(t.token_budget >= 1 && t.kmax >= 1, "token_budget and kmax must be >= 1, got " + std::to_string(t.token_budget) +
                                                " and " + std::to_string(t.kmax));
-  refuse_unbuilt("--relay_mode", t.relay_mode, {"expert", "auto"}, {"token"});
+  refuse_unbuilt("--relay_mode", t.relay_mode, {"expert", "token", "auto"}, {});
   need(t.relay_mode == "auto" || t.moe == "relay",
        "--relay_mode " + t.relay_mode + " chooses what travels the ring of --moe relay (this run has --moe " +
            moe_dispatcher(t) + ")");
@@ -509,7 +509,7 @@ inline std::string usage() {
          "        --vocab_group P --ring_dtp auto|weights|activations (ring_dtp) --vocab_block C (chunked, ring_dtp)\n"
          "        --optimizer adamw|cpu_adamw|offload_adamw --offload_bucket β --offload_slots s (offload_adamw)\n"
          "        --llep_alpha a --llep_min_rows n (llep, pllep) --token_budget c --kmax K (pllep)\n"
-         "        --relay_mode auto|expert (relay: what travels the ring; auto: the smaller per-hop volume)\n"
+         "        --relay_mode auto|expert|token (relay: what travels the ring; auto: the smaller per-hop volume)\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
          "        --ckpt_every S --log_every S --timeline_step S --resume DIR (a checkpoint folder)\n";

@@ -313,12 +313,6 @@ int train_main(int argc, char** argv) {
                                   std::to_string(tok.vocab_size()));
     validate(mc);
     validate(tc, mc);
-    if (moe_dispatcher(tc) == "relay" && relay_choice(tc, mc).mode == RelayMode::Token) {
-      const RelayChoice relay = relay_choice(tc, mc);
-      throw std::invalid_argument("--moe relay --relay_mode " + tc.relay_mode + " picks token mode (a hop moves " +
-                                  std::to_string(relay.token_bytes) + " B of tokens vs " + std::to_string(relay.expert_bytes) +
-                                  " B of experts), which is not built yet: pass --relay_mode expert");
-    }
     { DataLoader check_train(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab), check_val(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab); }
     const std::string trace_path = data::routing_trace_path(tc.routing);  // --routing trace:FILE
     // The checkpoint set and the routing trace, whole, before any GPU or NCCL work, at the world the

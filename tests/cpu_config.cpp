@@ -303,21 +303,19 @@ TEST(ConfigSeams, RefusesLLEPSettingsThatCannotRun) {
   EXPECT_EQ(validate_error(t, m), "--moe expects one of local, ep, llep, pllep, relay, got 'ring'");
 }
 
-// --moe relay and --relay_mode: expert and auto run; token mode is refused by name until it is built;
-// --relay_mode belongs to --moe relay alone; relay exchanges partitions, so it needs ranks.
+// --moe relay and --relay_mode: expert, token and auto run; --relay_mode belongs to --moe relay alone;
+// relay moves experts or tokens between ranks, so it needs ranks.
 TEST(ConfigSeams, RelayAndItsMode) {
   const ModelConfig m = valid_model();
   TrainConfig t;
   t.gpus = 2;
   t.moe = "relay";
-  for (const char* mode : {"auto", "expert"}) {
+  for (const char* mode : {"auto", "expert", "token"}) {
     t.relay_mode = mode;
     EXPECT_EQ(validate_error(t, m), "") << mode;
   }
-  t.relay_mode = "token";
-  EXPECT_EQ(validate_error(t, m), "--relay_mode token is not built yet (available: expert, auto)");
   t.relay_mode = "experts";
-  EXPECT_EQ(validate_error(t, m), "--relay_mode expects one of expert, auto, got 'experts'");
+  EXPECT_EQ(validate_error(t, m), "--relay_mode expects one of expert, token, auto, got 'experts'");
   t.relay_mode = "expert";
   t.gpus = 1;
   EXPECT_EQ(validate_error(t, m), "--moe relay exchanges routes between ranks: it needs --gpus > 1 (got 1)");
@@ -328,6 +326,7 @@ TEST(ConfigSeams, RelayAndItsMode) {
   EXPECT_EQ(validate_error(t, m), "--relay_mode expert chooses what travels the ring of --moe relay (this run has --moe ep)");
   EXPECT_EQ(parse_error({"--gpus", "2", "--moe", "relay", "--relay_mode", "expert"}), "");
   EXPECT_EQ(parse_error({"--gpus", "2", "--moe", "relay"}), "");
+  EXPECT_EQ(parse_error({"--gpus", "2", "--moe", "relay", "--relay_mode", "token"}), "");
 }
 
 // --optimizer: the three optimizers run; offload_adamw's bucket and slots are refused outside their ranges.

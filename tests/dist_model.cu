@@ -181,6 +181,7 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
     xs.emplace_back(); ys.emplace_back();
     random_tokens(N_global, c.vocab, rng, xs.back(), ys.back());
   }
+  const std::string moe_label = seams.moe + (seams.moe == "relay" ? std::string("_") + relay_mode_name(seams.relay_mode) : "");
   double worst = 0;
   for (int step = 0; step < t.steps; step++) {
     int next_dist = step * accum, next_single = step * accum;
@@ -198,7 +199,7 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
     worst = std::max(worst, e);
     if (world.rank == 0)
       printf("[dist] step %d loss W=%d --moe %s --head %s %.7f one GPU %.7f rel %.2e\n", step + 1, world.size,
-             seams.moe.c_str(), (seams.head + (seams.head == "ring_dtp" ? " " + seams.ring_dtp : "")).c_str(), dist_loss,
+             moe_label.c_str(), (seams.head + (seams.head == "ring_dtp" ? " " + seams.ring_dtp : "")).c_str(), dist_loss,
              single_loss, e);
 #if !defined(FLATMOE_BF16)
     // identical routing, so identical integer loads (in BF16 the two GEMM layouts round the router's
@@ -206,8 +207,8 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
     EXPECT_EQ(dist.router_bias, single.router_bias) << "step " << step + 1;
 #endif
   }
-  char what[64];
-  snprintf(what, sizeof what, "dist_%s_%s_vs_single_rank%d", seams.moe.c_str(),
+  char what[80];
+  snprintf(what, sizeof what, "dist_%s_%s_vs_single_rank%d", moe_label.c_str(),
            (seams.head == "ring_dtp" ? "ring_dtp_" + seams.ring_dtp : seams.head).c_str(), world.rank);
   // whole-model training compared over ten Adam steps: the whole-model tolerance of notes/design.md §3
   EXPECT_REL(what, "max loss", worst, MODEL_TOL);
@@ -242,11 +243,18 @@ TEST(DistModel, TenStepsWithPipelinedLLEPAgreeWithOneGpu) {
   ten_steps_agree_with_one_gpu(moe_seams("pllep"));
 }
 
-// --moe relay --relay_mode expert: the expert partitions travel the ring (ops/relay_moe.cuh).
+// --moe relay (ops/relay_moe.cuh), both modes: the expert partitions travel the ring, or the token blocks.
 TEST(DistModel, TenStepsWithRelayExpertModeAgreeWithOneGpu) {
   REQUIRE_WORLD(2);
   Seams seams = moe_seams("relay");
   seams.relay_mode = RelayMode::Expert;
+  ten_steps_agree_with_one_gpu(seams);
+}
+
+TEST(DistModel, TenStepsWithRelayTokenModeAgreeWithOneGpu) {
+  REQUIRE_WORLD(2);
+  Seams seams = moe_seams("relay");
+  seams.relay_mode = RelayMode::Token;
   ten_steps_agree_with_one_gpu(seams);
 }
 
@@ -343,6 +351,9 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
   state_saved_and_restored_is_bit_identical(Seams());
   state_saved_and_restored_is_bit_identical(ring_seams("auto"));
   state_saved_and_restored_is_bit_identical(moe_seams("relay"));
+  Seams token = moe_seams("relay");
+  token.relay_mode = RelayMode::Token;
+  state_saved_and_restored_is_bit_identical(token);
 }
 
 // Layer-level recomputation with expert parallelism: the backward reruns each layer's forward,
@@ -385,6 +396,9 @@ TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
   REQUIRE_WORLD(2);
   recompute_is_bit_identical(Seams());
   recompute_is_bit_identical(moe_seams("relay"));
+  Seams token = moe_seams("relay");
+  token.relay_mode = RelayMode::Token;
+  recompute_is_bit_identical(token);
 }
 
 // SCO (--offload_budget) at W ranks with expert parallelism: each rank offloads its own boundaries
