@@ -7,7 +7,7 @@
 //
 //   build/bf16/bench_ep_moe --gpus 2 [--tokens 8192 --hidden 2048 --inter 1408 --experts 16 --topk 4
 //                            --warmup 5 --iters 20 --seed 1 --profiles balanced,hot:0.25/1,hot:0.5/2,hot:1/4]
-//                            [--dispatchers 1gpu,ep,llep,pllep,relay_expert,relay_auto --llep_alpha 1.0 --llep_min_rows 32
+//                            [--dispatchers 1gpu,ep,llep,pllep,relay_expert,relay_token,relay_auto --llep_alpha 1.0 --llep_min_rows 32
 //                             --token_budget 4096 --kmax 10] [--check 1] [--timeline DIR]
 //                            [--profiles trace:FILE --trace_batch 0 --trace_layer L]
 //
@@ -20,9 +20,8 @@
 //   llep    LLEP over the same group (--llep_alpha, --llep_min_rows)
 //   pllep   PipelinedLLEP (--token_budget c, --kmax K_max, and LLEP's settings for each chunk)
 //   relay_expert  RelayMoE in expert mode over the same group (the partitions travel the ring)
-//   relay_auto    RelayMoE with the mode auto picks for this shape (relay_choose; the pick is printed);
-//                 relay_token, and an auto that picks token, are refused before the GPU starts: token
-//                 mode is not built yet
+//   relay_token   RelayMoE in token mode (the token blocks travel, with their routing and accumulators)
+//   relay_auto    RelayMoE with the mode auto picks for this shape (relay_choose; the pick is printed)
 // Latency: CUDA events around three passes, each the median of `iters` runs after `warmup`, the
 // slowest rank's median: the forward alone (the paper's measure), forward + backward, and the
 // checkpointed step — forward, forward again with out = nullptr, backward: what a layer under
@@ -31,7 +30,7 @@
 // backward (replayed from the pool's timeline), and the same with CommStaging (relay's weight slots,
 // weight-gradient accumulators and fp32 output accumulator live there); LLEP's borrowed expert
 // weights and gradients (Weights, Grads) are in neither. R_d: the most routes one rank computed (for
-// pllep in one chunk, for relay in one hop). --check 1: one more pass of each dispatcher from zeroed weight gradients,
+// pllep in one chunk, for relay's expert mode in one hop; "-" for its token mode). --check 1: one more pass of each dispatcher from zeroed weight gradients,
 // every output and gradient compared with ep's on this rank (normwise), the largest difference per
 // dispatcher printed; exits with status 1 when one is above the tolerance (FP32 1e-5, BF16 2e-2).
 // --timeline DIR: rank 0's pool timeline of the measured pass, DIR/PROFILE_DISPATCHER.csv (the
@@ -60,7 +59,7 @@ struct BenchFlags {
   std::vector<std::string> profiles = {"balanced", "hot:0.25/1", "hot:0.5/2", "hot:1/4"};
   int trace_batch = 0;   // the batch of a trace:FILE profile
   int trace_layer = -1;  // its MoE layer (the model's layer index); -1: the first the trace records
-  std::vector<std::string> dispatchers = {"1gpu", "ep", "llep", "pllep", "relay_expert", "relay_auto"};
+  std::vector<std::string> dispatchers = {"1gpu", "ep", "llep", "pllep", "relay_expert", "relay_token", "relay_auto"};
   double llep_alpha = 1.0;
   int llep_min_rows = 32, token_budget = 4096, kmax = 10, check = 0;
   std::string timeline_dir;  // "": no timelines
@@ -71,7 +70,8 @@ struct BenchFlags {
           "bench_ep_moe: %s\n"
           "usage: bench_ep_moe [--gpus W] [--tokens N per rank] [--hidden H] [--inter I] [--experts E] [--topk k]\n"
           "                    [--warmup n] [--iters n] [--seed s] [--profiles balanced,hot:r/h,trace:FILE,...]\n"
-          "                    [--trace_batch b] [--trace_layer l] [--dispatchers 1gpu,ep,llep,pllep,relay_expert,relay_auto]\n"
+          "                    [--trace_batch b] [--trace_layer l]\n"
+          "                    [--dispatchers 1gpu,ep,llep,pllep,relay_expert,relay_token,relay_auto]\n"
           "                    [--llep_alpha a] [--llep_min_rows n] [--token_budget c] [--kmax K] [--check 0|1]\n"
           "                    [--timeline DIR]\n",
           why.c_str());
@@ -137,21 +137,16 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
     } else if (flag == "--profiles") f.profiles = split_list(value);
     else if (flag == "--dispatchers") {
       f.dispatchers = split_list(value);
-      for (const std::string& d : f.dispatchers) {
-        if (d == "relay_token") bench_usage("--dispatchers relay_token: RelayMoE's token mode is not built yet");
-        if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep" && d != "relay_expert" && d != "relay_auto")
-          bench_usage("--dispatchers: unknown dispatcher '" + d + "' (1gpu, ep, llep, pllep, relay_expert, relay_auto)");
-      }
+      for (const std::string& d : f.dispatchers)
+        if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep" && d != "relay_expert" && d != "relay_token" &&
+            d != "relay_auto")
+          bench_usage("--dispatchers: unknown dispatcher '" + d +
+                      "' (1gpu, ep, llep, pllep, relay_expert, relay_token, relay_auto)");
     } else bench_usage("unknown flag " + flag);
   });
   if (f.check && std::find(f.dispatchers.begin(), f.dispatchers.end(), "ep") == f.dispatchers.end())
     bench_usage("--check 1 compares every dispatcher with ep: --dispatchers must include ep");
   if ((long long)f.tokens * f.topk * f.gpus > INT_MAX) bench_usage("--tokens x --topk x --gpus exceeds int route indices");
-  if (std::find(f.dispatchers.begin(), f.dispatchers.end(), "relay_auto") != f.dispatchers.end() &&
-      f.experts % f.gpus == 0 && bench_relay_choice(f).mode == RelayMode::Token)
-    bench_usage("--dispatchers relay_auto: auto picks token mode at this shape (" +
-                std::to_string(bench_relay_choice(f).token_bytes) + " B of tokens per hop vs " +
-                std::to_string(bench_relay_choice(f).expert_bytes) + " B of experts), which is not built yet");
   // every profile and trace, before any GPU work, at the world the launcher starts (else launch() names the problem)
   LaunchEnv started;
   const bool world_known = parse_launch_env([](const char* name) -> const char* { return getenv(name); }, f.gpus, &started).empty();
@@ -265,6 +260,7 @@ int main(int argc, char** argv) {
     if (name == "pllep")
       return std::make_unique<PLLEPDispatcher>(H, I, E, k, world, f.token_budget, f.kmax, f.llep_alpha, f.llep_min_rows);
     if (name == "relay_expert") return std::make_unique<RelayDispatcher>(H, I, E, k, world, RelayMode::Expert);
+    if (name == "relay_token") return std::make_unique<RelayDispatcher>(H, I, E, k, world, RelayMode::Token);
     if (name == "relay_auto") return std::make_unique<RelayDispatcher>(H, I, E, k, world, bench_relay_choice(f).mode);
     return std::make_unique<LocalDispatcher>(H, I, E, k);
   };
@@ -294,8 +290,8 @@ int main(int argc, char** argv) {
         if (auto* s = dynamic_cast<LLEPDispatcher::Saved*>(saved.get())) received = s->llep.ep.plan.received;
         if (auto* s = dynamic_cast<PLLEPDispatcher::Saved*>(saved.get()))
           received = *std::max_element(s->pllep.chunk_received.begin(), s->pllep.chunk_received.end());
-        if (auto* s = dynamic_cast<RelayDispatcher::Saved*>(saved.get()))
-          received = relay_max_hop_routes(s->relay.expert_counts, E_l);
+        if (auto* s = dynamic_cast<RelayDispatcher::Saved*>(saved.get()))  // expert mode: its largest hop
+          if (!s->relay.expert_counts.empty()) received = relay_max_hop_routes(s->relay.expert_counts, E_l);
         if (single) received = (long long)N * k;
       };
       auto forward_only = [&] {
@@ -349,16 +345,21 @@ int main(int argc, char** argv) {
           snprintf(vs_checkpointed, sizeof vs_checkpointed, "%.2f", (double)row.checkpointed_us / llep->checkpointed_us);
           snprintf(vs_peak, sizeof vs_peak, "%.2f", (double)row.peak / llep->peak);
         }
-        // ep and llep share one schedule and its closed form at their R_d; relay's (backward, the larger)
-        // at its largest hop (1gpu and pllep have their own)
+        // ep and llep share one schedule and its closed form at their R_d; relay's expert mode (backward,
+        // the larger) at its largest hop (1gpu, pllep and relay's token mode have their own)
         char closed[32] = "-";
         if (row.dispatcher == "ep" || row.dispatcher == "llep")
           snprintf(closed, sizeof closed, "%.1f", ep_moe_dispatch_peak_bytes((long long)N * k, row.received, H, sizeof(floatX)) / MiB);
-        if (row.dispatcher.compare(0, 5, "relay") == 0)
+        const bool relay_expert_row = row.dispatcher == "relay_expert" ||
+                                      (row.dispatcher == "relay_auto" && bench_relay_choice(f).mode == RelayMode::Expert);
+        if (relay_expert_row)
           snprintf(closed, sizeof closed, "%.1f",
                    relay_expert_live_bytes(true, N, k, row.received, H, I, E_l, W, sizeof(floatX)).dispatch / MiB);
-        printf("| %s | %s | %lld | %.3f | %s | %.3f | %s | %.3f | %s | %.1f | %s | %.1f | %s | %.3f |\n", routes.label.c_str(),
-               row.dispatcher.c_str(), row.received, row.fwd_us / 1e3, vs_fwd, row.pass_us / 1e3, vs_pass,
+        // R_d of relay's token mode is not recorded (its blocks' routes are sorted hop by hop): "-"
+        const bool relay_token_row = row.dispatcher.compare(0, 5, "relay") == 0 && !relay_expert_row;
+        const std::string received = relay_token_row ? "-" : std::to_string(row.received);
+        printf("| %s | %s | %s | %.3f | %s | %.3f | %s | %.3f | %s | %.1f | %s | %.1f | %s | %.3f |\n", routes.label.c_str(),
+               row.dispatcher.c_str(), received.c_str(), row.fwd_us / 1e3, vs_fwd, row.pass_us / 1e3, vs_pass,
                row.checkpointed_us / 1e3, vs_checkpointed, row.peak / MiB, vs_peak, row.peak_staging / MiB, closed,
                row.fwd_issue_us / 1e3);
       }
