@@ -241,3 +241,48 @@ TEST(RelayPlan, HopSlicesAreThePlansRoutesAndTheLiveSetIsBoundedByTheRanksOwnRou
         }
       }
 }
+
+// Token mode's live set (relay_token_live_bytes) for E_p up to 64: rank r's largest hop is the most
+// routes of one visiting block to r's experts (the plan's relay_hop_routes of that block); under the
+// skew of every route to expert 0, rank 0's hops hold whole blocks (R_max = N_max·k) and every other
+// rank computes nothing (its Dispatch holds only a block's route maps); the staging (two block slots,
+// two accumulators) depends on N_max and not on the routing; and from E_p = 3 on nothing in backward grows
+// with E_p.
+TEST(RelayPlan, TokenModeLiveSetFollowsTheLargestVisitingBlock) {
+  testutil::Rng rng;
+  const int H = 64, I = 48;
+  for (int ranks : {2, 3, 8, 64})
+    for (int E_l : {1, 3})
+      for (int k : {1, 4})
+        for (bool skewed : {false, true}) {
+          const int E = ranks * E_l;
+          std::vector<std::vector<int>> idx(ranks);
+          long long N_max = 0;
+          for (int s = 0; s < ranks; s++) {
+            const int N = rng.integer(0, 30);
+            N_max = std::max<long long>(N_max, N);
+            for (int i = 0; i < N * k; i++) idx[s].push_back(skewed ? 0 : rng.integer(0, E - 1));
+          }
+          for (int r = 0; r < ranks; r++) {
+            long long R_max = 0;
+            for (int hop = 0; hop < ranks; hop++)
+              R_max = std::max<long long>(R_max, relay_hop_routes(idx[relay_visitor(r, hop, ranks)], r, E_l).size());
+            if (skewed) EXPECT_EQ(R_max, r == 0 ? N_max * k : 0) << "E_p=" << ranks << " rank " << r;
+            for (size_t b : {(size_t)2, (size_t)4})
+              for (bool backward : {false, true}) {
+                const RelayLiveBytes live = relay_token_live_bytes(backward, N_max, k, R_max, H, I, ranks, b);
+                const RelayLiveBytes whole = relay_token_live_bytes(backward, N_max, k, N_max * k, H, I, ranks, b);
+                EXPECT_LE(live.total(), whole.total());
+                EXPECT_EQ(live.staging, whole.staging);
+                if (skewed && r > 0) {
+                  EXPECT_EQ(live.dispatch, 8 * (size_t)N_max * k);
+                  EXPECT_EQ(live.intermediates, 0u);
+                }
+                if (ranks >= 3 && backward) {  // (the forward's exchange of the sizes stages 16·E_p bytes)
+                  const RelayLiveBytes more = relay_token_live_bytes(backward, N_max, k, R_max, H, I, 2 * ranks, b);
+                  EXPECT_EQ(more.total(), live.total()) << "E_p=" << ranks;
+                }
+              }
+          }
+        }
+}
