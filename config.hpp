@@ -71,11 +71,12 @@ struct TrainConfig {
   std::string routing = "router";          // "router", or what overrides its choice: "balanced", "hot:r/h", "trace:FILE"
   std::string record_routing;              // a routing trace of the training passes goes to this file ("" = none)
   // Seams (notes/design.md §1.1): which implementation serves each; chosen once, at start-up.
-  std::string moe = "";                    // MoE dispatcher: local (E_p = 1) | ep | llep | pllep; "" = local at E_p = 1, else ep
+  std::string moe = "";                    // MoE dispatcher: local (E_p = 1) | ep | llep | pllep | relay; "" = local at E_p = 1, else ep
   float llep_alpha = 1.0f;                 // llep, pllep: capacity cap = ⌈α·routes/E_p⌉ per rank (α >= 1)
   int llep_min_rows = 32;                  // llep, pllep: the smallest helper piece (one weight transfer + one GEMM)
   int token_budget = 4096;                 // pllep: c, tokens per rank per chunk
   int kmax = 10;                           // pllep: K_max, the most chunks
+  std::string relay_mode = "auto";         // relay: what travels the ring: auto | expert | token
   std::string head = "full";               // output head: full (logits [N,V] inside the head) | chunked (the
                                            // same loss over vocabulary blocks, no [N,V]) | ring_dtp (vocabulary
                                            // shards over P ranks, ops/ring_dtp.cuh)
@@ -397,6 +398,13 @@ inline DeviceBudget parse_device_budget(const std::string& text) {
   return d;
 }
 
+// The MoE dispatcher that --moe names, with its default resolved: local at E_p = 1, else ep.
+inline std::string moe_dispatcher(const TrainConfig& t) {
+  if (!t.moe.empty()) return t.moe;
+  const int ep = t.ep ? t.ep : t.gpus;
+  return ep == 1 ? "local" : "ep";
+}
+
 inline void validate(const TrainConfig& t, const ModelConfig& c) {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
@@ -440,7 +448,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
       if (v == p) throw std::invalid_argument(flag + " " + v + " is not built yet (available: " + list + ")");
     throw std::invalid_argument(flag + " expects one of " + list + ", got '" + v + "'");
   };
-  refuse_unbuilt("--moe", t.moe.empty() ? "ep" : t.moe, {"local", "ep", "llep", "pllep"}, {"relay"});
+  refuse_unbuilt("--moe", t.moe.empty() ? "ep" : t.moe, {"local", "ep", "llep", "pllep", "relay"}, {});
   need(t.moe.empty() || t.moe == "local" || t.gpus > 1,
        "--moe " + t.moe + " exchanges routes between ranks: it needs --gpus > 1 (got " + std::to_string(t.gpus) + ")");
   need(t.llep_alpha >= 1.0f && std::isfinite(t.llep_alpha),
@@ -448,6 +456,10 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.llep_min_rows >= 1, "llep_min_rows must be >= 1, got " + std::to_string(t.llep_min_rows));
   need(t.token_budget >= 1 && t.kmax >= 1, "token_budget and kmax must be >= 1, got " + std::to_string(t.token_budget) +
                                                " and " + std::to_string(t.kmax));
+  refuse_unbuilt("--relay_mode", t.relay_mode, {"expert", "token", "auto"}, {});
+  need(t.relay_mode == "auto" || t.moe == "relay",
+       "--relay_mode " + t.relay_mode + " chooses what travels the ring of --moe relay (this run has --moe " +
+           moe_dispatcher(t) + ")");
   need(t.moe != "local" || ep == 1, "--moe local keeps every expert on each rank: it needs --ep 1 (got ep " +
                                         std::to_string(ep) + ")");
   refuse_unbuilt("--head", t.head, {"full", "chunked", "ring_dtp"}, {});
@@ -524,10 +536,11 @@ inline std::string usage() {
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
-         "seams:  --moe local|ep|llep|pllep (default: local at E_p = 1, else ep) --head full|chunked|ring_dtp\n"
+         "seams:  --moe local|ep|llep|pllep|relay (default: local at E_p = 1, else ep) --head full|chunked|ring_dtp\n"
          "        --vocab_group P --ring_dtp auto|weights|activations (ring_dtp) --vocab_block C (chunked, ring_dtp)\n"
          "        --optimizer adamw|cpu_adamw|offload_adamw --offload_bucket β --offload_slots s (offload_adamw)\n"
          "        --llep_alpha a --llep_min_rows n (llep, pllep) --token_budget c --kmax K (pllep)\n"
+         "        --relay_mode auto|expert|token (relay: what travels the ring; auto: the smaller per-hop volume)\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
          "        --ckpt_every S --log_every S --timeline_step S --resume DIR (a checkpoint folder)\n";
@@ -675,6 +688,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--llep_min_rows", &T::llep_min_rows),
       int_flag("--token_budget", &T::token_budget),
       int_flag("--kmax", &T::kmax),
+      text_flag("--relay_mode", &T::relay_mode),
       text_flag("--head", &T::head),
       int_flag("--vocab_group", &T::vocab_group),
       text_flag("--ring_dtp", &T::ring_dtp),
@@ -747,13 +761,6 @@ inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
   if (t.train_pattern.empty()) t.train_pattern = t.data_dir + "/train_*.bin";
   if (t.val_pattern.empty()) t.val_pattern = t.data_dir + "/val_*.bin";
   if (t.tokenizer.empty()) t.tokenizer = t.data_dir + "/tokenizer.bin";
-}
-
-// The MoE dispatcher that --moe names, with its default resolved: local at E_p = 1, else ep.
-inline std::string moe_dispatcher(const TrainConfig& t) {
-  if (!t.moe.empty()) return t.moe;
-  const int ep = t.ep ? t.ep : t.gpus;
-  return ep == 1 ? "local" : "ep";
 }
 
 // The shape of a routing trace of this model on `world` ranks of `tokens` tokens per training pass

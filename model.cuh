@@ -10,7 +10,7 @@
 //             this rank's shards, weights all-gathered per region, aux-loss-free router-bias update
 //
 // Seams (notes/design.md §1.1), each chosen once at model_create from the flags: the MoE dispatcher
-// (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep, ops/llep.cuh llep, ops/pipelined_llep.cuh pllep), the output head (--head: ops/cross_entropy.cuh
+// (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep, ops/llep.cuh llep, ops/pipelined_llep.cuh pllep, ops/relay_moe.cuh relay), the output head (--head: ops/cross_entropy.cuh
 // full, ops/ring_dtp.cuh chunked and ring_dtp), the optimizer (--optimizer: ops/adamw.cuh adamw,
 // ops/offload_adamw.cuh cpu_adamw and offload_adamw) and the layer boundaries (--offload_budget: ops/sco.cuh
 // places some in pinned host memory).
@@ -42,6 +42,7 @@
 #include "ops/embedding.cuh"
 #include "ops/ep_moe.cuh"
 #include "ops/pipelined_llep.cuh"
+#include "ops/relay_moe.cuh"
 #include "ops/ring_dtp.cuh"
 #include "ops/matmul.cuh"
 #include "ops/moe.cuh"
@@ -80,7 +81,7 @@ struct Parallel {
 };
 
 // The seams' choices (--moe, --head, --optimizer, --offload_budget); moe "" = local at E_p = 1, else ep.
-// The llep settings serve llep and pllep, the chunking pllep, the bucket and slots offload_adamw, the
+// The llep settings serve llep and pllep, the chunking pllep, relay_mode relay, the bucket and slots offload_adamw, the
 // offload budget (host bytes for layer boundaries, 0 = none) SCO.
 struct Seams {
   std::string moe, head = "full", optimizer = "adamw";
@@ -91,10 +92,21 @@ struct Seams {
   int token_budget = 4096, kmax = 10;
   int offload_bucket = 1 << 22, offload_slots = 2;
   long long offload_budget = 0;
+  RelayMode relay_mode = RelayMode::Expert;  // relay: what travels the ring (auto resolved by relay_choice)
 };
-inline Seams seams_from(const TrainConfig& t) {
+
+// --moe relay's mode and both per-hop volumes, from sizes every rank knows: N = batch·seq_len tokens
+// per rank of a training micro-batch, E_l = E/E_p experts per partition, fp32 output accumulators.
+inline RelayChoice relay_choice(const TrainConfig& t, const ModelConfig& c) {
+  const int ep = t.ep ? t.ep : t.gpus;
+  return relay_choose(t.relay_mode, (long long)t.batch * c.seq_len, c.hidden, c.expert_dim, c.experts / ep, c.topk,
+                      sizeof(floatX), sizeof(float));
+}
+
+inline Seams seams_from(const TrainConfig& t, const ModelConfig& c) {
   return Seams{moe_dispatcher(t), t.head,           t.optimizer,     t.ring_dtp,       t.vocab_block,  t.llep_alpha,
-               t.llep_min_rows,   t.token_budget,   t.kmax,          t.offload_bucket, t.offload_slots, t.offload_budget};
+               t.llep_min_rows,   t.token_budget,   t.kmax,          t.offload_bucket, t.offload_slots, t.offload_budget,
+               moe_dispatcher(t) == "relay" ? relay_choice(t, c).mode : RelayMode::Expert};
 }
 
 struct Model {
@@ -263,7 +275,10 @@ inline std::unique_ptr<MoEDispatcher> make_dispatcher(const ModelConfig& c, cons
   if (moe == "pllep" && par.world.size > 1)
     return std::make_unique<PLLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, par.ep, seams.token_budget,
                                              seams.kmax, seams.llep_alpha, seams.llep_min_rows);
-  fm_fail("model_create", ("--moe " + moe + " does not fit this layout (local needs E_p = 1, ep, llep and pllep W > 1)").c_str(),
+  if (moe == "relay" && par.world.size > 1)
+    return std::make_unique<RelayDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, par.ep, seams.relay_mode);
+  fm_fail("model_create",
+          ("--moe " + moe + " does not fit this layout (local needs E_p = 1, ep, llep, pllep and relay W > 1)").c_str(),
           "W=%d E_p=%d", par.world.size, par.ep.size);
 }
 
@@ -521,7 +536,7 @@ inline void attention_step(Model& m, int l, LayerActs& a, const floatX* x_in, in
 // One transformer layer: x_out = x_mid + FFN(ln2(x_mid)), x_mid = x_in + wo·Attn(RoPE(wqkv·ln1(x_in))).
 // x_out = nullptr: a recomputation, whose output is already kept (the next layer's boundary): the
 // FFN rebuilds only what its backward needs, and a dispatcher that recomputes in its own backward
-// (--moe pllep) only plans.
+// (--moe pllep, relay) only plans.
 inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, LayerActs& a, int B, int T, bool count_loads) {
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
@@ -854,8 +869,8 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     // under --moe ep is a second forward exchange per MoE layer: the counts, then R·H·b bytes out and
     // R·H·b back per rank (R = N·k routes), besides the backward's own two exchanges. The layer's
     // output is not rebuilt (x_out = nullptr: it was the boundary input[l + 1], kept until layer l + 1's
-    // backward); under --moe pllep the recomputation only plans, since pllep's backward recomputes
-    // each chunk itself. Tested at W = 1 (tests/gpu_model.cu) and W = 2 (tests/dist_model.cu),
+    // backward); under --moe pllep and relay the recomputation only plans, since their backward
+    // recomputes each chunk (pllep) or hop (relay) itself. Tested at W = 1 (tests/gpu_model.cu) and W = 2 (tests/dist_model.cu),
     // gradients compared with memcmp; with SCO's boundaries from the host too (tests/sco_training.cuh).
     for (int l = L - 1; l >= 0; l--) {
       boundaries.before_backward(l);

@@ -91,7 +91,7 @@ Model checkpoint_load(const std::string& dir, const ModelConfig& flags_model, co
                                 "); this run has P=" + std::to_string(par.vocab.size) + " (--head " + tc.head + ")");
   if (par.world.rank == 0)
     for (const std::string& d : ckpt::train_flag_differences(f.train, tc)) printf("note: training flag differs from the checkpoint's: %s\n", d.c_str());
-  Model m = model_create(f.model, 0, par, stream, seams_from(tc));
+  Model m = model_create(f.model, 0, par, stream, seams_from(tc, f.model));
   m.opt->load(f.sections, f.optimizer_steps, stream);
   m.opt->write_weights(m.params, stream);
   all_gather_weights(m);
@@ -213,6 +213,12 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
     row("llep alpha/min_rows", std::to_string(t.llep_alpha).substr(0, 5) + " / " + std::to_string(t.llep_min_rows));
   if (moe_dispatcher(t) == "pllep")
     row("pllep c/K_max", std::to_string(t.token_budget) + " / " + std::to_string(t.kmax));
+  if (moe_dispatcher(t) == "relay") {  // the mode and both per-hop volumes, from sizes every rank knows
+    const RelayChoice relay = relay_choice(t, c);
+    row("relay E_p / moves", std::to_string(m.par.ep.size) + " / " + relay_mode_name(relay.mode) + " (" + t.relay_mode + ")");
+    snprintf(buf, sizeof buf, "%.2f / %.2f MiB", relay.expert_bytes / 1048576.0, relay.token_bytes / 1048576.0);
+    row("hop experts / tokens", buf);
+  }
   if (t.head == "chunked") row("vocab block", std::to_string(t.vocab_block) + " columns");
   if (t.head == "ring_dtp") {  // the branch and both per-hop volumes, from sizes every rank knows
     const int P = m.par.vocab.size;
@@ -255,7 +261,7 @@ RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, cons
   const DeviceMemoryNow now = device_memory_now();
   plan.outside = now.used - now.reserved;
   plan.capacity = (long long)total_b;
-  const Seams seams = seams_from(t);
+  const Seams seams = seams_from(t, c);
   plan.predicted = predict_rank_memory(c, par, seams, B, T, t.recompute != 0);
   const DeviceBudget device_budget = parse_device_budget(t.device_budget);
   const auto mib = [](long long x) { return std::to_string((long long)std::llround(x / 1048576.0)) + " MiB"; };
@@ -422,7 +428,7 @@ int train_main(int argc, char** argv) {
       train_data.set_state(st.train_data);
       if (main_rank) printf("resumed from %s at step %d\n", tc.resume.c_str(), st.step);
     } else {
-      m = model_create(mc, tc.seed, par, stream, seams_from(tc));
+      m = model_create(mc, tc.seed, par, stream, seams_from(tc, mc));
     }
     m.attention_kept = memory_plan.attention_kept;
     m.routing_override = tc.routing != "router" && trace_path.empty();

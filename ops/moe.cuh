@@ -17,7 +17,9 @@
 //                        route_of_slot / slot_of_route; returns the per-expert counts on the host
 //   moe_permute_rows     xp[s] = x[route_of_slot[s] / k]
 //   grouped_gemm         one cublasGemmGroupedBatchedEx per GEMM, one group per expert with ≥ 1 route
-//   swiglu_forward/backward, moe_combine (weighted or plain sum over the k slots), moe_combine_backward
+//   swiglu_forward/backward, moe_combine (weighted or plain sum over the k slots), moe_combine_backward;
+//                        their window forms (moe_combine_window_add, moe_combine_backward_window) take only
+//                        the routes of a range of sorted slots: one ring hop's (ops/relay_moe.cuh)
 // Live set (b = bytes per floatX): saved between forward and backward: route maps 2·R·4 B (Dispatch),
 // h13 R·2I·b (ExpertIntermediates), y R·H·b (Dispatch). Forward temporaries on top: xp R·H·b
 // (Dispatch) and a R·I·b (ExpertIntermediates), plus the plan's ceil(R/256)·E·4 B and pointer arrays
@@ -142,11 +144,13 @@ static __global__ void swiglu_backward_kernel(floatX* dh13, const floatX* da, co
   dh13[r * 2 * I + I + c] = from_float<floatX>(g * h1 * sig);
 }
 
-// out [N,H] (=): out[n] = Σ_j w_j · rows[slot_of_route[n·k+j]], j ascending, fp32; w_j = topk_w[n,j]
-// when WEIGHTED, else 1. One thread per element of out.
-template <bool WEIGHTED>
-static __global__ void moe_combine_kernel(floatX* out, const floatX* rows, const int* slot_of_route, const float* topk_w,
-                                          int N, int H, int k) {
+// out [N,H]: sum[n] = Σ_j w_j · rows[slot_of_route[n·k+j] − slot_first] over the routes whose slot
+// lies in the window [slot_first, slot_first + slot_count) (the whole [0, R) for moe_combine), j
+// ascending, fp32; w_j = topk_w[n,j] when WEIGHTED, else 1. ACCUMULATE: out[n] (+=) sum (a ring hop's
+// routes added into a running output, ops/relay_moe.cuh); else out[n] (=) sum. One thread per element of out.
+template <bool WEIGHTED, bool ACCUMULATE, typename TOut>
+static __global__ void moe_combine_kernel(TOut* out, const floatX* rows, const int* slot_of_route, const float* topk_w,
+                                          int N, int H, int k, int slot_first, int slot_count) {
   size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (size_t)N * H) return;
   size_t n = i / H;
@@ -154,22 +158,29 @@ static __global__ void moe_combine_kernel(floatX* out, const floatX* rows, const
   float acc = 0.f;
   for (int j = 0; j < k; j++) {
     size_t r = n * k + j;
-    float v = to_float(rows[(size_t)slot_of_route[r] * H + c]);
+    const int s = slot_of_route[r] - slot_first;
+    if ((unsigned)s >= (unsigned)slot_count) continue;
+    float v = to_float(rows[(size_t)s * H + c]);
     acc += WEIGHTED ? topk_w[r] * v : v;
   }
-  out[i] = from_float<floatX>(acc);
+  out[i] = from_float<TOut>(ACCUMULATE ? to_float(out[i]) + acc : acc);
 }
 
-// One warp per route r (sorted slot s = slot_of_route[r], token n = r / k):
-// dy [R,H] (=): dy[s] = topk_w[r] · dout[n];  dtopk_w [R] (=): dout[n] · y[s] (lane-strided partial
-// sums, then a fixed xor butterfly).
+// One warp per route r (sorted slot s = slot_of_route[r] − slot_first, token n = r / k); routes whose
+// slot lies outside the window [slot_first, slot_first + slot_count) are left alone:
+// dy [slot_count,H] (=): dy[s] = topk_w[r] · dout[n];  dtopk_w [R] (=): dout[n] · y[s] (lane-strided
+// partial sums, then a fixed xor butterfly). dy may be y itself (each lane reads y[s][c] before it
+// writes dy[s][c]).
 static __global__ void moe_combine_backward_kernel(floatX* dy, float* dtopk_w, const floatX* dout, const floatX* y,
-                                                   const int* slot_of_route, const float* topk_w, int R, int H, int k) {
+                                                   const int* slot_of_route, const float* topk_w, int R, int H, int k,
+                                                   int slot_first, int slot_count) {
   const int lane = threadIdx.x & 31;
   const int r = blockIdx.x * MOE_WARPS_PER_BLOCK + (threadIdx.x >> 5);
   if (r >= R) return;  // r is the same for the whole warp
+  const int window_slot = slot_of_route[r] - slot_first;
+  if ((unsigned)window_slot >= (unsigned)slot_count) return;  // the same for the whole warp too
   const floatX* dout_n = dout + (size_t)(r / k) * H;
-  const size_t s = slot_of_route[r];
+  const size_t s = window_slot;
   const floatX* y_s = y + s * H;
   floatX* dy_s = dy + s * H;
   const float w = topk_w[r];
@@ -279,11 +290,30 @@ inline void moe_combine(floatX* out, const floatX* rows, const int* slot_of_rout
                         int k, cudaStream_t stream) {
   size_t total = (size_t)N * H;
   if (total == 0) return;
+  const int R = N * k;
   if (topk_w)
-    moe_combine_kernel<true><<<ceil_div(total, 256), 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k);
+    moe_combine_kernel<true, false><<<ceil_div(total, 256), 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, 0, R);
   else
-    moe_combine_kernel<false><<<ceil_div(total, 256), 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k);
+    moe_combine_kernel<false, false><<<ceil_div(total, 256), 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, 0, R);
   launchCheck("moe_combine", "N=%d H=%d k=%d", N, H, k);
+}
+
+// acc [N,H] (+=, fp32): acc[n] += Σ_j topk_w[n,j] · rows[slot_of_route[n·k+j] − slot_first] over the
+// routes whose sorted slot lies in [slot_first, slot_first + slot_count) (j ascending, fp32), rows
+// [slot_count,H] holding those slots' rows; topk_w == nullptr: every weight is 1. A ring hop's share of
+// moe_combine (ops/relay_moe.cuh): over hops that cover every slot once, acc gains moe_combine's sum,
+// added in hop order.
+inline void moe_combine_window_add(float* acc, const floatX* rows, const int* slot_of_route, const float* topk_w,
+                                   int slot_first, int slot_count, int N, int H, int k, cudaStream_t stream) {
+  size_t total = (size_t)N * H;
+  if (total == 0 || slot_count == 0) return;
+  if (topk_w)
+    moe_combine_kernel<true, true><<<ceil_div(total, 256), 256, 0, stream>>>(acc, rows, slot_of_route, topk_w, N, H, k,
+                                                                             slot_first, slot_count);
+  else
+    moe_combine_kernel<false, true><<<ceil_div(total, 256), 256, 0, stream>>>(acc, rows, slot_of_route, topk_w, N, H, k,
+                                                                              slot_first, slot_count);
+  launchCheck("moe_combine_window_add", "N=%d H=%d k=%d slot_first=%d slot_count=%d", N, H, k, slot_first, slot_count);
 }
 
 // dy [R,H] (=, sorted order) and dtopk_w [N,k] (=) from dout [N,H] and the expert outputs y [R,H].
@@ -292,8 +322,21 @@ inline void moe_combine_backward(floatX* dy, float* dtopk_w, const floatX* dout,
   int R = N * k;
   if (R == 0) return;
   moe_combine_backward_kernel<<<ceil_div(R, MOE_WARPS_PER_BLOCK), 32 * MOE_WARPS_PER_BLOCK, 0, stream>>>(
-      dy, dtopk_w, dout, y, slot_of_route, topk_w, R, H, k);
+      dy, dtopk_w, dout, y, slot_of_route, topk_w, R, H, k, 0, R);
   launchCheck("moe_combine_backward", "N=%d H=%d k=%d", N, H, k);
+}
+
+// moe_combine_backward on the routes whose sorted slot lies in [slot_first, slot_first + slot_count):
+// dy [slot_count,H] (=) and those routes' dtopk_w (=) from the window's expert outputs y
+// [slot_count,H]; dy may be y (in place). The other routes' dtopk_w are left as they are.
+inline void moe_combine_backward_window(floatX* dy, float* dtopk_w, const floatX* dout, const floatX* y,
+                                        const int* slot_of_route, const float* topk_w, int slot_first, int slot_count,
+                                        int N, int H, int k, cudaStream_t stream) {
+  int R = N * k;
+  if (R == 0 || slot_count == 0) return;
+  moe_combine_backward_kernel<<<ceil_div(R, MOE_WARPS_PER_BLOCK), 32 * MOE_WARPS_PER_BLOCK, 0, stream>>>(
+      dy, dtopk_w, dout, y, slot_of_route, topk_w, R, H, k, slot_first, slot_count);
+  launchCheck("moe_combine_backward_window", "N=%d H=%d k=%d slot_first=%d slot_count=%d", N, H, k, slot_first, slot_count);
 }
 
 // Row-major problem g: C_g [M,N] = op(A_g) [M,K] · op(B_g) [K,N] + beta · C_g, where op(A) = A

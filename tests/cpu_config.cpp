@@ -57,7 +57,7 @@ using T = TrainConfig;
 const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_pattern, &T::val_pattern, &T::tokenizer,
                                                    &T::out_dir,  &T::resume,        &T::routing,     &T::record_routing,
                                                    &T::moe,      &T::head,          &T::optimizer,   &T::ring_dtp,
-                                                   &T::device_budget};
+                                                   &T::relay_mode, &T::device_budget};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
                                           &T::recompute,  &T::val_every,    &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step,
@@ -299,8 +299,34 @@ TEST(ConfigSeams, RefusesLLEPSettingsThatCannotRun) {
   t.kmax = 0;
   EXPECT_EQ(validate_error(t, m), "token_budget and kmax must be >= 1, got 4096 and 0");
   t.kmax = 1;
+  t.moe = "ring";
+  EXPECT_EQ(validate_error(t, m), "--moe expects one of local, ep, llep, pllep, relay, got 'ring'");
+}
+
+// --moe relay and --relay_mode: expert, token and auto run; --relay_mode belongs to --moe relay alone;
+// relay moves experts or tokens between ranks, so it needs ranks.
+TEST(ConfigSeams, RelayAndItsMode) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  t.gpus = 2;
   t.moe = "relay";
-  EXPECT_EQ(validate_error(t, m), "--moe relay is not built yet (available: local, ep, llep, pllep)");
+  for (const char* mode : {"auto", "expert", "token"}) {
+    t.relay_mode = mode;
+    EXPECT_EQ(validate_error(t, m), "") << mode;
+  }
+  t.relay_mode = "experts";
+  EXPECT_EQ(validate_error(t, m), "--relay_mode expects one of expert, token, auto, got 'experts'");
+  t.relay_mode = "expert";
+  t.gpus = 1;
+  EXPECT_EQ(validate_error(t, m), "--moe relay exchanges routes between ranks: it needs --gpus > 1 (got 1)");
+  t.gpus = 2;
+  t.moe = "ep";
+  EXPECT_EQ(validate_error(t, m), "--relay_mode expert chooses what travels the ring of --moe relay (this run has --moe ep)");
+  t.moe = "";
+  EXPECT_EQ(validate_error(t, m), "--relay_mode expert chooses what travels the ring of --moe relay (this run has --moe ep)");
+  EXPECT_EQ(parse_error({"--gpus", "2", "--moe", "relay", "--relay_mode", "expert"}), "");
+  EXPECT_EQ(parse_error({"--gpus", "2", "--moe", "relay"}), "");
+  EXPECT_EQ(parse_error({"--gpus", "2", "--moe", "relay", "--relay_mode", "token"}), "");
 }
 
 // --optimizer: the three optimizers run; offload_adamw's bucket and slots are refused outside their ranges.

@@ -191,6 +191,7 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
     xs.emplace_back(); ys.emplace_back();
     random_tokens(N_global, c.vocab, rng, xs.back(), ys.back());
   }
+  const std::string moe_label = seams.moe + (seams.moe == "relay" ? std::string("_") + relay_mode_name(seams.relay_mode) : "");
   double worst = 0;
   for (int step = 0; step < t.steps; step++) {
     int next_dist = step * accum, next_single = step * accum;
@@ -208,7 +209,7 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
     worst = std::max(worst, e);
     if (world.rank == 0)
       printf("[dist] step %d loss W=%d --moe %s --head %s %.7f one GPU %.7f rel %.2e\n", step + 1, world.size,
-             seams.moe.c_str(), (seams.head + (seams.head == "ring_dtp" ? " " + seams.ring_dtp : "")).c_str(), dist_loss,
+             moe_label.c_str(), (seams.head + (seams.head == "ring_dtp" ? " " + seams.ring_dtp : "")).c_str(), dist_loss,
              single_loss, e);
 #if !defined(FLATMOE_BF16)
     // identical routing, so identical integer loads (in BF16 the two GEMM layouts round the router's
@@ -216,8 +217,8 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
     EXPECT_EQ(dist.router_bias, single.router_bias) << "step " << step + 1;
 #endif
   }
-  char what[64];
-  snprintf(what, sizeof what, "dist_%s_%s_vs_single_rank%d", seams.moe.c_str(),
+  char what[80];
+  snprintf(what, sizeof what, "dist_%s_%s_vs_single_rank%d", moe_label.c_str(),
            (seams.head == "ring_dtp" ? "ring_dtp_" + seams.ring_dtp : seams.head).c_str(), world.rank);
   // whole-model training compared over ten Adam steps: the whole-model tolerance of notes/design.md §3
   EXPECT_REL(what, "max loss", worst, MODEL_TOL);
@@ -250,6 +251,21 @@ TEST(DistModel, TenStepsWithLLEPAgreeWithOneGpu) {
 TEST(DistModel, TenStepsWithPipelinedLLEPAgreeWithOneGpu) {
   REQUIRE_WORLD(2);
   ten_steps_agree_with_one_gpu(moe_seams("pllep"));
+}
+
+// --moe relay (ops/relay_moe.cuh), both modes: the expert partitions travel the ring, or the token blocks.
+TEST(DistModel, TenStepsWithRelayExpertModeAgreeWithOneGpu) {
+  REQUIRE_WORLD(2);
+  Seams seams = moe_seams("relay");
+  seams.relay_mode = RelayMode::Expert;
+  ten_steps_agree_with_one_gpu(seams);
+}
+
+TEST(DistModel, TenStepsWithRelayTokenModeAgreeWithOneGpu) {
+  REQUIRE_WORLD(2);
+  Seams seams = moe_seams("relay");
+  seams.relay_mode = RelayMode::Token;
+  ten_steps_agree_with_one_gpu(seams);
 }
 
 // --head ring_dtp (lm_head split over the W ranks) against one GPU's full head, in both branches:
@@ -344,6 +360,10 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
   REQUIRE_WORLD(2);
   state_saved_and_restored_is_bit_identical(Seams());
   state_saved_and_restored_is_bit_identical(ring_seams("auto"));
+  state_saved_and_restored_is_bit_identical(moe_seams("relay"));
+  Seams token = moe_seams("relay");
+  token.relay_mode = RelayMode::Token;
+  state_saved_and_restored_is_bit_identical(token);
 }
 
 // Layer-level recomputation with expert parallelism: the backward reruns each layer's forward,
@@ -352,8 +372,7 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
 // deterministic given the layer input (FP32 router, top-k ties to the lower index, a stable route
 // sort, a plan that depends only on the counts, fixed-order combines); the cost is a second forward
 // exchange per MoE layer (counts + rows out and back: 2·R·H·b bytes per rank) besides the backward's.
-TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
-  REQUIRE_WORLD(2);
+static void recompute_is_bit_identical(const Seams& seams) {
   const Comm& world = test_world();
   Parallel par = test_parallel();
   ModelConfig c = dist_config();
@@ -362,7 +381,7 @@ TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
   std::vector<float> master = random_master(c, rng);
   std::vector<int> x, y;
   random_tokens(N * world.size, c.vocab, rng, x, y);
-  Model m = model_create(c, 1, par);
+  Model m = model_create(c, 1, par, 0, seams);
   model_set_master(m, master);
   std::vector<float> grads[2];
   float loss[2];
@@ -376,9 +395,20 @@ TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
   }
   EXPECT_EQ(0, memcmp(&loss[0], &loss[1], sizeof(float)));
   EXPECT_EQ(0, memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)))
-      << "rank " << world.rank << ": recomputation must reproduce the gradients bit for bit";
+      << "rank " << world.rank << " --moe " << seams.moe << ": recomputation must reproduce the gradients bit for bit";
   model_destroy(m);
   release(par);
+}
+
+// ep (the default at W > 1) reruns the layer's exchanges; relay's recomputed forward only plans (its
+// backward recomputes every hop).
+TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
+  REQUIRE_WORLD(2);
+  recompute_is_bit_identical(Seams());
+  recompute_is_bit_identical(moe_seams("relay"));
+  Seams token = moe_seams("relay");
+  token.relay_mode = RelayMode::Token;
+  recompute_is_bit_identical(token);
 }
 
 // SCO (--offload_budget) at W ranks with expert parallelism: each rank offloads its own boundaries
@@ -402,11 +432,12 @@ TEST(DistModel, MemoryPredictionHoldsForEachDispatcherAndHead) {
   c.vocab = 512; c.hidden = 256; c.heads = 4; c.layers = 4; c.experts = 8; c.topk = 2; c.expert_dim = 256;
   c.n_dense = 1; c.dense_dim = 512; c.shared_expert = 1; c.seq_len = 256;
   const int B = 8, T = c.seq_len;
-  for (const char* moe : {"ep", "llep", "pllep"})
+  for (const char* moe : {"ep", "llep", "pllep", "relay expert", "relay token"})
     for (const char* routing : {"hot:1/2", ""}) {
       testutil::PredictionCase pc;
       pc.name = std::string("--moe ") + moe + (*routing ? std::string(", ") + routing : ", the router");
-      pc.seams.moe = moe;
+      pc.seams.moe = std::string(moe).substr(0, std::string(moe).find(' '));
+      pc.seams.relay_mode = std::string(moe) == "relay token" ? RelayMode::Token : RelayMode::Expert;
       pc.seams.token_budget = 512;
       pc.routing = routing;
       Parallel par = test_parallel();

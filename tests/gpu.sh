@@ -4,7 +4,7 @@
 # Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
-#   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank, pllep
+#   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, relay expert/token/auto, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   bench-opt: the optimizer step (notes/offload_adamw.md): the CPU AdamW loop alone (scalar vs vectorised, 1 thread to
 #     all) at 256M parameters; offload_adamw (beta x s sweep), cpu_adamw and adamw at 1B parameters on one GPU, at 4B
@@ -21,9 +21,9 @@
 #   memory: the whole device beside the pool (the device ledger, runtime/pool.cuh) on the 334M-parameter MoE of
 #     issue 11 (H 768, L 8, E 32, top-4, I 512, T 1024, batch 16), 3 steps on 1 GPU, on 2 with expert
 #     parallelism and on 2 without (--ep 1): the first step's "memory after the first step" line
-#   moe: the MoE dispatchers alone — test_gpu, then test_dist's EpMoEDist/LlepDist/DistModel tests, in both
-#     precisions (one log), and 30 training steps on every GPU with --moe ep, llep and pllep (hot:0.5/2 routing),
-#     llep and pllep also with --recompute 1
+#   moe: the MoE dispatchers alone — test_gpu, then test_dist's EpMoEDist/LlepDist/RelayMoEDist/DistModel tests, in
+#     both precisions (one log), and 30 training steps on every GPU with --moe ep, llep, pllep and relay (expert and
+#     token mode; hot:0.5/2 routing), llep, pllep and relay also with --recompute 1
 #   accum: BF16 gradient accumulation against the FP32 build: 200 steps of 8 micro-batches on one GPU,
 #     the loss gap and the pool peak (build/base_bf16_train, when present: the same run before a change)
 #   sco: SCO, selective attention recomputation and the memory prediction (notes/sco.md) — GpuSco.*,
@@ -96,7 +96,7 @@ fi
 if [[ " $want " == *" moe "* ]]; then
   : > "$OUT/moe_tests.log"
   for p in fp32 bf16; do
-    for run in "build/$p/test_gpu" "build/$p/test_dist --gtest_filter=EpMoEDist.*:LlepDist.*:DistModel.*"; do
+    for run in "build/$p/test_gpu" "build/$p/test_dist --gtest_filter=EpMoEDist.*:LlepDist.*:RelayMoEDist.*:DistModel.*"; do
       $run > build/moe_run.log 2>&1
       rc=$?
       [ "$rc" -eq 0 ] || status=1
@@ -107,7 +107,8 @@ if [[ " $want " == *" moe "* ]]; then
   done
   gpus=$(nvidia-smi -L | wc -l)
   : > "$OUT/moe_train.log"
-  for m in ep llep pllep "llep --recompute 1" "pllep --recompute 1"; do
+  for m in ep llep pllep "relay --relay_mode expert" "relay --relay_mode token" "llep --recompute 1" "pllep --recompute 1" \
+           "relay --relay_mode expert --recompute 1" "relay --relay_mode token --recompute 1"; do
     rm -rf build/run-moe
     build/bf16/train --gpus "$gpus" --moe $m --routing hot:0.5/2 --llep_min_rows 16 --token_budget 512 --data data/fortunes \
       --steps 30 --val_every 0 --sample_every 0 --ckpt_every 0 --log_every 10 --out build/run-moe > build/moe_train.log 2>&1

@@ -10,6 +10,7 @@
 //     modes; what rank r holds at hop h is what rank r+1 holds at hop h+1.
 //   - The adaptive choice on both sides of its crossover, for several shapes.
 // Fresh routings every run (FLATMOE_SEED replays a run).
+#include <algorithm>
 #include <map>
 #include "test_util.hpp"
 #include "../ops/relay_moe.cuh"
@@ -184,4 +185,104 @@ TEST(RelayPlan, AutoPicksTheSmallerPerHopVolume) {
     EXPECT_EQ(relay_choose("expert", 0, s.H, s.I, s.E_l, s.k, b, b_acc).mode, RelayMode::Expert);
   }
   EXPECT_DEATH(relay_choose("ring", 16, 64, 48, 1, 2, 2, 4), "relay_choose.*expert, token or auto");
+}
+
+// The GPU schedule's hop: the sorted slots of partition p's experts (relay_hop_slice, from the
+// per-expert counts of a stable sort by expert) are exactly the plan's routes of that hop
+// (relay_hop_routes), as a set (a slice is in expert order), and the hops cover the R routes once. The live-set closed
+// form (relay_expert_live_bytes) under adversarial routing for E_p up to 64: every route of a rank to
+// one expert gives R_max = R, and the form never depends on what the other ranks route (no R_d term):
+// its largest hop holds at most R rows, whatever E_p.
+TEST(RelayPlan, HopSlicesAreThePlansRoutesAndTheLiveSetIsBoundedByTheRanksOwnRoutes) {
+  testutil::Rng rng;
+  for (int ranks : {1, 2, 3, 8, 64})
+    for (int E_l : {1, 3})
+      for (int k : {1, 4}) {
+        const int E = ranks * E_l, N = rng.integer(0, 40);
+        for (int profile = 0; profile < 3; profile++) {  // random, every route to expert 0, every route to the last partition
+          std::vector<int> idx;
+          for (int i = 0; i < N * k; i++)
+            idx.push_back(profile == 0 ? rng.integer(0, E - 1) : profile == 1 ? 0 : E - 1 - (i % E_l));
+          std::vector<int> counts(E, 0), sorted;  // the stable sort by expert: route indices in slot order
+          for (int e : idx) counts[e]++;
+          for (int e = 0; e < E; e++)
+            for (int r = 0; r < N * k; r++)
+              if (idx[r] == e) sorted.push_back(r);
+          long long covered = 0, largest = 0;
+          for (int p = 0; p < ranks; p++) {
+            const RelayHopSlice slice = relay_hop_slice(counts, p, E_l);
+            const std::vector<int> routes = relay_hop_routes(idx, p, E_l);
+            ASSERT_EQ(slice.count, (int)routes.size()) << "E_p=" << ranks << " partition " << p;
+            std::vector<int> in_slice(sorted.begin() + slice.first, sorted.begin() + slice.first + slice.count);
+            std::sort(in_slice.begin(), in_slice.end());
+            EXPECT_EQ(in_slice, routes) << "E_p=" << ranks << " partition " << p;
+            for (int l = 0; l < E_l; l++) {
+              EXPECT_EQ(slice.counts[l], counts[p * E_l + l]);
+              EXPECT_EQ(slice.offsets[l], l == 0 ? 0 : slice.offsets[l - 1] + slice.counts[l - 1]);
+            }
+            covered += slice.count;
+            largest = std::max<long long>(largest, slice.count);
+          }
+          EXPECT_EQ(covered, (long long)N * k);
+          EXPECT_EQ(relay_max_hop_routes(counts, E_l), largest);
+          if (profile > 0) EXPECT_EQ(largest, (long long)N * k) << "skewed routing: one hop holds every route";
+          const int H = 64, I = 48;
+          for (size_t b : {(size_t)2, (size_t)4})
+            for (bool backward : {false, true}) {
+              const RelayLiveBytes live = relay_expert_live_bytes(backward, N, k, largest, H, I, E_l, ranks, b);
+              const RelayLiveBytes worst = relay_expert_live_bytes(backward, N, k, (long long)N * k, H, I, E_l, ranks, b);
+              EXPECT_LE(live.total(), worst.total());
+              const size_t partition = (size_t)E_l * 3 * H * I * b, rows = (size_t)N * k * H * b;
+              // at most: the route maps, two (backward) row buffers of the rank's own routes, five of I,
+              // two visiting partitions (+ two accumulators in backward) and the fp32 output accumulator
+              EXPECT_LE(worst.total(), 8 * (size_t)N * k + 2 * rows + 5 * (size_t)N * k * I * b + 4 * partition +
+                                           (size_t)N * H * 4);
+            }
+        }
+      }
+}
+
+// Token mode's live set (relay_token_live_bytes) for E_p up to 64: rank r's largest hop is the most
+// routes of one visiting block to r's experts (the plan's relay_hop_routes of that block); under the
+// skew of every route to expert 0, rank 0's hops hold whole blocks (R_max = N_max·k) and every other
+// rank computes nothing (its Dispatch holds only a block's route maps); the staging (two block slots,
+// two accumulators) depends on N_max and not on the routing; and from E_p = 3 on nothing in backward grows
+// with E_p.
+TEST(RelayPlan, TokenModeLiveSetFollowsTheLargestVisitingBlock) {
+  testutil::Rng rng;
+  const int H = 64, I = 48;
+  for (int ranks : {2, 3, 8, 64})
+    for (int E_l : {1, 3})
+      for (int k : {1, 4})
+        for (bool skewed : {false, true}) {
+          const int E = ranks * E_l;
+          std::vector<std::vector<int>> idx(ranks);
+          long long N_max = 0;
+          for (int s = 0; s < ranks; s++) {
+            const int N = rng.integer(0, 30);
+            N_max = std::max<long long>(N_max, N);
+            for (int i = 0; i < N * k; i++) idx[s].push_back(skewed ? 0 : rng.integer(0, E - 1));
+          }
+          for (int r = 0; r < ranks; r++) {
+            long long R_max = 0;
+            for (int hop = 0; hop < ranks; hop++)
+              R_max = std::max<long long>(R_max, relay_hop_routes(idx[relay_visitor(r, hop, ranks)], r, E_l).size());
+            if (skewed) EXPECT_EQ(R_max, r == 0 ? N_max * k : 0) << "E_p=" << ranks << " rank " << r;
+            for (size_t b : {(size_t)2, (size_t)4})
+              for (bool backward : {false, true}) {
+                const RelayLiveBytes live = relay_token_live_bytes(backward, N_max, k, R_max, H, I, ranks, b);
+                const RelayLiveBytes whole = relay_token_live_bytes(backward, N_max, k, N_max * k, H, I, ranks, b);
+                EXPECT_LE(live.total(), whole.total());
+                EXPECT_EQ(live.staging, whole.staging);
+                if (skewed && r > 0) {
+                  EXPECT_EQ(live.dispatch, 8 * (size_t)N_max * k);
+                  EXPECT_EQ(live.intermediates, 0u);
+                }
+                if (ranks >= 3 && backward) {  // (the forward's exchange of the sizes stages 16·E_p bytes)
+                  const RelayLiveBytes more = relay_token_live_bytes(backward, N_max, k, R_max, H, I, 2 * ranks, b);
+                  EXPECT_EQ(more.total(), live.total()) << "E_p=" << ranks;
+                }
+              }
+          }
+        }
 }

@@ -1,12 +1,13 @@
 // tools/bench_ep_moe.cu — the expert-parallel MoE dispatchers on W ranks in one run, on the same
-// inputs: standard EP (ops/ep_moe.cuh), LLEP (ops/llep.cuh) and PipelinedLLEP (ops/pipelined_llep.cuh),
+// inputs: standard EP (ops/ep_moe.cuh), LLEP (ops/llep.cuh), PipelinedLLEP (ops/pipelined_llep.cuh) and
+// RelayMoE (ops/relay_moe.cuh),
 // with the single-GPU MoE (ops/moe.cuh) as the baseline, under the routing profiles of the paper's
 // appendix B.2 (data/routing_profile.hpp: balanced, hot:r/h) or a recorded routing trace
 // (data/routing_trace.hpp: trace:FILE); routing weights 1/k.
 //
 //   build/bf16/bench_ep_moe --gpus 2 [--tokens 8192 --hidden 2048 --inter 1408 --experts 16 --topk 4
 //                            --warmup 5 --iters 20 --seed 1 --profiles balanced,hot:0.25/1,hot:0.5/2,hot:1/4]
-//                            [--dispatchers 1gpu,ep,llep,pllep --llep_alpha 1.0 --llep_min_rows 32
+//                            [--dispatchers 1gpu,ep,llep,pllep,relay_expert,relay_token,relay_auto --llep_alpha 1.0 --llep_min_rows 32
 //                             --token_budget 4096 --kmax 10] [--check 1] [--timeline DIR]
 //                            [--profiles trace:FILE --trace_batch 0 --trace_layer L]
 //
@@ -18,13 +19,18 @@
 //   ep      standard EP over the group of all W ranks (E_p = W, E/W experts each)
 //   llep    LLEP over the same group (--llep_alpha, --llep_min_rows)
 //   pllep   PipelinedLLEP (--token_budget c, --kmax K_max, and LLEP's settings for each chunk)
+//   relay_expert  RelayMoE in expert mode over the same group (the partitions travel the ring)
+//   relay_token   RelayMoE in token mode (the token blocks travel, with their routing and accumulators)
+//   relay_auto    RelayMoE with the mode auto picks for this shape (relay_choose; the pick is printed)
 // Latency: CUDA events around three passes, each the median of `iters` runs after `warmup`, the
 // slowest rank's median: the forward alone (the paper's measure), forward + backward, and the
 // checkpointed step — forward, forward again with out = nullptr, backward: what a layer under
-// --recompute runs (model.cuh), where pllep's second forward only plans since its backward recomputes. Peak: the most loaded rank's peak of Dispatch + ExpertIntermediates live
-// bytes over one forward + backward (replayed from the pool's timeline); LLEP's borrowed expert
-// weights and gradients (Weights, Grads) are not in it. R_d: the most routes one rank computed (for
-// pllep in one chunk). --check 1: one more pass of each dispatcher from zeroed weight gradients,
+// --recompute runs (model.cuh), where pllep's and relay's second forward only plans since their backward recomputes.
+// Peak: the most loaded rank's peak of Dispatch + ExpertIntermediates live bytes over one forward +
+// backward (replayed from the pool's timeline), and the same with CommStaging (relay's weight slots,
+// weight-gradient accumulators and fp32 output accumulator live there); LLEP's borrowed expert
+// weights and gradients (Weights, Grads) are in neither. R_d: the most routes one rank computed (for
+// pllep in one chunk, for relay's expert mode in one hop; "-" for its token mode). --check 1: one more pass of each dispatcher from zeroed weight gradients,
 // every output and gradient compared with ep's on this rank (normwise), the largest difference per
 // dispatcher printed; exits with status 1 when one is above the tolerance (FP32 1e-5, BF16 2e-2).
 // --timeline DIR: rank 0's pool timeline of the measured pass, DIR/PROFILE_DISPATCHER.csv (the
@@ -39,6 +45,7 @@
 #include <vector>
 #include "../runtime/comm.cuh"
 #include "../ops/pipelined_llep.cuh"
+#include "../ops/relay_moe.cuh"
 #include "../runtime/launch.cuh"
 #include "bench_util.cuh"
 #include "../ops/moe.cuh"
@@ -52,7 +59,7 @@ struct BenchFlags {
   std::vector<std::string> profiles = {"balanced", "hot:0.25/1", "hot:0.5/2", "hot:1/4"};
   int trace_batch = 0;   // the batch of a trace:FILE profile
   int trace_layer = -1;  // its MoE layer (the model's layer index); -1: the first the trace records
-  std::vector<std::string> dispatchers = {"1gpu", "ep", "llep", "pllep"};
+  std::vector<std::string> dispatchers = {"1gpu", "ep", "llep", "pllep", "relay_expert", "relay_token", "relay_auto"};
   double llep_alpha = 1.0;
   int llep_min_rows = 32, token_budget = 4096, kmax = 10, check = 0;
   std::string timeline_dir;  // "": no timelines
@@ -63,7 +70,8 @@ struct BenchFlags {
           "bench_ep_moe: %s\n"
           "usage: bench_ep_moe [--gpus W] [--tokens N per rank] [--hidden H] [--inter I] [--experts E] [--topk k]\n"
           "                    [--warmup n] [--iters n] [--seed s] [--profiles balanced,hot:r/h,trace:FILE,...]\n"
-          "                    [--trace_batch b] [--trace_layer l] [--dispatchers 1gpu,ep,llep,pllep]\n"
+          "                    [--trace_batch b] [--trace_layer l]\n"
+          "                    [--dispatchers 1gpu,ep,llep,pllep,relay_expert,relay_token,relay_auto]\n"
           "                    [--llep_alpha a] [--llep_min_rows n] [--token_budget c] [--kmax K] [--check 0|1]\n"
           "                    [--timeline DIR]\n",
           why.c_str());
@@ -97,6 +105,11 @@ BenchRoutes bench_routes(const BenchFlags& f, const std::string& name, int world
           name + " (batch " + std::to_string(f.trace_batch) + ", layer " + std::to_string(layer) + ")"};
 }
 
+// relay_auto's pick: every rank holds --tokens tokens, partitions of E/W experts, fp32 accumulators.
+RelayChoice bench_relay_choice(const BenchFlags& f) {
+  return relay_choose("auto", f.tokens, f.hidden, f.inter, f.experts / f.gpus, f.topk, sizeof(floatX), sizeof(float));
+}
+
 BenchFlags parse_bench_flags(int argc, char** argv) {
   BenchFlags f;
   parse_flag_pairs(argc, argv, bench_usage, [&](const std::string& flag, const char* value) {
@@ -125,8 +138,10 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
     else if (flag == "--dispatchers") {
       f.dispatchers = split_list(value);
       for (const std::string& d : f.dispatchers)
-        if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep")
-          bench_usage("--dispatchers: unknown dispatcher '" + d + "' (1gpu, ep, llep, pllep)");
+        if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep" && d != "relay_expert" && d != "relay_token" &&
+            d != "relay_auto")
+          bench_usage("--dispatchers: unknown dispatcher '" + d +
+                      "' (1gpu, ep, llep, pllep, relay_expert, relay_token, relay_auto)");
     } else bench_usage("unknown flag " + flag);
   });
   if (f.check && std::find(f.dispatchers.begin(), f.dispatchers.end(), "ep") == f.dispatchers.end())
@@ -165,12 +180,14 @@ DeviceBuffer<floatX> random_buffer(size_t n, float scale, unsigned long long see
   return buf;
 }
 
-// Peak of Dispatch + ExpertIntermediates live bytes that one run of `pass` adds, replayed from the
-// pool's timeline (the pool keeps per-category peaks only, not the peak of their sum). A non-empty
-// `csv` gets that timeline (tools/plot_timeline.sh plots it).
+// Peak of Dispatch + ExpertIntermediates live bytes (with_staging: + CommStaging) that one run of
+// `pass` adds, replayed from the pool's timeline (the pool keeps per-category peaks only, not the peak
+// of their sum). A non-empty `csv` gets that timeline (tools/plot_timeline.sh plots it).
 template <typename F>
-size_t peak_dispatch_and_intermediates(F pass, cudaStream_t stream, const std::string& csv) {
-  const long long base = (long long)(pool().live(Mem::Dispatch) + pool().live(Mem::ExpertIntermediates));
+size_t peak_dispatch_and_intermediates(F pass, cudaStream_t stream, const std::string& csv, bool with_staging = false) {
+  auto counted = [&](Mem c) { return c == Mem::Dispatch || c == Mem::ExpertIntermediates || (with_staging && c == Mem::CommStaging); };
+  const long long base = (long long)(pool().live(Mem::Dispatch) + pool().live(Mem::ExpertIntermediates) +
+                                     (with_staging ? pool().live(Mem::CommStaging) : 0));
   pool().clear_timeline();
   pool().set_timeline(true);
   pass();
@@ -179,7 +196,7 @@ size_t peak_dispatch_and_intermediates(F pass, cudaStream_t stream, const std::s
   if (!csv.empty() && !pool().write_csv(csv.c_str())) fprintf(stderr, "bench_ep_moe: could not write %s\n", csv.c_str());
   long long live = base, peak = base;
   for (const PoolEvent& e : pool().events()) {
-    if (e.cat != Mem::Dispatch && e.cat != Mem::ExpertIntermediates) continue;
+    if (!counted(e.cat)) continue;
     if (e.action == 'a') live += (long long)e.bytes;
     if (e.action == 'f') live -= (long long)e.bytes;
     peak = std::max(peak, live);
@@ -224,12 +241,15 @@ int main(int argc, char** argv) {
 
   if (world.rank == 0) {
     printf("expert-parallel MoE dispatchers, %s: N=%d tokens/rank, H=%d, I=%d, E=%d (E_l=%d), k=%d, "
-           "llep alpha=%g min_rows=%d, pllep c=%d K_max=%d, medians of %d after %d warm-ups\n\n",
+           "llep alpha=%g min_rows=%d, pllep c=%d K_max=%d, medians of %d after %d warm-ups\n",
            bench_setting(W, "bench_ep_moe").c_str(), N, H, I, E, E_l, k, f.llep_alpha, f.llep_min_rows,
            f.token_budget, f.kmax, f.iters, f.warmup);
+    const RelayChoice relay = bench_relay_choice(f);
+    printf("relay per hop: experts %.2f MiB, tokens %.2f MiB: auto picks %s\n\n", relay.expert_bytes / 1048576.0,
+           relay.token_bytes / 1048576.0, relay_mode_name(relay.mode));
     printf("| profile | dispatcher | max R_d | fwd ms | / llep | fwd+bwd ms | / llep | checkpointed ms | / llep | "
-           "peak D+EI MiB | peak / llep | Dispatch closed form MiB | fwd host issue ms |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+           "peak D+EI MiB | peak / llep | peak D+EI+CS MiB | Dispatch closed form MiB | fwd host issue ms |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     fflush(stdout);
   }
 
@@ -239,6 +259,9 @@ int main(int argc, char** argv) {
     if (name == "llep") return std::make_unique<LLEPDispatcher>(H, I, E, k, world, f.llep_alpha, f.llep_min_rows);
     if (name == "pllep")
       return std::make_unique<PLLEPDispatcher>(H, I, E, k, world, f.token_budget, f.kmax, f.llep_alpha, f.llep_min_rows);
+    if (name == "relay_expert") return std::make_unique<RelayDispatcher>(H, I, E, k, world, RelayMode::Expert);
+    if (name == "relay_token") return std::make_unique<RelayDispatcher>(H, I, E, k, world, RelayMode::Token);
+    if (name == "relay_auto") return std::make_unique<RelayDispatcher>(H, I, E, k, world, bench_relay_choice(f).mode);
     return std::make_unique<LocalDispatcher>(H, I, E, k);
   };
   const double MiB = 1048576.0;
@@ -248,7 +271,7 @@ int main(int argc, char** argv) {
     copy_to_device(topk_idx.ptr, routes.topk_idx.data(), topk_idx.bytes(), stream, "bench_ep_moe.topk_idx");
     struct Row {
       std::string dispatcher;
-      long long fwd_us, fwd_issue_us, pass_us, checkpointed_us, peak, received;
+      long long fwd_us, fwd_issue_us, pass_us, checkpointed_us, peak, peak_staging, received;
     };
     std::vector<Row> rows;
     for (const std::string& dname : f.dispatchers) {
@@ -267,6 +290,8 @@ int main(int argc, char** argv) {
         if (auto* s = dynamic_cast<LLEPDispatcher::Saved*>(saved.get())) received = s->llep.ep.plan.received;
         if (auto* s = dynamic_cast<PLLEPDispatcher::Saved*>(saved.get()))
           received = *std::max_element(s->pllep.chunk_received.begin(), s->pllep.chunk_received.end());
+        if (auto* s = dynamic_cast<RelayDispatcher::Saved*>(saved.get()))  // expert mode: its largest hop
+          if (!s->relay.expert_counts.empty()) received = relay_max_hop_routes(s->relay.expert_counts, E_l);
         if (single) received = (long long)N * k;
       };
       auto forward_only = [&] {
@@ -289,19 +314,22 @@ int main(int argc, char** argv) {
           if (csv[c] == '/' || csv[c] == ':') csv[c] = '-';
       }
       const size_t peak = peak_dispatch_and_intermediates(pass, stream, csv);
+      const size_t peak_staging = peak_dispatch_and_intermediates(pass, stream, "", true);
       comm_sync(world, stream, "bench_ep_moe");
       const std::vector<long long> all = gather_all(
           world, {(long long)(fwd_ms * 1e3), (long long)(fwd_issue_ms * 1e3), (long long)(ms * 1e3),
-                  (long long)(checkpointed_ms * 1e3), (long long)peak, received},
+                  (long long)(checkpointed_ms * 1e3), (long long)peak, (long long)peak_staging, received},
           stream);
-      Row row{dname, 0, 0, 0, 0, 0, 0};
+      Row row{dname, 0, 0, 0, 0, 0, 0, 0};
+      const int fields = 7;
       for (int r = 0; r < W; r++) {
-        row.fwd_us = std::max(row.fwd_us, all[r * 6 + 0]);
-        row.fwd_issue_us = std::max(row.fwd_issue_us, all[r * 6 + 1]);
-        row.pass_us = std::max(row.pass_us, all[r * 6 + 2]);
-        row.checkpointed_us = std::max(row.checkpointed_us, all[r * 6 + 3]);
-        row.peak = std::max(row.peak, all[r * 6 + 4]);
-        row.received = std::max(row.received, all[r * 6 + 5]);
+        row.fwd_us = std::max(row.fwd_us, all[r * fields + 0]);
+        row.fwd_issue_us = std::max(row.fwd_issue_us, all[r * fields + 1]);
+        row.pass_us = std::max(row.pass_us, all[r * fields + 2]);
+        row.checkpointed_us = std::max(row.checkpointed_us, all[r * fields + 3]);
+        row.peak = std::max(row.peak, all[r * fields + 4]);
+        row.peak_staging = std::max(row.peak_staging, all[r * fields + 5]);
+        row.received = std::max(row.received, all[r * fields + 6]);
       }
       rows.push_back(row);
     }
@@ -317,13 +345,23 @@ int main(int argc, char** argv) {
           snprintf(vs_checkpointed, sizeof vs_checkpointed, "%.2f", (double)row.checkpointed_us / llep->checkpointed_us);
           snprintf(vs_peak, sizeof vs_peak, "%.2f", (double)row.peak / llep->peak);
         }
-        // ep and llep share one schedule and its closed form at their R_d (1gpu and pllep have their own)
+        // ep and llep share one schedule and its closed form at their R_d; relay's expert mode (backward,
+        // the larger) at its largest hop (1gpu, pllep and relay's token mode have their own)
         char closed[32] = "-";
         if (row.dispatcher == "ep" || row.dispatcher == "llep")
           snprintf(closed, sizeof closed, "%.1f", ep_moe_dispatch_peak_bytes((long long)N * k, row.received, H, sizeof(floatX)) / MiB);
-        printf("| %s | %s | %lld | %.3f | %s | %.3f | %s | %.3f | %s | %.1f | %s | %s | %.3f |\n", routes.label.c_str(),
-               row.dispatcher.c_str(), row.received, row.fwd_us / 1e3, vs_fwd, row.pass_us / 1e3, vs_pass,
-               row.checkpointed_us / 1e3, vs_checkpointed, row.peak / MiB, vs_peak, closed, row.fwd_issue_us / 1e3);
+        const bool relay_expert_row = row.dispatcher == "relay_expert" ||
+                                      (row.dispatcher == "relay_auto" && bench_relay_choice(f).mode == RelayMode::Expert);
+        if (relay_expert_row)
+          snprintf(closed, sizeof closed, "%.1f",
+                   relay_expert_live_bytes(true, N, k, row.received, H, I, E_l, W, sizeof(floatX)).dispatch / MiB);
+        // R_d of relay's token mode is not recorded (its blocks' routes are sorted hop by hop): "-"
+        const bool relay_token_row = row.dispatcher.compare(0, 5, "relay") == 0 && !relay_expert_row;
+        const std::string received = relay_token_row ? "-" : std::to_string(row.received);
+        printf("| %s | %s | %s | %.3f | %s | %.3f | %s | %.3f | %s | %.1f | %s | %.1f | %s | %.3f |\n", routes.label.c_str(),
+               row.dispatcher.c_str(), received.c_str(), row.fwd_us / 1e3, vs_fwd, row.pass_us / 1e3, vs_pass,
+               row.checkpointed_us / 1e3, vs_checkpointed, row.peak / MiB, vs_peak, row.peak_staging / MiB, closed,
+               row.fwd_issue_us / 1e3);
       }
     fflush(stdout);
 
