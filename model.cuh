@@ -123,7 +123,10 @@ struct Model {
   // Router biases (aux-loss-free balancing): [L, E] floats, host copy is the source of truth.
   std::vector<float> router_bias;       // host [L·E]
   float* router_bias_dev = nullptr;     // device [L·E]                           (Weights)
-  std::vector<long long> step_loads;    // host [L·E] routes per expert over the current step (global after model_update)
+  std::vector<long long> step_loads;    // host [L·E] routes per expert over the last step, global (set by model_update)
+  // device [L·E] routes per expert over the current step, added by every MoE layer's router
+  // (router_add_loads) with no host wait; model_update downloads it once per step (Workspace)
+  int* step_loads_dev = nullptr;
 
   // Trivial routing for dense FFNs and the shared expert (every token → expert 0, weight 1).
   int* dense_idx = nullptr;
@@ -220,6 +223,9 @@ inline void model_zero_grads(Model& m) {
   if ((void*)m.main_grads != (void*)m.grads)
     cudaCheck(cudaMemsetAsync(m.main_grads, 0, m.num_params * sizeof(float), m.stream), "zero_grads", "main P=%zu",
               m.num_params);
+  if (m.step_loads_dev)
+    cudaCheck(cudaMemsetAsync(m.step_loads_dev, 0, m.step_loads.size() * sizeof(int), m.stream), "zero_grads", "L*E=%zu",
+              m.step_loads.size());
   std::fill(m.step_loads.begin(), m.step_loads.end(), 0);
 }
 
@@ -306,6 +312,8 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   const size_t LE = (size_t)cfg.layers * cfg.experts;
   m.router_bias.assign(LE, 0.f);
   m.step_loads.assign(LE, 0);
+  m.step_loads_dev = pool().alloc_t<int>(LE, Mem::Workspace, "step_loads");
+  cudaCheck(cudaMemsetAsync(m.step_loads_dev, 0, LE * sizeof(int), m.stream), "model_create", "L*E=%zu", LE);
   m.router_bias_dev = pool().alloc_t<float>(LE, Mem::Weights, "router_bias");
   model_upload_router_bias(m);
   m.sumsq_partials = pool().alloc_t<float>(SUMSQ_BLOCKS, Mem::Workspace, "sumsq_partials");
@@ -317,7 +325,7 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
 
 inline void model_destroy(Model& m) {
   if ((void*)m.main_grads != (void*)m.grads) pool().free(m.main_grads);
-  for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.sumsq_partials,
+  for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.step_loads_dev, (void*)m.sumsq_partials,
                   (void*)m.scalar_dev, (void*)m.dense_idx, (void*)m.dense_w})
     pool().free(p);
   m = Model();
@@ -415,8 +423,8 @@ struct LayerBoundaries {
 
 // Router of MoE layer l on ln2 (N×H), in FP32 in both builds (logits, scores, top-k, bias; its
 // backward too): scores, top-k choice and weights into `a`; the choice of a routing profile, or of a
-// replayed trace in a training pass, instead when one is set. Counts routes per expert into
-// m.step_loads when asked.
+// replayed trace in a training pass, instead when one is set. Adds routes per expert into
+// m.step_loads_dev when asked (on the device: no host wait inside the layer).
 inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) {
   const ModelConfig& c = m.cfg;
   const int E = c.experts, k = c.topk;
@@ -440,14 +448,7 @@ inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) 
                    traced ? "routing_trace" : "routing_profile");
     router_weights(a.topk_w, a.scores, a.topk_idx, N, E, k, c.renorm != 0, s);
   }
-  if (count_loads) {
-    int* loads_dev = pool().alloc_t<int>(E, Mem::Workspace, "loads");
-    std::vector<int> loads(E);
-    router_count_loads(loads_dev, a.topk_idx, N, E, k, s);
-    copy_to_host(loads.data(), loads_dev, E * sizeof(int), s, "count_loads");
-    pool().free(loads_dev);
-    for (int e = 0; e < E; e++) m.step_loads[(size_t)l * E + e] += loads[e];
-  }
+  if (count_loads) router_add_loads(m.step_loads_dev + (size_t)l * E, a.topk_idx, N, E, k, s);
 }
 
 // FFN of layer l on ln2 (N×H) → out (N×H, =): a dense SwiGLU, or router + routed experts through
@@ -458,7 +459,8 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool 
   cudaStream_t s = m.stream;
   if (!c.is_moe_layer(l)) {
     ensure_dense_routes(m, N);
-    moe_forward(out, a.dense, a.ln2, m.dense_idx, m.dense_w, P.dense_w13, P.dense_w2, N, c.hidden, c.dense_dim, 1, 1, s);
+    moe_forward(out, a.dense, a.ln2, m.dense_idx, m.dense_w, P.dense_w13, P.dense_w2, N, c.hidden, c.dense_dim, 1, 1, s,
+                true);  // dense_routes: no host wait
     return;
   }
   router_step(m, l, a, N, count_loads);
@@ -467,7 +469,7 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool 
     ensure_dense_routes(m, N);
     floatX* shared_out = out ? pool().alloc_t<floatX>((size_t)N * c.hidden, Mem::Activations, "shared_out") : nullptr;
     moe_forward(shared_out, a.shared, a.ln2, m.dense_idx, m.dense_w, P.shared_w13, P.shared_w2, N, c.hidden,
-                c.expert_dim, 1, 1, s);
+                c.expert_dim, 1, 1, s, true);  // dense_routes: no host wait
     if (out) add_inplace_or_out(out, out, shared_out, (size_t)N * c.hidden, s);
     pool().free(shared_out);
   }
@@ -583,7 +585,7 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
 // What a forward(+backward) pass over one micro-batch does.
 struct PassOptions {
   bool backward = true;       // accumulate gradients (+=) into m.grads
-  bool count_loads = true;    // add routes per expert into m.step_loads
+  bool count_loads = true;    // add routes per expert into m.step_loads_dev
   float dloss = 0.f;          // d(objective)/d(loss of one token), e.g. 1/(B·T·accum)
   bool recompute = false;     // layer-level activation checkpointing
 };
@@ -795,16 +797,14 @@ inline float model_grad_norm(Model& m) {
   return std::sqrt(sumsq);
 }
 
-// Adds the step's per-expert loads of every rank (the router bias sees the global batch).
+// The step's per-expert loads into m.step_loads, summed over every rank (the router bias sees the
+// global batch): the device buffer is all-reduced in place, then downloaded — the step's one host
+// wait for the loads (before it, one per MoE layer). Integer sums: exact in any order.
 inline void all_reduce_loads(Model& m) {
-  if (m.par.world.size == 1) return;
   const size_t n = m.step_loads.size();
-  std::vector<int> loads(m.step_loads.begin(), m.step_loads.end());
-  int* loads_dev = pool().alloc_t<int>(n, Mem::CommStaging, "step_loads");
-  copy_to_device(loads_dev, loads.data(), n * sizeof(int), m.stream, "all_reduce_loads");
-  all_reduce_sum(m.par.world, loads_dev, loads_dev, n, m.stream);
-  copy_to_host(loads.data(), loads_dev, n * sizeof(int), m.stream, "all_reduce_loads");
-  pool().free(loads_dev);
+  if (m.par.world.size > 1) all_reduce_sum(m.par.world, m.step_loads_dev, m.step_loads_dev, n, m.stream);
+  std::vector<int> loads(n);
+  copy_to_host(loads.data(), m.step_loads_dev, n * sizeof(int), m.stream, "all_reduce_loads");
   std::copy(loads.begin(), loads.end(), m.step_loads.begin());
 }
 

@@ -467,21 +467,32 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
 
 // out [N,H] (=; nullptr: no combine, only what backward needs — a layer's recomputation, whose
 // output is already kept); fills `saved` (which must be empty: moe_saved_free it after backward).
-// Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host).
+// Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host: cuBLAS's
+// grouped GEMM takes its problem sizes from host arrays) — except with dense_routes = true: the
+// caller's topk_idx is dense_routes' (E = 1, k = 1, every route to expert 0), so the one count is N,
+// known on the host, and nothing waits (a dense FFN layer, the shared expert: no host sync).
 inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
-                        const floatX* W13, const floatX* W2, int N, int H, int I, int E, int k, cudaStream_t stream) {
+                        const floatX* W13, const floatX* W2, int N, int H, int I, int E, int k, cudaStream_t stream,
+                        bool dense_routes = false) {
   if (N < 1 || H < 1 || I < 1 || E < 1 || k < 1)
     fm_fail("moe_forward", "every size must be >= 1", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
   if ((long long)N * k > INT_MAX)
     fm_fail("moe_forward", "too many routes for int indices", "N=%d k=%d", N, k);
   if (saved.route_of_slot || saved.slot_of_route || saved.h13 || saved.y)
     fm_fail("moe_forward", "MoESaved still holds buffers: call moe_saved_free after backward", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
+  if (dense_routes && (E != 1 || k != 1))
+    fm_fail("moe_forward", "dense_routes needs E = 1 and k = 1 (every route to expert 0)", "N=%d E=%d k=%d", N, E, k);
   const int R = N * k;
   const size_t w13_stride = (size_t)2 * I * H;
   saved.N = N; saved.H = H; saved.I = I; saved.E = E; saved.k = k;
   saved.route_of_slot = pool().alloc_t<int>(R, Mem::Dispatch, "moe.route_of_slot");
   saved.slot_of_route = pool().alloc_t<int>(R, Mem::Dispatch, "moe.slot_of_route");
-  saved.expert_counts = moe_route_plan(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream);
+  if (dense_routes) {  // the same stable sort (here the identity), its one count known without a download
+    moe_route_sort(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream, nullptr);
+    saved.expert_counts.assign(1, R);
+  } else {
+    saved.expert_counts = moe_route_plan(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream);
+  }
   saved.expert_offsets.assign(E, 0);
   for (int e = 1; e < E; e++) saved.expert_offsets[e] = saved.expert_offsets[e - 1] + saved.expert_counts[e - 1];
 
