@@ -25,6 +25,7 @@
 // (notes/design.md §1.1, --optimizer adamw) owns this rank's shard of the state: master, m, v,
 // 3·S·4 B (Optimizer), and its table.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <stdexcept>
@@ -83,13 +84,19 @@ struct AdamWSegmentDev {
 };
 
 // The work list of adamw_multi_update: the non-empty segments in order, on the device (pool,
-// Optimizer), uploaded once when built. Empty segments are left out (they update nothing).
+// Optimizer), uploaded once when built. Empty segments are left out (they update nothing). The
+// launch's grid is at most enough blocks to fill the GPU once (ADAMW_MT_BLOCKS_PER_SM per SM); each
+// block steps through chunks blockIdx.x, blockIdx.x + grid, ...
+static const int ADAMW_MT_BLOCKS_PER_SM = 8;
 struct AdamWSegmentTable {
   AdamWSegmentDev* dev = nullptr;  // [segments]
   int segments = 0;
-  unsigned int blocks = 0;         // the launch's grid
+  unsigned int blocks = 0;         // chunks of ADAMW_MT_CHUNK elements over all segments
+  unsigned int grid = 0;           // the launch's blocks: min(blocks, SMs · ADAMW_MT_BLOCKS_PER_SM)
   AdamWSegmentTable() = default;
-  AdamWSegmentTable(const std::vector<ShardSegment>& segs, cudaStream_t stream) {
+  // max_grid: at most this many blocks (0: fill the GPU once; tests pass a few, so that each block
+  // walks through many chunks and segments)
+  AdamWSegmentTable(const std::vector<ShardSegment>& segs, cudaStream_t stream, unsigned int max_grid = 0) {
     std::vector<AdamWSegmentDev> host;
     unsigned long long blocks_total = 0;
     for (const ShardSegment& g : segs) {
@@ -102,6 +109,11 @@ struct AdamWSegmentTable {
     segments = (int)host.size();
     blocks = (unsigned int)blocks_total;
     if (segments == 0) return;
+    int device = 0, sms = 0;
+    cudaCheck(cudaGetDevice(&device), "adamw.segment_table", "segments=%d", segments);
+    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "adamw.segment_table", "device=%d", device);
+    const unsigned long long fill = max_grid ? max_grid : (unsigned long long)std::max(sms, 1) * ADAMW_MT_BLOCKS_PER_SM;
+    grid = (unsigned int)std::min<unsigned long long>(blocks_total, fill);
     dev = pool().alloc_t<AdamWSegmentDev>(host.size(), Mem::Optimizer, "adamw.segment_table");
     copy_to_device(dev, host.data(), host.size() * sizeof(AdamWSegmentDev), stream, "adamw.segment_table");
   }
@@ -110,36 +122,42 @@ struct AdamWSegmentTable {
   AdamWSegmentTable& operator=(const AdamWSegmentTable&) = delete;
 };
 
-// Block b updates ADAMW_MT_CHUNK elements of the segment whose blocks hold b (binary search over the
-// table's first_block, ascending), thread-strided so that each step of the loop is coalesced.
+// Chunk q (ADAMW_MT_CHUNK elements) belongs to the last segment whose first_block <= q. Block b
+// takes chunks b, b + gridDim.x, ...: it finds its first chunk's segment by binary search, then only
+// walks forward (the chunks ascend). Every thread of the block reads the same table entries (one
+// cached broadcast); its elements are thread-strided, so each step of the inner loop is coalesced.
 template <typename T>
 __global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, const float* grad,
-                                   const AdamWSegmentDev* table, int segments, const AdamWCoefficients decay_c,
-                                   const AdamWCoefficients no_decay_c) {
-  __shared__ int seg_of_block;
-  if (threadIdx.x == 0) {
-    int lo = 0, hi = segments - 1;  // the last segment with first_block <= blockIdx.x
+                                   const AdamWSegmentDev* table, int segments, unsigned int chunks,
+                                   const AdamWCoefficients decay_c, const AdamWCoefficients no_decay_c) {
+  int seg = 0;
+  {
+    int lo = 0, hi = segments - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
       if (table[mid].first_block <= blockIdx.x) lo = mid;
       else hi = mid - 1;
     }
-    seg_of_block = lo;
+    seg = lo;
   }
-  __syncthreads();
-  const AdamWSegmentDev g = table[seg_of_block];
-  const AdamWCoefficients& c = g.decay ? decay_c : no_decay_c;
-  const size_t first = (size_t)(blockIdx.x - g.first_block) * ADAMW_MT_CHUNK;
-  for (int j = 0; j < ADAMW_MT_PER_THREAD; j++) {
-    const size_t i = first + (size_t)j * ADAMW_MT_THREADS + threadIdx.x;
-    if (i >= g.count) break;
-    const size_t s = g.state_offset + i, p = g.param_offset + i;
-    float mi = m[s], vi = v[s];
-    const float w = adamw_element(mi, vi, master[s], grad[p], c);
-    m[s] = mi;
-    v[s] = vi;
-    master[s] = w;
-    param[p] = from_float<T>(w);
+  for (unsigned int q = blockIdx.x; q < chunks; q += gridDim.x) {
+    while (seg + 1 < segments && table[seg + 1].first_block <= q) seg++;
+    const AdamWSegmentDev g = table[seg];
+    const AdamWCoefficients& c = g.decay ? decay_c : no_decay_c;
+    const size_t first = (size_t)(q - g.first_block) * ADAMW_MT_CHUNK;
+#pragma unroll
+    for (int j = 0; j < ADAMW_MT_PER_THREAD; j++) {
+      const size_t i = first + (size_t)j * ADAMW_MT_THREADS + threadIdx.x;
+      if (i < g.count) {
+        const size_t s = g.state_offset + i, p = g.param_offset + i;
+        float mi = m[s], vi = v[s];
+        const float w = adamw_element(mi, vi, master[s], grad[p], c);
+        m[s] = mi;
+        v[s] = vi;
+        master[s] = w;
+        param[p] = from_float<T>(w);
+      }
+    }
   }
 }
 
@@ -151,11 +169,11 @@ inline void adamw_multi_update(float* master, floatX* param, float* m, float* v,
                                float weight_decay, int t, float grad_scale, cudaStream_t stream) {
   if (t < 1) fm_fail("adamw_multi_update", "step t must be >= 1", "segments=%d t=%d", table.segments, t);
   if (table.blocks == 0) return;
-  adamw_multi_kernel<<<table.blocks, ADAMW_MT_THREADS, 0, stream>>>(
-      master, param, m, v, grad, table.dev, table.segments,
+  adamw_multi_kernel<<<table.grid, ADAMW_MT_THREADS, 0, stream>>>(
+      master, param, m, v, grad, table.dev, table.segments, table.blocks,
       adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, grad_scale),
       adamw_coefficients(lr, beta1, beta2, eps, 0.f, t, grad_scale));
-  launchCheck("adamw_multi_update", "segments=%d blocks=%u t=%d", table.segments, table.blocks, t);
+  launchCheck("adamw_multi_update", "segments=%d chunks=%u grid=%u t=%d", table.segments, table.blocks, table.grid, t);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -115,7 +115,9 @@ std::vector<ShardSegment> odd_segments(Rng& rng, size_t* S, size_t* P) {
   return segs;
 }
 
-void check_multi_tensor(int t, float grad_scale) {
+// max_grid 0: the launch's own grid (the GPU filled once: one chunk per block here); a few blocks: each
+// walks through many chunks and segments.
+void check_multi_tensor(int t, float grad_scale, unsigned int max_grid) {
   REQUIRE_GPU();
   Rng rng;
   const float lr = 3e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, wd = 0.1f;
@@ -140,7 +142,8 @@ void check_multi_tensor(int t, float grad_scale) {
   };
   State multi = make_state(), per_segment = make_state();
   DeviceBuffer<float> d_grad = upload_vec(grad, Mem::Grads);
-  const AdamWSegmentTable table(segs, 0);
+  const AdamWSegmentTable table(segs, 0, max_grid);
+  if (max_grid) EXPECT_EQ(table.grid, max_grid);
   EXPECT_LT(table.segments, (int)segs.size()) << "empty segments are left out of the table";
   adamw_multi_update(multi.master.ptr, multi.param.ptr, multi.m.ptr, multi.v.ptr, d_grad.ptr, table, lr, beta1, beta2,
                      eps, wd, t, grad_scale, 0);
@@ -183,20 +186,24 @@ void check_multi_tensor(int t, float grad_scale) {
   for (size_t e = 0; e < P; e++)
     if (!in_segment_p[e]) touched += memcmp(&param[e], poisoned, sizeof(floatX)) != 0;
   EXPECT_EQ(touched, 0u) << name << " wrote outside its segments";
-  printf("[adamw] multi-tensor: %zu segments (%d non-empty) in one launch of %u blocks, S=%zu\n", segs.size(),
-         table.segments, table.blocks, S);
+  printf("[adamw] multi-tensor: %zu segments (%d non-empty), %u chunks, one launch of %u blocks, S=%zu\n", segs.size(),
+         table.segments, table.blocks, table.grid, S);
 }
 
 }  // namespace
 
-TEST(AdamWGpu, MultiTensorLaunchMatchesPerSegmentLaunchesBitForBit) { check_multi_tensor(7, 1.f); }
-TEST(AdamWGpu, MultiTensorLaunchFirstStepClipped) { check_multi_tensor(1, 0.37f); }
+TEST(AdamWGpu, MultiTensorLaunchMatchesPerSegmentLaunchesBitForBit) { check_multi_tensor(7, 1.f, 0); }
+TEST(AdamWGpu, MultiTensorLaunchFirstStepClipped) { check_multi_tensor(1, 0.37f, 0); }
+TEST(AdamWGpu, MultiTensorLaunchWithFewBlocksWalkingManyChunks) {
+  for (unsigned int grid : {1u, 3u, 7u}) check_multi_tensor(4, 0.8f, grid);
+}
 
 TEST(AdamWGpu, MultiTensorLaunchOfOnlyEmptySegmentsDoesNothing) {
   REQUIRE_GPU();
   const AdamWSegmentTable table({ShardSegment{0, 0, 0, true}, ShardSegment{3, 2, 0, false}}, 0);
   EXPECT_EQ(table.segments, 0);
   EXPECT_EQ(table.blocks, 0u);
+  EXPECT_EQ(table.grid, 0u);
   adamw_multi_update(nullptr, nullptr, nullptr, nullptr, nullptr, table, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 1.f, 0);
   cudaCheck(cudaDeviceSynchronize(), "test", "empty launch");
 }
