@@ -89,6 +89,8 @@ struct TrainConfig {
   int offload_bucket = 1 << 22;            // offload_adamw: β, parameters per bucket
   int offload_slots = 2;                   // offload_adamw: s, staging slots on the GPU (s·β·12 bytes)
   long long offload_budget = 0;            // SCO: host bytes for layer boundaries (--recompute 1); 0 = none
+  std::string device_budget = "0";         // selective attention recomputation (--recompute 1): the pool bytes a
+                                           // rank may use, or a fraction (0, 1] of the GPU's memory; "0" = off
   unsigned long long seed = 1337;
 };
 
@@ -374,6 +376,27 @@ inline int vocab_group_size(const TrainConfig& t) {
   return t.vocab_group ? t.vocab_group : t.gpus;
 }
 
+// --device_budget: "0" (off), an integer number of bytes (> 1), or a fraction of the GPU's memory in (0, 1]
+// (a decimal such as 0.9). Throws naming the flag and the text when it is neither.
+struct DeviceBudget {
+  long long bytes = 0;    // > 0: the pool's bytes per rank
+  double fraction = 0;    // > 0: of the device's total memory, less what lies outside the pool
+  bool on() const { return bytes > 0 || fraction > 0; }
+};
+inline DeviceBudget parse_device_budget(const std::string& text) {
+  DeviceBudget d;
+  const bool decimal = text.find('.') != std::string::npos;
+  char* end = nullptr;
+  errno = 0;
+  if (!text.empty() && decimal) d.fraction = strtod(text.c_str(), &end);
+  else if (!text.empty() && text[0] != '-') d.bytes = strtoll(text.c_str(), &end, 10);
+  const bool parsed = end != nullptr && *end == '\0' && end != text.c_str() && errno == 0;
+  if (!parsed || (decimal && !(d.fraction > 0 && d.fraction <= 1)) || (!decimal && d.bytes == 1))
+    throw std::invalid_argument("--device_budget '" + text +
+                                "': expects 0 (off), bytes (an integer > 1) or a fraction of the GPU in (0, 1] such as 0.9");
+  return d;
+}
+
 inline void validate(const TrainConfig& t, const ModelConfig& c) {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
@@ -454,6 +477,10 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.profile_step == -1 || (t.profile_step >= 0 && t.profile_step < t.steps),
        "--profile_step " + std::to_string(t.profile_step) + " is not a step of this run: it must be -1 (off) or in [0, " +
            std::to_string(t.steps) + ") (--steps " + std::to_string(t.steps) + ")");
+  const DeviceBudget device = parse_device_budget(t.device_budget);
+  need(!device.on() || t.recompute == 1, "--device_budget " + t.device_budget +
+                                             " chooses attention tensors to keep instead of recomputing them: it needs "
+                                             "--recompute 1 (got --recompute " + std::to_string(t.recompute) + ")");
   need(t.val_every >= 0 && t.val_batches >= 0 && t.sample_every >= 0 && t.sample_len >= 0 &&
            t.ckpt_every >= 0 && t.log_every > 0,
        "val_every, val_batches, sample_every, sample_len, ckpt_every must be >= 0, log_every > 0");
@@ -493,7 +520,8 @@ inline std::string usage() {
          "train:  --batch B --total_batch tokens --steps S --lr X --min_lr_frac X --warmup S\n"
          "        --weight_decay X --beta1 X --beta2 X --adam_eps X --grad_clip X --bias_update u\n"
          "        --recompute 0|1 --offload_budget BYTES (SCO: layer boundaries in pinned host memory; needs\n"
-         "        --recompute 1) --seed S\n"
+         "        --recompute 1) --device_budget BYTES|FRACTION (the pool's bytes per rank, or a fraction of the\n"
+         "        GPU: what the predicted peak leaves keeps attention tensors; needs --recompute 1) --seed S\n"
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
@@ -659,6 +687,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--offload_bucket", &T::offload_bucket),
       int_flag("--offload_slots", &T::offload_slots),
       int64_flag("--offload_budget", &T::offload_budget),
+      text_flag("--device_budget", &T::device_budget),
       {"--seed", false,
        [](T& t, const std::string& v) {
          char* end = nullptr;

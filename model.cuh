@@ -49,6 +49,7 @@
 #include "ops/rope.cuh"
 #include "ops/router.cuh"
 #include "ops/sco.cuh"
+#include "ops/sar_plan.hpp"
 #include "runtime/comm.cuh"
 #include "runtime/pool.cuh"
 #include "runtime/profile.cuh"
@@ -120,6 +121,7 @@ struct Model {
   std::unique_ptr<OutputHead> head;    // vocabulary projection + loss (--head)
   std::unique_ptr<Optimizer> opt;      // master weights and moments of this rank's shards (--optimizer)
   std::unique_ptr<CheckpointOffload> sco;  // layer boundaries in pinned host memory (--offload_budget)
+  SarPlan attention_kept;                  // selective attention recomputation (--device_budget): none by default
 
   // Router biases (aux-loss-free balancing): [L, E] floats, host copy is the source of truth.
   std::vector<float> router_bias;       // host [L·E]
@@ -256,27 +258,41 @@ inline void model_layout(Model& m) {
   m.vocab_first_row = layout.vocab_first_row;
 }
 
-// The seams, from their names (validate(TrainConfig) has refused unknown or unbuilt ones).
+// The MoE dispatcher and the output head, from their names (validate(TrainConfig) has refused unknown or
+// unbuilt ones); neither allocates when made, so the per-rank prediction asks them for their bounds.
+inline std::unique_ptr<MoEDispatcher> make_dispatcher(const ModelConfig& c, const Parallel& par, const Seams& seams) {
+  const std::string moe = seams.moe.empty() ? (par.ep.size == 1 ? "local" : "ep") : seams.moe;
+  if (moe == "local" && par.ep.size == 1) return std::make_unique<LocalDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk);
+  if (moe == "ep" && par.world.size > 1) return std::make_unique<EPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, par.ep);
+  if (moe == "llep" && par.world.size > 1)
+    return std::make_unique<LLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, par.ep, seams.llep_alpha,
+                                            seams.llep_min_rows);
+  if (moe == "pllep" && par.world.size > 1)
+    return std::make_unique<PLLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, par.ep, seams.token_budget,
+                                             seams.kmax, seams.llep_alpha, seams.llep_min_rows);
+  fm_fail("model_create", ("--moe " + moe + " does not fit this layout (local needs E_p = 1, ep, llep and pllep W > 1)").c_str(),
+          "W=%d E_p=%d", par.world.size, par.ep.size);
+}
+
+inline std::unique_ptr<OutputHead> make_head(const ModelConfig& c, const Parallel& par, const Seams& seams) {
+  if (seams.head == "full" && par.vocab.size == 1) return std::make_unique<FullHead>();
+  if (seams.head == "chunked" && par.vocab.size == 1) return std::make_unique<RingDTPHead>(Comm(), "auto", seams.vocab_block);
+  if (seams.head == "ring_dtp") return std::make_unique<RingDTPHead>(par.vocab, seams.ring_dtp, seams.vocab_block);
+  fm_fail("model_create", ("--head " + seams.head + " does not fit this layout (full and chunked need P = 1)").c_str(),
+          "V=%d P=%d", c.vocab, par.vocab.size);
+}
+
+// Device bytes of the optimizer's state for a shard of S parameters in `segments` (--optimizer).
+inline size_t optimizer_device_bytes(const Seams& seams, size_t S, const std::vector<ShardSegment>& segments) {
+  if (seams.optimizer == "adamw") return DeviceAdamW::device_bytes(S, segments);
+  if (seams.optimizer == "offload_adamw") return OffloadAdamW::device_bytes(S, (size_t)seams.offload_bucket, seams.offload_slots);
+  return 0;  // cpu_adamw: all of it in pinned host memory
+}
+
+// The seams, from their names.
 inline void model_make_seams(Model& m, const Seams& seams) {
-  const ModelConfig& c = m.cfg;
-  const std::string moe = seams.moe.empty() ? (m.par.ep.size == 1 ? "local" : "ep") : seams.moe;
-  if (moe == "local" && m.par.ep.size == 1) m.moe = std::make_unique<LocalDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk);
-  else if (moe == "ep" && m.par.world.size > 1)
-    m.moe = std::make_unique<EPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, m.par.ep);
-  else if (moe == "llep" && m.par.world.size > 1)
-    m.moe = std::make_unique<LLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, m.par.ep, seams.llep_alpha,
-                                             seams.llep_min_rows);
-  else if (moe == "pllep" && m.par.world.size > 1)
-    m.moe = std::make_unique<PLLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, m.par.ep, seams.token_budget,
-                                              seams.kmax, seams.llep_alpha, seams.llep_min_rows);
-  else fm_fail("model_create", ("--moe " + moe + " does not fit this layout (local needs E_p = 1, ep, llep and pllep W > 1)").c_str(),
-               "W=%d E_p=%d", m.par.world.size, m.par.ep.size);
-  if (seams.head == "full" && m.par.vocab.size == 1) m.head = std::make_unique<FullHead>();
-  else if (seams.head == "chunked" && m.par.vocab.size == 1)
-    m.head = std::make_unique<RingDTPHead>(Comm(), "auto", seams.vocab_block);
-  else if (seams.head == "ring_dtp") m.head = std::make_unique<RingDTPHead>(m.par.vocab, seams.ring_dtp, seams.vocab_block);
-  else fm_fail("model_create", ("--head " + seams.head + " does not fit this layout (full and chunked need P = 1)").c_str(),
-               "V=%d P=%d", c.vocab, m.par.vocab.size);
+  m.moe = make_dispatcher(m.cfg, m.par, seams);
+  m.head = make_head(m.cfg, m.par, seams);
   size_t S = 0;
   std::vector<ShardSegment> segments = shard_segments(m.specs, model_param_layout(m), &S);
   if (seams.optimizer == "adamw") m.opt = std::make_unique<DeviceAdamW>(std::move(segments), S, m.stream);
@@ -364,14 +380,19 @@ struct LayerActs {
   MoESaved shared{};            // the shared expert (MoE layers with one)
 };
 
-inline void free_acts(LayerActs& a) {
+// Frees a layer's activations, except the attention tensors that selective attention recomputation
+// keeps for the backward (ops/sar_plan.hpp: core = att + lse, projection = ln1 + ln1_rstd + qkv).
+inline void free_acts(LayerActs& a, bool keep_core = false, bool keep_projection = false) {
+  LayerActs kept;
+  if (keep_core) std::swap(kept.att, a.att), std::swap(kept.lse, a.lse);
+  if (keep_projection) std::swap(kept.ln1, a.ln1), std::swap(kept.ln1_rstd, a.ln1_rstd), std::swap(kept.qkv, a.qkv);
   for (void* p : {(void*)a.ln1, (void*)a.ln1_rstd, (void*)a.qkv, (void*)a.att, (void*)a.lse, (void*)a.x_mid,
                   (void*)a.ln2, (void*)a.ln2_rstd, (void*)a.scores, (void*)a.topk_idx, (void*)a.topk_w})
     pool().free(p);
   a.routed.reset();
   moe_saved_free(a.dense);
   moe_saved_free(a.shared);
-  a = LayerActs();
+  a = std::move(kept);
 }
 
 // The layer-boundary seam (notes/design.md §1.1): input[l] is layer l's input, input[L] the final hidden
@@ -490,17 +511,32 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool 
   }
 }
 
-// The attention step (notes/design.md §1.1): ln1 (N×H) → att (N×H, before wo); q, k, v with RoPE kept in a.qkv.
-inline void attention_step(Model& m, int l, LayerActs& a, int B, int T) {
+// The attention step (notes/design.md §1.1): x_in (N×H) → ln1 → q, k, v with RoPE (a.qkv) → att (N×H,
+// before wo). It computes what `a` does not hold yet: a recomputation under selective attention
+// recomputation (ops/sar_plan.hpp) finds ln1, ln1_rstd and qkv (projection) and/or att and lse (core)
+// kept from the forward.
+inline void attention_step(Model& m, int l, LayerActs& a, const floatX* x_in, int B, int T) {
   const ModelConfig& c = m.cfg;
+  const LayerTensors& P = m.p.layers[l];
   const int N = B * T, H = c.hidden;
   cudaStream_t s = m.stream;
-  prof_mark(s, "qkv matmul fwd");
-  matmul_forward(a.qkv, a.ln1, m.p.layers[l].wqkv, N, H, 3 * H, s);
-  prof_mark(s, "rope fwd", rope_bytes(N, H));
-  rope_forward(a.qkv, a.qkv, B, T, c.heads, c.head_dim(), c.rope_theta, s);
-  prof_mark(s, "attention fwd");
-  attention_forward(a.att, a.lse, a.qkv, B, T, c.heads, c.head_dim(), s);
+  if (a.qkv == nullptr) {
+    a.ln1 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln1");
+    a.ln1_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln1_rstd");
+    a.qkv = pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Activations, "qkv");
+    prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
+    rmsnorm_forward(a.ln1, a.ln1_rstd, x_in, P.ln1, N, H, c.norm_eps, s);
+    prof_mark(s, "qkv matmul fwd");
+    matmul_forward(a.qkv, a.ln1, P.wqkv, N, H, 3 * H, s);
+    prof_mark(s, "rope fwd", rope_bytes(N, H));
+    rope_forward(a.qkv, a.qkv, B, T, c.heads, c.head_dim(), c.rope_theta, s);
+  }
+  if (a.att == nullptr) {
+    a.att = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att");
+    a.lse = pool().alloc_t<float>((size_t)N * c.heads, Mem::Activations, "att_lse");
+    prof_mark(s, "attention fwd");
+    attention_forward(a.att, a.lse, a.qkv, B, T, c.heads, c.head_dim(), s);
+  }
 }
 
 // One transformer layer: x_out = x_mid + FFN(ln2(x_mid)), x_mid = x_in + wo·Attn(RoPE(wqkv·ln1(x_in))).
@@ -510,21 +546,13 @@ inline void attention_step(Model& m, int l, LayerActs& a, int B, int T) {
 inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, LayerActs& a, int B, int T, bool count_loads) {
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
-  const int N = B * T, H = c.hidden, nh = c.heads;
+  const int N = B * T, H = c.hidden;
   cudaStream_t s = m.stream;
   ProfPrefix recompute_names(x_out ? "" : "recompute ");  // runtime/profile.cuh: a recomputation's ranges
-  a.ln1 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln1");
-  a.ln1_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln1_rstd");
-  a.qkv = pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Activations, "qkv");
-  a.att = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att");
-  a.lse = pool().alloc_t<float>((size_t)N * nh, Mem::Activations, "att_lse");
+  attention_step(m, l, a, x_in, B, T);
   a.x_mid = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "x_mid");
   a.ln2 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln2");
   a.ln2_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln2_rstd");
-
-  prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
-  rmsnorm_forward(a.ln1, a.ln1_rstd, x_in, P.ln1, N, H, c.norm_eps, s);
-  attention_step(m, l, a, B, T);
   floatX* att_proj = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att_proj");
   prof_mark(s, "wo matmul fwd");
   matmul_forward(att_proj, a.att, P.wo, N, H, H, s);
@@ -618,6 +646,139 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
 }
 
 // =============================================================================================
+// The per-rank memory prediction (notes/design.md §6.9, paper Eq. 6)
+//
+// What the pool holds at the peak of a training micro-batch, from the configuration alone (before any
+// allocation): the weights and the optimizer's shards, the gradients, the runtime's fixed buffers, the
+// pass's inputs, the layer boundaries on the device (SCO's plan), what stays from the forward to the
+// backward (every layer's activations without recomputation; the attention tensors that selective
+// recomputation keeps), the final norm's output, one layer's working set in backward (its activations,
+// rebuilt under recomputation, and the backward's own buffers) and the largest operator term — the
+// dispatcher's bound (whatever the router does) in a layer's backward, or the output head's live set.
+// The terms that are not live together are not added: the prediction is the larger of the moment the
+// head runs and the moment each layer's backward runs (the peak of a pass is at one of them; the
+// forward holds less, since nothing of the backward is live yet). It mirrors layer_forward and
+// layer_backward above allocation by allocation; tests/gpu_memory_prediction.cu holds it to the pool's
+// measured peak (>= it, and within 10 % where the router attains the dispatcher's bound).
+
+struct MemoryTerm {
+  std::string name;
+  size_t bytes;
+};
+
+struct MemoryPrediction {
+  std::vector<MemoryTerm> terms;  // at the predicted peak
+  std::string peak_at;            // "the output head" or "layer l's backward"
+  size_t total() const {
+    size_t t = 0;
+    for (const MemoryTerm& x : terms) t += x.bytes;
+    return t;
+  }
+  std::string describe() const {
+    std::string text;
+    char buf[160];
+    for (const MemoryTerm& x : terms) {
+      if (x.bytes == 0) continue;
+      snprintf(buf, sizeof buf, "%s%s %.1f MiB", text.empty() ? "" : " + ", x.name.c_str(), x.bytes / 1048576.0);
+      text += buf;
+    }
+    return text;
+  }
+};
+
+// One training micro-batch of B×T tokens on this rank (--recompute, SCO's budget, the kept attention).
+inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel& par, const Seams& seams, int B, int T,
+                                            bool recompute, const SarPlan* attention_kept = nullptr) {
+  Model shape;  // the layout alone: nothing allocated
+  shape.cfg = c;
+  shape.par = par;
+  shape.specs = param_specs(c);
+  model_layout(shape);
+  size_t S = 0;
+  const std::vector<ShardSegment> segments = shard_segments(shape.specs, model_param_layout(shape), &S);
+  const std::unique_ptr<MoEDispatcher> moe = make_dispatcher(c, par, seams);
+  const std::unique_ptr<OutputHead> head = make_head(c, par, seams);
+  const size_t b = sizeof(floatX), N = (size_t)B * T, H = c.hidden, L = c.layers, E = c.experts, k = c.topk;
+  const size_t NH = N * H, P = shape.num_params;
+  const bool fp32_sum = !std::is_same<floatX, float>::value;  // main_grads beside grads in the BF16 build
+
+  // alive the whole step
+  const size_t weights = P * b + 4 * L * E;
+  const size_t grads = P * b + (fp32_sum ? P * 4 : 0);
+  const size_t optimizer = optimizer_device_bytes(seams, S, segments);
+  const bool dense_routes = c.n_dense > 0 || c.shared_expert;
+  // + the step's per-expert loads on the device [L·E] ints (step_loads_dev)
+  const size_t runtime =
+      CublasRuntime::workspace_bytes + 4 * (size_t)SUMSQ_BLOCKS + 4 + (dense_routes ? 8 * N : 0) + 4 * L * E;
+  // the pass: tokens, targets, the embedding backward's buckets (offsets V + 1, positions N, used ids <= min(N, V)),
+  // the loss; the final norm's output and rstd live from the head to the end of the backward
+  const size_t inputs = 8 * N + 4 * ((size_t)c.vocab + 1 + N + std::min(N, (size_t)c.vocab)) + 4;
+  const size_t final_norm = NH * b + 4 * N;
+
+  // one layer (layer_forward's activations; attention_step's, then the FFN's)
+  const DispatchBound routed = moe->live_bound((int)N);
+  const DispatchBound shared = c.shared_expert ? moe_live_bound(N, c.hidden, c.expert_dim, 1, 1, b) : DispatchBound{};
+  const DispatchBound dense = moe_live_bound(N, c.hidden, c.dense_dim, 1, 1, b);
+  const size_t attention = 5 * NH * b + 4 * N + 4 * N * c.heads;  // ln1, ln1_rstd, qkv, att, lse
+  auto acts = [&](int l) {
+    const size_t common = attention + 2 * NH * b + 4 * N;  // x_mid, ln2, ln2_rstd
+    if (!c.is_moe_layer(l)) return common + dense.saved;
+    return common + 4 * N * E + 8 * N * k + routed.saved + shared.saved;  // scores, top-k indices and weights
+  };
+  // layer_backward's buffers beside the activations: d_norm_out, d_branch, d_qkv; in the FFN's backward
+  // d_topk_w and the largest of the routed experts' backward, the shared expert's (beside d_ln2_part and
+  // d_shared_w) and the router's (d_ln2_part, d_router_logits)
+  const size_t backward_buffers = 5 * NH * b;
+  auto operator_term = [&](int l) {
+    if (!c.is_moe_layer(l)) return 4 * N + dense.peak - dense.saved;
+    const size_t shared_step = c.shared_expert ? NH * b + 4 * N + shared.peak - shared.saved : 0;
+    return 4 * N * k + std::max({routed.peak - routed.saved, shared_step, NH * b + 4 * N * E});
+  };
+
+  // the layer boundaries on the device, at the head and during layer l's backward (ops/sco_plan.hpp)
+  const ScoPlan sco = sco_plan(c.layers, NH * b, recompute ? seams.offload_budget : 0);
+  auto device_boundary = [&](int l) { return !sco.offloaded[l]; };
+  size_t boundaries_at_head = 0;
+  for (size_t l = 0; l <= L; l++) boundaries_at_head += device_boundary((int)l) ? NH * b : 0;
+  auto boundaries_at = [&](int l) {  // input[0..l] kept, or prefetched for layer l and l − 1
+    size_t n = 0;
+    for (int j = 0; j <= l; j++) n += device_boundary(j) || j >= l - 1 ? 1 : 0;
+    return n * NH * b;
+  };
+  // what stays from each layer's forward to its backward: all its activations without recomputation,
+  // the kept attention tensors with it
+  auto kept = [&](int l) -> size_t {
+    if (!recompute) return acts(l);
+    if (attention_kept == nullptr || attention_kept->tokens != (long long)N) return 0;
+    return (attention_kept->keep_core[l] ? sar_option_bytes(SarOption::Core, N, c.hidden, c.heads, b) : 0) +
+           (attention_kept->keep_projection[l] ? sar_option_bytes(SarOption::Projection, N, c.hidden, c.heads, b) : 0);
+  };
+  const std::string kept_name = recompute ? "kept attention" : "kept activations";
+
+  auto moment = [&](size_t boundaries, size_t kept_bytes, size_t layer, size_t op, const std::string& op_name) {
+    return std::vector<MemoryTerm>{{"weights", weights},         {"grads", grads},           {"optimizer", optimizer},
+                                   {"runtime", runtime},         {"pass inputs", inputs},    {"boundaries", boundaries},
+                                   {kept_name, kept_bytes},      {"final norm", final_norm}, {"one layer", layer},
+                                   {op_name, op}};
+  };
+  size_t kept_all = 0;
+  for (size_t l = 0; l < L; l++) kept_all += kept((int)l);
+  MemoryPrediction best;
+  best.terms = moment(boundaries_at_head, kept_all, 0, NH * b + head->live_bytes((int)N, c.hidden, c.vocab), "output head");
+  best.peak_at = "the output head";
+  size_t kept_below = kept_all;
+  for (int l = (int)L - 1; l >= 0; l--) {
+    kept_below -= kept(l);  // layer l's own are part of its working set
+    MemoryPrediction here;  // d_residual beside the layer's activations and backward buffers
+    here.terms = moment(boundaries_at(l), kept_below, NH * b + acts(l) + backward_buffers, operator_term(l),
+                        c.is_moe_layer(l) ? "dispatch" : "dense FFN");
+    here.peak_at = "layer " + std::to_string(l) + "'s backward";
+    if (here.total() > best.total()) best = here;
+  }
+  return best;
+}
+
+// =============================================================================================
 // A pass over one micro-batch
 
 // What a forward(+backward) pass over one micro-batch does.
@@ -629,11 +790,13 @@ struct PassOptions {
 };
 
 // Embedding and the L layers on device tokens [B·T]: fills boundaries.input[0..L]. With keep_acts
-// each layer's activations stay in acts[l] for its backward, else they are freed at once;
+// each layer's activations stay in acts[l] for its backward, else they are freed at once, except the
+// attention tensors that `attention_kept` (selective attention recomputation, ops/sar_plan.hpp) keeps;
 // after_layer(l, acts[l]) runs after each layer (sampling and test paths read from it).
 inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, LayerBoundaries& boundaries,
                            std::vector<LayerActs>& acts, bool keep_acts, bool count_loads,
-                           const std::function<void(int, const LayerActs&)>& after_layer = nullptr) {
+                           const std::function<void(int, const LayerActs&)>& after_layer = nullptr,
+                           const SarPlan* attention_kept = nullptr) {
   const ModelConfig& c = m.cfg;
   const int N = B * T;
   prof_mark(m.stream, "embedding fwd", 2.0 * N * c.hidden * sizeof(floatX) + 4.0 * N);
@@ -642,7 +805,8 @@ inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, LayerB
     layer_forward(m, l, boundaries.input[l], boundaries.allocate(l + 1), acts[l], B, T, count_loads);
     boundaries.after_forward(l);
     if (after_layer) after_layer(l, acts[l]);
-    if (!keep_acts) free_acts(acts[l]);
+    if (!keep_acts)
+      free_acts(acts[l], attention_kept && attention_kept->keep_core[l], attention_kept && attention_kept->keep_projection[l]);
   }
 }
 
@@ -708,7 +872,10 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     record_layer = [&](int l, const LayerActs& a) {
       if (c.is_moe_layer(l)) gather_layer_routes(m, l, a.topk_idx, recorded, N);
     };
-  forward_layers(m, tokens_dev, B, T, boundaries, acts, o.backward && !o.recompute, o.count_loads, record_layer);
+  // --device_budget: the attention tensors the plan keeps (a training pass of the plan's size under recomputation)
+  const SarPlan* attention_kept = o.backward && o.recompute && m.attention_kept.tokens == N ? &m.attention_kept : nullptr;
+  forward_layers(m, tokens_dev, B, T, boundaries, acts, o.backward && !o.recompute, o.count_loads, record_layer,
+                 attention_kept);
 
   floatX* lnf = pool().alloc_t<floatX>(NH, Mem::Activations, "lnf");
   float* lnf_rstd = pool().alloc_t<float>(N, Mem::Activations, "lnf_rstd");

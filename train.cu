@@ -238,6 +238,61 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
            (c.layers + 1) * sco.boundary_bytes / 1048576.0);
 }
 
+// The per-rank memory plan, decided before the model allocates anything: the prediction of the pool's
+// peak (model.cuh, Eq. 6), what the device holds outside the pool so far (the CUDA context, the
+// communicators, the cuBLAS handle: runtime/pool.cuh's ledger) and its capacity; under --device_budget,
+// the attention tensors that the budget leaves room to keep (ops/sar_plan.hpp). Refuses what cannot fit.
+struct RankMemoryPlan {
+  MemoryPrediction predicted;
+  SarPlan attention_kept;
+  long long outside = 0, capacity = 0, budget = 0;  // budget: --device_budget in bytes (0: none)
+};
+
+RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T) {
+  RankMemoryPlan plan;
+  size_t free_b = 0, total_b = 0;
+  cudaCheck(cudaMemGetInfo(&free_b, &total_b), "train", "meminfo");
+  const DeviceMemoryNow now = device_memory_now();
+  plan.outside = now.used - now.reserved;
+  plan.capacity = (long long)total_b;
+  const Seams seams = seams_from(t);
+  plan.predicted = predict_rank_memory(c, par, seams, B, T, t.recompute != 0);
+  const DeviceBudget device_budget = parse_device_budget(t.device_budget);
+  const auto mib = [](long long x) { return std::to_string((long long)std::llround(x / 1048576.0)) + " MiB"; };
+  if (device_budget.on()) {
+    plan.budget = device_budget.bytes > 0 ? device_budget.bytes
+                                          : (long long)(device_budget.fraction * plan.capacity) - plan.outside;
+    const long long left = plan.budget - (long long)plan.predicted.total();
+    if (left < 0)
+      throw std::invalid_argument("--device_budget " + t.device_budget + " (" + mib(plan.budget) +
+                                  " for the pool) is below the predicted peak under full recomputation, " +
+                                  mib(plan.predicted.total()) + " (" + plan.predicted.describe() + ")");
+    plan.attention_kept = sar_plan(c.layers, (long long)B * T, T, c.hidden, c.heads, sizeof(floatX), left);
+    plan.predicted = predict_rank_memory(c, par, seams, B, T, true, &plan.attention_kept);
+  }
+  if ((long long)plan.predicted.total() + plan.outside > plan.capacity)
+    throw std::invalid_argument("this configuration cannot fit on the GPU: the pool's predicted peak " +
+                                mib(plan.predicted.total()) + " at " + plan.predicted.peak_at + " (" +
+                                plan.predicted.describe() + ") + " + mib(plan.outside) +
+                                " outside the pool > the device's " + mib(plan.capacity) +
+                                " (try --recompute 1, --offload_budget, a smaller --batch, --moe pllep or --head chunked)");
+  return plan;
+}
+
+void print_memory_plan(const RankMemoryPlan& plan, const ModelConfig& c) {
+  printf("memory prediction (Eq. 6, rank 0): pool peak %.1f MiB at %s = %s; outside the pool %.1f MiB (measured); "
+         "device %.1f MiB\n",
+         plan.predicted.total() / 1048576.0, plan.predicted.peak_at.c_str(), plan.predicted.describe().c_str(),
+         plan.outside / 1048576.0, plan.capacity / 1048576.0);
+  if (plan.budget == 0) return;
+  int core = 0, projection = 0;
+  for (const SarChoice& x : plan.attention_kept.taken) (x.option == SarOption::Core ? core : projection)++;
+  printf("selective attention recomputation: --device_budget %.1f MiB for the pool keeps %d core and %d projection "
+         "options of %d layers (%.1f MiB), %.0f %% of the attention recomputation's FLOPs saved\n",
+         plan.budget / 1048576.0, core, projection, c.layers, plan.attention_kept.bytes / 1048576.0,
+         100 * plan.attention_kept.flops_saved / plan.attention_kept.flops_recomputed);
+}
+
 // Dense peak of the GPU's matrix units for MFU: H100/H200 SXM datasheet (dense bf16 989 TFLOP/s,
 // fp32 67 TFLOP/s). MFU = flops_per_token · tokens/s / peak.
 double peak_flops_for_build() { return sizeof(floatX) == 2 ? 989e12 : 67e12; }
@@ -374,6 +429,7 @@ int train_main(int argc, char** argv) {
     const int B = tc.batch, T = mc.seq_len;
     const int accum = tc.total_batch ? tc.total_batch / (B * T) : 1;
     cudaStream_t stream = stream_create("train");  // the compute stream; each communicator has its own
+    const RankMemoryPlan memory_plan = plan_rank_memory(mc, tc, par, B, T);  // before the model allocates
     TrainState st;
     Model m;
     if (!tc.resume.empty()) {
@@ -383,6 +439,7 @@ int train_main(int argc, char** argv) {
     } else {
       m = model_create(mc, tc.seed, par, stream, seams_from(tc));
     }
+    m.attention_kept = memory_plan.attention_kept;
     m.routing_override = tc.routing != "router" && trace_path.empty();
     if (m.routing_override) m.routing = parse_routing_profile(tc.routing);
     m.replay = std::move(replay);
@@ -399,6 +456,7 @@ int train_main(int argc, char** argv) {
     const double peak_flops = peak_flops_for_build() * W;
     if (main_rank) {
       print_config(mc, tc, m, accum, peak_flops / W);
+      print_memory_plan(memory_plan, mc);
       printf("validation: %d batches x %d ranks x %d x %d = %lld distinct tokens of the %lld in %s%s\n", val_batches, W, B, T,
              (long long)val_batches * W * B * T, val_data.num_tokens(), tc.val_pattern.c_str(),
              val_batches < tc.val_batches ? (" (--val_batches " + std::to_string(tc.val_batches) +
@@ -467,7 +525,12 @@ int train_main(int argc, char** argv) {
       size_t free_b = 0, total_b = 0;
       cudaCheck(cudaMemGetInfo(&free_b, &total_b), "train", "meminfo");
       const ExpertBalance bal = expert_balance(m);  // global loads of this step
-      if (step == first_step) printf("memory after the first step (rank 0): %s\n", device_memory_report().c_str());
+      if (step == first_step) {
+        printf("memory after the first step (rank 0): %s\n", device_memory_report().c_str());
+        printf("memory prediction vs the first step (rank 0): predicted %.1f MiB, measured pool peak %.1f MiB (%+.1f %%)\n",
+               memory_plan.predicted.total() / 1048576.0, pool().peak() / 1048576.0,
+               100.0 * ((double)memory_plan.predicted.total() / pool().peak() - 1));
+      }
       if (step % tc.log_every == 0 || step == tc.steps - 1)
         printf("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | experts max/mean "
                "%.2f, bias [%.3f, %.3f] | peak %.1f MiB (device used %.1f MiB)%s\n",

@@ -118,6 +118,12 @@ struct AdamWSegmentTable {
     copy_to_device(dev, host.data(), host.size() * sizeof(AdamWSegmentDev), stream, "adamw.segment_table");
   }
   ~AdamWSegmentTable() { pool().free(dev); }
+  // the pool bytes a table of these segments holds (its non-empty ones)
+  static size_t bytes(const std::vector<ShardSegment>& segs) {
+    size_t n = 0;
+    for (const ShardSegment& g : segs) n += g.count > 0;
+    return n * sizeof(AdamWSegmentDev);
+  }
   AdamWSegmentTable(const AdamWSegmentTable&) = delete;
   AdamWSegmentTable& operator=(const AdamWSegmentTable&) = delete;
 };
@@ -220,6 +226,10 @@ struct Optimizer {
 struct DeviceAdamW : Optimizer {
   float *master = nullptr, *m = nullptr, *v = nullptr;  // [S] each (Optimizer)
   std::unique_ptr<AdamWSegmentTable> table;             // the segments as one launch's work list
+  // the device bytes it holds for S state elements over `segments` (predict_rank_memory)
+  static size_t device_bytes(size_t S, const std::vector<ShardSegment>& segments) {
+    return 3 * S * sizeof(float) + AdamWSegmentTable::bytes(segments);
+  }
 
   // Zeroed on `stream` (the shard's padding stays 0).
   DeviceAdamW(std::vector<ShardSegment> segs, size_t S, cudaStream_t stream) : Optimizer(std::move(segs), S) {

@@ -233,6 +233,8 @@ struct OutputHead {
   virtual void logits_rows(floatX* logits, const floatX* x, const floatX* W, int n, int H, int V, cudaStream_t stream) {
     matmul_forward(logits, x, W, n, H, V, stream);
   }
+  // The most bytes forward_backward holds in the pool at once for N tokens (the per-rank prediction).
+  virtual size_t live_bytes(int N, int H, int V) const = 0;
 };
 
 // --head full: logits [N,V] = x Wᵀ, cross-entropy over all of them (the Ring-DTP baseline).
@@ -257,4 +259,5 @@ struct FullHead : OutputHead {
     }
     for (void* p : {(void*)logits, (void*)losses, (void*)lse}) pool().free(p);
   }
+  size_t live_bytes(int N, int, int V) const override { return (size_t)N * V * sizeof(floatX) + 8 * (size_t)N; }
 };

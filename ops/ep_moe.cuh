@@ -159,6 +159,19 @@ inline size_t ep_moe_dispatch_peak_bytes(long long R, long long R_d, int H, size
 }
 inline size_t ep_moe_intermediates_peak_bytes(long long R_d, int I, size_t b) { return 5 * (size_t)R_d * I * b; }
 
+// What the dispatcher holds whatever the router does (model.cuh's per-rank prediction): with N tokens
+// on each of the E_p ranks, R = N·k routes leave a rank and at most R_d = E_p·R arrive (every route of
+// every source to this rank's experts). Saved: the route and receive maps, xe, y and h13; at most the
+// two peaks above plus a grouped GEMM's pointer table (3 per local expert).
+inline DispatchBound ep_moe_live_bound(long long N, int H, int I, int E_l, int k, int E_p, size_t b) {
+  const long long R = N * k, R_d = (long long)E_p * R;
+  DispatchBound d;
+  d.saved = 4 * (size_t)(2 * R + R_d) + (size_t)(R_d + R) * H * b + 2 * (size_t)R_d * I * b;
+  d.peak = ep_moe_dispatch_peak_bytes(R, R_d, H, b) + ep_moe_intermediates_peak_bytes(R_d, I, b) +
+           3 * sizeof(void*) * (size_t)E_l;
+  return d;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
@@ -465,5 +478,8 @@ struct EPDispatcher : MoEDispatcher {
                 const floatX*, const int*, const float* topk_w, const floatX* W13, const floatX* W2,
                 cudaStream_t stream) override {
     ep_moe_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).ep, topk_w, W13, W2, group, stream);
+  }
+  DispatchBound live_bound(int N) const override {
+    return ep_moe_live_bound(N, H, I, E / group.size, k, group.size, sizeof(floatX));
   }
 };

@@ -72,6 +72,16 @@
 // ---------------------------------------------------------------------------------------------
 // Host-side plan (pure C++: no CUDA call)
 
+// The live set above whatever the router does (model.cuh's per-rank prediction): a rank computes at
+// most every route (ep_moe_live_bound's R_d = E_p·R, passed in as `ep`), borrows at most the E − E_l
+// experts it does not own (weights saved, their gradients in backward) and lends each of its E_l
+// experts to at most E_p − 1 helpers (their gradients come back in backward).
+inline DispatchBound llep_live_bound(DispatchBound ep, int H, int I, int E, int E_p, size_t b) {
+  const int E_l = E / E_p;
+  const size_t expert = 3 * (size_t)H * I * b, borrowed = (size_t)(E - E_l) * expert;
+  return DispatchBound{ep.saved + borrowed, ep.peak + 2 * borrowed + (size_t)E_l * (E_p - 1) * expert};
+}
+
 // cap = ⌈α·T / E_p⌉, at most T, with α taken to 6 decimals (α_micro = round(α·10^6): the decimal α
 // that a flag states, 1.1 or 1.05, exactly) and the quotient in integers: in doubles, α·T/E_p can land
 // above the integer that α states (1.1·100/2 = 55.000000000000007), while a true fraction can be as
@@ -514,5 +524,9 @@ struct LLEPDispatcher : MoEDispatcher {
                 const floatX*, const int*, const float* topk_w, const floatX* W13, const floatX* W2,
                 cudaStream_t stream) override {
     llep_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).llep, topk_w, W13, W2, group, stream);
+  }
+  DispatchBound live_bound(int N) const override {
+    return llep_live_bound(ep_moe_live_bound(N, H, I, E / group.size, k, group.size, sizeof(floatX)), H, I, E, group.size,
+                           sizeof(floatX));
   }
 };

@@ -579,6 +579,24 @@ struct DispatchSaved {
   virtual ~DispatchSaved() = default;  // frees the dispatcher's saved buffers
 };
 
+// What a dispatcher holds in the pool for one layer of N tokens per rank, whatever the router does
+// (the per-rank prediction, Eq. 6, adds it): `saved` from its forward to its backward, `peak` at its
+// most (saved + the backward's temporaries), every category it allocates in.
+struct DispatchBound {
+  size_t saved = 0, peak = 0;
+};
+
+// moe_forward + moe_backward, R = N·k routes: route maps 2·R·4 B and y R·H·b (Dispatch) and h13 R·2I·b
+// (ExpertIntermediates) saved; backward adds dy + a + da (R·H·b + 2·R·I·b), or dh13 + da (3·R·I·b),
+// or dxp/xp + dh13 (R·H·b + 2·R·I·b), and a grouped GEMM's pointer table (3 per expert, Workspace).
+inline DispatchBound moe_live_bound(long long N, int H, int I, int E, int k, size_t b) {
+  const size_t R = (size_t)N * k;
+  DispatchBound d;
+  d.saved = 8 * R + R * H * b + 2 * R * I * b;
+  d.peak = d.saved + std::max(R * H * b + 2 * R * I * b, 3 * R * I * b) + 3 * sizeof(void*) * (size_t)E;
+  return d;
+}
+
 struct MoEDispatcher {
   int H = 0, I = 0, E = 0, k = 0;
   MoEDispatcher(int H_, int I_, int E_, int k_) : H(H_), I(I_), E(E_), k(k_) {}
@@ -588,6 +606,7 @@ struct MoEDispatcher {
   virtual void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout,
                         const DispatchSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                         const floatX* W13, const floatX* W2, cudaStream_t stream) = 0;
+  virtual DispatchBound live_bound(int N) const = 0;  // N tokens on every rank
 };
 
 // --moe local: every expert on this rank (moe_forward / moe_backward).
@@ -609,4 +628,5 @@ struct LocalDispatcher : MoEDispatcher {
     moe_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).moe, x, topk_idx, topk_w, W13, W2,
                  stream);
   }
+  DispatchBound live_bound(int N) const override { return moe_live_bound(N, H, I, E, k, sizeof(floatX)); }
 };

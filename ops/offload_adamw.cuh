@@ -151,6 +151,10 @@ struct OffloadAdamW : HostAdamW {
   float* staging = nullptr;  // [s][3][β] on the GPU: θ, m, v of one bucket per slot (Optimizer)
   cudaStream_t h2d = nullptr, d2h = nullptr;
   std::vector<cudaEvent_t> loaded, updated, emptied;  // per slot
+  // The staging slots, s·3·β floats (β capped at S): the optimizer's only device memory.
+  static size_t device_bytes(size_t S, size_t bucket_params, int slots) {
+    return (size_t)slots * 3 * std::max<size_t>(1, std::min(bucket_params, S)) * sizeof(float);
+  }
 
   OffloadAdamW(std::vector<ShardSegment> segs, size_t S, size_t bucket_params, int staging_slots, cudaStream_t stream,
                std::shared_ptr<PinnedAdamWState> shared = nullptr)
@@ -161,7 +165,7 @@ struct OffloadAdamW : HostAdamW {
     for (size_t i = 1; i < segments.size(); i++)
       if (segments[i].state_offset < segments[i - 1].state_offset + segments[i - 1].count)
         fm_fail(name, "segments must be in state order", "segment %zu of %zu", i, segments.size());
-    staging = pool().alloc_t<float>((size_t)slots * 3 * bucket, Mem::Optimizer, "offload_slots");
+    staging = pool().alloc_t<float>(device_bytes(S, bucket_params, slots) / sizeof(float), Mem::Optimizer, "offload_slots");
     h2d = stream_create(name);
     d2h = stream_create(name);
     for (auto* events : {&loaded, &updated, &emptied})

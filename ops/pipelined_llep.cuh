@@ -563,4 +563,19 @@ struct PLLEPDispatcher : MoEDispatcher {
     pllep_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).pllep, x, topk_idx, topk_w, W13, W2,
                    H, I, E, k, group, stream);
   }
+  // Eq. 1's receiver bound in every chunk (pllep_dispatch_bound, pllep_intermediates_bound), the K plans'
+  // tables and counts (Workspace), and LLEP's borrowed and lent experts (llep_live_bound); nothing is
+  // saved but the borrowed weights.
+  DispatchBound live_bound(int N) const override {
+    const int E_p = group.size;
+    const PLLEPChunking chunking = pllep_chunking(std::vector<int>(E_p, N), token_budget, max_chunks);
+    std::vector<int> chunk_tokens(chunking.chunks);
+    for (int i = 0; i < chunking.chunks; i++) chunk_tokens[i] = pllep_chunk_tokens(N, chunking.chunks, i);
+    const std::vector<long long> received(chunking.chunks, pllep_receive_bound(chunking, k));
+    const size_t b = sizeof(floatX), K = chunking.chunks;
+    const size_t tables = 4 * ((size_t)N * k + 2 * K * E * E_p) + 4 * K * E * E_p;
+    DispatchBound chunks{0, pllep_dispatch_bound(chunk_tokens, received, H, k, b) + pllep_intermediates_bound(received, I, b) +
+                                tables + 3 * sizeof(void*) * (size_t)E};
+    return llep_live_bound(chunks, H, I, E, E_p, b);
+  }
 };

@@ -219,6 +219,10 @@ struct RingDTPHead : OutputHead {
   }
 
   std::pair<int, int> rows_of(int rank, int V) const { return ring_dtp_vocab_interval(V, group.size, rank); }
+  size_t live_bytes(int N, int H, int V) const override {
+    const RingDTPBranch branch = ring_dtp_choose(mode, N, V, group.size, H, sizeof(floatX)).branch;
+    return ring_dtp_live_bytes(branch, N, V, group.size, H, block_cols, sizeof(floatX));
+  }
   int visitor(int round) const { return ring_dtp_visitor(group.rank, round % group.size, group.size); }
 
   void forward_backward(float* loss_sum_out, floatX* dx, floatX* dW, const floatX* x, const floatX* W,

@@ -56,7 +56,8 @@ ModelConfig valid_model() {
 using T = TrainConfig;
 const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_pattern, &T::val_pattern, &T::tokenizer,
                                                    &T::out_dir,  &T::resume,        &T::routing,     &T::record_routing,
-                                                   &T::moe,      &T::head,          &T::optimizer,   &T::ring_dtp};
+                                                   &T::moe,      &T::head,          &T::optimizer,   &T::ring_dtp,
+                                                   &T::device_budget};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
                                           &T::recompute,  &T::val_every,    &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
@@ -412,6 +413,29 @@ TEST(ConfigSeams, OffloadBudgetNeedsRecomputeAndIsNotNegative) {
   TrainConfig parsed;
   parse_flags((int)argv.size(), argv.data(), parsed_model, parsed);
   EXPECT_EQ(parsed.offload_budget, 68719476736LL);
+}
+
+// --device_budget: 0 (off), bytes, or a fraction of the GPU in (0, 1]; it keeps attention tensors that
+// recomputation would rebuild, so it needs --recompute 1.
+TEST(ConfigSeams, DeviceBudgetIsBytesOrAFractionAndNeedsRecompute) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  EXPECT_EQ(t.device_budget, "0") << "selective attention recomputation is off by default";
+  EXPECT_FALSE(parse_device_budget(t.device_budget).on());
+  EXPECT_EQ(parse_device_budget("68719476736").bytes, 68719476736LL);
+  EXPECT_DOUBLE_EQ(parse_device_budget("0.9").fraction, 0.9);
+  EXPECT_DOUBLE_EQ(parse_device_budget("1.0").fraction, 1.0);
+  const std::string usage = "': expects 0 (off), bytes (an integer > 1) or a fraction of the GPU in (0, 1] such as 0.9";
+  for (const char* bad : {"", "-5", "1", "1.5", "0.0", "abc", "12x", "0.9GiB", "99999999999999999999"}) {
+    t.device_budget = bad;
+    EXPECT_EQ(validate_error(t, m), std::string("--device_budget '") + bad + usage) << bad;
+  }
+  t.device_budget = "0.9";
+  EXPECT_EQ(validate_error(t, m), "--device_budget 0.9 chooses attention tensors to keep instead of recomputing them: it "
+                                  "needs --recompute 1 (got --recompute 0)");
+  t.recompute = 1;
+  EXPECT_EQ(validate_error(t, m), "");
+  EXPECT_EQ(parse_error({"--recompute", "1", "--device_budget", "40000000000"}), "");
 }
 
 // --routing: the router, a profile that fits the model, or trace:FILE (whose file the trainer checks

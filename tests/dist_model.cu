@@ -13,6 +13,7 @@
 #include "model_util.cuh"
 #include "optimizer_training.cuh"
 #include "sco_training.cuh"
+#include "memory_prediction.cuh"
 
 namespace {
 
@@ -169,6 +170,15 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
   c.init_std = 0.1f;
   TrainConfig t;
   t.lr = 3e-3f; t.warmup = 2; t.steps = 10; t.grad_clip = 0.5f; t.bias_update = 1e-2f;
+#if defined(FLATMOE_BF16)
+  // In BF16 the two sides' bf16 activations round apart (other GEMM shapes), a near-tie can route one
+  // token differently, and the sign rule then moves that expert's bias by the whole step u on one side
+  // only: the next step routes many tokens differently. That amplifier, not the schedules, dominates
+  // the router's ten-step error (measured with u = 1e-2 under --moe llep: layer2.router 2.2e-2 against
+  // the 2e-2 tolerance; the experts' weights up to 1.4e-2). The bias update is checked at W ranks in the FP32
+  // build, where both sides route alike and the biases are asserted equal after every step.
+  t.bias_update = 0.f;
+#endif
   const int B = 2, T = c.seq_len, N = B * T, N_global = N * world.size, accum = 2;
   testutil::Rng rng;  // the harness gives every rank the same seed
   std::vector<float> master = random_master(c, rng);
@@ -383,6 +393,48 @@ TEST(DistModel, ScoAtWRanksIsBitIdenticalAndLowersTheCheckpointPeak) {
   release(par);
 }
 
+// The per-rank prediction (tests/memory_prediction.cuh) at W ranks for each dispatcher and the ring head:
+// >= the pool's peak on every rank, and within 10 % where the routing attains the dispatcher's bound
+// (hot:1/2 sends every route to experts 0 and 1, on rank 0: R_d = E_p·N·k there under --moe ep).
+TEST(DistModel, MemoryPredictionHoldsForEachDispatcherAndHead) {
+  REQUIRE_WORLD(2);
+  ModelConfig c;
+  c.vocab = 512; c.hidden = 256; c.heads = 4; c.layers = 4; c.experts = 8; c.topk = 2; c.expert_dim = 256;
+  c.n_dense = 1; c.dense_dim = 512; c.shared_expert = 1; c.seq_len = 256;
+  const int B = 8, T = c.seq_len;
+  for (const char* moe : {"ep", "llep", "pllep"})
+    for (const char* routing : {"hot:1/2", ""}) {
+      testutil::PredictionCase pc;
+      pc.name = std::string("--moe ") + moe + (*routing ? std::string(", ") + routing : ", the router");
+      pc.seams.moe = moe;
+      pc.seams.token_budget = 512;
+      pc.routing = routing;
+      Parallel par = test_parallel();
+      const bool tight = std::string(moe) == "ep" && *routing && par.world.rank == 0;
+      testutil::expect_prediction_holds(testutil::predict_and_measure(c, par, pc, B, T),
+                                        "W=2 rank " + std::to_string(par.world.rank) + ", " + pc.name, tight);
+      release(par);
+    }
+  testutil::PredictionCase ring;
+  ring.name = "--head ring_dtp, hot:1/2";
+  ring.seams.head = "ring_dtp";
+  ring.seams.vocab_block = 128;
+  ring.routing = "hot:1/2";
+  Parallel par = test_parallel(true);
+  testutil::expect_prediction_holds(testutil::predict_and_measure(c, par, ring, B, T),
+                                    "W=2 rank " + std::to_string(par.world.rank) + ", " + ring.name, par.world.rank == 0);
+  release(par);
+}
+
+TEST(DistModel, KeptAttentionAtWRanksTrainsBitIdenticallyToFullRecomputation) {
+  REQUIRE_WORLD(2);
+  Parallel par = test_parallel();
+  char what[32];
+  snprintf(what, sizeof what, "W=%d rank %d", par.world.size, par.world.rank);
+  testutil::attention_keep_trains_alike(par, what);
+  release(par);
+}
+
 // ---------------------------------------------------------------------------------------------
 // A rank that leaves in the middle of a layer's exchange
 
@@ -411,6 +463,7 @@ struct LeavingDispatcher : MoEDispatcher {
                 cudaStream_t stream) override {
     inner->backward(dx, dtopk_w, dW13, dW2, dout, saved, x, topk_idx, topk_w, W13, W2, stream);
   }
+  DispatchBound live_bound(int N) const override { return inner->live_bound(N); }
 };
 
 }  // namespace

@@ -5,7 +5,7 @@
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   speed: issue 13's speed work (notes/speed.md): the tests it touched in both precisions (AdamWGpu,
-#     OffloadAdamWGpu, RouterGpu, MoEGpu*, GpuModel; with 2 GPUs or more test_dist's DistModel), then
+#     OffloadAdamWGpu, RouterGpu, MoEGpu*, GpuModel, ProfileGpu, GpuMemoryPrediction; with 2 GPUs or more test_dist's DistModel), then
 #     tools/bench_train.sh's speed part on one GPU: the default model and config B1, tokens/s, MFU, memory
 #     and the per-operator breakdown of step 20 (speed.md; the profile_step*.md files in speed_profiles.tgz)
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, 1 GPU) at N=16384 tokens/rank, pllep
@@ -30,9 +30,10 @@
 #     llep and pllep also with --recompute 1
 #   accum: BF16 gradient accumulation against the FP32 build: 200 steps of 8 micro-batches on one GPU,
 #     the loss gap and the pool peak (build/base_bf16_train, when present: the same run before a change)
-#   sco: SCO (notes/sco.md) — GpuSco.* in both precisions, then 30 BF16 training steps of B1 (T = 2048, batch 8,
-#     --recompute 1) on the fortunes data at --offload_budget 0, 1, 4 and 8 boundaries (32 MiB each): the start-up
-#     line, the mean step time of steps 11-30 and the pool peak, as a table (sco.md)
+#   sco: SCO, selective attention recomputation and the memory prediction (notes/sco.md) — GpuSco.*,
+#     GpuMemoryPrediction.* and the DistModel SCO/kept-attention/prediction tests in both precisions, then 30 BF16
+#     training steps of B1 (T = 2048, batch 8) on the fortunes data: recompute off, on, SCO at 2, 4, 8 boundaries,
+#     kept attention at 3 device budgets: mean step time of steps 11-30, pool peak, the prediction (sco.md)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
 #   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
 #     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
@@ -229,25 +230,49 @@ fi
 
 if [[ " $want " == *" sco "* ]]; then
   for p in fp32 bf16; do
-    build/$p/test_gpu --gtest_filter='GpuSco.*' > build/sco_tests_$p.log 2>&1
+    build/$p/test_gpu --gtest_filter='GpuSco.*:GpuMemoryPrediction.*' > build/sco_tests_$p.log 2>&1
     rc=$?
     [ "$rc" -eq 0 ] || status=1
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      build/$p/test_dist --gtest_filter='DistModel.Sco*:DistModel.KeptAttention*:DistModel.MemoryPrediction*' \
+        >> build/sco_tests_$p.log 2>&1 || { rc=$?; status=1; }
+    fi
     cat build/sco_tests_$p.log >> "$OUT/sco_tests.log"
-    summary+=("$p GpuSco: exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' build/sco_tests_$p.log | tr '\n' ' ')")
+    summary+=("$p sco/attention/prediction tests: exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' build/sco_tests_$p.log | tr '\n' ' ')")
+    grep -q '^\[  FAILED  \]' build/sco_tests_$p.log && summary+=("  $(grep -m1 -A2 ': Failure$' build/sco_tests_$p.log | tr '\n' ' ')")
   done
-  b1="--hidden 1024 --layers 8 --heads 16 --experts 32 --topk 4 --expert_dim 512 --seq_len 2048 --batch 8 --recompute 1"
+  # B1 on the fortunes data: recompute off, on, on + SCO at 25/50/100 % of the boundaries, on + selective
+  # attention recomputation at device budgets of the predicted peak + 30 % and + 60 % of every option's
+  # bytes, and 0.9 of the GPU
+  b1="--hidden 1024 --layers 8 --heads 16 --experts 32 --topk 4 --expert_dim 512 --seq_len 2048 --batch 8"
   boundary=$((8 * 2048 * 1024 * 2))
-  echo "| budget (boundaries) | start-up | ms/step (steps 11-30) | pool peak MiB |" > "$OUT/sco.md"
-  echo "|---|---|---|---|" >> "$OUT/sco.md"
-  for n in 0 1 4 8; do
+  all_options=$((8 * (8 * 2048 * 1024 * 2 + 4 * 8 * 2048 * 16 + 4 * 8 * 2048 * 1024 * 2 + 4 * 8 * 2048)))
+  echo "| run | ms/step (steps 11-30) | pool peak MiB | predicted MiB | start-up |" > "$OUT/sco.md"
+  echo "|---|---|---|---|---|" >> "$OUT/sco.md"
+  sco_run() {  # NAME FLAGS...
+    local name=$1
+    shift
     rm -rf build/run-sco
-    build/bf16/train $b1 --offload_budget $((n * boundary)) --data data/fortunes --steps 30 --val_every 0 --sample_every 0 \
+    build/bf16/train $b1 "$@" --data data/fortunes --steps 30 --val_every 0 --sample_every 0 \
       --ckpt_every 0 --log_every 1 --out build/run-sco > build/sco_train.log 2>&1 || { status=1; tail -5 build/sco_train.log; }
     cat build/sco_train.log >> "$OUT/sco_train.log"
-    awk -F, -v n=$n -v line="$(grep '^layer boundaries' build/sco_train.log)" 'FNR == 1 || $2 == "nan" { next }
-      { if ($1 > 10) { sum += $6; k++ } peak = $9 } END { printf "| %d | %s | %.1f | %.1f |\n", n, line, k ? sum / k : 0, peak }' \
+    local line predicted
+    line=$(grep '^layer boundaries\|^selective attention' build/sco_train.log | tr '\n' ' ')
+    predicted=$(sed -n 's/^memory prediction vs the first step.*predicted \([0-9.]*\) MiB.*/\1/p' build/sco_train.log)
+    awk -F, -v name="$name" -v line="$line" -v pred="$predicted" 'FNR == 1 || $2 == "nan" { next }
+      { if ($1 > 10) { sum += $6; k++ } if ($9 > peak) peak = $9 } END { printf "| %s | %.1f | %.1f | %s | %s |\n", name, k ? sum / k : 0, peak, pred, line }' \
       build/run-sco/log.csv >> "$OUT/sco.md"
+  }
+  sco_run "recompute off" --recompute 0
+  sco_run "recompute on" --recompute 1
+  full=$(sed -n 's/^memory prediction (Eq. 6, rank 0): pool peak \([0-9]*\).*/\1/p' build/sco_train.log)
+  for n in 2 4 8; do sco_run "recompute on, SCO $n of 8 boundaries" --recompute 1 --offload_budget $((n * boundary)); done
+  for pct in 30 60; do
+    sco_run "recompute on, attention kept, budget peak + $pct % of the options" --recompute 1 \
+      --device_budget $(( (full + 1) * 1048576 + all_options * pct / 100 ))
   done
+  sco_run "recompute on, attention kept, budget 0.9 of the GPU" --recompute 1 --device_budget 0.9
+  sco_run "recompute on, SCO all + attention kept (0.9)" --recompute 1 --offload_budget $((8 * boundary)) --device_budget 0.9
   cat "$OUT/sco.md"
 fi
 
@@ -260,7 +285,7 @@ if [[ " $want " == *" speed "* ]]; then
   : > "$OUT/speed_tests.log"
   gpus=$(nvidia-smi -L | wc -l)
   for p in fp32 bf16; do
-    runs=("build/$p/test_gpu --gtest_filter=AdamWGpu.*:OffloadAdamWGpu.*:RouterGpu.*:MoEGpu*:GpuModel.*")
+    runs=("build/$p/test_gpu --gtest_filter=AdamWGpu.*:OffloadAdamWGpu.*:RouterGpu.*:MoEGpu*:GpuModel.*:ProfileGpu.*:GpuMemoryPrediction.*")
     [ "$gpus" -ge 2 ] && runs+=("build/$p/test_dist --gtest_filter=DistModel.*")
     for run in "${runs[@]}"; do
       $run > build/speed_run.log 2>&1

@@ -40,3 +40,10 @@ TEST(GpuSco, PassesWithoutRecomputationCopyNothing) {
   EXPECT_EQ(m.sco->copies(), 2LL * c.layers);
   model_destroy(m);
 }
+
+// Selective attention recomputation (--device_budget, ops/sar_plan.hpp): keeping some layers' attention
+// tensors instead of recomputing them trains bit-identically, alone and beside SCO.
+TEST(GpuSco, KeptAttentionTrainsBitIdenticallyToFullRecomputation) {
+  REQUIRE_GPU();
+  testutil::attention_keep_trains_alike(Parallel(), "one GPU");
+}

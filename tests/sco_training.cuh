@@ -23,35 +23,50 @@ struct ScoTraining {
   StateSections state;         // after the last step
   std::vector<floatX> params;  // this rank's weight buffer after the last step
   size_t checkpoints_peak = 0; // Mem::Checkpoints over the whole run
+  size_t peak = 0;             // the pool's peak over the whole run
   long long copies = 0;        // SCO's copies, both directions
   size_t bytes_moved = 0;
   size_t host_bytes = 0;       // pinned
 };
 
-inline void sco_trains_alike(const Parallel& par, const char* what) {
+// The model, the batches and a run of 3 steps of 2 micro-batches under --recompute 1, shared by the
+// SCO and selective attention recomputation tests: every run starts from the same weights and reads
+// the same global batches (this rank's slice of each).
+struct RecomputeTraining {
   ModelConfig c;
-  c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;
-  c.layers = 4; c.experts = 6; c.topk = 2; c.n_dense = 1; c.dense_dim = 48; c.shared_expert = 1;
   TrainConfig t;
-  t.lr = 3e-3f; t.warmup = 1; t.steps = 3; t.grad_clip = 0.5f; t.bias_update = 1e-2f; t.recompute = 1;
-  const int B = 2, T = c.seq_len, N = B * T, W = par.world.size, rank = par.world.rank, accum = 2;
-  const long long boundary = (long long)N * c.hidden * sizeof(floatX);  // b·N·H: one boundary of this rank
-  Rng rng;  // at W ranks the harness gives every rank the same seed: the same global batches
-  std::vector<float> master = random_master(c, rng);
+  int B = 2, T = 0, N = 0, accum = 2;
+  std::vector<float> master;
   std::vector<std::vector<int>> xs, ys;
-  for (int i = 0; i < t.steps * accum; i++) {
-    xs.emplace_back();
-    ys.emplace_back();
-    random_tokens(N * W, c.vocab, rng, xs.back(), ys.back());
+  const Parallel& par;
+
+  explicit RecomputeTraining(const Parallel& parallel) : par(parallel) {
+    c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;
+    c.layers = 4; c.experts = 6; c.topk = 2; c.n_dense = 1; c.dense_dim = 48; c.shared_expert = 1;
+    t.lr = 3e-3f; t.warmup = 1; t.steps = 3; t.grad_clip = 0.5f; t.bias_update = 1e-2f; t.recompute = 1;
+    T = c.seq_len;
+    N = B * T;
+    Rng rng;  // at W ranks the harness gives every rank the same seed: the same global batches
+    master = random_master(c, rng);
+    for (int i = 0; i < t.steps * accum; i++) {
+      xs.emplace_back();
+      ys.emplace_back();
+      random_tokens(N * par.world.size, c.vocab, rng, xs.back(), ys.back());
+    }
   }
-  auto train = [&](long long budget) {
+  size_t boundary() const { return (size_t)N * c.hidden * sizeof(floatX); }  // b·N·H: one boundary of this rank
+
+  // Trains with SCO's host budget and the kept attention tensors (selective attention recomputation).
+  ScoTraining run(long long offload_budget, const SarPlan& attention_kept = SarPlan()) {
     ScoTraining out;
     Seams seams;
-    seams.offload_budget = budget;
+    seams.offload_budget = offload_budget;
     Model m = model_create(c, 1, par, 0, seams);
+    m.attention_kept = attention_kept;
     model_set_master(m, master);
-    cudaCheck(cudaDeviceSynchronize(), "sco_trains_alike", "sync");
+    cudaCheck(cudaDeviceSynchronize(), "recompute_training", "sync");
     pool().reset_peak();
+    const int rank = par.world.rank;
     for (int step = 0; step < t.steps; step++) {
       int next = step * accum;
       out.losses.push_back(model_train_step(m, t, step, B, T, accum, [&](int* xb, int* yb) {
@@ -61,6 +76,7 @@ inline void sco_trains_alike(const Parallel& par, const char* what) {
       }, nullptr));
     }
     out.checkpoints_peak = pool().peak(Mem::Checkpoints);
+    out.peak = pool().peak();
     out.copies = m.sco->copies();
     out.bytes_moved = m.sco->bytes_moved();
     out.host_bytes = m.sco->host_bytes();
@@ -68,8 +84,28 @@ inline void sco_trains_alike(const Parallel& par, const char* what) {
     out.params = download_vec(m.params, m.num_params);
     model_destroy(m);
     return out;
-  };
+  }
+};
 
+// Bit-identity of two runs: the losses, every optimizer section of this rank's shards, the weights.
+inline void expect_trained_alike(const ScoTraining& got, const ScoTraining& kept, const char* run) {
+  EXPECT_EQ(got.losses, kept.losses) << run;
+  ASSERT_EQ(got.state.size(), kept.state.size()) << run;
+  for (size_t i = 0; i < kept.state.size(); i++) {
+    ASSERT_EQ(got.state[i].second.size(), kept.state[i].second.size()) << run;
+    EXPECT_EQ(0, memcmp(got.state[i].second.data(), kept.state[i].second.data(), kept.state[i].second.size() * sizeof(float)))
+        << run << ": section " << kept.state[i].first;
+  }
+  EXPECT_EQ(0, memcmp(got.params.data(), kept.params.data(), kept.params.size() * sizeof(floatX))) << run << ": weights";
+}
+
+inline void sco_trains_alike(const Parallel& par, const char* what) {
+  RecomputeTraining fixture(par);
+  const ModelConfig& c = fixture.c;
+  const TrainConfig& t = fixture.t;
+  const int accum = fixture.accum;
+  const long long boundary = (long long)fixture.boundary();
+  auto train = [&](long long budget) { return fixture.run(budget); };
   const ScoTraining kept = train(0);
   EXPECT_EQ(kept.copies, 0) << what << ": budget 0 moves nothing";
   EXPECT_EQ(kept.bytes_moved, 0u) << what;
@@ -86,14 +122,7 @@ inline void sco_trains_alike(const Parallel& par, const char* what) {
     printf("[mem] sco %s: checkpoints peak %zu bytes (%.2f boundaries; closed form %zu), %lld copies, %zu pinned bytes\n", run,
            got.checkpoints_peak, (double)got.checkpoints_peak / boundary, sco_device_bound(plan), got.copies, got.host_bytes);
 
-    EXPECT_EQ(got.losses, kept.losses) << run;
-    ASSERT_EQ(got.state.size(), kept.state.size()) << run;
-    for (size_t i = 0; i < kept.state.size(); i++) {
-      ASSERT_EQ(got.state[i].second.size(), kept.state[i].second.size()) << run;
-      EXPECT_EQ(0, memcmp(got.state[i].second.data(), kept.state[i].second.data(), kept.state[i].second.size() * sizeof(float)))
-          << run << ": section " << kept.state[i].first;
-    }
-    EXPECT_EQ(0, memcmp(got.params.data(), kept.params.data(), kept.params.size() * sizeof(floatX))) << run << ": weights";
+    expect_trained_alike(got, kept, run);
 
     EXPECT_EQ(got.copies, 2LL * plan.count * t.steps * accum) << run;
     EXPECT_EQ(got.bytes_moved, (size_t)got.copies * (size_t)boundary) << run;
@@ -104,6 +133,33 @@ inline void sco_trains_alike(const Parallel& par, const char* what) {
     if (plan.count <= 3 && halves % 2 == 0) EXPECT_LT(got.checkpoints_peak, previous_peak) << run;
     if (plan.count == c.layers) EXPECT_LE(got.checkpoints_peak, (size_t)3 * boundary) << run;
     previous_peak = got.checkpoints_peak;
+  }
+}
+
+// Selective attention recomputation (ops/sar_plan.hpp) under --recompute 1, alone and beside SCO: the
+// plans for budgets of 0, 1, 3 and every one of the 2·L options train bit-identically to full
+// recomputation, and the pool's peak rises by at most the kept bytes.
+inline void attention_keep_trains_alike(const Parallel& par, const char* what) {
+  RecomputeTraining fixture(par);
+  const ModelConfig& c = fixture.c;
+  const size_t b = sizeof(floatX);
+  const size_t core = sar_option_bytes(SarOption::Core, fixture.N, c.hidden, c.heads, b);
+  const size_t projection = sar_option_bytes(SarOption::Projection, fixture.N, c.hidden, c.heads, b);
+  for (long long offload : {0LL, 2 * (long long)fixture.boundary()}) {
+    const ScoTraining full = fixture.run(offload);
+    for (long long budget : {0LL, (long long)std::max(core, projection), (long long)(2 * core + projection),
+                             (long long)(c.layers * (core + projection))}) {
+      const SarPlan plan = sar_plan(c.layers, fixture.N, fixture.T, c.hidden, c.heads, b, budget);
+      const ScoTraining got = fixture.run(offload, plan);
+      char run[160];
+      snprintf(run, sizeof run, "%s, SCO budget %lld, attention budget %lld bytes: %zu options kept (%zu bytes)", what, offload,
+               budget, plan.taken.size(), plan.bytes);
+      printf("[mem] keep attention %s: pool peak %zu bytes, %+lld vs full recomputation\n", run, got.peak,
+             (long long)got.peak - (long long)full.peak);
+      EXPECT_LE(plan.bytes, (size_t)budget) << run;
+      expect_trained_alike(got, full, run);
+      EXPECT_LE(got.peak, full.peak + plan.bytes) << run;
+    }
   }
 }
 
