@@ -1,11 +1,12 @@
 # flatmoe — build, train, test, bench.
 #   make train              install what is missing, build, prepare the default data, train (needs a GPU)
 #   make test               install what is missing, build everything (both precisions), run all tests
-#   make bench              training throughput and memory benchmarks (needs a GPU)
+#   make bench              training speed (default model and config B1: tokens/s, MFU, memory, per-operator
+#                           breakdown) and memory limits (needs a GPU); BENCH_PARTS="speed" or "limits" for one
 #   make toy                print one toy MoE layer traced through expert parallelism (CPU)
 #   make data [CORPUS=large] prepare the corpus: fortunes (default) or large (fortunes + GCIDE)
 # Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90, EIGEN_DIR, GTEST_DIR, NVCC,
-#   CORPUS=fortunes|large, FORTUNES (folder), GCIDE (gcide.dict.dz), DATA_DIR.
+#   CORPUS=fortunes|large, FORTUNES (folder), GCIDE (gcide.dict.dz), DATA_DIR, BENCH_PARTS.
 
 PRECISION ?= BF16
 GPU_ARCH  ?= 90
@@ -32,6 +33,7 @@ else
 $(error CORPUS must be fortunes or large, got '$(CORPUS)')
 endif
 TRAIN_FLAGS ?=
+BENCH_PARTS ?= speed limits
 
 BUILD := build
 CXXFLAGS := -std=c++17 -O2 -Wall -Wextra -I. -isystem $(EIGEN_DIR) -MMD -MP
@@ -183,7 +185,7 @@ toy: $(BUILD)/toy_trace
 	$(BUILD)/toy_trace
 
 bench: deps $(BUILD)/$(P)/train $(BUILD)/synthetic_tokens data
-	tools/bench_train.sh $(BUILD)/$(P)/train $(DATA_DIR)
+	tools/bench_train.sh $(BUILD)/$(P)/train $(DATA_DIR) $(BUILD)/bench "$(BENCH_PARTS)"
 
 clean:
 	rm -rf $(BUILD)

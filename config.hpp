@@ -66,6 +66,7 @@ struct TrainConfig {
   int ckpt_every = 1000;                   // every S steps and at the end; 0 = never
   int log_every = 10;
   int timeline_step = -1;                  // write the pool timeline of this step (CSV + plot)
+  int profile_step = -1;                   // print this step's GPU time per operator (runtime/profile.cuh); -1 = none
   int gpus = 1;                            // W: ranks (one process per GPU) started on this node
   int ep = 0;                              // E_p: expert-parallel group size (0 = W)
   std::string routing = "router";          // "router", or what overrides its choice: "balanced", "hot:r/h", "trace:FILE"
@@ -487,6 +488,9 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
        "--offload_budget " + std::to_string(t.offload_budget) +
            " moves the layer boundaries that recomputation keeps: it needs --recompute 1 (got --recompute " +
            std::to_string(t.recompute) + ")");
+  need(t.profile_step == -1 || (t.profile_step >= 0 && t.profile_step < t.steps),
+       "--profile_step " + std::to_string(t.profile_step) + " is not a step of this run: it must be -1 (off) or in [0, " +
+           std::to_string(t.steps) + ") (--steps " + std::to_string(t.steps) + ")");
   const DeviceBudget device = parse_device_budget(t.device_budget);
   need(!device.on() || t.recompute == 1, "--device_budget " + t.device_budget +
                                              " chooses attention tensors to keep instead of recomputing them: it needs "
@@ -543,7 +547,9 @@ inline std::string usage() {
          "        --relay_mode auto|expert|token (relay: what travels the ring; auto: the smaller per-hop volume)\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
-         "        --ckpt_every S --log_every S --timeline_step S --resume DIR (a checkpoint folder)\n";
+         "        --ckpt_every S --log_every S --timeline_step S --resume DIR (a checkpoint folder)\n"
+         "        --profile_step S (step S's GPU time per operator, from CUDA events; S counts from 0 like\n"
+         "        --timeline_step, in [0, steps); -1 = off)\n";
 }
 
 // The flag tables: every flag once, with how its value is read from text and written as text.
@@ -679,6 +685,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--ckpt_every", &T::ckpt_every),
       int_flag("--log_every", &T::log_every),
       int_flag("--timeline_step", &T::timeline_step),
+      int_flag("--profile_step", &T::profile_step),
       int_flag("--gpus", &T::gpus),
       int_flag("--ep", &T::ep),
       text_flag("--routing", &T::routing),

@@ -53,6 +53,7 @@
 #include "ops/sar_plan.hpp"
 #include "runtime/comm.cuh"
 #include "runtime/pool.cuh"
+#include "runtime/profile.cuh"
 
 // =============================================================================================
 // Parameters
@@ -137,7 +138,10 @@ struct Model {
   // Router biases (aux-loss-free balancing): [L, E] floats, host copy is the source of truth.
   std::vector<float> router_bias;       // host [L·E]
   float* router_bias_dev = nullptr;     // device [L·E]                           (Weights)
-  std::vector<long long> step_loads;    // host [L·E] routes per expert over the current step (global after model_update)
+  std::vector<long long> step_loads;    // host [L·E] routes per expert over the last step, global (set by model_update)
+  // device [L·E] routes per expert over the current step, added by every MoE layer's router
+  // (router_add_loads) with no host wait; model_update downloads it once per step (Workspace)
+  int* step_loads_dev = nullptr;
 
   // Trivial routing for dense FFNs and the shared expert (every token → expert 0, weight 1).
   int* dense_idx = nullptr;
@@ -234,6 +238,9 @@ inline void model_zero_grads(Model& m) {
   if ((void*)m.main_grads != (void*)m.grads)
     cudaCheck(cudaMemsetAsync(m.main_grads, 0, m.num_params * sizeof(float), m.stream), "zero_grads", "main P=%zu",
               m.num_params);
+  if (m.step_loads_dev)
+    cudaCheck(cudaMemsetAsync(m.step_loads_dev, 0, m.step_loads.size() * sizeof(int), m.stream), "zero_grads", "L*E=%zu",
+              m.step_loads.size());
   std::fill(m.step_loads.begin(), m.step_loads.end(), 0);
 }
 
@@ -290,9 +297,9 @@ inline std::unique_ptr<OutputHead> make_head(const ModelConfig& c, const Paralle
           "V=%d P=%d", c.vocab, par.vocab.size);
 }
 
-// Device bytes of the optimizer's state for a shard of S parameters (--optimizer).
-inline size_t optimizer_device_bytes(const Seams& seams, size_t S) {
-  if (seams.optimizer == "adamw") return DeviceAdamW::device_bytes(S);
+// Device bytes of the optimizer's state for a shard of S parameters in `segments` (--optimizer).
+inline size_t optimizer_device_bytes(const Seams& seams, size_t S, const std::vector<ShardSegment>& segments) {
+  if (seams.optimizer == "adamw") return DeviceAdamW::device_bytes(S, segments);
   if (seams.optimizer == "offload_adamw") return OffloadAdamW::device_bytes(S, (size_t)seams.offload_bucket, seams.offload_slots);
   return 0;  // cpu_adamw: all of it in pinned host memory
 }
@@ -337,6 +344,8 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   const size_t LE = (size_t)cfg.layers * cfg.experts;
   m.router_bias.assign(LE, 0.f);
   m.step_loads.assign(LE, 0);
+  m.step_loads_dev = pool().alloc_t<int>(LE, Mem::Workspace, "step_loads");
+  cudaCheck(cudaMemsetAsync(m.step_loads_dev, 0, LE * sizeof(int), m.stream), "model_create", "L*E=%zu", LE);
   m.router_bias_dev = pool().alloc_t<float>(LE, Mem::Weights, "router_bias");
   model_upload_router_bias(m);
   m.sumsq_partials = pool().alloc_t<float>(SUMSQ_BLOCKS, Mem::Workspace, "sumsq_partials");
@@ -348,7 +357,7 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
 
 inline void model_destroy(Model& m) {
   if ((void*)m.main_grads != (void*)m.grads) pool().free(m.main_grads);
-  for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.sumsq_partials,
+  for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.step_loads_dev, (void*)m.sumsq_partials,
                   (void*)m.scalar_dev, (void*)m.dense_idx, (void*)m.dense_w})
     pool().free(p);
   m = Model();
@@ -449,10 +458,19 @@ struct LayerBoundaries {
   const ScoPlan* plan;          // offload's plan for this size
 };
 
+// Bytes a memory-bound step moves (runtime/profile.cuh's GB/s column), from its shapes: b = bytes per
+// floatX. RMSNorm forward reads x, writes y and rstd; backward reads dy, x, rstd and writes dx (the
+// gain's gradient is not counted); a residual add reads two [N,H] and writes one; RoPE rotates q and
+// k in place.
+inline double rmsnorm_fwd_bytes(size_t N, size_t H) { return 2.0 * N * H * sizeof(floatX) + 4.0 * N; }
+inline double rmsnorm_bwd_bytes(size_t N, size_t H) { return 3.0 * N * H * sizeof(floatX) + 4.0 * N; }
+inline double residual_bytes(size_t N, size_t H) { return 3.0 * N * H * sizeof(floatX); }
+inline double rope_bytes(size_t N, size_t H) { return 4.0 * N * H * sizeof(floatX); }
+
 // Router of MoE layer l on ln2 (N×H), in FP32 in both builds (logits, scores, top-k, bias; its
 // backward too): scores, top-k choice and weights into `a`; the choice of a routing profile, or of a
-// replayed trace in a training pass, instead when one is set. Counts routes per expert into
-// m.step_loads when asked.
+// replayed trace in a training pass, instead when one is set. Adds routes per expert into
+// m.step_loads_dev when asked (on the device: no host wait inside the layer).
 inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) {
   const ModelConfig& c = m.cfg;
   const int E = c.experts, k = c.topk;
@@ -476,14 +494,7 @@ inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) 
                    traced ? "routing_trace" : "routing_profile");
     router_weights(a.topk_w, a.scores, a.topk_idx, N, E, k, c.renorm != 0, s);
   }
-  if (count_loads) {
-    int* loads_dev = pool().alloc_t<int>(E, Mem::Workspace, "loads");
-    std::vector<int> loads(E);
-    router_count_loads(loads_dev, a.topk_idx, N, E, k, s);
-    copy_to_host(loads.data(), loads_dev, E * sizeof(int), s, "count_loads");
-    pool().free(loads_dev);
-    for (int e = 0; e < E; e++) m.step_loads[(size_t)l * E + e] += loads[e];
-  }
+  if (count_loads) router_add_loads(m.step_loads_dev + (size_t)l * E, a.topk_idx, N, E, k, s);
 }
 
 // FFN of layer l on ln2 (N×H) → out (N×H, =): a dense SwiGLU, or router + routed experts through
@@ -494,16 +505,22 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool 
   cudaStream_t s = m.stream;
   if (!c.is_moe_layer(l)) {
     ensure_dense_routes(m, N);
-    moe_forward(out, a.dense, a.ln2, m.dense_idx, m.dense_w, P.dense_w13, P.dense_w2, N, c.hidden, c.dense_dim, 1, 1, s);
+    prof_mark(s, "dense ffn fwd");
+    moe_forward(out, a.dense, a.ln2, m.dense_idx, m.dense_w, P.dense_w13, P.dense_w2, N, c.hidden, c.dense_dim, 1, 1, s,
+                true);  // dense_routes: no host wait
     return;
   }
+  prof_mark(s, "router fwd");
   router_step(m, l, a, N, count_loads);
+  prof_mark(s, "dispatcher fwd");
   a.routed = m.moe->forward(out, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, N, s);
   if (c.shared_expert) {
     ensure_dense_routes(m, N);
     floatX* shared_out = out ? pool().alloc_t<floatX>((size_t)N * c.hidden, Mem::Activations, "shared_out") : nullptr;
+    prof_mark(s, "shared expert fwd");
     moe_forward(shared_out, a.shared, a.ln2, m.dense_idx, m.dense_w, P.shared_w13, P.shared_w2, N, c.hidden,
-                c.expert_dim, 1, 1, s);
+                c.expert_dim, 1, 1, s, true);  // dense_routes: no host wait
+    if (out) prof_mark(s, "residual add", residual_bytes(N, c.hidden));
     if (out) add_inplace_or_out(out, out, shared_out, (size_t)N * c.hidden, s);
     pool().free(shared_out);
   }
@@ -522,13 +539,17 @@ inline void attention_step(Model& m, int l, LayerActs& a, const floatX* x_in, in
     a.ln1 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln1");
     a.ln1_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln1_rstd");
     a.qkv = pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Activations, "qkv");
+    prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
     rmsnorm_forward(a.ln1, a.ln1_rstd, x_in, P.ln1, N, H, c.norm_eps, s);
+    prof_mark(s, "qkv matmul fwd");
     matmul_forward(a.qkv, a.ln1, P.wqkv, N, H, 3 * H, s);
+    prof_mark(s, "rope fwd", rope_bytes(N, H));
     rope_forward(a.qkv, a.qkv, B, T, c.heads, c.head_dim(), c.rope_theta, s);
   }
   if (a.att == nullptr) {
     a.att = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att");
     a.lse = pool().alloc_t<float>((size_t)N * c.heads, Mem::Activations, "att_lse");
+    prof_mark(s, "attention fwd");
     attention_forward(a.att, a.lse, a.qkv, B, T, c.heads, c.head_dim(), s);
   }
 }
@@ -542,18 +563,23 @@ inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, La
   const LayerTensors& P = m.p.layers[l];
   const int N = B * T, H = c.hidden;
   cudaStream_t s = m.stream;
+  ProfPrefix recompute_names(x_out ? "" : "recompute ");  // runtime/profile.cuh: a recomputation's ranges
   attention_step(m, l, a, x_in, B, T);
   a.x_mid = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "x_mid");
   a.ln2 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln2");
   a.ln2_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln2_rstd");
   floatX* att_proj = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att_proj");
+  prof_mark(s, "wo matmul fwd");
   matmul_forward(att_proj, a.att, P.wo, N, H, H, s);
+  prof_mark(s, "residual add", residual_bytes(N, H));
   add_inplace_or_out(a.x_mid, x_in, att_proj, (size_t)N * H, s);
   pool().free(att_proj);
 
+  prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
   rmsnorm_forward(a.ln2, a.ln2_rstd, a.x_mid, P.ln2, N, H, c.norm_eps, s);
   floatX* ffn_out = x_out ? pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ffn_out") : nullptr;
   ffn_forward(m, l, a, ffn_out, N, count_loads);
+  if (x_out) prof_mark(s, "residual add", residual_bytes(N, H));
   if (x_out) add_inplace_or_out(x_out, a.x_mid, ffn_out, (size_t)N * H, s);
   pool().free(ffn_out);
 }
@@ -570,6 +596,7 @@ inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, con
   const size_t NH = (size_t)N * c.hidden;
   if (!c.is_moe_layer(l)) {
     float* d_dense_w = pool().alloc_t<float>(N, Mem::Workspace, "d_dense_w");
+    prof_mark(s, "dense ffn bwd");
     moe_backward(d_ln2, d_dense_w, G.dense_w13, G.dense_w2, d_out, a.dense, a.ln2, m.dense_idx, m.dense_w,
                  P.dense_w13, P.dense_w2, s);
     pool().free(d_dense_w);
@@ -577,18 +604,23 @@ inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, con
   }
   const int E = c.experts, k = c.topk;
   float* d_topk_w = pool().alloc_t<float>((size_t)N * k, Mem::Workspace, "d_topk_w");
+  prof_mark(s, "dispatcher bwd");
   m.moe->backward(d_ln2, d_topk_w, G.w13, G.w2, d_out, *a.routed, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, s);
   floatX* d_part = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_ln2_part");
   if (c.shared_expert) {
     float* d_shared_w = pool().alloc_t<float>(N, Mem::Workspace, "d_shared_w");
+    prof_mark(s, "shared expert bwd");
     moe_backward(d_part, d_shared_w, G.shared_w13, G.shared_w2, d_out, a.shared, a.ln2, m.dense_idx, m.dense_w,
                  P.shared_w13, P.shared_w2, s);
+    prof_mark(s, "residual add", residual_bytes(N, c.hidden));
     add_inplace_or_out(d_ln2, d_ln2, d_part, NH, s);
     pool().free(d_shared_w);
   }
   float* d_logits = pool().alloc_t<float>((size_t)N * E, Mem::Workspace, "d_router_logits");
+  prof_mark(s, "router bwd");
   router_backward(d_logits, d_topk_w, a.scores, a.topk_idx, N, E, k, c.score_fn, c.renorm != 0, s);
   router_logits_backward(d_part, G.router, d_logits, a.ln2, P.router, N, c.hidden, E, s);
+  prof_mark(s, "residual add", residual_bytes(N, c.hidden));
   add_inplace_or_out(d_ln2, d_ln2, d_part, NH, s);
   for (void* p : {(void*)d_topk_w, (void*)d_part, (void*)d_logits}) pool().free(p);
 }
@@ -607,15 +639,23 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
 
   // FFN branch: d_x_mid = d_x + ln2ᵀ(FFNᵀ(d_x))
   ffn_backward(m, l, a, d_norm_out, d_x, N);
+  prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H));
   rmsnorm_backward(d_branch, G.ln2, d_norm_out, a.x_mid, P.ln2, a.ln2_rstd, N, H, s);
+  prof_mark(s, "residual add", residual_bytes(N, H));
   add_inplace_or_out(d_x, d_x, d_branch, NH, s);
 
   // Attention branch: d_x_in = d_x_mid + ln1ᵀ(wqkvᵀ(RoPEᵀ(Attnᵀ(woᵀ d_x_mid))))
+  prof_mark(s, "wo matmul bwd");
   matmul_backward(d_norm_out, G.wo, d_x, a.att, P.wo, N, H, H, s);
+  prof_mark(s, "attention bwd");
   attention_backward(d_qkv, d_norm_out, a.qkv, a.att, a.lse, B, T, nh, hd, s);
+  prof_mark(s, "rope bwd", rope_bytes(N, H));
   rope_backward(d_qkv, d_qkv, B, T, nh, hd, c.rope_theta, s);
+  prof_mark(s, "qkv matmul bwd");
   matmul_backward(d_norm_out, G.wqkv, d_qkv, a.ln1, P.wqkv, N, H, 3 * H, s);
+  prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H));
   rmsnorm_backward(d_branch, G.ln1, d_norm_out, x_in, P.ln1, a.ln1_rstd, N, H, s);
+  prof_mark(s, "residual add", residual_bytes(N, H));
   add_inplace_or_out(d_x, d_x, d_branch, NH, s);
   for (void* p : {(void*)d_norm_out, (void*)d_branch, (void*)d_qkv}) pool().free(p);
 }
@@ -670,7 +710,7 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   shape.specs = param_specs(c);
   model_layout(shape);
   size_t S = 0;
-  shard_segments(shape.specs, model_param_layout(shape), &S);
+  const std::vector<ShardSegment> segments = shard_segments(shape.specs, model_param_layout(shape), &S);
   const std::unique_ptr<MoEDispatcher> moe = make_dispatcher(c, par, seams);
   const std::unique_ptr<OutputHead> head = make_head(c, par, seams);
   const size_t b = sizeof(floatX), N = (size_t)B * T, H = c.hidden, L = c.layers, E = c.experts, k = c.topk;
@@ -680,9 +720,11 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   // alive the whole step
   const size_t weights = P * b + 4 * L * E;
   const size_t grads = P * b + (fp32_sum ? P * 4 : 0);
-  const size_t optimizer = optimizer_device_bytes(seams, S);
+  const size_t optimizer = optimizer_device_bytes(seams, S, segments);
   const bool dense_routes = c.n_dense > 0 || c.shared_expert;
-  const size_t runtime = CublasRuntime::workspace_bytes + 4 * (size_t)SUMSQ_BLOCKS + 4 + (dense_routes ? 8 * N : 0);
+  // + the step's per-expert loads on the device [L·E] ints (step_loads_dev)
+  const size_t runtime =
+      CublasRuntime::workspace_bytes + 4 * (size_t)SUMSQ_BLOCKS + 4 + (dense_routes ? 8 * N : 0) + 4 * L * E;
   // the pass: tokens, targets, the embedding backward's buckets (offsets V + 1, positions N, used ids <= min(N, V)),
   // the loss; the final norm's output and rstd live from the head to the end of the backward
   const size_t inputs = 8 * N + 4 * ((size_t)c.vocab + 1 + N + std::min(N, (size_t)c.vocab)) + 4;
@@ -757,7 +799,7 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
 // What a forward(+backward) pass over one micro-batch does.
 struct PassOptions {
   bool backward = true;       // accumulate gradients (+=) into m.grads
-  bool count_loads = true;    // add routes per expert into m.step_loads
+  bool count_loads = true;    // add routes per expert into m.step_loads_dev
   float dloss = 0.f;          // d(objective)/d(loss of one token), e.g. 1/(B·T·accum)
   bool recompute = false;     // layer-level activation checkpointing
 };
@@ -772,6 +814,7 @@ inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, LayerB
                            const SarPlan* attention_kept = nullptr) {
   const ModelConfig& c = m.cfg;
   const int N = B * T;
+  prof_mark(m.stream, "embedding fwd", 2.0 * N * c.hidden * sizeof(floatX) + 4.0 * N);
   embedding_forward(boundaries.allocate(0), tokens_dev, m.p.wte, N, c.hidden, c.vocab, m.stream);
   for (int l = 0; l < c.layers; l++) {
     layer_forward(m, l, boundaries.input[l], boundaries.allocate(l + 1), acts[l], B, T, count_loads);
@@ -821,6 +864,7 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
   const size_t NH = (size_t)N * H;
   cudaStream_t s = m.stream;
   check_seq_len(m, T);
+  prof_mark(s, "pass start: token uploads (host wait)");
   int* tokens_dev = upload_ints(inputs, N, Mem::Activations, "tokens", s);
   int* targets_dev = upload_ints(targets, N, Mem::Activations, "targets", s);
   // the embedding backward's per-token buckets, uploaded while the stream is idle (runtime/stream.cuh:
@@ -850,14 +894,17 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
 
   floatX* lnf = pool().alloc_t<floatX>(NH, Mem::Activations, "lnf");
   float* lnf_rstd = pool().alloc_t<float>(N, Mem::Activations, "lnf_rstd");
+  prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
   rmsnorm_forward(lnf, lnf_rstd, boundaries.input[L], m.p.lnf, N, H, c.norm_eps, s);
   floatX* d_lnf = o.backward ? pool().alloc_t<floatX>(NH, Mem::Workspace, "d_lnf") : nullptr;
+  prof_mark(s, "head (fwd+bwd)");
   m.head->forward_backward(m.scalar_dev, d_lnf, m.g.lm_head, lnf, m.p.lm_head, targets_dev, o.dloss, N, H, V, s);
   float* loss_total_dev = pool().alloc_t<float>(1, Mem::Workspace, "loss_total");
   cudaCheck(cudaMemcpyAsync(loss_total_dev, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToDevice, s), "model_pass", "N=%d", N);
 
   if (o.backward) {
     floatX* d_x = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_residual");
+    prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H));
     rmsnorm_backward(d_x, m.g.lnf, d_lnf, boundaries.input[L], m.p.lnf, lnf_rstd, N, H, s);
     pool().free(d_lnf);
     boundaries.release(L);
@@ -880,11 +927,14 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
       boundaries.release(l);
     }
     // embedding: deterministic per-token sums over the host-built buckets
+    prof_mark(s, "embedding bwd", 2.0 * NH * sizeof(floatX));
     embedding_backward(m.g.wte, d_x, bucket_dev[0], bucket_dev[1], bucket_dev[2], buckets_used, V, H, s);
     pool().free(d_x);
     for (int* p : bucket_dev) pool().free(p);
+    prof_mark(s, "fold grads (bf16 into fp32)", (double)m.num_params * (8 + 2 * sizeof(floatX)));
     model_fold_grads(m);  // this pass's gradients into the step's fp32 sum
   }
+  prof_mark(s, "pass end: loss download (host wait)");
   if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream, as the loss's download does
   float loss_total = 0.f;
   copy_to_host(&loss_total, loss_total_dev, sizeof(float), s, "model_pass.loss");
@@ -975,16 +1025,14 @@ inline float model_grad_norm(Model& m) {
   return std::sqrt(sumsq);
 }
 
-// Adds the step's per-expert loads of every rank (the router bias sees the global batch).
+// The step's per-expert loads into m.step_loads, summed over every rank (the router bias sees the
+// global batch): the device buffer is all-reduced in place, then downloaded — the step's one host
+// wait for the loads (before it, one per MoE layer). Integer sums: exact in any order.
 inline void all_reduce_loads(Model& m) {
-  if (m.par.world.size == 1) return;
   const size_t n = m.step_loads.size();
-  std::vector<int> loads(m.step_loads.begin(), m.step_loads.end());
-  int* loads_dev = pool().alloc_t<int>(n, Mem::CommStaging, "step_loads");
-  copy_to_device(loads_dev, loads.data(), n * sizeof(int), m.stream, "all_reduce_loads");
-  all_reduce_sum(m.par.world, loads_dev, loads_dev, n, m.stream);
-  copy_to_host(loads.data(), loads_dev, n * sizeof(int), m.stream, "all_reduce_loads");
-  pool().free(loads_dev);
+  if (m.par.world.size > 1) all_reduce_sum(m.par.world, m.step_loads_dev, m.step_loads_dev, n, m.stream);
+  std::vector<int> loads(n);
+  copy_to_host(loads.data(), m.step_loads_dev, n * sizeof(int), m.stream, "all_reduce_loads");
   std::copy(loads.begin(), loads.end(), m.step_loads.begin());
 }
 
@@ -992,13 +1040,21 @@ inline void all_reduce_loads(Model& m) {
 // the optimizer on the shards, weights all-gathered, then the router bias update from the global
 // batch's loads (m.step_loads holds the global loads afterwards). Returns the norm before clipping.
 inline float model_update(Model& m, const TrainConfig& t, float lr) {
+  prof_mark(m.stream, "grad reduce-scatter");
   reduce_scatter_grads(m);
+  prof_mark(m.stream, "grad norm (host wait)");
   float norm = model_grad_norm(m);
+  // bytes for the device optimizer only: master, m, v, grad read, master, m, v, weight written
+  const bool device_opt = dynamic_cast<DeviceAdamW*>(m.opt.get()) != nullptr;
+  prof_mark(m.stream, "optimizer", device_opt ? (double)m.opt->state_count * (28 + sizeof(floatX)) : 0.0);
   m.opt->step(m.params, m.main_grads, lr, AdamWSettings{t.beta1, t.beta2, t.adam_eps, t.weight_decay},
               clip_scale(norm, t.grad_clip), m.stream);
+  prof_mark(m.stream, "weight all-gather");
   all_gather_weights(m);
+  prof_mark(m.stream, "loads all-reduce + download (host wait)");
   all_reduce_loads(m);
   if (t.bias_update > 0) {  // aux-loss-free balancing from the step's loads over the whole global batch (config.hpp)
+    prof_mark(m.stream, "router bias update (host wait)");
     update_router_bias(m.router_bias, m.step_loads, m.cfg, t.bias_update);
     model_upload_router_bias(m);
   }
@@ -1012,12 +1068,14 @@ template <typename NextBatch>
 float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, int accum, NextBatch next_batch,
                        float* grad_norm) {
   std::vector<int> x((size_t)B * T), y((size_t)B * T);
+  prof_mark(m.stream, "zero grads");
   model_zero_grads(m);
   PassOptions o;
   o.dloss = 1.f / ((float)B * T * accum * m.par.world.size);  // the mean over the global batch
   o.recompute = t.recompute != 0;
   double loss = 0;
   for (int micro = 0; micro < accum; micro++) {
+    prof_mark(m.stream, "data: next batch (host)");
     next_batch(x.data(), y.data());
     pool().mark(("micro-batch " + std::to_string(micro)).c_str());
     m.training_pass = (long long)step * accum + micro;  // what routing traces follow
@@ -1026,6 +1084,7 @@ float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, i
   m.training_pass = -1;
   pool().mark("optimizer");
   float norm = model_update(m, t, lr_at(t, step));
+  prof_mark(m.stream, "step end: rank sync, loss mean (host wait)");
   comm_sync(m.par.world, m.stream, "train_step");
   if (grad_norm) *grad_norm = norm;
   return mean_over_ranks(m, (float)loss);

@@ -319,6 +319,27 @@ void write_timeline(const std::string& out_dir, int step) {
          plotted ? (", plot " + png).c_str() : " (no plot: tools/plot_timeline.sh failed; is gnuplot installed?)");
 }
 
+// --profile_step: the step's GPU time per operator (runtime/profile.cuh) to stdout and to
+// OUT/profile_stepS.md. `step_ms` is the step's host wall time (the same clock as the log's ms).
+void write_profile(const std::string& out_dir, int step, double step_ms, const ModelConfig& c, int B, int T, int accum) {
+  double gpu_ms = 0;
+  const std::vector<ProfileRow> rows = profiler().end(&gpu_ms);
+  char title[512];
+  snprintf(title, sizeof title,
+           "per-operator GPU time of step %d (%s; H %d, L %d, heads %d, E %d, top-%d, I %d, V %d, T %d, B %d, accum %d)",
+           step, sizeof(floatX) == 2 ? "BF16" : "FP32", c.hidden, c.layers, c.heads, c.experts, c.topk, c.expert_dim,
+           c.vocab, T, B, accum);
+  print_profile(stdout, rows, gpu_ms, step_ms, title);
+  const std::string path = out_dir + "/profile_step" + std::to_string(step) + ".md";
+  if (FILE* f = fopen(path.c_str(), "w")) {
+    print_profile(f, rows, gpu_ms, step_ms, title);
+    fclose(f);
+    printf("per-operator breakdown of step %d: %s\n", step, path.c_str());
+  } else {
+    fprintf(stderr, "warning: could not write %s\n", path.c_str());
+  }
+}
+
 // The communicators of W ranks: the world, the expert-parallel groups (contiguous blocks of E_p
 // ranks) and the groups of ranks that hold the same expert shard; under --head ring_dtp with P > 1
 // the vocabulary groups (contiguous blocks of P ranks) and, when W > P, the ranks that hold the
@@ -467,6 +488,9 @@ int train_main(int argc, char** argv) {
     }
 
     const int first_step = st.step;
+    if (tc.profile_step >= 0 && tc.profile_step < first_step)
+      throw std::invalid_argument("--profile_step " + std::to_string(tc.profile_step) + " comes before step " +
+                                  std::to_string(first_step) + ", where this run resumes");
     for (int step = first_step; step <= tc.steps; step++) {
       bool last = step == tc.steps;
       bool resumed_here = step == first_step && first_step > 0;  // already sampled/saved before the resume
@@ -498,10 +522,13 @@ int train_main(int argc, char** argv) {
       pool().reset_peak();
       if (timeline) { pool().clear_timeline(); pool().set_timeline(true); }
       stream_wait(stream, "train", "step=%d", step);
+      const bool profile = step == tc.profile_step && main_rank;  // --profile_step: CUDA events per operator
+      if (profile) profiler().begin(stream);
       auto t0 = std::chrono::steady_clock::now();
       float norm = 0.f, lr = lr_at(tc, step);
       double loss = model_train_step(m, tc, step, B, T, accum, [&](int* xb, int* yb) { train_data.next_batch(xb, yb); }, &norm);
       double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (profile) write_profile(tc.out_dir, step, ms, mc, B, T, accum);
       if (timeline) { pool().set_timeline(false); write_timeline(tc.out_dir, step); }
       if (!std::isfinite(loss)) throw std::runtime_error("loss is not finite at step " + std::to_string(step));
       if (!main_rank) continue;
@@ -531,6 +558,7 @@ int train_main(int argc, char** argv) {
     }
     if (log) fclose(log);
     model_destroy(m);
+    profiler().release();
     parallel_destroy(par);
     cudaCheck(cudaStreamDestroy(stream), "train", "stream");
     runtime_release();  // every device allocation back to CUDA: a clean leak check at exit

@@ -21,6 +21,7 @@
 #pragma once
 #include "common.cuh"
 #include "matmul.cuh"
+#include "../runtime/profile.cuh"
 
 static const int CROSS_ENTROPY_THREADS = 512;
 static const int LOSS_SUM_THREADS = 1024;
@@ -243,11 +244,17 @@ struct FullHead : OutputHead {
     floatX* logits = pool().alloc_t<floatX>((size_t)N * V, Mem::Logits, "logits");
     float* losses = pool().alloc_t<float>(N, Mem::Logits, "losses");
     float* lse = pool().alloc_t<float>(N, Mem::Logits, "lse");
+    // profiling (runtime/profile.cuh): sub-ranges of the caller's; the cross-entropy kernels read
+    // the [N,V] logits (forward) and read and overwrite them (backward)
+    prof_sub(stream, "logits matmul");
     matmul_forward(logits, x, W, N, H, V, stream);
+    prof_sub(stream, "cross-entropy fwd", (double)N * V * sizeof(floatX) + 12.0 * N);
     cross_entropy_forward(losses, lse, logits, targets, N, V, stream);
     ::loss_sum(loss_sum, losses, N, stream);
     if (dx != nullptr) {
+      prof_sub(stream, "cross-entropy bwd", 2.0 * N * V * sizeof(floatX) + 8.0 * N);
       cross_entropy_backward(logits, logits, lse, targets, dloss, N, V, stream);
+      prof_sub(stream, "logits matmul bwd");
       matmul_backward(dx, dW, logits, x, W, N, H, V, stream);
     }
     for (void* p : {(void*)logits, (void*)losses, (void*)lse}) pool().free(p);

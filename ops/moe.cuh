@@ -28,6 +28,8 @@
 // before each launcher returns. Under skew nothing here is bounded except by R = N·k.
 // Determinism: integer atomics only (counting); every float sum has a fixed order; cuBLAS GEMMs
 // are deterministic for a fixed problem list.
+// Profiling (runtime/profile.cuh): each piece below opens a sub-range of its caller's range with
+// prof_sub (nothing when the profiler is off), with the bytes its memory-bound kernels move.
 // BF16 build: cuBLAS needs 16-byte aligned bf16 matrix pointers when a GEMM's K is a multiple of 8
 // (4-byte when even); grouped_gemm refuses misaligned problems. H and I multiples of 8 with
 // pool-allocated tensors always satisfy it.
@@ -39,6 +41,7 @@
 #include <vector>
 #include "common.cuh"
 #include "../runtime/pool.cuh"
+#include "../runtime/profile.cuh"
 
 static const int MOE_PLAN_TILE = 256;          // routes per tile of the stable sort
 static const int MOE_MAX_E = 12288;            // the plan keeps one int per expert in shared memory (48 KiB)
@@ -470,7 +473,9 @@ inline void experts_swiglu_down(floatX* y, const floatX* h13, const std::vector<
                                 const std::vector<int>& counts, const std::vector<int>& offsets, int R, int H, int I,
                                 const std::string& op, cudaStream_t stream) {
   floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
+  prof_sub(stream, "swiglu", 3.0 * R * I * sizeof(floatX));
   swiglu_forward(a, h13, R, I, stream);
+  prof_sub(stream, "grouped gemm y = a W2");
   grouped_gemm((op + ".y").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
                  return GroupedGemmProblem{a + first * I, W2[e], y + first * H, rows, H, I};
                }),
@@ -488,7 +493,9 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
                                        const std::vector<int>& offsets, int R, int H, int I, const std::string& op,
                                        cudaStream_t stream) {
   floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
+  prof_sub(stream, "swiglu (a again)", 3.0 * R * I * sizeof(floatX));
   swiglu_forward(a, h13, R, I, stream);
+  prof_sub(stream, "grouped gemms da, dW2");
   // da_e [R_e,I] = dy_e [R_e,H] · W2_e [H,I]
   floatX* da = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".da");
   grouped_gemm((op + ".da").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
@@ -503,6 +510,7 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
   pool().free(a);
   pool().free(dy);
   floatX* dh13 = alloc_rows<floatX>((size_t)R * 2 * I, Mem::ExpertIntermediates, op + ".dh13");
+  prof_sub(stream, "swiglu bwd", 5.0 * R * I * sizeof(floatX));
   swiglu_backward(dh13, da, h13, R, I, stream);
   pool().free(da);
   return dh13;
@@ -510,28 +518,42 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
 
 // out [N,H] (=; nullptr: no combine, only what backward needs — a layer's recomputation, whose
 // output is already kept); fills `saved` (which must be empty: moe_saved_free it after backward).
-// Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host).
+// Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host: cuBLAS's
+// grouped GEMM takes its problem sizes from host arrays) — except with dense_routes = true: the
+// caller's topk_idx is dense_routes' (E = 1, k = 1, every route to expert 0), so the one count is N,
+// known on the host, and nothing waits (a dense FFN layer, the shared expert: no host sync).
 inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
-                        const floatX* W13, const floatX* W2, int N, int H, int I, int E, int k, cudaStream_t stream) {
+                        const floatX* W13, const floatX* W2, int N, int H, int I, int E, int k, cudaStream_t stream,
+                        bool dense_routes = false) {
   if (N < 1 || H < 1 || I < 1 || E < 1 || k < 1)
     fm_fail("moe_forward", "every size must be >= 1", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
   if ((long long)N * k > INT_MAX)
     fm_fail("moe_forward", "too many routes for int indices", "N=%d k=%d", N, k);
   if (saved.route_of_slot || saved.slot_of_route || saved.h13 || saved.y)
     fm_fail("moe_forward", "MoESaved still holds buffers: call moe_saved_free after backward", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
+  if (dense_routes && (E != 1 || k != 1))
+    fm_fail("moe_forward", "dense_routes needs E = 1 and k = 1 (every route to expert 0)", "N=%d E=%d k=%d", N, E, k);
   const int R = N * k;
   const size_t w13_stride = (size_t)2 * I * H;
   saved.N = N; saved.H = H; saved.I = I; saved.E = E; saved.k = k;
   saved.route_of_slot = pool().alloc_t<int>(R, Mem::Dispatch, "moe.route_of_slot");
   saved.slot_of_route = pool().alloc_t<int>(R, Mem::Dispatch, "moe.slot_of_route");
-  saved.expert_counts = moe_route_plan(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream);
+  prof_sub(stream, dense_routes ? "route plan" : "route plan (host wait)");
+  if (dense_routes) {  // the same stable sort (here the identity), its one count known without a download
+    moe_route_sort(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream, nullptr);
+    saved.expert_counts.assign(1, R);
+  } else {
+    saved.expert_counts = moe_route_plan(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream);
+  }
   saved.expert_offsets.assign(E, 0);
   for (int e = 1; e < E; e++) saved.expert_offsets[e] = saved.expert_offsets[e - 1] + saved.expert_counts[e - 1];
 
   floatX* xp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_forward.xp");
+  prof_sub(stream, "permute", 2.0 * R * H * sizeof(floatX) + 4.0 * R);
   moe_permute_rows(xp, x, saved.route_of_slot, R, H, k, stream);
   // h13_e [R_e,2I] = xp_e [R_e,H] · W13_eᵀ
   saved.h13 = pool().alloc_t<floatX>((size_t)R * 2 * I, Mem::ExpertIntermediates, "moe.h13");
+  prof_sub(stream, "grouped gemm h13 = xp W13");
   grouped_gemm("moe_forward.h13", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
                  return GroupedGemmProblem{xp + first * H, W13 + e * w13_stride, saved.h13 + first * 2 * I, rows, 2 * I, H};
                }),
@@ -541,6 +563,7 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
   saved.y = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe.y");
   experts_swiglu_down(saved.y, saved.h13, expert_slices(W2, E, (size_t)H * I), saved.expert_counts, saved.expert_offsets,
                       R, H, I, "moe_forward", stream);
+  if (out != nullptr) prof_sub(stream, "combine", ((double)R + N) * H * sizeof(floatX) + 8.0 * R);
   if (out != nullptr) moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
 }
 
@@ -556,21 +579,26 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
   const size_t w13_stride = (size_t)2 * I * H;
 
   floatX* dy = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dy");
+  prof_sub(stream, "combine bwd", 3.0 * R * H * sizeof(floatX) + 12.0 * R);
   moe_combine_backward(dy, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
   floatX* dh13 = experts_backward_to_h13(dy, expert_slices(dW2, saved.E, (size_t)H * I), saved.h13,
                                          expert_slices(W2, saved.E, (size_t)H * I), saved.expert_counts,
                                          saved.expert_offsets, R, H, I, "moe_backward", stream);
   // dxp_e [R_e,H] = dh13_e [R_e,2I] · W13_e [2I,H];  dx[n] = Σ_j dxp[route n·k+j]
   floatX* dxp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dxp");
+  prof_sub(stream, "grouped gemm dxp");
   grouped_gemm("moe_backward.dxp", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
                  return GroupedGemmProblem{dh13 + first * 2 * I, W13 + e * w13_stride, dxp + first * H, rows, H, 2 * I};
                }),
                false, false, 2 * I, H, H, 0.f, stream);
+  prof_sub(stream, "combine (dx)", ((double)R + N) * H * sizeof(floatX) + 4.0 * R);
   moe_combine(dx, dxp, saved.slot_of_route, nullptr, N, H, k, stream);
   pool().free(dxp);
   // dW13_e [2I,H] += dh13_eᵀ [2I,R_e] · xp_e [R_e,H]
   floatX* xp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.xp");
+  prof_sub(stream, "permute", 2.0 * R * H * sizeof(floatX) + 4.0 * R);
   moe_permute_rows(xp, x, saved.route_of_slot, R, H, k, stream);
+  prof_sub(stream, "grouped gemm dW13");
   grouped_gemm("moe_backward.dW13", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
                  return GroupedGemmProblem{dh13 + first * 2 * I, xp + first * H, dW13 + e * w13_stride, 2 * I, H, rows};
                }),

@@ -33,7 +33,7 @@
 // for backward), dlogits [N,E] float (=), dx [N,H] floatX (=), dW [E,H] floatX (+=), loads [E] int (=).
 // Limits of the selection and its backward: E ≤ ROUTER_MAX_E (256), k ≤ ROUTER_MAX_K (8), k ≤ E;
 // larger sizes are refused.
-// Memory: router_forward, router_backward, router_weights, router_count_loads allocate nothing.
+// Memory: router_forward, router_backward, router_weights, router_count_loads, router_add_loads allocate nothing.
 // router_logits_forward / router_logits_backward take fp32 copies from the pool (Workspace), at
 // most router_logits_workspace_bytes(N,H,E) = 4·H·(N + E) bytes live at once (forward: x and W;
 // backward: W and dx, then x and ΔW), all freed before they return (stream-ordered: later work on
@@ -315,14 +315,23 @@ inline void router_weights(float* topk_w, const float* scores, const int* topk_i
   launchCheck("router_weights", "N=%d E=%d k=%d", N, E, k);
 }
 
+// loads [E] (+=): adds the number of routes in topk_idx [N,k] that select each expert. Integer
+// atomics (exact, any order gives the same sums); no host wait — model.cuh accumulates a step's
+// loads of every MoE layer in one device buffer this way and downloads it once per step.
+inline void router_add_loads(int* loads, const int* topk_idx, int N, int E, int k, cudaStream_t stream) {
+  if (N < 0 || E < 1 || E > ROUTER_MAX_E || k < 1)
+    fm_fail("router_add_loads", "unsupported size: need N >= 0, 1 <= E <= 256, k >= 1", "N=%d E=%d k=%d", N, E, k);
+  size_t routes = (size_t)N * k;
+  if (routes == 0) return;
+  int blocks = (int)std::min<size_t>((routes + 255) / 256, 1024);
+  router_count_loads_kernel<<<blocks, 256, (size_t)E * sizeof(int), stream>>>(loads, topk_idx, routes, E);
+  launchCheck("router_add_loads", "N=%d E=%d k=%d", N, E, k);
+}
+
 // loads [E] (=): number of routes in topk_idx [N,k] that select each expert.
 inline void router_count_loads(int* loads, const int* topk_idx, int N, int E, int k, cudaStream_t stream) {
   if (N < 0 || E < 1 || E > ROUTER_MAX_E || k < 1)
     fm_fail("router_count_loads", "unsupported size: need N >= 0, 1 <= E <= 256, k >= 1", "N=%d E=%d k=%d", N, E, k);
   cudaCheck(cudaMemsetAsync(loads, 0, (size_t)E * sizeof(int), stream), "router_count_loads", "E=%d", E);
-  size_t routes = (size_t)N * k;
-  if (routes == 0) return;
-  int blocks = (int)std::min<size_t>((routes + 255) / 256, 1024);
-  router_count_loads_kernel<<<blocks, 256, (size_t)E * sizeof(int), stream>>>(loads, topk_idx, routes, E);
-  launchCheck("router_count_loads", "N=%d E=%d k=%d", N, E, k);
+  router_add_loads(loads, topk_idx, N, E, k, stream);
 }

@@ -60,7 +60,7 @@ const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_patte
                                                    &T::relay_mode, &T::device_budget};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
                                           &T::recompute,  &T::val_every,    &T::val_batches, &T::sample_every,
-                                          &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step,
+                                          &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
                                           &T::gpus,       &T::ep,           &T::llep_min_rows, &T::token_budget,
                                           &T::kmax,       &T::offload_bucket, &T::offload_slots, &T::vocab_group,
                                           &T::vocab_block, &T::dry_run};
@@ -390,6 +390,24 @@ TEST(ConfigSeams, OutputHeadsAndTheVocabularyGroup) {
   EXPECT_EQ(parse_error({"--gpus", "2", "--head", "ring_dtp", "--vocab_group", "2", "--ring_dtp", "activations",
                          "--vocab_block", "512"}),
             "");
+}
+
+// --profile_step: off (-1) by default; a step of the run, [0, steps), or refused naming the range.
+TEST(ConfigTrain, ProfileStepMustBeAStepOfTheRun) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  EXPECT_EQ(t.profile_step, -1) << "the profiler is off by default";
+  t.steps = 30;
+  EXPECT_EQ(validate_error(t, m), "");
+  for (int ok : {0, 29}) {
+    t.profile_step = ok;
+    EXPECT_EQ(validate_error(t, m), "") << ok;
+  }
+  t.profile_step = 30;
+  EXPECT_EQ(validate_error(t, m), "--profile_step 30 is not a step of this run: it must be -1 (off) or in [0, 30) (--steps 30)");
+  t.profile_step = -2;
+  EXPECT_EQ(validate_error(t, m), "--profile_step -2 is not a step of this run: it must be -1 (off) or in [0, 30) (--steps 30)");
+  EXPECT_EQ(parse_error({"--profile_step", "x"}), "flag --profile_step expects an integer, got 'x'");
 }
 
 // --offload_budget (SCO): bytes, past 2^31 too; refused when negative, and without --recompute 1 unless 0.

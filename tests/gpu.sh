@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [speed] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
+#   speed: issue 13's speed work (notes/speed.md): the tests it touched in both precisions (AdamWGpu,
+#     OffloadAdamWGpu, RouterGpu, MoEGpu*, GpuModel, ProfileGpu, GpuMemoryPrediction; with 2 GPUs or more test_dist's DistModel), then
+#     tools/bench_train.sh's speed part on one GPU: the default model and config B1, tokens/s, MFU, memory
+#     and the per-operator breakdown of step 20 (speed.md; the profile_step*.md files in speed_profiles.tgz)
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, relay expert/token/auto, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   bench-opt: the optimizer step (notes/offload_adamw.md): the CPU AdamW loop alone (scalar vs vectorised, 1 thread to
@@ -302,6 +306,27 @@ fi
 if [[ " $want " == *" bench "* ]]; then
   tools/bench_train.sh build/bf16/train data/fortunes build/bench > "$OUT/bench.md" 2> build/bench.err
   cat "$OUT/bench.md"
+fi
+
+if [[ " $want " == *" speed "* ]]; then
+  : > "$OUT/speed_tests.log"
+  gpus=$(nvidia-smi -L | wc -l)
+  for p in fp32 bf16; do
+    runs=("build/$p/test_gpu --gtest_filter=AdamWGpu.*:OffloadAdamWGpu.*:RouterGpu.*:MoEGpu*:GpuModel.*:ProfileGpu.*:GpuMemoryPrediction.*")
+    [ "$gpus" -ge 2 ] && runs+=("build/$p/test_dist --gtest_filter=DistModel.*")
+    for run in "${runs[@]}"; do
+      $run > build/speed_run.log 2>&1
+      rc=$?
+      [ "$rc" -eq 0 ] || status=1
+      cat build/speed_run.log >> "$OUT/speed_tests.log"
+      summary+=("$run: exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' build/speed_run.log | tr '\n' ' ')")
+      grep -q '^\[  FAILED  \]' build/speed_run.log && summary+=("  $(grep -m1 -A2 ': Failure$' build/speed_run.log | tr '\n' ' ')")
+    done
+  done
+  CUDA_VISIBLE_DEVICES=0 tools/bench_train.sh build/bf16/train data/fortunes build/bench-speed speed > "$OUT/speed.md" \
+    2> build/bench-speed.err || status=1
+  tar czf "$OUT/speed_profiles.tgz" -C build/bench-speed $(cd build/bench-speed && ls -d */profile_step*.md 2>/dev/null)
+  cat "$OUT/speed.md"
 fi
 
 # sanitize NAME COMMAND...: compute-sanitizer memcheck with leak check; log in $OUT/sanitize_NAME.log,

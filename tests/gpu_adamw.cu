@@ -3,6 +3,11 @@
 // norm from common.cuh's deterministic sumsq, clipping on in some steps and off in others.
 // Every step's update θ_new − θ_old is compared with the reference's (θ_new itself is dominated by
 // θ_old, so a wrong update would hide in it); then the final master, moments and weights.
+// The multi-tensor launch (adamw_multi_update, --optimizer adamw's step) over many odd-sized segments,
+// empty ones included: bit-identical to one adamw_update per segment, each element within fp32
+// rounding of the reference, and nothing outside the segments written.
+#include <cstring>
+#include "adamw_check.hpp"
 #include "gpu_util.cuh"
 #include "../ops/adamw.cuh"
 #include "../ref/adamw.hpp"
@@ -90,7 +95,118 @@ void check_adamw(const char* name, int n1, int n2) {
   }
 }
 
+// Segments {param_offset, state_offset, count, decay} with gaps in both layouts: empty segments
+// (first, between, last), one element, odd counts, exactly one block's chunk and one more, several
+// chunks, and enough segments that the kernel's binary search has depth.
+std::vector<ShardSegment> odd_segments(Rng& rng, size_t* S, size_t* P) {
+  std::vector<size_t> counts = {0, 1, 3, 0, 37, (size_t)ADAMW_MT_CHUNK, (size_t)ADAMW_MT_CHUNK + 1, 0, 255, 257,
+                                5 * (size_t)ADAMW_MT_CHUNK - 3, 1, 0, 100003};
+  for (int i = 0; i < 100; i++) counts.push_back(i % 7 == 0 ? 0 : (size_t)rng.integer(1, 3000));
+  counts.push_back(0);
+  std::vector<ShardSegment> segs;
+  size_t p = 5, st = 2;  // gaps before the first segment too
+  for (size_t i = 0; i < counts.size(); i++) {
+    segs.push_back(ShardSegment{p, st, counts[i], i % 3 != 1});
+    p += counts[i] + (size_t)rng.integer(0, 9);
+    st += counts[i] + (size_t)rng.integer(0, 3);
+  }
+  *S = st + 4;
+  *P = p + 6;
+  return segs;
+}
+
+// max_grid 0: the launch's own grid (the GPU filled once: one chunk per block here); a few blocks: each
+// walks through many chunks and segments.
+void check_multi_tensor(int t, float grad_scale, unsigned int max_grid) {
+  REQUIRE_GPU();
+  Rng rng;
+  const float lr = 3e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+  size_t S = 0, P = 0;
+  const std::vector<ShardSegment> segs = odd_segments(rng, &S, &P);
+  std::vector<float> master(S), m(S), v(S), grad(P);
+  for (size_t i = 0; i < S; i++) {
+    master[i] = (float)rng.normal();
+    m[i] = (float)rng.normal(0.1);
+    v[i] = (float)std::pow(rng.normal(0.1), 2);
+  }
+  for (float& g : grad) g = (float)rng.normal(0.3);
+  struct State {
+    DeviceBuffer<float> master, m, v;
+    DeviceBuffer<floatX> param;
+  };
+  auto make_state = [&]() {
+    State x{upload_vec(master, Mem::Optimizer), upload_vec(m, Mem::Optimizer), upload_vec(v, Mem::Optimizer),
+            DeviceBuffer<floatX>(P, Mem::Weights, "test.param")};
+    poison(x.param.ptr, P);
+    return x;
+  };
+  State multi = make_state(), per_segment = make_state();
+  DeviceBuffer<float> d_grad = upload_vec(grad, Mem::Grads);
+  const AdamWSegmentTable table(segs, 0, max_grid);
+  if (max_grid) EXPECT_EQ(table.grid, max_grid);
+  EXPECT_LT(table.segments, (int)segs.size()) << "empty segments are left out of the table";
+  adamw_multi_update(multi.master.ptr, multi.param.ptr, multi.m.ptr, multi.v.ptr, d_grad.ptr, table, lr, beta1, beta2,
+                     eps, wd, t, grad_scale, 0);
+  for (const ShardSegment& g : segs)
+    adamw_update(per_segment.master.ptr + g.state_offset, per_segment.param.ptr + g.param_offset,
+                 per_segment.m.ptr + g.state_offset, per_segment.v.ptr + g.state_offset, d_grad.ptr + g.param_offset,
+                 g.count, lr, beta1, beta2, eps, g.decay ? wd : 0.f, t, grad_scale, 0);
+  const char* name = "adamw_multi_update";
+  std::vector<float> got[3], want[3];
+  int i = 0;
+  for (auto [a, b] : {std::pair<float*, float*>{multi.master.ptr, per_segment.master.ptr}, {multi.m.ptr, per_segment.m.ptr},
+                      {multi.v.ptr, per_segment.v.ptr}}) {
+    got[i] = download_vec(a, S);
+    want[i] = download_vec(b, S);
+    EXPECT_EQ(0, memcmp(got[i].data(), want[i].data(), S * sizeof(float))) << name << " state section " << i;
+    i++;
+  }
+  const std::vector<floatX> param = download_vec(multi.param.ptr, P), param_want = download_vec(per_segment.param.ptr, P);
+  EXPECT_EQ(0, memcmp(param.data(), param_want.data(), P * sizeof(floatX))) << name << " weights";
+  // against the reference, element by element, and the gaps untouched (state as before, weights poisoned)
+  std::vector<char> in_segment_s(S, 0), in_segment_p(P, 0);
+  for (const ShardSegment& g : segs) {
+    if (g.count == 0) continue;
+    const size_t o = g.state_offset;
+    const AdamWStepCheck c = check_adamw_step(&master[o], &m[o], &v[o], &grad[g.param_offset], &got[0][o], &got[1][o],
+                                              &got[2][o], g.count, lr, beta1, beta2, eps, g.decay ? wd : 0.0, t, grad_scale);
+    EXPECT_EQ(c.outside, 0) << name << ": elements beyond fp32 rounding in a segment of " << g.count;
+    for (size_t e = 0; e < g.count; e++) {
+      in_segment_s[o + e] = 1;
+      in_segment_p[g.param_offset + e] = 1;
+      EXPECT_EQ(to_float(param[g.param_offset + e]), to_float(from_float<floatX>(got[0][o + e]))) << "param = floatX(master)";
+    }
+  }
+  size_t touched = 0;
+  for (size_t e = 0; e < S; e++)
+    if (!in_segment_s[e]) touched += memcmp(&got[0][e], &master[e], 4) != 0 || memcmp(&got[1][e], &m[e], 4) != 0 ||
+                                     memcmp(&got[2][e], &v[e], 4) != 0;
+  unsigned char poisoned[sizeof(floatX)];
+  memset(poisoned, 0xFF, sizeof poisoned);
+  for (size_t e = 0; e < P; e++)
+    if (!in_segment_p[e]) touched += memcmp(&param[e], poisoned, sizeof(floatX)) != 0;
+  EXPECT_EQ(touched, 0u) << name << " wrote outside its segments";
+  printf("[adamw] multi-tensor: %zu segments (%d non-empty), %u chunks, one launch of %u blocks, S=%zu\n", segs.size(),
+         table.segments, table.blocks, table.grid, S);
+}
+
 }  // namespace
+
+TEST(AdamWGpu, MultiTensorLaunchMatchesPerSegmentLaunchesBitForBit) { check_multi_tensor(7, 1.f, 0); }
+TEST(AdamWGpu, MultiTensorLaunchFirstStepClipped) { check_multi_tensor(1, 0.37f, 0); }
+TEST(AdamWGpu, MultiTensorLaunchWithFewBlocksWalkingManyChunks) {
+  for (unsigned int grid : {1u, 3u, 7u}) check_multi_tensor(4, 0.8f, grid);
+}
+
+TEST(AdamWGpu, MultiTensorLaunchOfOnlyEmptySegmentsDoesNothing) {
+  REQUIRE_GPU();
+  const AdamWSegmentTable table({ShardSegment{0, 0, 0, true}, ShardSegment{3, 2, 0, false}}, 0);
+  EXPECT_EQ(table.segments, 0);
+  EXPECT_EQ(table.blocks, 0u);
+  EXPECT_EQ(table.grid, 0u);
+  adamw_multi_update(nullptr, nullptr, nullptr, nullptr, nullptr, table, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 1.f, 0);
+  cudaCheck(cudaDeviceSynchronize(), "test", "empty launch");
+}
 
 TEST(AdamWGpu, MatchesReferenceOverStepsSmall) { check_adamw("AdamWGpu.n1000+37", 1000, 37); }
 TEST(AdamWGpu, MatchesReferenceOverStepsLarge) { check_adamw("AdamWGpu.n100003+4099", 100003, 4099); }

@@ -155,6 +155,8 @@ TEST(GpuModel, TenTrainingStepsMatchReferenceTrainer) {
     worst = std::max(worst, e);
     printf("[train] step %d loss gpu %.6f ref %.6f rel %.2e | grad norm gpu %.5f ref %.5f\n", step + 1, gpu_loss,
            ref_loss, e, gpu_norm, ref_norm);
+    // the loads the bias update read: counted on the device over both micro-batches, one download per step
+    EXPECT_EQ(m.step_loads, r.step_loads) << "per-expert loads differ at step " << step + 1;
     EXPECT_EQ(m.router_bias, r.router_bias) << "router bias updates diverged at step " << step + 1;
   }
   EXPECT_REL("model_ten_steps", "max loss", worst, MODEL_TOL);

@@ -90,8 +90,8 @@ struct MoEResult {
 
 // Runs moe_forward + moe_backward on a non-default stream, with poisoned outputs and gradient
 // buffers that start at dW*_init; checks the saved and peak live set and that the pool returns to
-// its starting bytes.
-MoEResult run_device(const MoECase& c) {
+// its starting bytes. dense_routes: moe_forward's known-count path (E = 1, k = 1, no download).
+MoEResult run_device(const MoECase& c, bool dense_routes = false) {
   const int N = c.N, H = c.H, I = c.I, E = c.E, k = c.k;
   const size_t R = (size_t)N * k, b = sizeof(floatX);
   auto d_x = testutil::upload<floatX>(c.x);
@@ -116,7 +116,7 @@ MoEResult run_device(const MoECase& c) {
   const size_t dispatch_start = pool().live(Mem::Dispatch), inter_start = pool().live(Mem::ExpertIntermediates);
   pool().reset_peak();
   MoESaved saved;
-  moe_forward(d_out.ptr, saved, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, H, I, E, k, stream);
+  moe_forward(d_out.ptr, saved, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, H, I, E, k, stream, dense_routes);
   EXPECT_EQ(saved.expert_counts, routes_per_expert(c.topk_idx, E));
   // saved between forward and backward: route maps + y (Dispatch), h13 (ExpertIntermediates)
   EXPECT_EQ(pool().live(Mem::Dispatch) - dispatch_start, 2 * R * sizeof(int) + R * H * b);
@@ -201,6 +201,31 @@ TEST(MoEGpu, DenseRoutesGiveDenseSwiGLU) {
   MoECase c = make_case(rng, N, 64, 88, 1, 1, uniform_routes({0}, 1));
   c.topk_w.setOnes();
   check_case("moe dense E=1 k=1", c);
+}
+
+// moe_forward's dense_routes path (the count N known on the host, no download: model.cuh's dense
+// layers and shared expert) gives the same bits as the downloaded plan; it refuses E > 1.
+TEST(MoEGpu, DenseRoutesKnownCountIsBitIdentical) {
+  REQUIRE_GPU();
+  Rng rng;
+  MoECase c = make_case(rng, 77, 64, 40, 1, 1, uniform_routes({0}, 1));
+  c.topk_w.setOnes();
+  MoEResult downloaded = run_device(c, false), known = run_device(c, true);
+  EXPECT_EQ(downloaded.out, known.out);
+  EXPECT_EQ(downloaded.dx, known.dx);
+  EXPECT_EQ(downloaded.dtopk_w, known.dtopk_w);
+  EXPECT_EQ(downloaded.dW13, known.dW13);
+  EXPECT_EQ(downloaded.dW2, known.dW2);
+}
+
+// dense_routes with E > 1 or k > 1 is refused before any device work (runs with or without a GPU).
+TEST(MoEGpuDeathTest, DenseRoutesRefuseMoreThanOneExpert) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  MoESaved saved;
+  EXPECT_DEATH(moe_forward(nullptr, saved, nullptr, nullptr, nullptr, nullptr, nullptr, 8, 16, 8, 2, 1, 0, true),
+               "moe_forward \\(N=8 E=2 k=1\\): dense_routes needs E = 1 and k = 1");
+  EXPECT_DEATH(moe_forward(nullptr, saved, nullptr, nullptr, nullptr, nullptr, nullptr, 8, 16, 8, 1, 2, 0, true),
+               "moe_forward \\(N=8 E=1 k=2\\): dense_routes needs E = 1 and k = 1");
 }
 
 // The same inputs replay bit for bit (no float atomics, fixed orders).

@@ -230,3 +230,28 @@ TEST(RouterGpu, WeightsOfAGivenChoice) {
                testutil::rel_err(testutil::download(w_dev.ptr, N, k), expected), FP32_TOL);
   }
 }
+
+// router_add_loads adds (+=) into one layer's slice of a step-wide [L·E] buffer, as model.cuh does
+// over a step's micro-batches: after three choices per layer the buffer holds, exactly, the sums of
+// ref::router_count_loads over them, and no neighbouring slice is touched.
+TEST(RouterGpu, AddLoadsAccumulatesIntoLayerSlices) {
+  REQUIRE_GPU();
+  Rng rng;
+  const int L = 3, E = 37, k = 4;
+  DeviceBuffer<int> loads_dev((size_t)L * E, Mem::Workspace, "test.step_loads");
+  cudaCheck(cudaMemsetAsync(loads_dev.ptr, 0, loads_dev.bytes(), 0), "test", "zero");
+  std::vector<int> expected((size_t)L * E, 0);
+  for (int pass = 0; pass < 3; pass++)
+    for (int l = 0; l < L; l++) {
+      const int N = 1 + 97 * pass + 31 * l;  // odd sizes, not multiples of the block
+      ref::MatI idx(N, k);
+      for (int n = 0; n < N; n++)
+        for (int j = 0; j < k; j++) idx(n, j) = rng.integer(0, E - 1);
+      std::vector<int> idx_v(idx.data(), idx.data() + idx.size());
+      DeviceBuffer<int> idx_dev = testutil::upload_vec(idx_v);
+      router_add_loads(loads_dev.ptr + (size_t)l * E, idx_dev.ptr, N, E, k, 0);
+      const std::vector<int> counted = ref::router_count_loads(idx, E);
+      for (int e = 0; e < E; e++) expected[(size_t)l * E + e] += counted[e];
+    }
+  EXPECT_EQ(testutil::download_vec(loads_dev.ptr, (size_t)L * E), expected);
+}

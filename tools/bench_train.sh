@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# Training benchmark on one GPU (notes/design.md §7, issue "foundation" item 11):
-#   1. the default model: median step time, tokens/s, MFU and pool peak over steps 11..N;
-#   2. one stated larger model: the longest context (B = 1) and the largest batch (T = 1024) that fit,
-#      without and with layer recomputation, and with its best combination (recomputation, SCO on every
-#      boundary, the chunked head), found by doubling then bisecting on the trainer's memory prediction
-#      (--dry_run 1, exact on one GPU), then one real step at the value found (contexts up to 262144).
-# Usage: tools/bench_train.sh TRAIN_BIN DATA_DIR [OUT_DIR] [limits]. Prints markdown tables; "limits": part 2 only.
+# Training benchmark on one GPU (notes/design.md §7, §8; notes/speed.md):
+#   speed:  the default model (recompute 0 and 1) and config B1 (DESIGN §8): median step time,
+#           tokens/s, MFU (train.cu's: 6 x active parameters + causal attention FLOPs per token against
+#           989 TFLOP/s bf16), pool peak and the device's used memory; then the per-operator breakdown
+#           of one step of each (--profile_step, runtime/profile.cuh: CUDA events around every operator,
+#           summed over layers, sorted, % of the step, GB/s of the memory-bound ones);
+#   limits: one stated larger model: the longest context (B = 1) and the largest batch (T = 1024) that
+#           fit, without and with layer recomputation, and with its best combination (recomputation, SCO
+#           on every boundary, the chunked head), found by doubling then bisecting on the trainer's memory
+#           prediction (--dry_run 1, exact on one GPU), then one real step at the value found (contexts up
+#           to 262144).
+# Usage: tools/bench_train.sh TRAIN_BIN DATA_DIR [OUT_DIR] [PARTS] (PARTS: "speed limits", the default,
+# or either one). Prints markdown tables.
 set -uo pipefail
-train=$1; data=$2; out=${3:-build/bench}; part=${4:-all}
+train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed limits}
+for p in $parts; do
+  case $p in speed|limits) ;; *) echo "bench_train.sh: unknown part '$p' (speed, limits)"; exit 2 ;; esac
+done
 mkdir -p "$out"
 quiet="--val_every 0 --sample_every 0 --ckpt_every 0 --log_every 1"
 
@@ -17,17 +26,37 @@ summarise() {  # log.csv
     awk '{ a[NR] = $0 } END { split(a[int((NR + 1) / 2)], m, " "); printf "%.2f | %.0f | %.1f%% | %.1f", m[1], m[2], 100 * m[3], m[4] }'
 }
 
-if [ "$part" != limits ]; then
-  echo "## default model"
-  echo "| config | step ms (median) | tokens/s | MFU | pool peak MiB |"
-  echo "|---|---|---|---|---|"
-  for rc in 0 1; do
-    "$train" --data "$data" --steps 60 --recompute $rc $quiet --out "$out/default_rc$rc" > "$out/default_rc$rc.log" 2>&1 ||
-      { echo "default run failed (see $out/default_rc$rc.log)"; tail -5 "$out/default_rc$rc.log"; }
-    echo "| default, recompute $rc | $(summarise "$out/default_rc$rc/log.csv") |"
-  done
+# the largest "device used" of a run's step lines (cudaMemGetInfo: context, libraries, pool reserve)
+device_used() { grep -o 'device used [0-9.]*' "$1" | awk '{ if ($3 > m) m = $3 } END { printf "%.0f", m }'; }
 
+# config B1 (DESIGN §8). V 16384: the fortunes tokenizer has 4096 ids, which fill the first 4096 rows
+# of lm_head; all 16384 rows are projected (the same FLOPs as B1's vocabulary), and train.cu's MFU
+# counts them.
+b1="--hidden 1024 --layers 8 --heads 16 --experts 32 --topk 4 --expert_dim 512 --vocab 16384 --seq_len 2048 --batch 8"
+profile_step=20  # after warm-up: the pool's blocks cached, cuBLAS's heuristics chosen
+
+# name flags...: one run of 60 steps; the median over steps 11..60 (the profiled step is one of 50:
+# its events stretch it a little, the median not), and the breakdown of step $profile_step
+speed_run() {
+  local name=$1; shift
+  "$train" --data "$data" --steps 60 --profile_step $profile_step "$@" $quiet --out "$out/$name" > "$out/$name.log" 2>&1 ||
+    { echo "$name run failed (see $out/$name.log)"; tail -5 "$out/$name.log"; }
+  echo "| $name | $(summarise "$out/$name/log.csv") | $(device_used "$out/$name.log") |"
+}
+
+if [[ " $parts " == *" speed "* ]]; then
+  echo "## speed, one GPU ($(basename "$(dirname "$train")") build)"
+  echo "| config | step ms (median) | tokens/s | MFU | pool peak MiB | device used MiB |"
+  echo "|---|---|---|---|---|---|"
+  for rc in 0 1; do speed_run "default_rc$rc" --recompute $rc; done
+  for rc in 0 1; do speed_run "B1_rc$rc" $b1 --recompute $rc; done
+  for name in default_rc0 B1_rc0 B1_rc1; do
+    echo
+    echo "### per-operator breakdown: $name, step $profile_step"
+    cat "$out/$name/profile_step$profile_step.md" 2>/dev/null || echo "(no breakdown: see $out/$name.log)"
+  done
 fi
+[[ " $parts " == *" limits "* ]] || exit 0
 
 # a stated larger model on a random-token shard long enough for any probe
 big="--hidden 1024 --layers 4 --heads 16 --experts 8 --topk 2 --expert_dim 1024"
