@@ -8,6 +8,7 @@
 #include <functional>
 #include "dist_util.cuh"
 #include "gpu_util.cuh"
+#include "moe_inputs.cuh"
 #include "../ops/pipelined_llep.cuh"
 #include "../data/routing_profile.hpp"
 #include "../ref/ep_moe.hpp"
@@ -54,11 +55,10 @@ Routing random_routing() {
 }
 
 // The global inputs (every rank builds the same), rounded to what the GPU holds.
-struct GlobalCase {
+struct GlobalCase : ExpertWeights {  // E experts
   int ranks, N, H, I, E, k;       // N tokens per rank, E = ranks · E_l
   Mat x, dout, topk_w;            // [ranks·N, H], [ranks·N, H], [ranks·N, k]
   ref::MatI topk_idx;             // [ranks·N, k]
-  std::vector<Mat> W13, W2, dW13_init, dW2_init;  // E experts
 };
 
 GlobalCase make_case(uint64_t seed, int ranks, int N, int H, int I, int E_l, int k, const Routing& routing) {
@@ -77,24 +77,9 @@ GlobalCase make_case(uint64_t seed, int ranks, int N, int H, int I, int E_l, int
       c.topk_w(s * N + i / k, i % k) = (double)(float)rng.uniform(0.1, 1.0);
     }
   }
-  for (int e = 0; e < E; e++) {
-    c.W13.push_back(testutil::round_to_floatX(rng.mat<double>(2 * I, H, 1.0 / std::sqrt(H))));
-    c.W2.push_back(testutil::round_to_floatX(rng.mat<double>(H, I, 1.0 / std::sqrt(I))));
-    c.dW13_init.push_back(testutil::round_to_floatX(rng.mat<double>(2 * I, H, 0.5)));
-    c.dW2_init.push_back(testutil::round_to_floatX(rng.mat<double>(H, I, 0.5)));
-  }
+  static_cast<ExpertWeights&>(c) = random_experts(rng, E, H, I);
   return c;
 }
-
-// Experts [first, first + count) of `mats` stacked into one [count·r, c] (the device layout [count,r,c]).
-Mat stack(const std::vector<Mat>& mats, int first, int count) {
-  const Eigen::Index rows = mats[0].rows();
-  Mat s(count * rows, mats[0].cols());
-  for (int e = 0; e < count; e++) s.middleRows(e * rows, rows) = mats[first + e];
-  return s;
-}
-
-std::vector<int> flat(const ref::MatI& m) { return std::vector<int>(m.data(), m.data() + m.size()); }
 
 // The pool's peak live bytes of the MoE categories in one pass, above what was live before the call.
 struct PassPeaks {
