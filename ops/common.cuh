@@ -42,6 +42,25 @@ template <> __device__ __host__ inline __nv_bfloat16 from_float<__nv_bfloat16>(f
 
 inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
 
+// ---------------------------------------------------------------------------------------------
+// Rows moved in 16-byte pieces. A memory-bound row kernel reaches HBM bandwidth only when each thread
+// moves 16 bytes per access (one 2-byte access per thread keeps too few bytes in flight); so a
+// kernel over rows of H floatX takes ROW_PIECE = 16/sizeof(floatX) consecutive elements per thread
+// when the rows are whole pieces and every row buffer it touches is aligned for them, and one element
+// per thread otherwise (the same arithmetic per element either way: the results are the same bits).
+
+static const int ROW_PIECE = 16 / (int)sizeof(floatX);  // floatX elements in 16 bytes
+
+// N consecutive T, loaded and stored as one access (N·sizeof(T) bytes, aligned to that).
+template <typename T, int N>
+struct alignas(N * sizeof(T)) Pack {
+  T v[N];
+};
+
+// true when `p` may be read as Pack<T, n>s: aligned to n·sizeof(T)
+template <typename T>
+inline bool pack_aligned(const T* p, int n) { return (reinterpret_cast<uintptr_t>(p) % (n * sizeof(T))) == 0; }
+
 // The compute type of every GEMM: fp32 accumulation; pedantic in the FP32 build.
 static const cublasComputeType_t CUBLAS_COMPUTE = CUBLAS_COMPUTE_32F;
 

@@ -112,61 +112,97 @@ static __global__ void moe_plan_rank_kernel(int* route_of_slot, int* slot_of_rou
 // ---------------------------------------------------------------------------------------------
 // Kernels: row movement, activation, combine
 
-// rows [R,H] (=): rows[s] = x[route_of_slot[s] / k]. One thread per element.
+// rows [R,H] (=): rows[s] = x[route_of_slot[s] / k]. One thread per N consecutive elements of a row
+// (N = ROW_PIECE, or 1 when rows are not whole pieces; see common.cuh).
+template <int N>
 static __global__ void moe_permute_rows_kernel(floatX* rows, const floatX* x, const int* route_of_slot, int R, int H, int k) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)R * H) return;
-  size_t s = i / H;
-  int c = (int)(i % H);
-  size_t n = route_of_slot[s] / k;
-  rows[i] = x[n * H + c];
+  const int pieces = H / N;  // per row
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)R * pieces) return;
+  const size_t s = i / pieces;
+  const int c = (int)(i % pieces);
+  const size_t n = route_of_slot[s] / k;
+  reinterpret_cast<Pack<floatX, N>*>(rows)[i] = reinterpret_cast<const Pack<floatX, N>*>(x)[n * pieces + c];
 }
 
-// a [R,I] (=) = silu(h13[:, :I]) ⊙ h13[:, I:]. One thread per element of a.
+// a [R,I] (=) = silu(h13[:, :I]) ⊙ h13[:, I:]. One thread per NV consecutive elements of a (NV =
+// ROW_PIECE, or 1; see common.cuh).
+template <int NV>
 static __global__ void swiglu_forward_kernel(floatX* a, const floatX* h13, int R, int I) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)R * I) return;
-  size_t r = i / I;
-  int c = (int)(i % I);
-  float h1 = to_float(h13[r * 2 * I + c]);
-  float h3 = to_float(h13[r * 2 * I + I + c]);
-  a[i] = from_float<floatX>(h1 / (1.f + expf(-h1)) * h3);
+  using P = Pack<floatX, NV>;
+  const int pieces = I / NV;  // per row of a
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)R * pieces) return;
+  const size_t r = i / pieces;
+  const int c = (int)(i % pieces);
+  const P h1 = reinterpret_cast<const P*>(h13)[r * 2 * pieces + c];
+  const P h3 = reinterpret_cast<const P*>(h13)[r * 2 * pieces + pieces + c];
+  P out;
+#pragma unroll
+  for (int e = 0; e < NV; e++) {
+    const float g = to_float(h1.v[e]), u = to_float(h3.v[e]);
+    out.v[e] = from_float<floatX>(g / (1.f + expf(-g)) * u);
+  }
+  reinterpret_cast<P*>(a)[i] = out;
 }
 
-// dh13 [R,2I] (=): dh1 = da ⊙ h3 ⊙ silu'(h1), dh3 = da ⊙ silu(h1). One thread per element of da.
+// dh13 [R,2I] (=): dh1 = da ⊙ h3 ⊙ silu'(h1), dh3 = da ⊙ silu(h1). One thread per NV consecutive
+// elements of da (NV = ROW_PIECE, or 1).
+template <int NV>
 static __global__ void swiglu_backward_kernel(floatX* dh13, const floatX* da, const floatX* h13, int R, int I) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)R * I) return;
-  size_t r = i / I;
-  int c = (int)(i % I);
-  float h1 = to_float(h13[r * 2 * I + c]);
-  float h3 = to_float(h13[r * 2 * I + I + c]);
-  float sig = 1.f / (1.f + expf(-h1));
-  float g = to_float(da[i]);
-  dh13[r * 2 * I + c] = from_float<floatX>(g * h3 * sig * (1.f + h1 * (1.f - sig)));
-  dh13[r * 2 * I + I + c] = from_float<floatX>(g * h1 * sig);
+  using P = Pack<floatX, NV>;
+  const int pieces = I / NV;  // per row of da
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)R * pieces) return;
+  const size_t r = i / pieces;
+  const int c = (int)(i % pieces);
+  const P h1 = reinterpret_cast<const P*>(h13)[r * 2 * pieces + c];
+  const P h3 = reinterpret_cast<const P*>(h13)[r * 2 * pieces + pieces + c];
+  const P d = reinterpret_cast<const P*>(da)[i];
+  P dh1, dh3;
+#pragma unroll
+  for (int e = 0; e < NV; e++) {
+    const float g = to_float(h1.v[e]), u = to_float(h3.v[e]), dv = to_float(d.v[e]);
+    const float sig = 1.f / (1.f + expf(-g));
+    dh1.v[e] = from_float<floatX>(dv * u * sig * (1.f + g * (1.f - sig)));
+    dh3.v[e] = from_float<floatX>(dv * g * sig);
+  }
+  reinterpret_cast<P*>(dh13)[r * 2 * pieces + c] = dh1;
+  reinterpret_cast<P*>(dh13)[r * 2 * pieces + pieces + c] = dh3;
 }
 
 // out [N,H]: sum[n] = Σ_j w_j · rows[slot_of_route[n·k+j] − slot_first] over the routes whose slot
 // lies in the window [slot_first, slot_first + slot_count) (the whole [0, R) for moe_combine), j
 // ascending, fp32; w_j = topk_w[n,j] when WEIGHTED, else 1. ACCUMULATE: out[n] (+=) sum (a ring hop's
-// routes added into a running output, ops/relay_moe.cuh); else out[n] (=) sum. One thread per element of out.
-template <bool WEIGHTED, bool ACCUMULATE, typename TOut>
+// routes added into a running output, ops/relay_moe.cuh); else out[n] (=) sum. One thread per NV
+// consecutive elements of out (NV = ROW_PIECE, or 1; see common.cuh): it reads a token's k slots and
+// weights once for all NV.
+template <bool WEIGHTED, bool ACCUMULATE, int NV, typename TOut>
 static __global__ void moe_combine_kernel(TOut* out, const floatX* rows, const int* slot_of_route, const float* topk_w,
                                           int N, int H, int k, int slot_first, int slot_count) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)N * H) return;
-  size_t n = i / H;
-  int c = (int)(i % H);
-  float acc = 0.f;
+  const int pieces = H / NV;  // per row
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)N * pieces) return;
+  const size_t n = i / pieces;
+  const int c = (int)(i % pieces);
+  float acc[NV];
+#pragma unroll
+  for (int e = 0; e < NV; e++) acc[e] = 0.f;
   for (int j = 0; j < k; j++) {
-    size_t r = n * k + j;
+    const size_t r = n * k + j;
     const int s = slot_of_route[r] - slot_first;
     if ((unsigned)s >= (unsigned)slot_count) continue;
-    float v = to_float(rows[(size_t)s * H + c]);
-    acc += WEIGHTED ? topk_w[r] * v : v;
+    const float w = WEIGHTED ? topk_w[r] : 1.f;
+    const Pack<floatX, NV> v = reinterpret_cast<const Pack<floatX, NV>*>(rows)[(size_t)s * pieces + c];
+#pragma unroll
+    for (int e = 0; e < NV; e++) acc[e] += WEIGHTED ? w * to_float(v.v[e]) : to_float(v.v[e]);
   }
-  out[i] = from_float<TOut>(ACCUMULATE ? to_float(out[i]) + acc : acc);
+  Pack<TOut, NV>& o = reinterpret_cast<Pack<TOut, NV>*>(out)[i];
+  Pack<TOut, NV> result;
+  if (ACCUMULATE) result = o;
+#pragma unroll
+  for (int e = 0; e < NV; e++) result.v[e] = from_float<TOut>(ACCUMULATE ? to_float(result.v[e]) + acc[e] : acc[e]);
+  o = result;
 }
 
 // One warp per route r (sorted slot s = slot_of_route[r] − slot_first, token n = r / k); routes whose
@@ -265,39 +301,57 @@ inline std::vector<int> moe_route_plan(int* route_of_slot, int* slot_of_route, c
 // rows [R,H] (=): rows[s] = x[route_of_slot[s] / k]; x [N,H].
 inline void moe_permute_rows(floatX* rows, const floatX* x, const int* route_of_slot, int R, int H, int k,
                              cudaStream_t stream) {
-  size_t total = (size_t)R * H;
-  if (total == 0) return;
-  moe_permute_rows_kernel<<<ceil_div(total, 256), 256, 0, stream>>>(rows, x, route_of_slot, R, H, k);
+  if ((size_t)R * H == 0) return;
+  if (H % ROW_PIECE == 0 && pack_aligned(rows, ROW_PIECE) && pack_aligned(x, ROW_PIECE))
+    moe_permute_rows_kernel<ROW_PIECE><<<ceil_div((size_t)R * (H / ROW_PIECE), 256), 256, 0, stream>>>(rows, x, route_of_slot, R, H, k);
+  else
+    moe_permute_rows_kernel<1><<<ceil_div((size_t)R * H, 256), 256, 0, stream>>>(rows, x, route_of_slot, R, H, k);
   launchCheck("moe_permute_rows", "R=%d H=%d k=%d", R, H, k);
 }
 
 // a [R,I] (=) = silu(h13[:, :I]) ⊙ h13[:, I:]; h13 [R,2I].
 inline void swiglu_forward(floatX* a, const floatX* h13, int R, int I, cudaStream_t stream) {
-  size_t total = (size_t)R * I;
-  if (total == 0) return;
-  swiglu_forward_kernel<<<ceil_div(total, 256), 256, 0, stream>>>(a, h13, R, I);
+  if ((size_t)R * I == 0) return;
+  if (I % ROW_PIECE == 0 && pack_aligned(a, ROW_PIECE) && pack_aligned(h13, ROW_PIECE))
+    swiglu_forward_kernel<ROW_PIECE><<<ceil_div((size_t)R * (I / ROW_PIECE), 256), 256, 0, stream>>>(a, h13, R, I);
+  else
+    swiglu_forward_kernel<1><<<ceil_div((size_t)R * I, 256), 256, 0, stream>>>(a, h13, R, I);
   launchCheck("swiglu_forward", "R=%d I=%d", R, I);
 }
 
 // dh13 [R,2I] (=) from da [R,I] and h13 [R,2I].
 inline void swiglu_backward(floatX* dh13, const floatX* da, const floatX* h13, int R, int I, cudaStream_t stream) {
-  size_t total = (size_t)R * I;
-  if (total == 0) return;
-  swiglu_backward_kernel<<<ceil_div(total, 256), 256, 0, stream>>>(dh13, da, h13, R, I);
+  if ((size_t)R * I == 0) return;
+  if (I % ROW_PIECE == 0 && pack_aligned(dh13, ROW_PIECE) && pack_aligned(da, ROW_PIECE) && pack_aligned(h13, ROW_PIECE))
+    swiglu_backward_kernel<ROW_PIECE><<<ceil_div((size_t)R * (I / ROW_PIECE), 256), 256, 0, stream>>>(dh13, da, h13, R, I);
+  else
+    swiglu_backward_kernel<1><<<ceil_div((size_t)R * I, 256), 256, 0, stream>>>(dh13, da, h13, R, I);
   launchCheck("swiglu_backward", "R=%d I=%d", R, I);
+}
+
+// moe_combine_kernel over the window [slot_first, slot_first + slot_count), weighted when topk_w is
+// given, in pieces of ROW_PIECE elements when H and the buffers allow.
+template <bool ACCUMULATE, typename TOut>
+inline void moe_combine_launch(TOut* out, const floatX* rows, const int* slot_of_route, const float* topk_w, int slot_first,
+                               int slot_count, int N, int H, int k, cudaStream_t stream) {
+  const bool pieces = H % ROW_PIECE == 0 && pack_aligned(rows, ROW_PIECE) && pack_aligned(out, ROW_PIECE);
+  const int grid = ceil_div((size_t)N * (pieces ? H / ROW_PIECE : H), 256);
+  if (pieces && topk_w)
+    moe_combine_kernel<true, ACCUMULATE, ROW_PIECE><<<grid, 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
+  else if (pieces)
+    moe_combine_kernel<false, ACCUMULATE, ROW_PIECE><<<grid, 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
+  else if (topk_w)
+    moe_combine_kernel<true, ACCUMULATE, 1><<<grid, 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
+  else
+    moe_combine_kernel<false, ACCUMULATE, 1><<<grid, 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
 }
 
 // out [N,H] (=): out[n] = Σ_j topk_w[n,j] · rows[slot_of_route[n·k+j]] (j ascending, fp32);
 // topk_w == nullptr means every weight is 1 (the plain sum, used for dx).
 inline void moe_combine(floatX* out, const floatX* rows, const int* slot_of_route, const float* topk_w, int N, int H,
                         int k, cudaStream_t stream) {
-  size_t total = (size_t)N * H;
-  if (total == 0) return;
-  const int R = N * k;
-  if (topk_w)
-    moe_combine_kernel<true, false><<<ceil_div(total, 256), 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, 0, R);
-  else
-    moe_combine_kernel<false, false><<<ceil_div(total, 256), 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, 0, R);
+  if ((size_t)N * H == 0) return;
+  moe_combine_launch<false>(out, rows, slot_of_route, topk_w, 0, N * k, N, H, k, stream);
   launchCheck("moe_combine", "N=%d H=%d k=%d", N, H, k);
 }
 
@@ -308,14 +362,8 @@ inline void moe_combine(floatX* out, const floatX* rows, const int* slot_of_rout
 // added in hop order.
 inline void moe_combine_window_add(float* acc, const floatX* rows, const int* slot_of_route, const float* topk_w,
                                    int slot_first, int slot_count, int N, int H, int k, cudaStream_t stream) {
-  size_t total = (size_t)N * H;
-  if (total == 0 || slot_count == 0) return;
-  if (topk_w)
-    moe_combine_kernel<true, true><<<ceil_div(total, 256), 256, 0, stream>>>(acc, rows, slot_of_route, topk_w, N, H, k,
-                                                                             slot_first, slot_count);
-  else
-    moe_combine_kernel<false, true><<<ceil_div(total, 256), 256, 0, stream>>>(acc, rows, slot_of_route, topk_w, N, H, k,
-                                                                              slot_first, slot_count);
+  if ((size_t)N * H == 0 || slot_count == 0) return;
+  moe_combine_launch<true>(acc, rows, slot_of_route, topk_w, slot_first, slot_count, N, H, k, stream);
   launchCheck("moe_combine_window_add", "N=%d H=%d k=%d slot_first=%d slot_count=%d", N, H, k, slot_first, slot_count);
 }
 

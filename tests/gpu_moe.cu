@@ -4,8 +4,11 @@
 // several pointer chunks. Checks out, dx, dtopk_w, dW13 and dW2 (+=), the measured live set, the
 // pool returning to its starting bytes, bit-for-bit replay, and the stable sort of the plan.
 #include <algorithm>
+#include <cstring>
 #include <functional>
+#include <numeric>
 #include "gpu_util.cuh"
+#include "moe_inputs.cuh"
 #include "../ops/moe.cuh"
 #include "../ref/moe.hpp"
 
@@ -39,15 +42,15 @@ RouteChooser skewed_routes(std::vector<int> others, int k) {
 }
 
 // Global inputs of one check, rounded to what the GPU holds (floatX activations/weights, float routing weights).
-struct MoECase {
+struct MoECase : ExpertWeights {
   int N, H, I, E, k;
   Mat x, dout, topk_w;
   ref::MatI topk_idx;
-  std::vector<Mat> W13, W2, dW13_init, dW2_init;
 };
 
 MoECase make_case(Rng& rng, int N, int H, int I, int E, int k, const RouteChooser& choose) {
-  MoECase c{N, H, I, E, k};
+  MoECase c;
+  c.N = N; c.H = H; c.I = I; c.E = E; c.k = k;
   c.x = testutil::round_to_floatX(rng.mat<double>(N, H));
   c.dout = testutil::round_to_floatX(rng.mat<double>(N, H));
   c.topk_idx.resize(N, k);
@@ -59,23 +62,9 @@ MoECase make_case(Rng& rng, int N, int H, int I, int E, int k, const RouteChoose
       c.topk_w(n, j) = (double)(float)rng.uniform(0.1, 1.0);
     }
   }
-  for (int e = 0; e < E; e++) {
-    c.W13.push_back(testutil::round_to_floatX(rng.mat<double>(2 * I, H, 1.0 / std::sqrt(H))));
-    c.W2.push_back(testutil::round_to_floatX(rng.mat<double>(H, I, 1.0 / std::sqrt(I))));
-    c.dW13_init.push_back(testutil::round_to_floatX(rng.mat<double>(2 * I, H, 0.5)));
-    c.dW2_init.push_back(testutil::round_to_floatX(rng.mat<double>(H, I, 0.5)));
-  }
+  static_cast<ExpertWeights&>(c) = random_experts(rng, E, H, I);
   return c;
 }
-
-// E matrices [r,c] stacked into one [E·r, c] (the device layout [E,r,c]).
-Mat stack(const std::vector<Mat>& mats) {
-  Mat s(mats.size() * mats[0].rows(), mats[0].cols());
-  for (size_t e = 0; e < mats.size(); e++) s.middleRows(e * mats[0].rows(), mats[0].rows()) = mats[e];
-  return s;
-}
-
-std::vector<int> flat(const ref::MatI& m) { return std::vector<int>(m.data(), m.data() + m.size()); }
 
 std::vector<int> routes_per_expert(const ref::MatI& topk_idx, int E) {
   std::vector<int> counts(E, 0);
@@ -271,4 +260,108 @@ TEST(MoEGpu, RoutePlanIsStableSortByExpert) {
   int not_inverse = 0;
   for (int s = 0; s < R; s++) not_inverse += slot_of_route[route_of_slot[s]] != s;
   EXPECT_EQ(not_inverse, 0);
+}
+
+// The row kernels (moe_permute_rows, moe_combine weighted and plain, moe_combine_window_add,
+// swiglu_forward and swiglu_backward) move rows in 16-byte pieces when H and the buffers allow and one element per thread otherwise
+// (ops/common.cuh, ROW_PIECE). Both paths give the same bits, and the values of the reference: the
+// element path is taken here by placing every buffer one element past an aligned address.
+TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
+  REQUIRE_GPU();
+  Rng rng;
+  const int N = 53, H = 72, k = 3, R = N * k, first = 17, count = 60;  // the window: slots [17, 77)
+  const int I = 40;                                                     // SwiGLU on R rows of [2I]
+  std::vector<int> route_of_slot(R), slot_of_route(R);
+  std::iota(route_of_slot.begin(), route_of_slot.end(), 0);
+  std::shuffle(route_of_slot.begin(), route_of_slot.end(), rng.gen);
+  for (int s = 0; s < R; s++) slot_of_route[route_of_slot[s]] = s;
+  const Mat x = testutil::round_to_floatX(rng.mat<double>(N, H));
+  const Mat rows = testutil::round_to_floatX(rng.mat<double>(R, H));
+  const Mat acc0 = rng.mat<double>(N, H).cast<float>().cast<double>();
+  const Mat h13 = testutil::round_to_floatX(rng.mat<double>(R, 2 * I, 2.0));
+  const Mat da = testutil::round_to_floatX(rng.mat<double>(R, I));
+  Mat topk_w(N, k);
+  for (Eigen::Index i = 0; i < topk_w.size(); i++) topk_w.data()[i] = (double)(float)rng.uniform(0.1, 1.0);
+  auto d_route_of_slot = testutil::upload_vec(route_of_slot);
+  auto d_slot_of_route = testutil::upload_vec(slot_of_route);
+  auto d_w = testutil::upload<float>(topk_w);
+
+  // Each output's bits, with every buffer at `offset` elements past a pool (aligned) address.
+  struct Outputs {
+    std::vector<floatX> permuted, weighted, plain, a, dh13;
+    std::vector<float> window;
+  };
+  auto run = [&](int offset) {
+    auto placed = [&](auto zero, const Mat& m, const char* tag) {  // m at `offset`, as decltype(zero)
+      using T = decltype(zero);
+      std::vector<T> host(offset + m.size(), zero);
+      for (Eigen::Index i = 0; i < m.size(); i++) host[offset + i] = from_float<T>((float)m.data()[i]);
+      return testutil::upload_vec(host, Mem::Workspace, tag);
+    };
+    auto d_x = placed(floatX(), x, "test.x");
+    auto d_rows = placed(floatX(), rows, "test.rows");
+    auto d_acc = placed(0.f, acc0, "test.acc");
+    auto d_h13 = placed(floatX(), h13, "test.h13");
+    auto d_da = placed(floatX(), da, "test.da");
+    DeviceBuffer<floatX> d_a(offset + (size_t)R * I, Mem::Workspace, "test.a");
+    DeviceBuffer<floatX> d_dh13(offset + (size_t)R * 2 * I, Mem::Workspace, "test.dh13");
+    DeviceBuffer<floatX> d_permuted(offset + (size_t)R * H, Mem::Workspace, "test.permuted");
+    DeviceBuffer<floatX> d_weighted(offset + (size_t)N * H, Mem::Workspace, "test.weighted");
+    DeviceBuffer<floatX> d_plain(offset + (size_t)N * H, Mem::Workspace, "test.plain");
+    for (auto* b : {&d_permuted, &d_weighted, &d_plain, &d_a, &d_dh13}) testutil::poison(b->ptr, b->count);
+    moe_permute_rows(d_permuted.ptr + offset, d_x.ptr + offset, d_route_of_slot.ptr, R, H, k, 0);
+    moe_combine(d_weighted.ptr + offset, d_rows.ptr + offset, d_slot_of_route.ptr, d_w.ptr, N, H, k, 0);
+    moe_combine(d_plain.ptr + offset, d_rows.ptr + offset, d_slot_of_route.ptr, nullptr, N, H, k, 0);
+    moe_combine_window_add(d_acc.ptr + offset, d_rows.ptr + offset + (size_t)first * H, d_slot_of_route.ptr, d_w.ptr,
+                           first, count, N, H, k, 0);
+    swiglu_forward(d_a.ptr + offset, d_h13.ptr + offset, R, I, 0);
+    swiglu_backward(d_dh13.ptr + offset, d_da.ptr + offset, d_h13.ptr + offset, R, I, 0);
+    Outputs o;
+    o.permuted = testutil::download_vec(d_permuted.ptr + offset, (size_t)R * H);
+    o.weighted = testutil::download_vec(d_weighted.ptr + offset, (size_t)N * H);
+    o.plain = testutil::download_vec(d_plain.ptr + offset, (size_t)N * H);
+    o.window = testutil::download_vec(d_acc.ptr + offset, (size_t)N * H);
+    o.a = testutil::download_vec(d_a.ptr + offset, (size_t)R * I);
+    o.dh13 = testutil::download_vec(d_dh13.ptr + offset, (size_t)R * 2 * I);
+    return o;
+  };
+  const Outputs pieces = run(0), elements = run(1);
+
+  auto same_bits = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  EXPECT_TRUE(same_bits(pieces.permuted, elements.permuted));
+  EXPECT_TRUE(same_bits(pieces.weighted, elements.weighted));
+  EXPECT_TRUE(same_bits(pieces.plain, elements.plain));
+  EXPECT_TRUE(same_bits(pieces.window, elements.window));
+  EXPECT_TRUE(same_bits(pieces.a, elements.a));
+  EXPECT_TRUE(same_bits(pieces.dh13, elements.dh13));
+
+  Mat permuted_want(R, H), weighted_want = Mat::Zero(N, H), plain_want = Mat::Zero(N, H), window_want = acc0;
+  for (int s = 0; s < R; s++) permuted_want.row(s) = x.row(route_of_slot[s] / k);
+  for (int r = 0; r < R; r++) {
+    const int n = r / k, s = slot_of_route[r];
+    weighted_want.row(n) += topk_w(n, r % k) * rows.row(s);
+    plain_want.row(n) += rows.row(s);
+    if (s >= first && s < first + count) window_want.row(n) += topk_w(n, r % k) * rows.row(s);
+  }
+  Mat a_want(R, I), dh13_want(R, 2 * I);
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < I; c++) {
+      const double g = h13(r, c), u = h13(r, I + c), sig = 1 / (1 + std::exp(-g));
+      a_want(r, c) = g * sig * u;
+      dh13_want(r, c) = da(r, c) * u * sig * (1 + g * (1 - sig));
+      dh13_want(r, I + c) = da(r, c) * g * sig;
+    }
+  auto as_mat = [](const auto& v, int r, int c) {
+    Mat m(r, c);
+    for (Eigen::Index i = 0; i < m.size(); i++) m.data()[i] = to_float(v[i]);
+    return m;
+  };
+  EXPECT_EQ(as_mat(pieces.permuted, R, H), permuted_want);  // a copy: exact
+  EXPECT_REL("row kernels", "combine weighted", testutil::rel_err(as_mat(pieces.weighted, N, H), weighted_want), OP_TOL);
+  EXPECT_REL("row kernels", "combine plain", testutil::rel_err(as_mat(pieces.plain, N, H), plain_want), OP_TOL);
+  EXPECT_REL("row kernels", "combine window (+=, fp32)", testutil::rel_err(as_mat(pieces.window, N, H), window_want), OP_TOL);
+  EXPECT_REL("row kernels", "swiglu forward", testutil::rel_err(as_mat(pieces.a, R, I), a_want), OP_TOL);
+  EXPECT_REL("row kernels", "swiglu backward", testutil::rel_err(as_mat(pieces.dh13, R, 2 * I), dh13_want), OP_TOL);
 }
