@@ -297,9 +297,9 @@ inline std::unique_ptr<OutputHead> make_head(const ModelConfig& c, const Paralle
           "V=%d P=%d", c.vocab, par.vocab.size);
 }
 
-// Device bytes of the optimizer's state for a shard of S parameters in `segments` (--optimizer).
-inline size_t optimizer_device_bytes(const Seams& seams, size_t S, const std::vector<ShardSegment>& segments) {
-  if (seams.optimizer == "adamw") return DeviceAdamW::device_bytes(S, segments);
+// Device bytes of the optimizer's state for a shard of S parameters (--optimizer).
+inline size_t optimizer_device_bytes(const Seams& seams, size_t S) {
+  if (seams.optimizer == "adamw") return DeviceAdamW::device_bytes(S);
   if (seams.optimizer == "offload_adamw") return OffloadAdamW::device_bytes(S, (size_t)seams.offload_bucket, seams.offload_slots);
   return 0;  // cpu_adamw: all of it in pinned host memory
 }
@@ -709,8 +709,8 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   shape.par = par;
   shape.specs = param_specs(c);
   model_layout(shape);
-  size_t S = 0;
-  const std::vector<ShardSegment> segments = shard_segments(shape.specs, model_param_layout(shape), &S);
+  size_t S = 0;  // the rank's shard of the optimizer state
+  shard_segments(shape.specs, model_param_layout(shape), &S);
   const std::unique_ptr<MoEDispatcher> moe = make_dispatcher(c, par, seams);
   const std::unique_ptr<OutputHead> head = make_head(c, par, seams);
   const size_t b = sizeof(floatX), N = (size_t)B * T, H = c.hidden, L = c.layers, E = c.experts, k = c.topk;
@@ -720,7 +720,7 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   // alive the whole step
   const size_t weights = P * b + 4 * L * E;
   const size_t grads = P * b + (fp32_sum ? P * 4 : 0);
-  const size_t optimizer = optimizer_device_bytes(seams, S, segments);
+  const size_t optimizer = optimizer_device_bytes(seams, S);
   const bool dense_routes = c.n_dense > 0 || c.shared_expert;
   // + the step's per-expert loads on the device [L·E] ints (step_loads_dev)
   const size_t runtime =

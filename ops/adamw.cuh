@@ -15,15 +15,16 @@
 // The gradient norm for clipping comes from common.cuh's deterministic sumsq_accumulate /
 // sumsq_finish over all gradient tensors; clip_scale turns it into grad_scale on the host.
 //
-// Launches: adamw_update is one launch over one tensor; adamw_multi_update is ONE launch over every
-// segment of a rank's shard (the multi-tensor form that --optimizer adamw steps with, instead of a
-// launch per segment: ~118 on a 334M MoE). Both run adamw_element with the same coefficients per
-// element, so their results are bit-identical (tests/gpu_adamw.cu asserts it with memcmp).
+// Launches: adamw_update is one launch over one tensor; adamw_multi_update is one launch per 64
+// segments of a rank's shard (the multi-tensor form that --optimizer adamw steps with, instead of a
+// launch per segment: 2 launches instead of ~118 on a 334M MoE). Both run adamw_chunk, one block per
+// chunk of ADAMW_CHUNK elements, with the same coefficients per element, so their results are
+// bit-identical (tests/gpu_adamw.cu asserts it with memcmp). Memory-bound: 30 bytes per element
+// (master, m, v, grad read; master, m, v, param written) at HBM speed.
 //
-// Memory: adamw_update has none of its own; adamw_multi_update reads an AdamWSegmentTable (built
-// once: 32 B per non-empty segment, Optimizer). The optimizer seam at the end of this file
-// (notes/design.md §1.1, --optimizer adamw) owns this rank's shard of the state: master, m, v,
-// 3·S·4 B (Optimizer), and its table.
+// Memory: none of their own (the segments travel as kernel arguments). The optimizer seam at the end
+// of this file (notes/design.md §1.1, --optimizer adamw) owns this rank's shard of the state: master,
+// m, v, 3·S·4 B (Optimizer).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -44,17 +45,50 @@ inline float clip_scale(float grad_norm, float max_norm) {
   return fminf(1.f, max_norm / (grad_norm + 1e-6f));
 }
 
+// One launch's unit of work: a chunk of ADAMW_CHUNK consecutive elements, ADAMW_PER_THREAD per thread,
+// thread-strided (each step of a loop over j is one coalesced access per array).
+static const int ADAMW_THREADS = 256;
+static const int ADAMW_PER_THREAD = 4;                               // elements per thread
+static const int ADAMW_CHUNK = ADAMW_THREADS * ADAMW_PER_THREAD;     // elements per block and chunk
+
+// The elements [first, first + ADAMW_CHUNK) ∩ [0, count) of one tensor's part: master, m, v at the
+// state's offset and param, grad at the parameters' offset. Every load of the chunk is issued before
+// any store: 16 independent loads in flight per thread. (An element's loads cannot be moved above the
+// previous element's stores by the compiler, which cannot prove that the arrays do not overlap; done
+// one element at a time, a thread waits out one memory latency per element and the kernel reaches
+// about a fifth of HBM bandwidth.)
+template <typename T>
+__device__ inline void adamw_chunk(float* master, T* param, float* m, float* v, const float* grad, size_t count,
+                                   size_t first, const AdamWCoefficients& c) {
+  float mi[ADAMW_PER_THREAD], vi[ADAMW_PER_THREAD], wi[ADAMW_PER_THREAD], gi[ADAMW_PER_THREAD];
+#pragma unroll
+  for (int j = 0; j < ADAMW_PER_THREAD; j++) {
+    const size_t i = first + (size_t)j * ADAMW_THREADS + threadIdx.x;
+    if (i < count) {
+      mi[j] = m[i];
+      vi[j] = v[i];
+      wi[j] = master[i];
+      gi[j] = grad[i];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < ADAMW_PER_THREAD; j++) {
+    const size_t i = first + (size_t)j * ADAMW_THREADS + threadIdx.x;
+    if (i < count) {
+      const float w = adamw_element(mi[j], vi[j], wi[j], gi[j], c);
+      m[i] = mi[j];
+      v[i] = vi[j];
+      master[i] = w;
+      param[i] = from_float<T>(w);
+    }
+  }
+}
+
+// One tensor: block b takes chunk b.
 template <typename T>
 __global__ void adamw_kernel(float* master, T* param, float* m, float* v, const float* grad, size_t n,
                              const AdamWCoefficients c) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  float mi = m[i], vi = v[i];
-  const float p = adamw_element(mi, vi, master[i], grad[i], c);
-  m[i] = mi;
-  v[i] = vi;
-  master[i] = p;
-  param[i] = from_float<T>(p);
+  adamw_chunk(master, param, m, v, grad, n, (size_t)blockIdx.x * ADAMW_CHUNK, c);
 }
 
 // One AdamW step over n parameters (see the header comment).
@@ -63,8 +97,7 @@ inline void adamw_update(float* master, floatX* param, float* m, float* v, const
                          cudaStream_t stream) {
   if (t < 1) fm_fail("adamw_update", "step t must be >= 1", "n=%zu t=%d", n, t);
   if (n == 0) return;
-  const int threads = 256;
-  adamw_kernel<<<ceil_div((long long)n, threads), threads, 0, stream>>>(
+  adamw_kernel<<<ceil_div((long long)n, ADAMW_CHUNK), ADAMW_THREADS, 0, stream>>>(
       master, param, m, v, grad, n, adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, grad_scale));
   launchCheck("adamw_update", "n=%zu t=%d", n, t);
 }
@@ -72,114 +105,79 @@ inline void adamw_update(float* master, floatX* param, float* m, float* v, const
 // ---------------------------------------------------------------------------------------------
 // Multi-tensor AdamW: one launch over many segments of the same flat buffers.
 
-static const int ADAMW_MT_THREADS = 256;
-static const int ADAMW_MT_PER_THREAD = 4;                                    // elements per thread
-static const int ADAMW_MT_CHUNK = ADAMW_MT_THREADS * ADAMW_MT_PER_THREAD;  // elements per block
-
-// One non-empty segment as the kernel reads it: blocks [first_block, first_block + ⌈count/CHUNK⌉).
-struct AdamWSegmentDev {
+// One non-empty segment as the kernel reads it: its blocks [first_block, first_block + ⌈count/CHUNK⌉)
+// of the launch it is in.
+struct AdamWSegmentArg {
   size_t param_offset, state_offset, count;
   unsigned int first_block;
   int decay;
 };
 
-// The work list of adamw_multi_update: the non-empty segments in order, on the device (pool,
-// Optimizer), uploaded once when built. Empty segments are left out (they update nothing). The
-// launch's grid is at most enough blocks to fill the GPU once (ADAMW_MT_BLOCKS_PER_SM per SM); each
-// block steps through chunks blockIdx.x, blockIdx.x + grid, ...
-static const int ADAMW_MT_BLOCKS_PER_SM = 8;
-struct AdamWSegmentTable {
-  AdamWSegmentDev* dev = nullptr;  // [segments]
-  int segments = 0;
-  unsigned int blocks = 0;         // chunks of ADAMW_MT_CHUNK elements over all segments
-  unsigned int grid = 0;           // the launch's blocks: min(blocks, SMs · ADAMW_MT_BLOCKS_PER_SM)
-  AdamWSegmentTable() = default;
-  // max_grid: at most this many blocks (0: fill the GPU once; tests pass a few, so that each block
-  // walks through many chunks and segments)
-  AdamWSegmentTable(const std::vector<ShardSegment>& segs, cudaStream_t stream, unsigned int max_grid = 0) {
-    std::vector<AdamWSegmentDev> host;
-    unsigned long long blocks_total = 0;
-    for (const ShardSegment& g : segs) {
-      if (g.count == 0) continue;
-      host.push_back(AdamWSegmentDev{g.param_offset, g.state_offset, g.count, (unsigned int)blocks_total, g.decay ? 1 : 0});
-      blocks_total += (g.count + ADAMW_MT_CHUNK - 1) / ADAMW_MT_CHUNK;
-    }
-    if (blocks_total > 0x7fffffffULL)
-      fm_fail("adamw_multi_update", "too many elements for one launch", "blocks=%llu", blocks_total);
-    segments = (int)host.size();
-    blocks = (unsigned int)blocks_total;
-    if (segments == 0) return;
-    int device = 0, sms = 0;
-    cudaCheck(cudaGetDevice(&device), "adamw.segment_table", "segments=%d", segments);
-    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "adamw.segment_table", "device=%d", device);
-    const unsigned long long fill = max_grid ? max_grid : (unsigned long long)std::max(sms, 1) * ADAMW_MT_BLOCKS_PER_SM;
-    grid = (unsigned int)std::min<unsigned long long>(blocks_total, fill);
-    dev = pool().alloc_t<AdamWSegmentDev>(host.size(), Mem::Optimizer, "adamw.segment_table");
-    copy_to_device(dev, host.data(), host.size() * sizeof(AdamWSegmentDev), stream, "adamw.segment_table");
-  }
-  ~AdamWSegmentTable() { pool().free(dev); }
-  // the pool bytes a table of these segments holds (its non-empty ones)
-  static size_t bytes(const std::vector<ShardSegment>& segs) {
-    size_t n = 0;
-    for (const ShardSegment& g : segs) n += g.count > 0;
-    return n * sizeof(AdamWSegmentDev);
-  }
-  AdamWSegmentTable(const AdamWSegmentTable&) = delete;
-  AdamWSegmentTable& operator=(const AdamWSegmentTable&) = delete;
+// One launch's segments, passed by value as its kernel argument (2 KiB; kernel arguments ≤ 4 KiB):
+// a block finds its segment by a binary search in the constant cache, and the optimizer holds no
+// device memory besides its state.
+static const int ADAMW_SEGMENTS_PER_LAUNCH = 64;
+struct AdamWSegmentBatch {
+  AdamWSegmentArg seg[ADAMW_SEGMENTS_PER_LAUNCH];
+  int count = 0;            // segments in seg
+  unsigned int blocks = 0;  // the launch's blocks: chunks of ADAMW_CHUNK elements over its segments
 };
 
-// Chunk q (ADAMW_MT_CHUNK elements) belongs to the last segment whose first_block <= q. Block b
-// takes chunks b, b + gridDim.x, ...: it finds its first chunk's segment by binary search, then only
-// walks forward (the chunks ascend). Every thread of the block reads the same table entries (one
-// cached broadcast); its elements are thread-strided, so each step of the inner loop is coalesced.
+// The launches of adamw_multi_update: the non-empty segments in order, ADAMW_SEGMENTS_PER_LAUNCH per
+// launch (one launch for up to 64 tensors' parts of a shard; ~2 on a 334M MoE). Empty segments are
+// left out (they update nothing). Host memory only; built once.
+struct AdamWLaunchPlan {
+  std::vector<AdamWSegmentBatch> batches;
+  int segments = 0;  // non-empty
+  AdamWLaunchPlan() = default;
+  explicit AdamWLaunchPlan(const std::vector<ShardSegment>& segs) {
+    for (const ShardSegment& g : segs) {
+      if (g.count == 0) continue;
+      if (batches.empty() || batches.back().count == ADAMW_SEGMENTS_PER_LAUNCH) batches.emplace_back();
+      AdamWSegmentBatch& b = batches.back();
+      const unsigned long long blocks = b.blocks + (g.count + ADAMW_CHUNK - 1) / ADAMW_CHUNK;
+      if (blocks > 0x7fffffffULL)
+        fm_fail("adamw_multi_update", "too many elements for one launch", "blocks=%llu segments=%d", blocks, b.count + 1);
+      b.seg[b.count++] = AdamWSegmentArg{g.param_offset, g.state_offset, g.count, b.blocks, g.decay ? 1 : 0};
+      b.blocks = (unsigned int)blocks;
+      segments++;
+    }
+  }
+};
+
+// Block q does chunk q (ADAMW_CHUNK elements) of the launch, which belongs to the last segment whose
+// first_block <= q. The coefficients are one struct whose weight decay is replaced in a register where
+// the segment has none. (Choosing between two coefficient arguments by reference made every use of a
+// coefficient a load through a generic address: the kernel ran at 57 % of adamw_update's rate.)
 template <typename T>
 __global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, const float* grad,
-                                   const AdamWSegmentDev* table, int segments, unsigned int chunks,
-                                   const AdamWCoefficients decay_c, const AdamWCoefficients no_decay_c) {
-  int seg = 0;
-  {
-    int lo = 0, hi = segments - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (table[mid].first_block <= blockIdx.x) lo = mid;
-      else hi = mid - 1;
-    }
-    seg = lo;
+                                   const AdamWSegmentBatch batch, const AdamWCoefficients decay_c) {
+  const unsigned int q = blockIdx.x;
+  int lo = 0, hi = batch.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.seg[mid].first_block <= q) lo = mid;
+    else hi = mid - 1;
   }
-  for (unsigned int q = blockIdx.x; q < chunks; q += gridDim.x) {
-    while (seg + 1 < segments && table[seg + 1].first_block <= q) seg++;
-    const AdamWSegmentDev g = table[seg];
-    const AdamWCoefficients& c = g.decay ? decay_c : no_decay_c;
-    const size_t first = (size_t)(q - g.first_block) * ADAMW_MT_CHUNK;
-#pragma unroll
-    for (int j = 0; j < ADAMW_MT_PER_THREAD; j++) {
-      const size_t i = first + (size_t)j * ADAMW_MT_THREADS + threadIdx.x;
-      if (i < g.count) {
-        const size_t s = g.state_offset + i, p = g.param_offset + i;
-        float mi = m[s], vi = v[s];
-        const float w = adamw_element(mi, vi, master[s], grad[p], c);
-        m[s] = mi;
-        v[s] = vi;
-        master[s] = w;
-        param[p] = from_float<T>(w);
-      }
-    }
-  }
+  const AdamWSegmentArg g = batch.seg[lo];
+  AdamWCoefficients c = decay_c;
+  if (!g.decay) c.weight_decay = 0.f;
+  adamw_chunk(master + g.state_offset, param + g.param_offset, m + g.state_offset, v + g.state_offset,
+              grad + g.param_offset, g.count, (size_t)(q - g.first_block) * ADAMW_CHUNK, c);
 }
 
-// One AdamW step over every segment of `table` in one launch: for each segment g, the state
-// master/m/v at [g.state_offset, +g.count) and param/grad at [g.param_offset, +g.count), with
-// weight_decay where g.decay and 0 elsewhere — exactly adamw_update per segment, one launch.
+// One AdamW step over every segment of `plan`: for each segment g, the state master/m/v at
+// [g.state_offset, +g.count) and param/grad at [g.param_offset, +g.count), with weight_decay where
+// g.decay and 0 elsewhere — exactly adamw_update per segment, in plan.batches.size() launches.
 inline void adamw_multi_update(float* master, floatX* param, float* m, float* v, const float* grad,
-                               const AdamWSegmentTable& table, float lr, float beta1, float beta2, float eps,
+                               const AdamWLaunchPlan& plan, float lr, float beta1, float beta2, float eps,
                                float weight_decay, int t, float grad_scale, cudaStream_t stream) {
-  if (t < 1) fm_fail("adamw_multi_update", "step t must be >= 1", "segments=%d t=%d", table.segments, t);
-  if (table.blocks == 0) return;
-  adamw_multi_kernel<<<table.grid, ADAMW_MT_THREADS, 0, stream>>>(
-      master, param, m, v, grad, table.dev, table.segments, table.blocks,
-      adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, grad_scale),
-      adamw_coefficients(lr, beta1, beta2, eps, 0.f, t, grad_scale));
-  launchCheck("adamw_multi_update", "segments=%d chunks=%u grid=%u t=%d", table.segments, table.blocks, table.grid, t);
+  if (t < 1) fm_fail("adamw_multi_update", "step t must be >= 1", "segments=%d t=%d", plan.segments, t);
+  const AdamWCoefficients c = adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, grad_scale);
+  for (const AdamWSegmentBatch& b : plan.batches) {
+    adamw_multi_kernel<<<b.blocks, ADAMW_THREADS, 0, stream>>>(master, param, m, v, grad, b, c);
+    launchCheck("adamw_multi_update", "segments=%d blocks=%u t=%d", b.count, b.blocks, t);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -225,15 +223,13 @@ struct Optimizer {
 // --optimizer adamw: the state on the GPU, stepped by one adamw_multi_update launch over all segments.
 struct DeviceAdamW : Optimizer {
   float *master = nullptr, *m = nullptr, *v = nullptr;  // [S] each (Optimizer)
-  std::unique_ptr<AdamWSegmentTable> table;             // the segments as one launch's work list
-  // the device bytes it holds for S state elements over `segments` (predict_rank_memory)
-  static size_t device_bytes(size_t S, const std::vector<ShardSegment>& segments) {
-    return 3 * S * sizeof(float) + AdamWSegmentTable::bytes(segments);
-  }
+  AdamWLaunchPlan plan;                                  // the segments as a few launches' arguments
+  // the device bytes it holds for S state elements (predict_rank_memory)
+  static size_t device_bytes(size_t S) { return 3 * S * sizeof(float); }
 
   // Zeroed on `stream` (the shard's padding stays 0).
   DeviceAdamW(std::vector<ShardSegment> segs, size_t S, cudaStream_t stream) : Optimizer(std::move(segs), S) {
-    table = std::make_unique<AdamWSegmentTable>(segments, stream);
+    plan = AdamWLaunchPlan(segments);
     master = pool().alloc_t<float>(S, Mem::Optimizer, "master");
     m = pool().alloc_t<float>(S, Mem::Optimizer, "adam_m");
     v = pool().alloc_t<float>(S, Mem::Optimizer, "adam_v");
@@ -253,7 +249,7 @@ struct DeviceAdamW : Optimizer {
   void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, float grad_scale,
             cudaStream_t stream) override {
     steps++;
-    adamw_multi_update(master, params, m, v, grads, *table, lr, s.beta1, s.beta2, s.eps, s.weight_decay, (int)steps,
+    adamw_multi_update(master, params, m, v, grads, plan, lr, s.beta1, s.beta2, s.eps, s.weight_decay, (int)steps,
                        grad_scale, stream);
   }
   StateSections save(cudaStream_t stream) override {
