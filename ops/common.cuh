@@ -43,11 +43,11 @@ template <> __device__ __host__ inline __nv_bfloat16 from_float<__nv_bfloat16>(f
 inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
 
 // ---------------------------------------------------------------------------------------------
-// Rows moved in 16-byte pieces. A memory-bound row kernel reaches HBM bandwidth only when each thread
+// Rows moved in 16-byte pieces. A memory-bound kernel reaches HBM bandwidth only when each thread
 // moves 16 bytes per access (one 2-byte access per thread keeps too few bytes in flight); so a
-// kernel over rows of H floatX takes ROW_PIECE = 16/sizeof(floatX) consecutive elements per thread
-// when the rows are whole pieces and every row buffer it touches is aligned for them, and one element
-// per thread otherwise (the same arithmetic per element either way: the results are the same bits).
+// kernel over rows of H floatX (or a flat array of n) takes ROW_PIECE = 16/sizeof(floatX) consecutive
+// elements per thread when the rows are whole pieces and every buffer it touches is aligned for them,
+// and one element per thread otherwise (the same arithmetic per element either way: the same bits).
 
 static const int ROW_PIECE = 16 / (int)sizeof(floatX);  // floatX elements in 16 bytes
 
@@ -67,17 +67,28 @@ static const cublasComputeType_t CUBLAS_COMPUTE = CUBLAS_COMPUTE_32F;
 // ---------------------------------------------------------------------------------------------
 // Small element-wise kernels shared by the model.
 
-template <typename T, typename TB>
+// One thread per NV consecutive elements (NV = ROW_PIECE, or 1).
+template <int NV, typename T, typename TB>
 __global__ void add_kernel(T* out, const T* a, const TB* b, size_t n) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n / NV) return;
+  const Pack<T, NV> av = reinterpret_cast<const Pack<T, NV>*>(a)[i];
+  const Pack<TB, NV> bv = reinterpret_cast<const Pack<TB, NV>*>(b)[i];
+  Pack<T, NV> o;
+#pragma unroll
+  for (int e = 0; e < NV; e++) o.v[e] = from_float<T>(to_float(av.v[e]) + to_float(bv.v[e]));
+  reinterpret_cast<Pack<T, NV>*>(out)[i] = o;
 }
 
 // out = a + b in fp32, rounded once to T (out may alias a or b); b may be fp32 beside T operands.
+// In pieces of ROW_PIECE elements when n and the buffers allow.
 template <typename T, typename TB>
 inline void add_inplace_or_out(T* out, const T* a, const TB* b, size_t n, cudaStream_t stream) {
   if (n == 0) return;
-  add_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(out, a, b, n);
+  if (n % ROW_PIECE == 0 && pack_aligned(out, ROW_PIECE) && pack_aligned(a, ROW_PIECE) && pack_aligned(b, ROW_PIECE))
+    add_kernel<ROW_PIECE><<<ceil_div(n / ROW_PIECE, 256), 256, 0, stream>>>(out, a, b, n);
+  else
+    add_kernel<1><<<ceil_div(n, 256), 256, 0, stream>>>(out, a, b, n);
   launchCheck("add", "n=%zu", n);
 }
 

@@ -263,7 +263,8 @@ TEST(MoEGpu, RoutePlanIsStableSortByExpert) {
 }
 
 // The row kernels (moe_permute_rows, moe_combine weighted and plain, moe_combine_window_add,
-// swiglu_forward and swiglu_backward) move rows in 16-byte pieces when H and the buffers allow and one element per thread otherwise
+// swiglu_forward and swiglu_backward; and common.cuh's add_inplace_or_out, floatX + floatX and
+// fp32 += floatX) move rows in 16-byte pieces when H and the buffers allow and one element per thread otherwise
 // (ops/common.cuh, ROW_PIECE). Both paths give the same bits, and the values of the reference: the
 // element path is taken here by placing every buffer one element past an aligned address.
 TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
@@ -288,8 +289,8 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
 
   // Each output's bits, with every buffer at `offset` elements past a pool (aligned) address.
   struct Outputs {
-    std::vector<floatX> permuted, weighted, plain, a, dh13;
-    std::vector<float> window;
+    std::vector<floatX> permuted, weighted, plain, a, dh13, sum;
+    std::vector<float> window, sum32;
   };
   auto run = [&](int offset) {
     auto placed = [&](auto zero, const Mat& m, const char* tag) {  // m at `offset`, as decltype(zero)
@@ -308,7 +309,9 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
     DeviceBuffer<floatX> d_permuted(offset + (size_t)R * H, Mem::Workspace, "test.permuted");
     DeviceBuffer<floatX> d_weighted(offset + (size_t)N * H, Mem::Workspace, "test.weighted");
     DeviceBuffer<floatX> d_plain(offset + (size_t)N * H, Mem::Workspace, "test.plain");
-    for (auto* b : {&d_permuted, &d_weighted, &d_plain, &d_a, &d_dh13}) testutil::poison(b->ptr, b->count);
+    DeviceBuffer<floatX> d_sum(offset + (size_t)N * H, Mem::Workspace, "test.sum");
+    for (auto* b : {&d_permuted, &d_weighted, &d_plain, &d_a, &d_dh13, &d_sum}) testutil::poison(b->ptr, b->count);
+    auto d_sum32 = placed(0.f, acc0, "test.sum32");  // fp32 += floatX in place, as the fold of the gradients
     moe_permute_rows(d_permuted.ptr + offset, d_x.ptr + offset, d_route_of_slot.ptr, R, H, k, 0);
     moe_combine(d_weighted.ptr + offset, d_rows.ptr + offset, d_slot_of_route.ptr, d_w.ptr, N, H, k, 0);
     moe_combine(d_plain.ptr + offset, d_rows.ptr + offset, d_slot_of_route.ptr, nullptr, N, H, k, 0);
@@ -316,6 +319,8 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
                            first, count, N, H, k, 0);
     swiglu_forward(d_a.ptr + offset, d_h13.ptr + offset, R, I, 0);
     swiglu_backward(d_dh13.ptr + offset, d_da.ptr + offset, d_h13.ptr + offset, R, I, 0);
+    add_inplace_or_out(d_sum.ptr + offset, d_x.ptr + offset, d_rows.ptr + offset, (size_t)N * H, 0);
+    add_inplace_or_out(d_sum32.ptr + offset, d_sum32.ptr + offset, d_x.ptr + offset, (size_t)N * H, 0);
     Outputs o;
     o.permuted = testutil::download_vec(d_permuted.ptr + offset, (size_t)R * H);
     o.weighted = testutil::download_vec(d_weighted.ptr + offset, (size_t)N * H);
@@ -323,6 +328,8 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
     o.window = testutil::download_vec(d_acc.ptr + offset, (size_t)N * H);
     o.a = testutil::download_vec(d_a.ptr + offset, (size_t)R * I);
     o.dh13 = testutil::download_vec(d_dh13.ptr + offset, (size_t)R * 2 * I);
+    o.sum = testutil::download_vec(d_sum.ptr + offset, (size_t)N * H);
+    o.sum32 = testutil::download_vec(d_sum32.ptr + offset, (size_t)N * H);
     return o;
   };
   const Outputs pieces = run(0), elements = run(1);
@@ -336,6 +343,16 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
   EXPECT_TRUE(same_bits(pieces.window, elements.window));
   EXPECT_TRUE(same_bits(pieces.a, elements.a));
   EXPECT_TRUE(same_bits(pieces.dh13, elements.dh13));
+  EXPECT_TRUE(same_bits(pieces.sum, elements.sum));
+  EXPECT_TRUE(same_bits(pieces.sum32, elements.sum32));
+  // the adds are one fp32 addition rounded once: exactly what the host computes
+  int add_wrong = 0;
+  for (int i = 0; i < N * H; i++) {
+    const float x_i = (float)x.data()[i], row_i = (float)rows.data()[i];
+    add_wrong += to_float(pieces.sum[i]) != to_float(from_float<floatX>(x_i + row_i));
+    add_wrong += pieces.sum32[i] != (float)acc0.data()[i] + x_i;
+  }
+  EXPECT_EQ(add_wrong, 0);
 
   Mat permuted_want(R, H), weighted_want = Mat::Zero(N, H), plain_want = Mat::Zero(N, H), window_want = acc0;
   for (int s = 0; s < R; s++) permuted_want.row(s) = x.row(route_of_slot[s] / k);
