@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 #include <cuda_runtime.h>
@@ -60,6 +61,14 @@ struct alignas(N * sizeof(T)) Pack {
 // true when `p` may be read as Pack<T, n>s: aligned to n·sizeof(T)
 template <typename T>
 inline bool pack_aligned(const T* p, int n) { return (reinterpret_cast<uintptr_t>(p) % (n * sizeof(T))) == 0; }
+
+// true when rows of `width` floatX at these buffers can be taken in pieces of ROW_PIECE
+inline bool row_pieces(int width, std::initializer_list<const floatX*> buffers) {
+  if (width % ROW_PIECE != 0) return false;
+  for (const floatX* b : buffers)
+    if (!pack_aligned(b, ROW_PIECE)) return false;
+  return true;
+}
 
 // The compute type of every GEMM: fp32 accumulation; pedantic in the FP32 build.
 static const cublasComputeType_t CUBLAS_COMPUTE = CUBLAS_COMPUTE_32F;

@@ -12,8 +12,8 @@
 // Shapes: logits, dlogits [N, V] floatX; targets [N] int32; losses, lse [N] float.
 // A target outside [0, V) gives a NaN loss and a NaN gradient row (no read outside the row).
 //
-// Determinism: one block per row; each thread folds its strided columns into a running
-// (max, sum-exp) pair, and the pairs are combined by a warp xor butterfly (the combine is
+// Determinism: one block per row; each thread folds its strided columns (in 16-byte pieces when the
+// rows are whole pieces and aligned, common.cuh's ROW_PIECE) into a running (max, sum-exp) pair, and the pairs are combined by a warp xor butterfly (the combine is
 // commutative, so every lane gets the same value) and then across warps in warp order.
 //
 // Memory: none of its own in the three launchers. The output head at the end of this file (the
@@ -43,20 +43,25 @@ __device__ inline CrossEntropyOnlineLse cross_entropy_combine(CrossEntropyOnline
 }
 
 // (m, s) of one row's `width` values, in thread 0 of the block (the other threads' results are
-// partial): each thread folds its strided columns, a warp xor butterfly combines the lanes (every lane
-// gets the same value), and thread 0 combines the warps in warp order. Call with all threads.
-template <typename T>
+// partial): each thread folds its strided pieces of NV consecutive columns (common.cuh: NV =
+// ROW_PIECE when the row is whole 16-byte pieces, else 1), a warp xor butterfly combines the lanes
+// (every lane gets the same value), and thread 0 combines the warps in warp order. Call with all threads.
+template <int NV, typename T>
 __device__ CrossEntropyOnlineLse row_online_lse(const T* z, int width) {
   __shared__ CrossEntropyOnlineLse warp_acc[32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   CrossEntropyOnlineLse acc{-INFINITY, 0.f};
-  for (int j = threadIdx.x; j < width; j += blockDim.x) {
-    float zj = to_float(z[j]);
-    if (zj > acc.m) {
-      acc.s = acc.s * expf(acc.m - zj) + 1.f;
-      acc.m = zj;
-    } else {
-      acc.s += expf(zj - acc.m);
+  for (int c = threadIdx.x; c < width / NV; c += blockDim.x) {
+    const Pack<T, NV> v = reinterpret_cast<const Pack<T, NV>*>(z)[c];
+#pragma unroll
+    for (int e = 0; e < NV; e++) {
+      const float zj = to_float(v.v[e]);
+      if (zj > acc.m) {
+        acc.s = acc.s * expf(acc.m - zj) + 1.f;
+        acc.m = zj;
+      } else {
+        acc.s += expf(zj - acc.m);
+      }
     }
   }
   for (int o = 16; o > 0; o >>= 1) {
@@ -72,11 +77,11 @@ __device__ CrossEntropyOnlineLse row_online_lse(const T* z, int width) {
 }
 
 // One block per row.
-template <typename T>
+template <int NV, typename T>
 __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const T* logits, const int* targets, int V) {
   const int row = blockIdx.x;
   const T* z = logits + (size_t)row * V;
-  CrossEntropyOnlineLse total = row_online_lse(z, V);
+  CrossEntropyOnlineLse total = row_online_lse<NV>(z, V);
   if (threadIdx.x == 0) {
     float row_lse = total.m + logf(total.s);
     int t = targets[row];
@@ -88,12 +93,12 @@ __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const T*
 // A block of columns [col0, col0 + width) of the vocabulary (logits [N, width]) folded into each
 // row's running statistics: max m, sum l of exp(z − m), and the target's logit when the target lies
 // in the block. One block per row.
-template <typename T>
+template <int NV, typename T>
 __global__ void cross_entropy_block_forward_kernel(float* m, float* l, float* target_logit, const T* logits,
                                                    const int* targets, int width, int col0) {
   const int row = blockIdx.x;
   const T* z = logits + (size_t)row * width;
-  CrossEntropyOnlineLse total = row_online_lse(z, width);
+  CrossEntropyOnlineLse total = row_online_lse<NV>(z, width);
   if (threadIdx.x == 0) {
     CrossEntropyOnlineLse running = cross_entropy_combine(CrossEntropyOnlineLse{m[row], l[row]}, total);
     m[row] = running.m;
@@ -124,21 +129,27 @@ static __global__ void cross_entropy_stats_finish_kernel(float* losses, float* l
   }
 }
 
-// One block per row; the row holds vocabulary columns [col0, col0 + width) of V. No __restrict__:
-// dlogits may alias logits.
-template <typename T>
+// One block per row; the row holds vocabulary columns [col0, col0 + width) of V, taken in pieces of
+// NV (ROW_PIECE or 1). No __restrict__: dlogits may alias logits.
+template <int NV, typename T>
 __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const float* lse, const int* targets,
                                               float dloss, int width, int col0, int V) {
+  using P = Pack<T, NV>;
   const int row = blockIdx.x;
   const int t = targets[row];
   const bool valid = t >= 0 && t < V;
   const float row_lse = lse[row];
-  const T* z = logits + (size_t)row * width;
-  T* dz = dlogits + (size_t)row * width;
-  for (int j = threadIdx.x; j < width; j += blockDim.x) {
-    float p = expf(to_float(z[j]) - row_lse);
-    float g = valid ? dloss * (p - (col0 + j == t ? 1.f : 0.f)) : NAN;
-    dz[j] = from_float<T>(g);
+  const P* z = reinterpret_cast<const P*>(logits + (size_t)row * width);
+  P* dz = reinterpret_cast<P*>(dlogits + (size_t)row * width);
+  for (int c = threadIdx.x; c < width / NV; c += blockDim.x) {
+    const P v = z[c];
+    P d;
+#pragma unroll
+    for (int e = 0; e < NV; e++) {
+      const float p = expf(to_float(v.v[e]) - row_lse);
+      d.v[e] = from_float<T>(valid ? dloss * (p - (col0 + c * NV + e == t ? 1.f : 0.f)) : NAN);
+    }
+    dz[c] = d;
   }
 }
 
@@ -166,7 +177,10 @@ inline void cross_entropy_forward(float* losses, float* lse, const floatX* logit
                                   cudaStream_t stream) {
   if (N == 0) return;
   if (V <= 0) fm_fail("cross_entropy_forward", "V must be positive", "N=%d V=%d", N, V);
-  cross_entropy_forward_kernel<<<N, CROSS_ENTROPY_THREADS, 0, stream>>>(losses, lse, logits, targets, V);
+  if (row_pieces(V, {logits}))
+    cross_entropy_forward_kernel<ROW_PIECE><<<N, CROSS_ENTROPY_THREADS, 0, stream>>>(losses, lse, logits, targets, V);
+  else
+    cross_entropy_forward_kernel<1><<<N, CROSS_ENTROPY_THREADS, 0, stream>>>(losses, lse, logits, targets, V);
   launchCheck("cross_entropy_forward", "N=%d V=%d", N, V);
 }
 
@@ -184,8 +198,12 @@ inline void cross_entropy_block_forward(float* m, float* l, float* target_logit,
                                         const int* targets, int N, int width, int col0, cudaStream_t stream) {
   if (N == 0) return;
   if (width <= 0) fm_fail("cross_entropy_block_forward", "width must be positive", "N=%d width=%d col0=%d", N, width, col0);
-  cross_entropy_block_forward_kernel<<<N, CROSS_ENTROPY_THREADS, 0, stream>>>(m, l, target_logit, logits, targets, width,
-                                                                              col0);
+  if (row_pieces(width, {logits}))
+    cross_entropy_block_forward_kernel<ROW_PIECE><<<N, CROSS_ENTROPY_THREADS, 0, stream>>>(m, l, target_logit, logits, targets,
+                                                                                           width, col0);
+  else
+    cross_entropy_block_forward_kernel<1><<<N, CROSS_ENTROPY_THREADS, 0, stream>>>(m, l, target_logit, logits, targets, width,
+                                                                                   col0);
   launchCheck("cross_entropy_block_forward", "N=%d width=%d col0=%d", N, width, col0);
 }
 
@@ -203,7 +221,10 @@ inline void cross_entropy_block_backward(floatX* dlogits, const floatX* logits, 
   if (N == 0) return;
   if (width <= 0 || V <= 0)
     fm_fail("cross_entropy_backward", "width and V must be positive", "N=%d width=%d col0=%d V=%d", N, width, col0, V);
-  cross_entropy_backward_kernel<<<N, 256, 0, stream>>>(dlogits, logits, lse, targets, dloss, width, col0, V);
+  if (row_pieces(width, {dlogits, logits}))
+    cross_entropy_backward_kernel<ROW_PIECE><<<N, 256, 0, stream>>>(dlogits, logits, lse, targets, dloss, width, col0, V);
+  else
+    cross_entropy_backward_kernel<1><<<N, 256, 0, stream>>>(dlogits, logits, lse, targets, dloss, width, col0, V);
   launchCheck("cross_entropy_backward", "N=%d width=%d col0=%d V=%d", N, width, col0, V);
 }
 

@@ -208,26 +208,33 @@ static __global__ void moe_combine_kernel(TOut* out, const floatX* rows, const i
 // One warp per route r (sorted slot s = slot_of_route[r] − slot_first, token n = r / k); routes whose
 // slot lies outside the window [slot_first, slot_first + slot_count) are left alone:
 // dy [slot_count,H] (=): dy[s] = topk_w[r] · dout[n];  dtopk_w [R] (=): dout[n] · y[s] (lane-strided
-// partial sums, then a fixed xor butterfly). dy may be y itself (each lane reads y[s][c] before it
-// writes dy[s][c]).
+// partial sums over pieces of NV elements, NV = ROW_PIECE or 1, then a fixed xor butterfly). dy may be
+// y itself (each lane reads a piece of y[s] before it writes that piece of dy[s]).
+template <int NV>
 static __global__ void moe_combine_backward_kernel(floatX* dy, float* dtopk_w, const floatX* dout, const floatX* y,
                                                    const int* slot_of_route, const float* topk_w, int R, int H, int k,
                                                    int slot_first, int slot_count) {
-  const int lane = threadIdx.x & 31;
+  using P = Pack<floatX, NV>;
+  const int lane = threadIdx.x & 31, pieces = H / NV;
   const int r = blockIdx.x * MOE_WARPS_PER_BLOCK + (threadIdx.x >> 5);
   if (r >= R) return;  // r is the same for the whole warp
   const int window_slot = slot_of_route[r] - slot_first;
   if ((unsigned)window_slot >= (unsigned)slot_count) return;  // the same for the whole warp too
-  const floatX* dout_n = dout + (size_t)(r / k) * H;
+  const P* dout_n = reinterpret_cast<const P*>(dout + (size_t)(r / k) * H);
   const size_t s = window_slot;
-  const floatX* y_s = y + s * H;
-  floatX* dy_s = dy + s * H;
+  const P* y_s = reinterpret_cast<const P*>(y + s * H);
+  P* dy_s = reinterpret_cast<P*>(dy + s * H);
   const float w = topk_w[r];
   float dot = 0.f;
-  for (int c = lane; c < H; c += 32) {
-    float g = to_float(dout_n[c]);
-    dot += g * to_float(y_s[c]);
-    dy_s[c] = from_float<floatX>(w * g);
+  for (int c = lane; c < pieces; c += 32) {
+    const P g = dout_n[c], yv = y_s[c];
+    P d;
+#pragma unroll
+    for (int e = 0; e < NV; e++) {
+      dot += to_float(g.v[e]) * to_float(yv.v[e]);
+      d.v[e] = from_float<floatX>(w * to_float(g.v[e]));
+    }
+    dy_s[c] = d;
   }
   for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, o);
   if (lane == 0) dtopk_w[r] = dot;
@@ -302,7 +309,7 @@ inline std::vector<int> moe_route_plan(int* route_of_slot, int* slot_of_route, c
 inline void moe_permute_rows(floatX* rows, const floatX* x, const int* route_of_slot, int R, int H, int k,
                              cudaStream_t stream) {
   if ((size_t)R * H == 0) return;
-  if (H % ROW_PIECE == 0 && pack_aligned(rows, ROW_PIECE) && pack_aligned(x, ROW_PIECE))
+  if (row_pieces(H, {rows, x}))
     moe_permute_rows_kernel<ROW_PIECE><<<ceil_div((size_t)R * (H / ROW_PIECE), 256), 256, 0, stream>>>(rows, x, route_of_slot, R, H, k);
   else
     moe_permute_rows_kernel<1><<<ceil_div((size_t)R * H, 256), 256, 0, stream>>>(rows, x, route_of_slot, R, H, k);
@@ -312,7 +319,7 @@ inline void moe_permute_rows(floatX* rows, const floatX* x, const int* route_of_
 // a [R,I] (=) = silu(h13[:, :I]) ⊙ h13[:, I:]; h13 [R,2I].
 inline void swiglu_forward(floatX* a, const floatX* h13, int R, int I, cudaStream_t stream) {
   if ((size_t)R * I == 0) return;
-  if (I % ROW_PIECE == 0 && pack_aligned(a, ROW_PIECE) && pack_aligned(h13, ROW_PIECE))
+  if (row_pieces(I, {a, h13}))
     swiglu_forward_kernel<ROW_PIECE><<<ceil_div((size_t)R * (I / ROW_PIECE), 256), 256, 0, stream>>>(a, h13, R, I);
   else
     swiglu_forward_kernel<1><<<ceil_div((size_t)R * I, 256), 256, 0, stream>>>(a, h13, R, I);
@@ -322,7 +329,7 @@ inline void swiglu_forward(floatX* a, const floatX* h13, int R, int I, cudaStrea
 // dh13 [R,2I] (=) from da [R,I] and h13 [R,2I].
 inline void swiglu_backward(floatX* dh13, const floatX* da, const floatX* h13, int R, int I, cudaStream_t stream) {
   if ((size_t)R * I == 0) return;
-  if (I % ROW_PIECE == 0 && pack_aligned(dh13, ROW_PIECE) && pack_aligned(da, ROW_PIECE) && pack_aligned(h13, ROW_PIECE))
+  if (row_pieces(I, {dh13, da, h13}))
     swiglu_backward_kernel<ROW_PIECE><<<ceil_div((size_t)R * (I / ROW_PIECE), 256), 256, 0, stream>>>(dh13, da, h13, R, I);
   else
     swiglu_backward_kernel<1><<<ceil_div((size_t)R * I, 256), 256, 0, stream>>>(dh13, da, h13, R, I);
@@ -334,7 +341,7 @@ inline void swiglu_backward(floatX* dh13, const floatX* da, const floatX* h13, i
 template <bool ACCUMULATE, typename TOut>
 inline void moe_combine_launch(TOut* out, const floatX* rows, const int* slot_of_route, const float* topk_w, int slot_first,
                                int slot_count, int N, int H, int k, cudaStream_t stream) {
-  const bool pieces = H % ROW_PIECE == 0 && pack_aligned(rows, ROW_PIECE) && pack_aligned(out, ROW_PIECE);
+  const bool pieces = row_pieces(H, {rows}) && pack_aligned(out, ROW_PIECE);
   const int grid = ceil_div((size_t)N * (pieces ? H / ROW_PIECE : H), 256);
   if (pieces && topk_w)
     moe_combine_kernel<true, ACCUMULATE, ROW_PIECE><<<grid, 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
@@ -367,13 +374,26 @@ inline void moe_combine_window_add(float* acc, const floatX* rows, const int* sl
   launchCheck("moe_combine_window_add", "N=%d H=%d k=%d slot_first=%d slot_count=%d", N, H, k, slot_first, slot_count);
 }
 
+// moe_combine_backward_kernel over the window [slot_first, slot_first + slot_count), in pieces of
+// ROW_PIECE elements when H and the buffers allow.
+inline void moe_combine_backward_launch(floatX* dy, float* dtopk_w, const floatX* dout, const floatX* y,
+                                        const int* slot_of_route, const float* topk_w, int slot_first, int slot_count,
+                                        int R, int H, int k, cudaStream_t stream) {
+  const int grid = ceil_div(R, MOE_WARPS_PER_BLOCK), threads = 32 * MOE_WARPS_PER_BLOCK;
+  if (row_pieces(H, {dy, dout, y}))
+    moe_combine_backward_kernel<ROW_PIECE><<<grid, threads, 0, stream>>>(dy, dtopk_w, dout, y, slot_of_route, topk_w, R, H, k,
+                                                                        slot_first, slot_count);
+  else
+    moe_combine_backward_kernel<1><<<grid, threads, 0, stream>>>(dy, dtopk_w, dout, y, slot_of_route, topk_w, R, H, k,
+                                                                slot_first, slot_count);
+}
+
 // dy [R,H] (=, sorted order) and dtopk_w [N,k] (=) from dout [N,H] and the expert outputs y [R,H].
 inline void moe_combine_backward(floatX* dy, float* dtopk_w, const floatX* dout, const floatX* y, const int* slot_of_route,
                                  const float* topk_w, int N, int H, int k, cudaStream_t stream) {
   int R = N * k;
   if (R == 0) return;
-  moe_combine_backward_kernel<<<ceil_div(R, MOE_WARPS_PER_BLOCK), 32 * MOE_WARPS_PER_BLOCK, 0, stream>>>(
-      dy, dtopk_w, dout, y, slot_of_route, topk_w, R, H, k, 0, R);
+  moe_combine_backward_launch(dy, dtopk_w, dout, y, slot_of_route, topk_w, 0, R, R, H, k, stream);
   launchCheck("moe_combine_backward", "N=%d H=%d k=%d", N, H, k);
 }
 
@@ -385,8 +405,7 @@ inline void moe_combine_backward_window(floatX* dy, float* dtopk_w, const floatX
                                         int N, int H, int k, cudaStream_t stream) {
   int R = N * k;
   if (R == 0 || slot_count == 0) return;
-  moe_combine_backward_kernel<<<ceil_div(R, MOE_WARPS_PER_BLOCK), 32 * MOE_WARPS_PER_BLOCK, 0, stream>>>(
-      dy, dtopk_w, dout, y, slot_of_route, topk_w, R, H, k, slot_first, slot_count);
+  moe_combine_backward_launch(dy, dtopk_w, dout, y, slot_of_route, topk_w, slot_first, slot_count, R, H, k, stream);
   launchCheck("moe_combine_backward_window", "N=%d H=%d k=%d slot_first=%d slot_count=%d", N, H, k, slot_first, slot_count);
 }
 

@@ -263,10 +263,12 @@ TEST(MoEGpu, RoutePlanIsStableSortByExpert) {
 }
 
 // The row kernels (moe_permute_rows, moe_combine weighted and plain, moe_combine_window_add,
-// swiglu_forward and swiglu_backward; and common.cuh's add_inplace_or_out, floatX + floatX and
-// fp32 += floatX) move rows in 16-byte pieces when H and the buffers allow and one element per thread otherwise
-// (ops/common.cuh, ROW_PIECE). Both paths give the same bits, and the values of the reference: the
-// element path is taken here by placing every buffer one element past an aligned address.
+// swiglu_forward and swiglu_backward, moe_combine_backward; and common.cuh's add_inplace_or_out,
+// floatX + floatX and fp32 += floatX) move rows in 16-byte pieces when H and the buffers allow and
+// one element per thread otherwise (ops/common.cuh, ROW_PIECE). Both paths give the same bits — but
+// for moe_combine_backward's dtopk_w, a dot product whose lanes sum in another order — and the values
+// of the reference: the element path is taken here by placing every buffer one element past an
+// aligned address.
 TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
   REQUIRE_GPU();
   Rng rng;
@@ -289,8 +291,8 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
 
   // Each output's bits, with every buffer at `offset` elements past a pool (aligned) address.
   struct Outputs {
-    std::vector<floatX> permuted, weighted, plain, a, dh13, sum;
-    std::vector<float> window, sum32;
+    std::vector<floatX> permuted, weighted, plain, a, dh13, sum, dy;
+    std::vector<float> window, sum32, dtopk_w;
   };
   auto run = [&](int offset) {
     auto placed = [&](auto zero, const Mat& m, const char* tag) {  // m at `offset`, as decltype(zero)
@@ -310,7 +312,10 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
     DeviceBuffer<floatX> d_weighted(offset + (size_t)N * H, Mem::Workspace, "test.weighted");
     DeviceBuffer<floatX> d_plain(offset + (size_t)N * H, Mem::Workspace, "test.plain");
     DeviceBuffer<floatX> d_sum(offset + (size_t)N * H, Mem::Workspace, "test.sum");
-    for (auto* b : {&d_permuted, &d_weighted, &d_plain, &d_a, &d_dh13, &d_sum}) testutil::poison(b->ptr, b->count);
+    DeviceBuffer<floatX> d_dy(offset + (size_t)R * H, Mem::Workspace, "test.dy");
+    DeviceBuffer<float> d_dtopk_w(R, Mem::Workspace, "test.dtopk_w");
+    for (auto* b : {&d_permuted, &d_weighted, &d_plain, &d_a, &d_dh13, &d_sum, &d_dy}) testutil::poison(b->ptr, b->count);
+    testutil::poison(d_dtopk_w.ptr, R);
     auto d_sum32 = placed(0.f, acc0, "test.sum32");  // fp32 += floatX in place, as the fold of the gradients
     moe_permute_rows(d_permuted.ptr + offset, d_x.ptr + offset, d_route_of_slot.ptr, R, H, k, 0);
     moe_combine(d_weighted.ptr + offset, d_rows.ptr + offset, d_slot_of_route.ptr, d_w.ptr, N, H, k, 0);
@@ -321,6 +326,9 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
     swiglu_backward(d_dh13.ptr + offset, d_da.ptr + offset, d_h13.ptr + offset, R, I, 0);
     add_inplace_or_out(d_sum.ptr + offset, d_x.ptr + offset, d_rows.ptr + offset, (size_t)N * H, 0);
     add_inplace_or_out(d_sum32.ptr + offset, d_sum32.ptr + offset, d_x.ptr + offset, (size_t)N * H, 0);
+    // dout = x, the expert outputs y = rows
+    moe_combine_backward(d_dy.ptr + offset, d_dtopk_w.ptr, d_x.ptr + offset, d_rows.ptr + offset, d_slot_of_route.ptr,
+                         d_w.ptr, N, H, k, 0);
     Outputs o;
     o.permuted = testutil::download_vec(d_permuted.ptr + offset, (size_t)R * H);
     o.weighted = testutil::download_vec(d_weighted.ptr + offset, (size_t)N * H);
@@ -330,6 +338,8 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
     o.dh13 = testutil::download_vec(d_dh13.ptr + offset, (size_t)R * 2 * I);
     o.sum = testutil::download_vec(d_sum.ptr + offset, (size_t)N * H);
     o.sum32 = testutil::download_vec(d_sum32.ptr + offset, (size_t)N * H);
+    o.dy = testutil::download_vec(d_dy.ptr + offset, (size_t)R * H);
+    o.dtopk_w = testutil::download_vec(d_dtopk_w.ptr, R);
     return o;
   };
   const Outputs pieces = run(0), elements = run(1);
@@ -345,6 +355,7 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
   EXPECT_TRUE(same_bits(pieces.dh13, elements.dh13));
   EXPECT_TRUE(same_bits(pieces.sum, elements.sum));
   EXPECT_TRUE(same_bits(pieces.sum32, elements.sum32));
+  EXPECT_TRUE(same_bits(pieces.dy, elements.dy));
   // the adds are one fp32 addition rounded once: exactly what the host computes
   int add_wrong = 0;
   for (int i = 0; i < N * H; i++) {
@@ -361,6 +372,12 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
     weighted_want.row(n) += topk_w(n, r % k) * rows.row(s);
     plain_want.row(n) += rows.row(s);
     if (s >= first && s < first + count) window_want.row(n) += topk_w(n, r % k) * rows.row(s);
+  }
+  Mat dy_want(R, H), dtopk_w_want(N, k);
+  for (int r = 0; r < R; r++) {
+    const int n = r / k, s = slot_of_route[r];
+    dy_want.row(s) = topk_w(n, r % k) * x.row(n);
+    dtopk_w_want(n, r % k) = x.row(n).dot(rows.row(s));
   }
   Mat a_want(R, I), dh13_want(R, 2 * I);
   for (int r = 0; r < R; r++)
@@ -381,4 +398,7 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
   EXPECT_REL("row kernels", "combine window (+=, fp32)", testutil::rel_err(as_mat(pieces.window, N, H), window_want), OP_TOL);
   EXPECT_REL("row kernels", "swiglu forward", testutil::rel_err(as_mat(pieces.a, R, I), a_want), OP_TOL);
   EXPECT_REL("row kernels", "swiglu backward", testutil::rel_err(as_mat(pieces.dh13, R, 2 * I), dh13_want), OP_TOL);
+  EXPECT_REL("row kernels", "combine bwd dy", testutil::rel_err(as_mat(pieces.dy, R, H), dy_want), OP_TOL);
+  EXPECT_REL("row kernels", "combine bwd dtopk_w, pieces", testutil::rel_err(as_mat(pieces.dtopk_w, N, k), dtopk_w_want), OP_TOL);
+  EXPECT_REL("row kernels", "combine bwd dtopk_w, elements", testutil::rel_err(as_mat(elements.dtopk_w, N, k), dtopk_w_want), OP_TOL);
 }

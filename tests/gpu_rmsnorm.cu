@@ -1,6 +1,7 @@
 // GPU tests of ops/rmsnorm.cuh against ref/rmsnorm.hpp: out, rstd, dx and the += dw at shapes
 // that are not multiples of the warp/block sizes, with several rows per backward block
-// (N > 1024), with H past the 48 KiB default shared memory, and bitwise reproducibility.
+// (N > 1024), with H past the 48 KiB default shared memory, with H in 16-byte pieces and not, and
+// bitwise reproducibility.
 #include <cstring>
 #include "gpu_util.cuh"
 #include "../ops/rmsnorm.cuh"
@@ -60,6 +61,8 @@ TEST(RmsNormGpu, MatchesReferenceSmallOddShape) { check_rmsnorm("RmsNormGpu.N37H
 TEST(RmsNormGpu, MatchesReferenceHiddenPastBlockSize) { check_rmsnorm("RmsNormGpu.N300H1000", 300, 1000); }
 TEST(RmsNormGpu, MatchesReferenceSeveralRowsPerBackwardBlock) { check_rmsnorm("RmsNormGpu.N2500H136", 2500, 136); }
 TEST(RmsNormGpu, MatchesReferenceHiddenPastDefaultSharedMemory) { check_rmsnorm("RmsNormGpu.N5H16000", 5, 16000); }
+// H not a multiple of ROW_PIECE: one element per thread instead of 16-byte pieces
+TEST(RmsNormGpu, MatchesReferenceHiddenNotInWholePieces) { check_rmsnorm("RmsNormGpu.N1100H70", 1100, 70); }
 
 TEST(RmsNormGpu, BackwardIsBitwiseReproducible) {
   REQUIRE_GPU();
