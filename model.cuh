@@ -233,9 +233,10 @@ inline void model_set_master(Model& m, const std::vector<float>& global) {
 }
 
 // Zeroes a step's gradients (both buffers in the BF16 build) and per-expert loads.
-inline void model_zero_grads(Model& m) {
+// main_grads_too = false: the step's first pass will set main_grads (=) (PassOptions.first_of_step).
+inline void model_zero_grads(Model& m, bool main_grads_too = true) {
   cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "zero_grads", "P=%zu", m.num_params);
-  if ((void*)m.main_grads != (void*)m.grads)
+  if (main_grads_too && (void*)m.main_grads != (void*)m.grads)
     cudaCheck(cudaMemsetAsync(m.main_grads, 0, m.num_params * sizeof(float), m.stream), "zero_grads", "main P=%zu",
               m.num_params);
   if (m.step_loads_dev)
@@ -244,11 +245,13 @@ inline void model_zero_grads(Model& m) {
   std::fill(m.step_loads.begin(), m.step_loads.end(), 0);
 }
 
-// After a pass: main_grads += grads in fp32, and grads back to zero for the next pass (BF16 build;
-// in the FP32 build the two are one buffer, which keeps summing).
-inline void model_fold_grads(Model& m) {
+// After a pass: main_grads += grads in fp32 (first: main_grads = grads, exact, so that they need no
+// zeroing before), and grads back to zero for the next pass (BF16 build; in the FP32 build the two are
+// one buffer, which keeps summing).
+inline void model_fold_grads(Model& m, bool first) {
   if ((void*)m.main_grads == (void*)m.grads) return;
-  add_inplace_or_out(m.main_grads, m.main_grads, m.grads, m.num_params, m.stream);
+  if (first) convert(m.main_grads, m.grads, m.num_params, m.stream);
+  else add_inplace_or_out(m.main_grads, m.main_grads, m.grads, m.num_params, m.stream);
   cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "fold_grads", "P=%zu", m.num_params);
 }
 
@@ -802,6 +805,7 @@ struct PassOptions {
   bool count_loads = true;    // add routes per expert into m.step_loads_dev
   float dloss = 0.f;          // d(objective)/d(loss of one token), e.g. 1/(B·T·accum)
   bool recompute = false;     // layer-level activation checkpointing
+  bool first_of_step = false; // BF16 build: the fp32 gradient sum main_grads (=) this pass's, not +=
 };
 
 // Embedding and the L layers on device tokens [B·T]: fills boundaries.input[0..L]. With keep_acts
@@ -931,8 +935,8 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     embedding_backward(m.g.wte, d_x, bucket_dev[0], bucket_dev[1], bucket_dev[2], buckets_used, V, H, s);
     pool().free(d_x);
     for (int* p : bucket_dev) pool().free(p);
-    prof_mark(s, "fold grads (bf16 into fp32)", (double)m.num_params * (8 + 2 * sizeof(floatX)));
-    model_fold_grads(m);  // this pass's gradients into the step's fp32 sum
+    prof_mark(s, "fold grads (bf16 into fp32)", (double)m.num_params * ((o.first_of_step ? 4 : 8) + 2 * sizeof(floatX)));
+    model_fold_grads(m, o.first_of_step);  // this pass's gradients into the step's fp32 sum
   }
   prof_mark(s, "pass end: loss download (host wait)");
   if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream, as the loss's download does
@@ -1069,7 +1073,7 @@ float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, i
                        float* grad_norm) {
   std::vector<int> x((size_t)B * T), y((size_t)B * T);
   prof_mark(m.stream, "zero grads");
-  model_zero_grads(m);
+  model_zero_grads(m, false);  // the first pass sets main_grads
   PassOptions o;
   o.dloss = 1.f / ((float)B * T * accum * m.par.world.size);  // the mean over the global batch
   o.recompute = t.recompute != 0;
@@ -1079,6 +1083,7 @@ float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, i
     next_batch(x.data(), y.data());
     pool().mark(("micro-batch " + std::to_string(micro)).c_str());
     m.training_pass = (long long)step * accum + micro;  // what routing traces follow
+    o.first_of_step = micro == 0;
     loss += model_pass(m, x.data(), y.data(), B, T, o) / accum;
   }
   m.training_pass = -1;

@@ -101,17 +101,26 @@ inline void add_inplace_or_out(T* out, const T* a, const TB* b, size_t n, cudaSt
   launchCheck("add", "n=%zu", n);
 }
 
-template <typename Tin, typename Tout>
+// One thread per NV consecutive elements (NV = ROW_PIECE, or 1).
+template <int NV, typename Tin, typename Tout>
 __global__ void convert_kernel(Tout* out, const Tin* in, size_t n) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = from_float<Tout>(to_float(in[i]));
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n / NV) return;
+  const Pack<Tin, NV> v = reinterpret_cast<const Pack<Tin, NV>*>(in)[i];
+  Pack<Tout, NV> o;
+#pragma unroll
+  for (int e = 0; e < NV; e++) o.v[e] = from_float<Tout>(to_float(v.v[e]));
+  reinterpret_cast<Pack<Tout, NV>*>(out)[i] = o;
 }
 
-// out[i] = (Tout) in[i]
+// out[i] = (Tout) in[i]; in pieces of ROW_PIECE elements when n and the buffers allow.
 template <typename Tin, typename Tout>
 inline void convert(Tout* out, const Tin* in, size_t n, cudaStream_t stream) {
   if (n == 0) return;
-  convert_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(out, in, n);
+  if (n % ROW_PIECE == 0 && pack_aligned(out, ROW_PIECE) && pack_aligned(in, ROW_PIECE))
+    convert_kernel<ROW_PIECE><<<ceil_div(n / ROW_PIECE, 256), 256, 0, stream>>>(out, in, n);
+  else
+    convert_kernel<1><<<ceil_div(n, 256), 256, 0, stream>>>(out, in, n);
   launchCheck("convert", "n=%zu", n);
 }
 
