@@ -5,7 +5,7 @@
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   speed: issue 13's speed work (notes/speed.md): the tests it touched in both precisions (AdamWGpu,
-#     OffloadAdamWGpu, RouterGpu, MoEGpu*, GpuModel, ProfileGpu, GpuMemoryPrediction; with 2 GPUs or more test_dist's DistModel), then
+#     OffloadAdamWGpu, RouterGpu, MoEGpu*, GpuModel, ProfileGpu, GpuMemoryPrediction, RmsNormGpu, CrossEntropyGpu; with 2 GPUs or more test_dist's DistModel), then
 #     tools/bench_train.sh's speed part on one GPU: the default model and config B1, tokens/s, MFU, memory
 #     and the per-operator breakdown of step 20 (speed.md; the profile_step*.md files in speed_profiles.tgz), and
 #     bench_expert_gemm (the expert GEMMs of the default model's and B1's layers: grouped call vs per-expert loop)
@@ -313,7 +313,7 @@ if [[ " $want " == *" speed "* ]]; then
   : > "$OUT/speed_tests.log"
   gpus=$(nvidia-smi -L | wc -l)
   for p in fp32 bf16; do
-    runs=("build/$p/test_gpu --gtest_filter=AdamWGpu.*:OffloadAdamWGpu.*:RouterGpu.*:MoEGpu*:GpuModel.*:ProfileGpu.*:GpuMemoryPrediction.*")
+    runs=("build/$p/test_gpu --gtest_filter=AdamWGpu.*:OffloadAdamWGpu.*:RouterGpu.*:MoEGpu*:GpuModel.*:ProfileGpu.*:GpuMemoryPrediction.*:RmsNormGpu.*:CrossEntropyGpu.*")
     [ "$gpus" -ge 2 ] && runs+=("build/$p/test_dist --gtest_filter=DistModel.*")
     for run in "${runs[@]}"; do
       $run > build/speed_run.log 2>&1
