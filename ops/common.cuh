@@ -48,7 +48,8 @@ inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
 // moves 16 bytes per access (one 2-byte access per thread keeps too few bytes in flight); so a
 // kernel over rows of H floatX (or a flat array of n) takes ROW_PIECE = 16/sizeof(floatX) consecutive
 // elements per thread when the rows are whole pieces and every buffer it touches is aligned for them,
-// and one element per thread otherwise (the same arithmetic per element either way: the same bits).
+// and one element per thread otherwise. An element-wise kernel gives the same bits either way; one that
+// reduces along a row (RMSNorm, cross-entropy) sums in another order on each path.
 
 static const int ROW_PIECE = 16 / (int)sizeof(floatX);  // floatX elements in 16 bytes
 

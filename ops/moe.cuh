@@ -112,17 +112,17 @@ static __global__ void moe_plan_rank_kernel(int* route_of_slot, int* slot_of_rou
 // ---------------------------------------------------------------------------------------------
 // Kernels: row movement, activation, combine
 
-// rows [R,H] (=): rows[s] = x[route_of_slot[s] / k]. One thread per N consecutive elements of a row
-// (N = ROW_PIECE, or 1 when rows are not whole pieces; see common.cuh).
-template <int N>
+// rows [R,H] (=): rows[s] = x[route_of_slot[s] / k]. One thread per NV consecutive elements of a
+// row (NV = ROW_PIECE, or 1 when rows are not whole pieces; see common.cuh).
+template <int NV>
 static __global__ void moe_permute_rows_kernel(floatX* rows, const floatX* x, const int* route_of_slot, int R, int H, int k) {
-  const int pieces = H / N;  // per row
+  const int pieces = H / NV;  // per row
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (size_t)R * pieces) return;
   const size_t s = i / pieces;
   const int c = (int)(i % pieces);
   const size_t n = route_of_slot[s] / k;
-  reinterpret_cast<Pack<floatX, N>*>(rows)[i] = reinterpret_cast<const Pack<floatX, N>*>(x)[n * pieces + c];
+  reinterpret_cast<Pack<floatX, NV>*>(rows)[i] = reinterpret_cast<const Pack<floatX, NV>*>(x)[n * pieces + c];
 }
 
 // a [R,I] (=) = silu(h13[:, :I]) ⊙ h13[:, I:]. One thread per NV consecutive elements of a (NV =
