@@ -212,3 +212,40 @@ TEST(AdamWHost, ClipScaleMatchesReference) {
       EXPECT_NEAR(clip_scale(norm, max_norm), ref::clip_scale<double>(norm, max_norm), 1e-6)
           << "norm=" << norm << " max_norm=" << max_norm;
 }
+
+// The launch plan (host only, runs without a GPU): the non-empty segments in order, 64 per launch;
+// within a launch each segment's blocks follow the previous one's, one block per ADAMW_CHUNK elements
+// (a partial chunk gets its own block), so block q's binary search finds exactly one segment.
+TEST(AdamWHost, LaunchPlanCutsTheSegmentsIntoLaunchesOf64) {
+  std::vector<ShardSegment> segs;
+  size_t offset = 0, state = 0, non_empty = 0;
+  for (int i = 0; i < 150; i++) {
+    const size_t count = i % 9 == 4 ? 0 : (size_t)(i * 37 % 5000) + 1;  // some empty, some under a chunk
+    segs.push_back(ShardSegment{offset, state, count, i % 2 == 0});
+    offset += count + 3;
+    state += count;
+    non_empty += count > 0;
+  }
+  const AdamWLaunchPlan plan(segs);
+  EXPECT_EQ(plan.segments, (int)non_empty);
+  ASSERT_EQ(plan.batches.size(), (non_empty + ADAMW_SEGMENTS_PER_LAUNCH - 1) / ADAMW_SEGMENTS_PER_LAUNCH);
+  size_t next = 0;  // the next non-empty segment of segs
+  for (const AdamWSegmentBatch& b : plan.batches) {
+    EXPECT_LE(b.count, ADAMW_SEGMENTS_PER_LAUNCH);
+    unsigned int blocks = 0;
+    for (int j = 0; j < b.count; j++) {
+      while (segs[next].count == 0) next++;
+      const ShardSegment& g = segs[next++];
+      const AdamWSegmentArg& a = b.seg[j];
+      EXPECT_EQ(a.param_offset, g.param_offset);
+      EXPECT_EQ(a.state_offset, g.state_offset);
+      EXPECT_EQ(a.count, g.count);
+      EXPECT_EQ(a.decay, g.decay ? 1 : 0);
+      EXPECT_EQ(a.first_block, blocks) << "segment " << j << " of a launch";
+      blocks += (unsigned int)((g.count + ADAMW_CHUNK - 1) / ADAMW_CHUNK);
+    }
+    EXPECT_EQ(b.blocks, blocks);
+  }
+  while (next < segs.size() && segs[next].count == 0) next++;
+  EXPECT_EQ(next, segs.size()) << "every non-empty segment is in a launch";
+}
