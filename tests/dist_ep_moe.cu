@@ -20,16 +20,8 @@ void check_case(const std::string& label, const GlobalCase& c, const Comm& ep, c
   const int r = ep.rank, E_l = c.E / c.ranks;
   const std::string name = label + " rank " + std::to_string(r);
   SCOPED_TRACE(name);
-  ref::EPShard<double> want = ref::ep_moe_shard(c.x, c.topk_idx, c.topk_w, c.dout, c.W13, c.W2, c.ranks, r);
-  const Mat dW13_want = stack(c.dW13_init, r * E_l, E_l) + stack(want.dW13, 0, E_l);
-  const Mat dW2_want = stack(c.dW2_init, r * E_l, E_l) + stack(want.dW2, 0, E_l);
   Shard got = run_ep(c, ep, stream);
-
-  EXPECT_REL(name.c_str(), "out", testutil::rel_err(got.out, want.out), OP_TOL);
-  EXPECT_REL(name.c_str(), "dx", testutil::rel_err(got.dx, want.dx), OP_TOL);
-  EXPECT_REL(name.c_str(), "dtopk_w", testutil::rel_err(got.dtopk_w, want.dtopk_w), OP_TOL);
-  EXPECT_REL(name.c_str(), "dW13 (+=)", testutil::rel_err(got.dW13, dW13_want), OP_TOL);
-  EXPECT_REL(name.c_str(), "dW2 (+=)", testutil::rel_err(got.dW2, dW2_want), OP_TOL);
+  expect_shard_near(name, got, reference_shard(c, r), OP_TOL, OP_TOL);
 
   // routes received, per local expert; an expert without routes keeps its gradient bit for bit
   std::vector<ref::EPRoute> received = ref::ep_received_routes(c.topk_idx, c.E, c.ranks, r, ref::EPOrder::ByExpert);
@@ -53,12 +45,7 @@ void check_case(const std::string& label, const GlobalCase& c, const Comm& ep, c
 
   // the single-GPU schedule on the same global batch
   Shard single = run_single_gpu(c, r, stream);
-  const std::string vs = name + " vs 1 GPU";
-  EXPECT_REL(vs.c_str(), "out", testutil::rel_err(got.out, single.out), SCHEDULE_TOL);
-  EXPECT_REL(vs.c_str(), "dx", testutil::rel_err(got.dx, single.dx), SCHEDULE_TOL);
-  EXPECT_REL(vs.c_str(), "dtopk_w", testutil::rel_err(got.dtopk_w, single.dtopk_w), SCHEDULE_TOL);
-  EXPECT_REL(vs.c_str(), "dW13 (+=)", testutil::rel_err(got.dW13, single.dW13), SCHEDULE_TOL);
-  EXPECT_REL(vs.c_str(), "dW2 (+=)", testutil::rel_err(got.dW2, single.dW2), SCHEDULE_TOL);
+  expect_shard_near(name + " vs 1 GPU", got, single, SCHEDULE_TOL, SCHEDULE_TOL);
 }
 
 }  // namespace
@@ -124,25 +111,14 @@ std::vector<long long> chunk_counts(const GlobalCase& c, int K, int i) {
 
 void check_llep_case(const std::string& label, const GlobalCase& c, double alpha, long long min_rows,
                      const std::vector<int>& chunk_counts_to_run, const Comm& ep, cudaStream_t stream) {
-  const int r = ep.rank, E_l = c.E / c.ranks, H = c.H, I = c.I, k = c.k;
+  const int r = ep.rank, H = c.H, I = c.I, k = c.k;
   const size_t b = sizeof(floatX);
-  ref::EPShard<double> want = ref::ep_moe_shard(c.x, c.topk_idx, c.topk_w, c.dout, c.W13, c.W2, c.ranks, r);
-  const Mat dW13_want = stack(c.dW13_init, r * E_l, E_l) + stack(want.dW13, 0, E_l);
-  const Mat dW2_want = stack(c.dW2_init, r * E_l, E_l) + stack(want.dW2, 0, E_l);
+  const Shard want = reference_shard(c, r);
   const Shard standard = run_ep(c, ep, stream);
   auto expect_exact = [&](const std::string& name, const Shard& got) {
     SCOPED_TRACE(name);
-    EXPECT_REL(name.c_str(), "out", testutil::rel_err(got.out, want.out), OP_TOL);
-    EXPECT_REL(name.c_str(), "dx", testutil::rel_err(got.dx, want.dx), OP_TOL);
-    EXPECT_REL(name.c_str(), "dtopk_w", testutil::rel_err(got.dtopk_w, want.dtopk_w), OP_TOL);
-    EXPECT_REL(name.c_str(), "dW13 (+=)", testutil::rel_err(got.dW13, dW13_want), OP_TOL);
-    EXPECT_REL(name.c_str(), "dW2 (+=)", testutil::rel_err(got.dW2, dW2_want), OP_TOL);
-    const std::string vs = name + " vs ep";
-    EXPECT_REL(vs.c_str(), "out", testutil::rel_err(got.out, standard.out), SCHEDULE_TOL);
-    EXPECT_REL(vs.c_str(), "dx", testutil::rel_err(got.dx, standard.dx), SCHEDULE_TOL);
-    EXPECT_REL(vs.c_str(), "dtopk_w", testutil::rel_err(got.dtopk_w, standard.dtopk_w), SCHEDULE_TOL);
-    EXPECT_REL(vs.c_str(), "dW13 (+=)", testutil::rel_err(got.dW13, standard.dW13), SPLIT_TOL);
-    EXPECT_REL(vs.c_str(), "dW2 (+=)", testutil::rel_err(got.dW2, standard.dW2), SPLIT_TOL);
+    expect_shard_near(name, got, want, OP_TOL, OP_TOL);
+    expect_shard_near(name + " vs ep", got, standard, SCHEDULE_TOL, SPLIT_TOL);
   };
 
   // LLEP: this rank computes the plan's R_d, within cap + min_rows − 1, with standard EP's schedule

@@ -200,6 +200,30 @@ const double SPLIT_TOL = 8e-3;
 const double SPLIT_TOL = 1e-6;
 #endif
 
+// Rank r's shard of the reference over the global batch (ref/ep_moe.hpp), its weight gradients added
+// onto their starting values as the dispatchers add theirs (+=).
+Shard reference_shard(const GlobalCase& c, int r) {
+  const int E_l = c.E / c.ranks;
+  const ref::EPShard<double> want = ref::ep_moe_shard(c.x, c.topk_idx, c.topk_w, c.dout, c.W13, c.W2, c.ranks, r);
+  Shard s;
+  s.out = want.out;
+  s.dx = want.dx;
+  s.dtopk_w = want.dtopk_w;
+  s.dW13 = stack(c.dW13_init, r * E_l, E_l) + stack(want.dW13, 0, E_l);
+  s.dW2 = stack(c.dW2_init, r * E_l, E_l) + stack(want.dW2, 0, E_l);
+  return s;
+}
+
+// Each of a shard's five tensors against another shard's, by normwise relative error ([err] lines
+// labelled `name`): out, dx and dtopk_w within tol, the weight gradients (+=) within tol_w.
+void expect_shard_near(const std::string& name, const Shard& got, const Shard& want, double tol, double tol_w) {
+  EXPECT_REL(name.c_str(), "out", testutil::rel_err(got.out, want.out), tol);
+  EXPECT_REL(name.c_str(), "dx", testutil::rel_err(got.dx, want.dx), tol);
+  EXPECT_REL(name.c_str(), "dtopk_w", testutil::rel_err(got.dtopk_w, want.dtopk_w), tol);
+  EXPECT_REL(name.c_str(), "dW13 (+=)", testutil::rel_err(got.dW13, want.dW13), tol_w);
+  EXPECT_REL(name.c_str(), "dW2 (+=)", testutil::rel_err(got.dW2, want.dW2), tol_w);
+}
+
 // A stream for one test, destroyed at the end.
 struct TestStream {
   cudaStream_t s;

@@ -149,6 +149,15 @@ void check_case(const char* name, const MoECase& c) {
   }
 }
 
+// Two runs' results equal value for value (the downloads are the floatX values, exactly).
+void expect_same_results(const MoEResult& a, const MoEResult& b) {
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.dx, b.dx);
+  EXPECT_EQ(a.dtopk_w, b.dtopk_w);
+  EXPECT_EQ(a.dW13, b.dW13);
+  EXPECT_EQ(a.dW2, b.dW2);
+}
+
 }  // namespace
 
 TEST(MoEGpu, UniformRoutingWithAnEmptyExpert) {
@@ -199,12 +208,7 @@ TEST(MoEGpu, DenseRoutesKnownCountIsBitIdentical) {
   Rng rng;
   MoECase c = make_case(rng, 77, 64, 40, 1, 1, uniform_routes({0}, 1));
   c.topk_w.setOnes();
-  MoEResult downloaded = run_device(c, false), known = run_device(c, true);
-  EXPECT_EQ(downloaded.out, known.out);
-  EXPECT_EQ(downloaded.dx, known.dx);
-  EXPECT_EQ(downloaded.dtopk_w, known.dtopk_w);
-  EXPECT_EQ(downloaded.dW13, known.dW13);
-  EXPECT_EQ(downloaded.dW2, known.dW2);
+  expect_same_results(run_device(c, false), run_device(c, true));
 }
 
 // dense_routes with E > 1 or k > 1 is refused before any device work (runs with or without a GPU).
@@ -222,12 +226,7 @@ TEST(MoEGpu, ReplaysBitForBit) {
   REQUIRE_GPU();
   Rng rng;
   MoECase c = make_case(rng, 211, 64, 48, 6, 2, skewed_routes({1, 2, 3, 4, 5}, 2));
-  MoEResult first = run_device(c), second = run_device(c);
-  EXPECT_EQ(first.out, second.out);
-  EXPECT_EQ(first.dx, second.dx);
-  EXPECT_EQ(first.dtopk_w, second.dtopk_w);
-  EXPECT_EQ(first.dW13, second.dW13);
-  EXPECT_EQ(first.dW2, second.dW2);
+  expect_same_results(run_device(c), run_device(c));
 }
 
 // moe_route_plan is the stable sort of the routes by expert (std::stable_sort on the host), across
