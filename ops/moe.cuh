@@ -16,23 +16,23 @@
 //   moe_route_plan       routes sorted by expert, stable (ascending route index inside an expert):
 //                        route_of_slot / slot_of_route; returns the per-expert counts on the host
 //   moe_permute_rows     xp[s] = x[route_of_slot[s] / k]
-//   grouped_gemm         one cublasGemmGroupedBatchedEx per GEMM, one group per expert with ≥ 1 route
+//   grouped_gemm         ops/grouped_gemm.cuh, one problem per expert with ≥ 1 route: one launch of
+//                        flatmoe's tensor-core kernel per GEMM (BF16), one cublasGemmGroupedBatchedEx (FP32)
 //   swiglu_forward/backward, moe_combine (weighted or plain sum over the k slots), moe_combine_backward;
 //                        their window forms (moe_combine_window_add, moe_combine_backward_window) take only
 //                        the routes of a range of sorted slots: one ring hop's (ops/relay_moe.cuh)
 // Live set (b = bytes per floatX): saved between forward and backward: route maps 2·R·4 B (Dispatch),
 // h13 R·2I·b (ExpertIntermediates), y R·H·b (Dispatch). Forward temporaries on top: xp R·H·b
-// (Dispatch) and a R·I·b (ExpertIntermediates), plus the plan's ceil(R/256)·E·4 B and pointer arrays
-// (Workspace). Backward temporaries on top: one R·H·b row buffer at a time (dy, dxp, xp; Dispatch)
+// (Dispatch) and a R·I·b (ExpertIntermediates), plus the plan's ceil(R/256)·E·4 B and cuBLAS's
+// pointer arrays (Workspace, FP32 build). Backward temporaries on top: one R·H·b row buffer at a time (dy, dxp, xp; Dispatch)
 // and at most R·3I·b of per-route hidden state (ExpertIntermediates). All temporaries are freed
 // before each launcher returns. Under skew nothing here is bounded except by R = N·k.
-// Determinism: integer atomics only (counting); every float sum has a fixed order; cuBLAS GEMMs
+// Determinism: integer atomics only (counting); every float sum has a fixed order; the grouped GEMMs
 // are deterministic for a fixed problem list.
 // Profiling (runtime/profile.cuh): each piece below opens a sub-range of its caller's range with
 // prof_sub (nothing when the profiler is off), with the bytes its memory-bound kernels move.
-// BF16 build: cuBLAS needs 16-byte aligned bf16 matrix pointers when a GEMM's K is a multiple of 8
-// (4-byte when even); grouped_gemm refuses misaligned problems. H and I multiples of 8 with
-// pool-allocated tensors always satisfy it.
+// BF16 build: the grouped GEMMs need 16-byte aligned bf16 rows (ops/grouped_gemm.cuh); H and I
+// multiples of 8 (config.hpp) with pool-allocated tensors always satisfy it.
 #pragma once
 #include <algorithm>
 #include <climits>
@@ -40,13 +40,13 @@
 #include <memory>
 #include <vector>
 #include "common.cuh"
+#include "grouped_gemm.cuh"
 #include "../runtime/pool.cuh"
 #include "../runtime/profile.cuh"
 
 static const int MOE_PLAN_TILE = 256;          // routes per tile of the stable sort
 static const int MOE_MAX_E = 12288;            // the plan keeps one int per expert in shared memory (48 KiB)
 static const int MOE_WARPS_PER_BLOCK = 8;      // routes per block in moe_combine_backward
-static const int GROUPED_GEMM_PTR_CHUNK = 480; // pointers per launch argument (kernel arguments ≤ 4 KiB)
 
 // ---------------------------------------------------------------------------------------------
 // Kernels: routing plan (stable counting sort of the routes by expert)
@@ -248,14 +248,6 @@ static __global__ void dense_routes_kernel(int* topk_idx, float* topk_w, int N) 
   topk_w[n] = 1.f;
 }
 
-// Writes `count` pointers, passed by value as a kernel argument, to dst (device).
-struct GroupedGemmPointerChunk {
-  void* ptr[GROUPED_GEMM_PTR_CHUNK];
-};
-static __global__ void grouped_gemm_pointers_kernel(void** dst, GroupedGemmPointerChunk chunk, int count) {
-  for (int i = threadIdx.x; i < count; i += blockDim.x) dst[i] = chunk.ptr[i];
-}
-
 // ---------------------------------------------------------------------------------------------
 // Launchers: pieces
 
@@ -263,8 +255,8 @@ static __global__ void grouped_gemm_pointers_kernel(void** dst, GroupedGemmPoint
 // route, slot_of_route [R] (=) route -> sorted position. Expert e owns the sorted positions
 // [offset_e, offset_e + count_e), offset = exclusive prefix of count.
 // With host_counts: the E per-expert counts come to the host into *host_counts, and expert indices
-// outside [0,E) are refused (one D2H copy of E+1 ints: synchronises `stream` once; cuBLAS takes the
-// grouped GEMMs' sizes from host memory). Without: nothing leaves the GPU and the host does not wait
+// outside [0,E) are refused (one D2H copy of E+1 ints: synchronises `stream` once; the grouped
+// GEMMs take their sizes from host memory). Without: nothing leaves the GPU and the host does not wait
 // — for a caller that counted the routes and checked the indices itself (ops/pipelined_llep.cuh:
 // every chunk's counts in one copy); a route outside [0,E) then gets no slot.
 inline void moe_route_sort(int* route_of_slot, int* slot_of_route, const int* topk_idx, int R, int E, cudaStream_t stream,
@@ -409,67 +401,6 @@ inline void moe_combine_backward_window(floatX* dy, float* dtopk_w, const floatX
   launchCheck("moe_combine_backward_window", "N=%d H=%d k=%d slot_first=%d slot_count=%d", N, H, k, slot_first, slot_count);
 }
 
-// Row-major problem g: C_g [M,N] = op(A_g) [M,K] · op(B_g) [K,N] + beta · C_g, where op(A) = A
-// stored [M,K] (row stride lda), or Aᵀ of A stored [K,M] when transA; likewise B ([K,N] or, when
-// transB, [N,K], row stride ldb); C row stride ldc.
-struct GroupedGemmProblem {
-  const floatX* A;
-  const floatX* B;
-  floatX* C;
-  int M, N, K;
-};
-
-// All problems in ONE cublasGemmGroupedBatchedEx call, each its own group of one (sizes differ per
-// expert). cuBLAS is column-major: row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so
-// cuBLAS's A is our B and vice versa. Sizes, leading dimensions, transposes and alpha/beta are host
-// arrays; the A/B/C pointer arrays are device arrays (pool, Workspace), written by a kernel that
-// takes them as launch arguments, so no host-side staging buffer and no synchronisation is needed.
-// Every M, N, K must be ≥ 1 (callers leave out experts without routes).
-inline void grouped_gemm(const char* op, const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB,
-                         int lda, int ldb, int ldc, float beta, cudaStream_t stream) {
-  const int G = (int)problems.size();
-  if (G == 0) return;
-  std::vector<cublasOperation_t> op_a(G, transB ? CUBLAS_OP_T : CUBLAS_OP_N);
-  std::vector<cublasOperation_t> op_b(G, transA ? CUBLAS_OP_T : CUBLAS_OP_N);
-  std::vector<int> m(G), n(G), kk(G), ld_a(G, ldb), ld_b(G, lda), ld_c(G, ldc), group_size(G, 1);
-  std::vector<float> alpha(G, 1.f), betas(G, beta);
-  std::vector<void*> ptrs(3 * (size_t)G);  // [cuBLAS A = our B | cuBLAS B = our A | C]; A, B only read
-  for (int g = 0; g < G; g++) {
-    const GroupedGemmProblem& p = problems[g];
-    if (p.M < 1 || p.N < 1 || p.K < 1) fm_fail(op, "grouped_gemm problem with an empty dimension", "problem=%d M=%d N=%d K=%d", g, p.M, p.N, p.K);
-#if defined(FLATMOE_BF16)
-    // cuBLAS's rule for bf16 matrix pointers: 16-byte aligned when K % 8 == 0, 4-byte when K is even.
-    size_t need = p.K % 8 == 0 ? 16 : p.K % 2 == 0 ? 4 : 1;
-    if ((uintptr_t)p.A % need || (uintptr_t)p.B % need || (uintptr_t)p.C % need)
-      fm_fail(op, "bf16 matrix pointer misaligned for cuBLAS (keep H and I multiples of 8)",
-              "problem=%d M=%d N=%d K=%d need=%zu-byte alignment", g, p.M, p.N, p.K, need);
-#endif
-    m[g] = p.N;
-    n[g] = p.M;
-    kk[g] = p.K;
-    ptrs[g] = const_cast<floatX*>(p.B);
-    ptrs[G + g] = const_cast<floatX*>(p.A);
-    ptrs[2 * (size_t)G + g] = p.C;
-  }
-  void** dev_ptrs = pool().alloc_t<void*>(ptrs.size(), Mem::Workspace, "grouped_gemm.pointers");
-  for (size_t first = 0; first < ptrs.size(); first += GROUPED_GEMM_PTR_CHUNK) {
-    int count = (int)std::min<size_t>(GROUPED_GEMM_PTR_CHUNK, ptrs.size() - first);
-    GroupedGemmPointerChunk chunk;
-    memcpy(chunk.ptr, ptrs.data() + first, count * sizeof(void*));
-    grouped_gemm_pointers_kernel<<<1, 256, 0, stream>>>(dev_ptrs + first, chunk, count);
-    launchCheck(op, "grouped_gemm pointers groups=%d", G);
-  }
-  cublasHandle_t handle = cublas_on(stream, op);
-  cublasCheck(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST), op, "groups=%d", G);
-  cublasCheck(cublasGemmGroupedBatchedEx(handle, op_a.data(), op_b.data(), m.data(), n.data(), kk.data(),
-                                         alpha.data(), dev_ptrs, CUBLAS_FLOATX, ld_a.data(), dev_ptrs + G,
-                                         CUBLAS_FLOATX, ld_b.data(), betas.data(),
-                                         dev_ptrs + 2 * (size_t)G, CUBLAS_FLOATX,
-                                         ld_c.data(), G, group_size.data(), CUBLAS_COMPUTE),
-              op, "groups=%d transA=%d transB=%d lda=%d ldb=%d ldc=%d", G, (int)transA, (int)transB, lda, ldb, ldc);
-  pool().free(dev_ptrs);  // stream-ordered reuse: the next user of this block runs after the GEMM on `stream`
-}
-
 // topk_idx [N] (=) 0 and topk_w [N] (=) 1: the trivial routing (E = 1, k = 1) under which
 // moe_forward / moe_backward compute a dense SwiGLU FFN (dense layers, shared expert).
 inline void dense_routes(int* topk_idx, float* topk_w, int N, cudaStream_t stream) {
@@ -585,8 +516,8 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
 
 // out [N,H] (=; nullptr: no combine, only what backward needs — a layer's recomputation, whose
 // output is already kept); fills `saved` (which must be empty: moe_saved_free it after backward).
-// Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host: cuBLAS's
-// grouped GEMM takes its problem sizes from host arrays) — except with dense_routes = true: the
+// Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host: the
+// grouped GEMMs take their problem sizes from the host) — except with dense_routes = true: the
 // caller's topk_idx is dense_routes' (E = 1, k = 1, every route to expert 0), so the one count is N,
 // known on the host, and nothing waits (a dense FFN layer, the shared expert: no host sync).
 inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
@@ -698,7 +629,8 @@ struct DispatchBound {
 
 // moe_forward + moe_backward, R = N·k routes: route maps 2·R·4 B and y R·H·b (Dispatch) and h13 R·2I·b
 // (ExpertIntermediates) saved; backward adds dy + a + da (R·H·b + 2·R·I·b), or dh13 + da (3·R·I·b),
-// or dxp/xp + dh13 (R·H·b + 2·R·I·b), and a grouped GEMM's pointer table (3 per expert, Workspace).
+// or dxp/xp + dh13 (R·H·b + 2·R·I·b), and a grouped GEMM's pointer table (3 per expert, Workspace;
+// only cuBLAS's path has one, counted in both builds).
 inline DispatchBound moe_live_bound(long long N, int H, int I, int E, int k, size_t b) {
   const size_t R = (size_t)N * k;
   DispatchBound d;

@@ -1,7 +1,8 @@
 // tools/bench_expert_gemm.cu — the six expert GEMMs of one MoE layer (ops/moe.cuh: h13 = xp W13ᵀ,
-// y = a W2ᵀ, da = dy W2, dW2 += dyᵀ a, dxp = dh13 W13, dW13 += dh13ᵀ xp) on one GPU, each two ways on
-// the same inputs: ops/moe.cuh's grouped_gemm (ONE cublasGemmGroupedBatchedEx call, one group per
-// expert) and a loop of one cublasGemmEx per expert.
+// y = a W2ᵀ, da = dy W2, dW2 += dyᵀ a, dxp = dh13 W13, dW13 += dh13ᵀ xp) on one GPU, each three ways
+// on the same inputs: ops/grouped_gemm.cuh's grouped_gemm (what training runs: flatmoe's tensor-core
+// kernel, one launch per GEMM, or cuBLAS — the "runs" column), grouped_gemm_cublas (ONE
+// cublasGemmGroupedBatchedEx call, one group per expert) and a loop of one cublasGemmEx per expert.
 //
 //   build/bf16/bench_expert_gemm [--configs H:I:E:R,...] [--spread s] [--warmup 2] [--iters 10]
 //
@@ -11,10 +12,11 @@
 // (--spread s, default 0.3: shares within ±30 % of even). Time: CUDA events around one call on a stream,
 // median of --iters after --warmup; "host ms": the median host time to issue the call (when it is near
 // the GPU time, the call is bound by the host). TFLOP/s = 2·M·N·K summed over the experts / time.
-// "rel diff": ‖C_grouped − C_loop‖ / ‖C_loop‖ after one call of each from the same C (0 when cuBLAS
-// runs the same kernels both ways; bf16 rounding level when not). Markdown rows.
+// "rel diff": ‖C − C_loop‖ / ‖C_loop‖ for grouped_gemm and for the cuBLAS grouped call, after one
+// call of each from the same C (0: the same bits). Markdown rows.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -125,8 +127,9 @@ int main(int argc, char** argv) {
     for (int e = 1; e < E; e++) offsets[e] = offsets[e - 1] + counts[e - 1];
     const auto [lo, hi] = std::minmax_element(counts.begin(), counts.end());
     printf("\n### H %d, I %d, E %d, R %d (routes per expert %d to %d)\n\n", H, I, E, R, *lo, *hi);
-    printf("| GEMM | GFLOP | grouped ms | TFLOP/s | host ms | per-expert loop ms | TFLOP/s | host ms | rel diff |\n");
-    printf("|---|---|---|---|---|---|---|---|---|\n");
+    printf("| GEMM | GFLOP | grouped_gemm runs | grouped_gemm ms | TFLOP/s | host ms | cuBLAS grouped ms | TFLOP/s | host ms | "
+           "per-expert loop ms | TFLOP/s | host ms | rel diff grouped_gemm | rel diff cuBLAS grouped |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     fflush(stdout);
     auto filled = [&](size_t n, unsigned seed, const char* tag) {
       DeviceBuffer<floatX> b(n, Mem::Workspace, tag);
@@ -167,27 +170,33 @@ int main(int argc, char** argv) {
     for (const Gemm& g : gemms) {
       double flop = 0;
       for (const GroupedGemmProblem& p : g.problems) flop += 2.0 * p.M * p.N * p.K;
-      auto grouped = [&] { grouped_gemm(g.name, g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); };
-      auto loop = [&] { gemm_per_expert(g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); };
-      std::vector<float> results[2];
-      for (int way = 0; way < 2; way++) {  // one call of each from C = 0 (dW: += onto 0)
+      const std::vector<std::function<void()>> ways = {
+          [&] { grouped_gemm(g.name, g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); },
+          [&] { grouped_gemm_cublas(g.name, g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); },
+          [&] { gemm_per_expert(g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); }};
+      std::vector<float> results[3];
+      for (int way = 0; way < 3; way++) {  // one call of each from C = 0 (dW: += onto 0)
         cudaCheck(cudaMemsetAsync(g.C, 0, g.C_count * sizeof(floatX), stream), "bench_expert_gemm", "zero C");
-        if (way == 0) grouped();
-        else loop();
+        ways[way]();
         results[way] = download(g.C, g.C_count, stream);
       }
-      double num = 0, den = 0;
-      for (size_t i = 0; i < g.C_count; i++) {
-        const double d = (double)results[0][i] - results[1][i];
-        num += d * d;
-        den += (double)results[1][i] * results[1][i];
+      auto rel_diff_to_loop = [&](const std::vector<float>& c) {
+        double num = 0, den = 0;
+        for (size_t i = 0; i < g.C_count; i++) {
+          const double d = (double)c[i] - results[2][i];
+          num += d * d;
+          den += (double)results[2][i] * results[2][i];
+        }
+        return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      };
+      printf("| %s | %.1f | %s", g.name, flop / 1e9,
+             grouped_gemm_takes_kernel(g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc) ? "kernel" : "cuBLAS");
+      for (int way = 0; way < 3; way++) {
+        double issue_ms = 0;
+        const double ms = median_ms(ways[way], f.warmup, f.iters, stream, "bench_expert_gemm", &issue_ms);
+        printf(" | %.3f | %.0f | %.3f", ms, flop / (ms * 1e9), issue_ms);
       }
-      double grouped_issue = 0, loop_issue = 0;
-      const double grouped_ms = median_ms(grouped, f.warmup, f.iters, stream, "bench_expert_gemm", &grouped_issue);
-      const double loop_ms = median_ms(loop, f.warmup, f.iters, stream, "bench_expert_gemm", &loop_issue);
-      printf("| %s | %.1f | %.3f | %.0f | %.3f | %.3f | %.0f | %.3f | %.1e |\n", g.name, flop / 1e9, grouped_ms,
-             flop / (grouped_ms * 1e9), grouped_issue, loop_ms, flop / (loop_ms * 1e9), loop_issue,
-             den > 0 ? std::sqrt(num / den) : std::sqrt(num));
+      printf(" | %.1e | %.1e |\n", rel_diff_to_loop(results[0]), rel_diff_to_loop(results[1]));
       fflush(stdout);
     }
   }

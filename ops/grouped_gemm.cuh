@@ -1,0 +1,401 @@
+// grouped_gemm.cuh — many row-major GEMMs of different sizes in one call: the expert GEMMs of a MoE
+// layer (ops/moe.cuh: one problem per expert; the expert-parallel dispatchers: one per group of
+// routes). Twin: plain products in ref/moe.hpp (tests/gpu_grouped_gemm.cu holds each problem to a
+// double-precision product of the same inputs).
+//
+//   problem g:  C_g [M,N] = op(A_g) [M,K] · op(B_g) [K,N] + beta · C_g          C (=, or += with beta 1)
+//   op(A) = A stored [M,K] (row stride lda), or, with transA, Aᵀ of A stored [K,M]; likewise op(B) =
+//   B stored [K,N], or, with transB, Bᵀ of B stored [N,K] (ldb); C row stride ldc. The six expert
+//   GEMMs: h13 = xp W13ᵀ and y = a W2ᵀ (transB), da = dy W2 and dxp = dh13 W13 (neither),
+//   dW2 += dyᵀ a and dW13 += dh13ᵀ xp (transA, beta 1; K = the group's routes, different per group).
+//
+// Two implementations behind grouped_gemm (grouped_gemm_takes_kernel):
+//   - BF16 build: flatmoe's own kernel below, bf16 mma.sync with fp32 accumulation, ONE launch for up
+//     to GGEMM_PROBLEMS_PER_LAUNCH problems, their sizes passed as the launch's argument — except
+//     weight-gradient problems (transA) of ≥ GGEMM_CUBLAS_MIN_FLOP each, and shapes the kernel does
+//     not take (requirements below).
+//   - otherwise, and always in the FP32 build (pedantic fp32, no TF32): one cublasGemmGroupedBatchedEx.
+// Why (notes/speed.md, F; tools/bench_expert_gemm): cublasGemmGroupedBatchedEx runs the forward and
+// input-gradient forms on an sm80 grouped kernel (240–290 TFLOP/s on B1's layer, 70–130 on the default
+// model's), where this kernel reaches 260–320 and 110–160. The weight-gradient forms, whose K differs
+// per problem, cuBLAS does not group: it issues one GEMM per problem from the host, ~8 µs each, on its
+// Hopper kernels (~400 TFLOP/s). A problem that takes the GPU longer than that to compute — 8 µs at
+// 400 TFLOP/s is ~3 GFLOP — is faster that way (B1's dW13: 4.3 GFLOP per expert, 400 against this
+// kernel's 250); a smaller one leaves the GPU waiting on the host (the default model's dW: 0.3–0.6
+// GFLOP per expert, 30–60 TFLOP/s through cuBLAS, 70–110 here).
+//
+// The kernel. Every problem is cut into tiles of BM × BN = 128 × 128 of C; the launch's blocks take
+// the tiles of problem 0, then of problem 1, …, each problem's tiles row by row (so neighbouring
+// blocks share a row panel of op(A)); a block finds its problem by a binary search over the
+// problems' first tiles (kernel argument, constant cache). Per block, 4 warps in 2 × 2, each a 64 × 64
+// piece of the tile (4 × 8 mma m16n8k16 per k-step of 16; 4 + 4 ldmatrix.x4 feed its 32 MMAs):
+//
+//                 BN = 128 columns of C (op(B)'s tile: BK × 128)
+//             +-------------------+-------------------+
+//   BM = 128  |      warp 0       |      warp 1       |  rows  0–63
+//   rows of C |      warp 2       |      warp 3       |  rows 64–127
+//             +-------------------+-------------------+
+//
+// The k loop takes BK = 64 at a time through a STAGES = 3 deep ring of shared-memory tiles filled
+// by cp.async (the copy of k-tile kt + 2 is in flight while kt is multiplied). Each operand's tile
+// is copied as it is stored, 16 bytes at a time, and ldmatrix (ops/mma.cuh) turns either storage
+// into fragments:
+//   stored with k contiguous ([m][k]: A; [n][k]: B with transB): 128 rows × 64 k, row stride 72
+//     bf16 (144 bytes: the 8 rows of one ldmatrix phase hit 8 distinct 16-byte bank groups);
+//   stored with m or n contiguous ([k][m]: A with transA; [k][n]: B): 64 k-rows × 128, row stride
+//     136 bf16 (272 bytes, likewise conflict-free), read with the transposed ldmatrix.
+// Shared memory: 3 stages × 2 operands × 18 KiB = 108 KiB per block, 2 blocks per SM (236–254
+// registers per thread, 128 threads). Tiles measured on B1's and the default model's layers (2026-12-01,
+// notes/speed.md): 128 × 128 × 64 with 4 warps of 64 × 64 beat 128 × 128 × 32 with 8 warps of 64 × 32
+// (the first version: 250–265 TFLOP/s, limited by L2 traffic and ldmatrix per MMA), 128 × 256 and
+// 256 × 128 (one block per SM: 190–267).
+// Parts of a tile past M, N or K are copied as zeros (cp.async with 0 source bytes), so the edges
+// need no branch in the MMA loop; C is written (or read and written) only inside [M, N].
+// Requirements (else cuBLAS): every 16-byte copy lies wholly inside or outside its matrix — the
+// contiguous dimension of each stored operand (K of a [m][k] or [n][k] operand, M of A stored [k][m],
+// N of B stored [k][n]) and lda, ldb, ldc are multiples of 8, A and B 16-byte aligned, C 4-byte
+// aligned, N even.
+//
+// Exactness: each C element is one lane's fp32 sum over k in a fixed order (16 per MMA, k-tiles in
+// order), plus beta · C read as bf16, rounded once to bf16: deterministic, and bit-identical on replay.
+// It differs from cuBLAS's (another summation order) by fp32 rounding before the one bf16 rounding.
+// Memory: none besides its operands (the problems travel as kernel arguments; the cuBLAS path keeps a
+// pointer table of 3 per problem in the Workspace for the call).
+#pragma once
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#include "common.cuh"
+#include "mma.cuh"
+#include "../runtime/pool.cuh"
+
+// Row-major problem g: C_g [M,N] = op(A_g) [M,K] · op(B_g) [K,N] + beta · C_g (see the header).
+struct GroupedGemmProblem {
+  const floatX* A;
+  const floatX* B;
+  floatX* C;
+  int M, N, K;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core kernel (bf16)
+
+namespace ggemm {
+
+typedef __nv_bfloat16 bf16;
+constexpr int BM = 128, BN = 128, BK = 64;  // C tile and k-step of a block
+constexpr int WARPS_M = 2, WARPS_N = 2;     // warps per block: rows × columns of the C tile
+constexpr int STAGES = 3;                   // shared-memory tiles in flight per operand
+constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+constexpr int WARP_M = BM / WARPS_M, WARP_N = BN / WARPS_N;  // a warp's piece of C
+constexpr int MT = WARP_M / 16, NT = WARP_N / 8;             // its 16 × 8 MMA blocks
+constexpr int LD_K = BK + 8;                // row stride of a tile stored with k contiguous (bf16)
+// one operand's tile of `rows` (BM for A, BN for B) in shared memory, either way it is stored
+constexpr int tile_elems(int rows) { return rows * LD_K > BK * (rows + 8) ? rows * LD_K : BK * (rows + 8); }
+constexpr int A_TILE = tile_elems(BM), B_TILE = tile_elems(BN);
+constexpr size_t SHARED_BYTES = (size_t)STAGES * (A_TILE + B_TILE) * sizeof(bf16);  // both rings
+
+// One problem as the kernel reads it: its tiles are the launch's blocks [first_tile, first_tile +
+// ⌈M/BM⌉·tiles_n).
+struct Problem {
+  const bf16* A;
+  const bf16* B;
+  bf16* C;
+  int M, N, K, tiles_n;
+  unsigned int first_tile;
+};
+
+}  // namespace ggemm
+
+// One launch's problems, by value as its kernel argument (3 KiB).
+static const int GGEMM_PROBLEMS_PER_LAUNCH = 64;
+struct GroupedGemmBatch {
+  ggemm::Problem p[GGEMM_PROBLEMS_PER_LAUNCH];
+  int count = 0;            // problems in p
+  unsigned int tiles = 0;   // the launch's blocks
+};
+
+namespace ggemm {
+
+// One BK-deep tile of an operand into shared memory, as it is stored. K_CONTIGUOUS: ROWS rows (m
+// or n) × BK, element (r, k) at src[r·ld + k], row stride LD_K; else BK k-rows × ROWS, element (k, c)
+// at src[k·ld + c], row stride ROWS + 8. src points at the tile's first element; rows_left / k_left:
+// how many of its rows (m or n) and k lie inside the matrix; the rest is zero-filled. ROWS·BK/8
+// copies of 16 bytes, spread over the block's threads.
+template <bool K_CONTIGUOUS, int ROWS>
+__device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, int ld, int rows_left, int k_left) {
+  static_assert(ROWS * BK / 8 % THREADS == 0, "whole copies per thread");
+#pragma unroll
+  for (int i = 0; i < ROWS * BK / 8 / THREADS; i++) {
+    const int idx = threadIdx.x + i * THREADS;
+    if (K_CONTIGUOUS) {
+      const int r = idx / (BK / 8), k = (idx % (BK / 8)) * 8;
+      const bool inside = r < rows_left && k < k_left;
+      cp_async_16(dst + r * LD_K + k, inside ? src + (size_t)r * ld + k : src, inside ? 16 : 0);
+    } else {
+      const int k = idx / (ROWS / 8), c = (idx % (ROWS / 8)) * 8;
+      const bool inside = k < k_left && c < rows_left;
+      cp_async_16(dst + k * (ROWS + 8) + c, inside ? src + (size_t)k * ld + c : src, inside ? 16 : 0);
+    }
+  }
+}
+
+// The A fragments of k-step ks (k 16ks … 16ks+15) for the warp's MT 16-row strips starting at row0.
+template <bool TRANS_A>
+__device__ __forceinline__ void load_a_fragments(uint32_t (&a)[MT][4], const bf16* tile, int row0, int ks, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    const int m = row0 + mt * 16;
+    if (!TRANS_A)  // stored [m][k]
+      ldmatrix_x4(a[mt], tile + (m + lane % 8 + 8 * ((lane / 8) % 2)) * LD_K + ks * 16 + 8 * (lane / 16));
+    else           // stored [k][m]
+      ldmatrix_x4_trans(a[mt], tile + (ks * 16 + lane % 8 + 8 * (lane / 16)) * (BM + 8) + m + 8 * ((lane / 8) % 2));
+  }
+}
+
+// The B fragments of k-step ks for the warp's NT 8-column blocks starting at col0: b[nt][0..1].
+template <bool TRANS_B>
+__device__ __forceinline__ void load_b_fragments(uint32_t (&b)[NT][2], const bf16* tile, int col0, int ks, int lane) {
+#pragma unroll
+  for (int np = 0; np < NT / 2; np++) {  // 16 columns per ldmatrix.x4: blocks 2np, 2np + 1
+    const int n = col0 + np * 16;
+    uint32_t r[4];
+    if (TRANS_B)  // stored [n][k]
+      ldmatrix_x4(r, tile + (n + lane % 8 + 8 * (lane / 16)) * LD_K + ks * 16 + 8 * ((lane / 8) % 2));
+    else          // stored [k][n]
+      ldmatrix_x4_trans(r, tile + (ks * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * (BN + 8) + n + 8 * (lane / 16));
+    b[2 * np][0] = r[0];
+    b[2 * np][1] = r[1];
+    b[2 * np + 1][0] = r[2];
+    b[2 * np + 1][1] = r[3];
+  }
+}
+
+// One block = one 128 × 128 tile of C of one problem (header).
+template <bool TRANS_A, bool TRANS_B>
+__global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemmBatch batch, int lda, int ldb, int ldc,
+                                                                  float beta) {
+  extern __shared__ __align__(16) bf16 shared[];
+  bf16* a_ring = shared;                    // STAGES tiles of op(A)
+  bf16* b_ring = shared + STAGES * A_TILE;  // STAGES tiles of op(B)
+  int lo = 0, hi = batch.count - 1;  // the last problem whose first tile is ≤ this block
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.p[mid].first_tile <= blockIdx.x) lo = mid;
+    else hi = mid - 1;
+  }
+  const Problem p = batch.p[lo];
+  const int tile = blockIdx.x - p.first_tile;
+  const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * BN;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
+
+  // k-tile kt of each operand into ring slot kt % STAGES
+  auto load_stage = [&](int kt) {
+    const int k0 = kt * BK, slot = kt % STAGES;
+    const bf16* a_src = TRANS_A ? p.A + (size_t)k0 * lda + m0 : p.A + (size_t)m0 * lda + k0;
+    const bf16* b_src = TRANS_B ? p.B + (size_t)n0 * ldb + k0 : p.B + (size_t)k0 * ldb + n0;
+    load_tile<!TRANS_A, BM>(a_ring + slot * A_TILE, a_src, lda, p.M - m0, p.K - k0);
+    load_tile<TRANS_B, BN>(b_ring + slot * B_TILE, b_src, ldb, p.N - n0, p.K - k0);
+  };
+
+  float acc[MT][NT][4] = {};  // [16-row strip][8-column block][C fragment]
+  const int k_tiles = (p.K + BK - 1) / BK;
+#pragma unroll
+  for (int kt = 0; kt < STAGES - 1; kt++) {  // one commit group per k-tile, empty past the last
+    if (kt < k_tiles) load_stage(kt);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; kt++) {
+    cp_async_wait<STAGES - 2>();  // k-tile kt has landed (this thread's copies) …
+    __syncthreads();              // … everyone's; and every warp is done with slot (kt − 1) % STAGES
+    if (kt + STAGES - 1 < k_tiles) load_stage(kt + STAGES - 1);
+    cp_async_commit();
+    const bf16* a_tile = a_ring + (kt % STAGES) * A_TILE;
+    const bf16* b_tile = b_ring + (kt % STAGES) * B_TILE;
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ks++) {
+      uint32_t a[MT][4], b[NT][2];
+      load_a_fragments<TRANS_A>(a, a_tile, warp_row, ks, lane);
+      load_b_fragments<TRANS_B>(b, b_tile, warp_col, ks, lane);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) mma_16816(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+    }
+  }
+  cp_async_wait_all();
+
+  // C fragment element pairs: (row g or g + 8, columns 2t, 2t + 1) of each 16 × 8 block
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const int row = m0 + warp_row + mt * 16 + g + 8 * half;
+      if (row >= p.M) continue;
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        const int col = n0 + warp_col + nt * 8 + 2 * t;
+        if (col >= p.N) continue;
+        __nv_bfloat162* c = reinterpret_cast<__nv_bfloat162*>(p.C + (size_t)row * ldc + col);
+        float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+        if (beta != 0.f) {
+          const float2 old = __bfloat1622float2(*c);
+          v0 += beta * old.x;
+          v1 += beta * old.y;
+        }
+        *c = __floats2bfloat162_rn(v0, v1);
+      }
+    }
+}
+
+}  // namespace ggemm
+
+// true when the kernel takes these problems (the header's requirements); the BF16 build only.
+inline bool grouped_gemm_mma_fits(const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB, int lda,
+                                  int ldb, int ldc) {
+#if defined(FLATMOE_BF16)
+  if (lda % 8 || ldb % 8 || ldc % 8) return false;
+  for (const GroupedGemmProblem& p : problems) {
+    if (!pack_aligned(p.A, 8) || !pack_aligned(p.B, 8) || !pack_aligned(p.C, 2) || p.N % 2) return false;
+    if ((transA ? p.M : p.K) % 8 || (transB ? p.K : p.N) % 8) return false;
+  }
+  return true;
+#else
+  (void)problems, (void)transA, (void)transB, (void)lda, (void)ldb, (void)ldc;
+  return false;
+#endif
+}
+
+#if defined(FLATMOE_BF16)
+template <bool TRANS_A, bool TRANS_B>
+inline void grouped_gemm_mma_launch(const char* op, const GroupedGemmBatch& batch, int lda, int ldb, int ldc, float beta,
+                                    cudaStream_t stream) {
+  // 80 KiB is past the default 48 KiB; set on every call, since the current device may differ
+  cudaCheck(cudaFuncSetAttribute(ggemm::grouped_gemm_kernel<TRANS_A, TRANS_B>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)ggemm::SHARED_BYTES),
+            op, "grouped_gemm (mma) shared=%zu bytes", ggemm::SHARED_BYTES);
+  ggemm::grouped_gemm_kernel<TRANS_A, TRANS_B><<<batch.tiles, ggemm::THREADS, ggemm::SHARED_BYTES, stream>>>(batch, lda, ldb,
+                                                                                                        ldc, beta);
+  launchCheck(op, "grouped_gemm (mma) problems=%d tiles=%u transA=%d transB=%d", batch.count, batch.tiles, (int)TRANS_A,
+              (int)TRANS_B);
+}
+#endif
+
+// The problems on the tensor-core kernel: one launch per GGEMM_PROBLEMS_PER_LAUNCH problems, on
+// `stream`, nothing waits. Callers check grouped_gemm_mma_fits first.
+inline void grouped_gemm_mma(const char* op, const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB,
+                             int lda, int ldb, int ldc, float beta, cudaStream_t stream) {
+#if defined(FLATMOE_BF16)
+  for (size_t first = 0; first < problems.size(); first += GGEMM_PROBLEMS_PER_LAUNCH) {
+    GroupedGemmBatch batch;
+    for (size_t g = first; g < std::min(problems.size(), first + GGEMM_PROBLEMS_PER_LAUNCH); g++) {
+      const GroupedGemmProblem& q = problems[g];
+      const int tiles_n = ceil_div(q.N, ggemm::BN);
+      batch.p[batch.count++] = ggemm::Problem{q.A, q.B, q.C, q.M, q.N, q.K, tiles_n, batch.tiles};
+      batch.tiles += (unsigned)ceil_div(q.M, ggemm::BM) * tiles_n;
+    }
+    if (transA && transB) grouped_gemm_mma_launch<true, true>(op, batch, lda, ldb, ldc, beta, stream);
+    else if (transA) grouped_gemm_mma_launch<true, false>(op, batch, lda, ldb, ldc, beta, stream);
+    else if (transB) grouped_gemm_mma_launch<false, true>(op, batch, lda, ldb, ldc, beta, stream);
+    else grouped_gemm_mma_launch<false, false>(op, batch, lda, ldb, ldc, beta, stream);
+  }
+#else
+  fm_fail(op, "grouped_gemm_mma is the BF16 build's kernel", "problems=%zu", problems.size());
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// cuBLAS: all problems in ONE cublasGemmGroupedBatchedEx call
+
+static const int GROUPED_GEMM_PTR_CHUNK = 480;  // pointers per launch argument (kernel arguments ≤ 4 KiB)
+
+// Writes `count` pointers, passed by value as a kernel argument, to dst (device).
+struct GroupedGemmPointerChunk {
+  void* ptr[GROUPED_GEMM_PTR_CHUNK];
+};
+static __global__ void grouped_gemm_pointers_kernel(void** dst, GroupedGemmPointerChunk chunk, int count) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x) dst[i] = chunk.ptr[i];
+}
+
+// Each problem its own group of one (sizes differ per expert). cuBLAS is column-major: row-major C =
+// op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so cuBLAS's A is our B and vice versa. Sizes,
+// leading dimensions, transposes and alpha/beta are host arrays; the A/B/C pointer arrays are device
+// arrays (pool, Workspace), written by a kernel that takes them as launch arguments, so no host-side
+// staging buffer and no synchronisation is needed. cuBLAS issues the problems whose K differs one by
+// one from the host (notes/speed.md, F).
+inline void grouped_gemm_cublas(const char* op, const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB,
+                                int lda, int ldb, int ldc, float beta, cudaStream_t stream) {
+  const int G = (int)problems.size();
+  std::vector<cublasOperation_t> op_a(G, transB ? CUBLAS_OP_T : CUBLAS_OP_N);
+  std::vector<cublasOperation_t> op_b(G, transA ? CUBLAS_OP_T : CUBLAS_OP_N);
+  std::vector<int> m(G), n(G), kk(G), ld_a(G, ldb), ld_b(G, lda), ld_c(G, ldc), group_size(G, 1);
+  std::vector<float> alpha(G, 1.f), betas(G, beta);
+  std::vector<void*> ptrs(3 * (size_t)G);  // [cuBLAS A = our B | cuBLAS B = our A | C]; A, B only read
+  for (int g = 0; g < G; g++) {
+    const GroupedGemmProblem& p = problems[g];
+#if defined(FLATMOE_BF16)
+    // cuBLAS's rule for bf16 matrix pointers: 16-byte aligned when K % 8 == 0, 4-byte when K is even.
+    size_t need = p.K % 8 == 0 ? 16 : p.K % 2 == 0 ? 4 : 1;
+    if ((uintptr_t)p.A % need || (uintptr_t)p.B % need || (uintptr_t)p.C % need)
+      fm_fail(op, "bf16 matrix pointer misaligned for cuBLAS (keep H and I multiples of 8)",
+              "problem=%d M=%d N=%d K=%d need=%zu-byte alignment", g, p.M, p.N, p.K, need);
+#endif
+    m[g] = p.N;
+    n[g] = p.M;
+    kk[g] = p.K;
+    ptrs[g] = const_cast<floatX*>(p.B);
+    ptrs[G + g] = const_cast<floatX*>(p.A);
+    ptrs[2 * (size_t)G + g] = p.C;
+  }
+  void** dev_ptrs = pool().alloc_t<void*>(ptrs.size(), Mem::Workspace, "grouped_gemm.pointers");
+  for (size_t first = 0; first < ptrs.size(); first += GROUPED_GEMM_PTR_CHUNK) {
+    int count = (int)std::min<size_t>(GROUPED_GEMM_PTR_CHUNK, ptrs.size() - first);
+    GroupedGemmPointerChunk chunk;
+    memcpy(chunk.ptr, ptrs.data() + first, count * sizeof(void*));
+    grouped_gemm_pointers_kernel<<<1, 256, 0, stream>>>(dev_ptrs + first, chunk, count);
+    launchCheck(op, "grouped_gemm pointers groups=%d", G);
+  }
+  cublasHandle_t handle = cublas_on(stream, op);
+  cublasCheck(cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST), op, "groups=%d", G);
+  cublasCheck(cublasGemmGroupedBatchedEx(handle, op_a.data(), op_b.data(), m.data(), n.data(), kk.data(),
+                                         alpha.data(), dev_ptrs, CUBLAS_FLOATX, ld_a.data(), dev_ptrs + G,
+                                         CUBLAS_FLOATX, ld_b.data(), betas.data(),
+                                         dev_ptrs + 2 * (size_t)G, CUBLAS_FLOATX,
+                                         ld_c.data(), G, group_size.data(), CUBLAS_COMPUTE),
+              op, "groups=%d transA=%d transB=%d lda=%d ldb=%d ldc=%d", G, (int)transA, (int)transB, lda, ldb, ldc);
+  pool().free(dev_ptrs);  // stream-ordered reuse: the next user of this block runs after the GEMM on `stream`
+}
+
+// ---------------------------------------------------------------------------------------------
+// The entry point
+
+// Weight-gradient problems (transA) at least this large, on average, go to cuBLAS (header).
+static const double GGEMM_CUBLAS_MIN_FLOP = 3e9;
+
+// true when grouped_gemm runs these problems on the tensor-core kernel, false when on cuBLAS (header).
+inline bool grouped_gemm_takes_kernel(const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB, int lda,
+                                      int ldb, int ldc) {
+  if (!grouped_gemm_mma_fits(problems, transA, transB, lda, ldb, ldc)) return false;
+  if (!transA) return true;
+  double flop = 0;
+  for (const GroupedGemmProblem& p : problems) flop += 2.0 * p.M * p.N * p.K;
+  return flop < GGEMM_CUBLAS_MIN_FLOP * (double)problems.size();
+}
+
+// The problems (every M, N, K ≥ 1: callers leave out experts without routes) on the tensor-core
+// kernel or in one cuBLAS call (grouped_gemm_takes_kernel). Does not synchronise.
+inline void grouped_gemm(const char* op, const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB,
+                         int lda, int ldb, int ldc, float beta, cudaStream_t stream) {
+  for (size_t g = 0; g < problems.size(); g++) {
+    const GroupedGemmProblem& p = problems[g];
+    if (p.M < 1 || p.N < 1 || p.K < 1)
+      fm_fail(op, "grouped_gemm problem with an empty dimension", "problem=%zu M=%d N=%d K=%d", g, p.M, p.N, p.K);
+  }
+  if (problems.empty()) return;
+  if (grouped_gemm_takes_kernel(problems, transA, transB, lda, ldb, ldc))
+    grouped_gemm_mma(op, problems, transA, transB, lda, ldb, ldc, beta, stream);
+  else
+    grouped_gemm_cublas(op, problems, transA, transB, lda, ldb, ldc, beta, stream);
+}

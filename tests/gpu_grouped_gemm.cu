@@ -1,0 +1,154 @@
+// GPU tests of ops/grouped_gemm.cuh: every problem of a grouped call against the double-precision
+// product of the same (floatX) inputs, per problem, within the per-operator tolerance; the four
+// storage forms of A and B the kernel reads; beta 1 (the weight gradients' +=); problems whose sizes
+// are multiples of no tile (M, N, K past the 128 × 128 × 32 tiles, M = 1, K = 1); more problems than
+// one launch takes; bytes of C outside the problems untouched; a replay bit-identical (memcmp). In
+// the BF16 build the shapes here take flatmoe's tensor-core kernel (asserted), except one that its
+// requirements send to cuBLAS; in the FP32 build every call is cuBLAS's. On the host (runs in CI):
+// which calls grouped_gemm gives to which implementation.
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <vector>
+#include "gpu_util.cuh"
+#include "../ops/grouped_gemm.cuh"
+
+using namespace testutil;
+
+namespace {
+
+// Problems as the MoE layer stacks them: each operand's per-problem matrices one after another in
+// one buffer, all with the same row width. Stored shapes (rows × width): A [M,K], or [K,M] with
+// transA; B [K,N], or [N,K] with transB; C [M,N]. `sizes` gives each problem's (M, N, K).
+struct Case {
+  const char* name;
+  bool transA, transB;
+  float beta;
+  std::vector<std::array<int, 3>> sizes;
+  bool kernel_expected;  // BF16 build: the tensor-core kernel takes it
+};
+
+void check_grouped_gemm(const Case& c) {
+  REQUIRE_GPU();
+  Rng rng;
+  const int G = (int)c.sizes.size();
+  // stored shapes of problem g's operands
+  auto a_shape = [&](int g) { auto [M, N, K] = c.sizes[g]; (void)N; return c.transA ? std::array<int, 2>{K, M} : std::array<int, 2>{M, K}; };
+  auto b_shape = [&](int g) { auto [M, N, K] = c.sizes[g]; (void)M; return c.transB ? std::array<int, 2>{N, K} : std::array<int, 2>{K, N}; };
+  std::vector<ref::Mat<double>> A(G), B(G), C0(G);
+  size_t a_count = 0, b_count = 0, c_count = 0;
+  std::vector<size_t> a_off(G), b_off(G), c_off(G);
+  for (int g = 0; g < G; g++) {
+    auto [M, N, K] = c.sizes[g];
+    A[g] = round_to_floatX(rng.mat<double>(a_shape(g)[0], a_shape(g)[1]));
+    B[g] = round_to_floatX(rng.mat<double>(b_shape(g)[0], b_shape(g)[1]));
+    C0[g] = round_to_floatX(rng.mat<double>(M, N));
+    a_off[g] = a_count, b_off[g] = b_count, c_off[g] = c_count;
+    a_count += A[g].size(), b_count += B[g].size(), c_count += (size_t)M * N;
+  }
+  const int lda = a_shape(0)[1], ldb = b_shape(0)[1], ldc = c.sizes[0][1];
+  const size_t guard = 64;  // floatX elements after the last C: must stay as they are
+  std::vector<floatX> a_host(a_count), b_host(b_count), c_host(c_count + guard);
+  for (int g = 0; g < G; g++) {
+    for (Eigen::Index i = 0; i < A[g].size(); i++) a_host[a_off[g] + i] = from_float<floatX>((float)A[g].data()[i]);
+    for (Eigen::Index i = 0; i < B[g].size(); i++) b_host[b_off[g] + i] = from_float<floatX>((float)B[g].data()[i]);
+    for (Eigen::Index i = 0; i < C0[g].size(); i++) c_host[c_off[g] + i] = from_float<floatX>((float)C0[g].data()[i]);
+  }
+  for (size_t i = c_count; i < c_host.size(); i++) c_host[i] = from_float<floatX>(1000.f + (float)i);
+  DeviceBuffer<floatX> d_A = upload_vec(a_host, Mem::Activations, "test.A");
+  DeviceBuffer<floatX> d_B = upload_vec(b_host, Mem::Weights, "test.B");
+  DeviceBuffer<floatX> d_C = upload_vec(c_host, Mem::Activations, "test.C");
+  std::vector<GroupedGemmProblem> problems;
+  for (int g = 0; g < G; g++)
+    problems.push_back({d_A.ptr + a_off[g], d_B.ptr + b_off[g], d_C.ptr + c_off[g], c.sizes[g][0], c.sizes[g][1], c.sizes[g][2]});
+#if defined(FLATMOE_BF16)
+  ASSERT_EQ(grouped_gemm_takes_kernel(problems, c.transA, c.transB, lda, ldb, ldc), c.kernel_expected) << c.name;
+#endif
+
+  grouped_gemm(c.name, problems, c.transA, c.transB, lda, ldb, ldc, c.beta, 0);
+  const std::vector<floatX> first = download_vec(d_C.ptr, d_C.count);
+  double worst = 0;
+  for (int g = 0; g < G; g++) {
+    auto [M, N, K] = c.sizes[g];
+    const ref::Mat<double> opA = c.transA ? ref::Mat<double>(A[g].transpose()) : A[g];
+    const ref::Mat<double> opB = c.transB ? ref::Mat<double>(B[g].transpose()) : B[g];
+    const ref::Mat<double> expected = opA * opB + (double)c.beta * C0[g];
+    ref::Mat<double> got(M, N);
+    for (Eigen::Index i = 0; i < got.size(); i++) got.data()[i] = to_float(first[c_off[g] + i]);
+    const double err = rel_err(got, expected);
+    worst = std::max(worst, err);
+    EXPECT_LE(err, OP_TOL) << c.name << " problem " << g << " (M " << M << ", N " << N << ", K " << K << ")";
+  }
+  printf("[err] %s: %d problems, worst per-problem relative error %.3e (tol %.0e)\n", c.name, G, worst, OP_TOL);
+  EXPECT_EQ(memcmp(first.data() + c_count, c_host.data() + c_count, guard * sizeof(floatX)), 0)
+      << c.name << ": bytes after the last problem's C were written";
+
+  // the same call from the same C again: the same bits
+  cudaCheck(cudaMemcpy(d_C.ptr, c_host.data(), c_host.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
+  grouped_gemm(c.name, problems, c.transA, c.transB, lda, ldb, ldc, c.beta, 0);
+  const std::vector<floatX> again = download_vec(d_C.ptr, d_C.count);
+  EXPECT_EQ(memcmp(first.data(), again.data(), first.size() * sizeof(floatX)), 0) << c.name << ": replay differs";
+}
+
+// n problems with M from 1 to `most` rows, the same N and K: the forward and input-gradient form.
+std::vector<std::array<int, 3>> rows_vary(Rng& rng, int n, int most, int N, int K) {
+  std::vector<std::array<int, 3>> s;
+  for (int g = 0; g < n; g++) s.push_back({rng.integer(1, most), N, K});
+  return s;
+}
+
+}  // namespace
+
+// h13 = xp W13ᵀ, y = a W2ᵀ: A [M,K], B [N,K]. N = 272 and K = 200 end inside a tile; M = 1, 129, 300.
+TEST(GroupedGemmGpu, ForwardFormRowsPerExpertUneven) {
+  check_grouped_gemm({"GroupedGemmGpu.NT", false, true, 0.f, {{1, 272, 200}, {37, 272, 200}, {129, 272, 200}, {300, 272, 200}, {8, 272, 200}}, true});
+}
+
+// da = dy W2, dxp = dh13 W13: A [M,K], B [K,N].
+TEST(GroupedGemmGpu, InputGradientFormRowsPerExpertUneven) {
+  check_grouped_gemm({"GroupedGemmGpu.NN", false, false, 0.f, {{130, 264, 136}, {1, 264, 136}, {257, 264, 136}, {64, 264, 136}}, true});
+}
+
+// dW2 += dyᵀ a, dW13 += dh13ᵀ xp: A [K,M], B [K,N], K = the expert's routes (1, odd, past a k-tile), beta 1.
+TEST(GroupedGemmGpu, WeightGradientFormAccumulatesOverUnevenRoutes) {
+  check_grouped_gemm({"GroupedGemmGpu.TN+=", true, false, 1.f, {{200, 136, 1}, {200, 136, 33}, {200, 136, 300}, {200, 136, 7}, {200, 136, 64}}, true});
+}
+
+// Both operands transposed: A [K,M], B [N,K] (no MoE GEMM uses it; the kernel takes it). The row
+// widths M, K and N are shared by the problems, so they have one size.
+TEST(GroupedGemmGpu, BothTransposed) {
+  check_grouped_gemm({"GroupedGemmGpu.TT", true, true, 0.f, {{136, 72, 40}, {136, 72, 40}, {136, 72, 40}}, true});
+}
+
+// More problems than one launch takes (GGEMM_PROBLEMS_PER_LAUNCH = 64): two launches.
+TEST(GroupedGemmGpu, MoreProblemsThanOneLaunchTakes) {
+  Rng rng;
+  check_grouped_gemm({"GroupedGemmGpu.NT.70", false, true, 0.f, rows_vary(rng, 70, 40, 136, 72), true});
+}
+
+// K = 36 is not a multiple of 8: the kernel's 16-byte copies would straddle rows, so cuBLAS takes it.
+TEST(GroupedGemmGpu, ShapesTheKernelRefusesGoToCublas) {
+  check_grouped_gemm({"GroupedGemmGpu.NT.K36", false, true, 0.f, {{50, 64, 36}, {3, 64, 36}}, false});
+}
+
+// The choice of implementation, on B1's layer (H 1024, I 512, E 32, 2048 routes per expert) and the
+// default model's (H 384, I 384, E 8, 1024 routes per expert): the tensor-core kernel for every
+// forward and input-gradient GEMM; for the weight gradients only below GGEMM_CUBLAS_MIN_FLOP per
+// problem (B1's dW13, 4.3 GFLOP per expert, goes to cuBLAS); cuBLAS for everything in the FP32 build.
+TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
+  // 16-byte aligned fake pointers: the choice reads only sizes and alignment
+  const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 20);
+  floatX* C = reinterpret_cast<floatX*>(uintptr_t(1) << 24);
+  auto call = [&](int groups, int M, int N, int K) { return std::vector<GroupedGemmProblem>(groups, {A, A, C, M, N, K}); };
+#if defined(FLATMOE_BF16)
+  const bool bf16 = true;
+#else
+  const bool bf16 = false;
+#endif
+  EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 2048, 1024, 1024), false, true, 1024, 1024, 1024), bf16) << "B1 h13";
+  EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 2048, 1024, 1024), false, false, 1024, 1024, 1024), bf16) << "B1 dxp";
+  EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 1024, 512, 2048), true, false, 1024, 512, 512), bf16) << "B1 dW2 (2.1 GFLOP)";
+  EXPECT_FALSE(grouped_gemm_takes_kernel(call(32, 1024, 1024, 2048), true, false, 1024, 1024, 1024)) << "B1 dW13 (4.3 GFLOP)";
+  EXPECT_EQ(grouped_gemm_takes_kernel(call(8, 768, 384, 1024), true, false, 768, 384, 384), bf16) << "default dW13";
+  EXPECT_FALSE(grouped_gemm_takes_kernel(call(8, 768, 384, 1020), false, true, 1020, 1020, 384)) << "K % 8 != 0";
+}
