@@ -128,16 +128,24 @@ inline void convert(Tout* out, const Tin* in, size_t n, cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------------
 // Deterministic sum of squares: fixed grid, fixed per-thread stride, fixed tree; the partial sums
 // land in `partials` (SUMSQ_BLOCKS floats) and one block adds them in order into *out (=).
+// Each thread loads 16 bytes at a time (a piece of 4 floats, or 8 bf16) when n is a multiple of the
+// piece and x is aligned for it, else one element: the order of the sum, and so its low bits, depend
+// on n and on x's alignment only, never on the run.
 
 static const int SUMSQ_BLOCKS = 264;
 
-template <typename T>
+// Thread k of the grid adds the squares of pieces k, k + grid, k + 2·grid, ... (NV elements each) in
+// that order; its block's warps then reduce by xor butterfly and in warp order into partials[block].
+template <int NV, typename T>
 __global__ void sumsq_partial_kernel(float* partials, const T* x, size_t n) {
   __shared__ float warp_sums[32];
+  const Pack<T, NV>* pieces = reinterpret_cast<const Pack<T, NV>*>(x);
   float acc = 0.f;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    float v = to_float(x[i]);
-    acc += v * v;
+#pragma unroll 4
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n / NV; i += (size_t)gridDim.x * blockDim.x) {
+    const Pack<T, NV> v = pieces[i];
+#pragma unroll
+    for (int e = 0; e < NV; e++) acc += to_float(v.v[e]) * to_float(v.v[e]);
   }
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
   if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
@@ -162,7 +170,9 @@ static __global__ void sum_partials_kernel(float* out, const float* partials, in
 template <typename T>
 inline void sumsq_accumulate(float* partials, const T* x, size_t n, cudaStream_t stream) {
   if (n == 0) return;
-  sumsq_partial_kernel<<<SUMSQ_BLOCKS, 512, 0, stream>>>(partials, x, n);
+  constexpr int piece = 16 / sizeof(T);
+  if (n % piece == 0 && pack_aligned(x, piece)) sumsq_partial_kernel<piece><<<SUMSQ_BLOCKS, 512, 0, stream>>>(partials, x, n);
+  else sumsq_partial_kernel<1><<<SUMSQ_BLOCKS, 512, 0, stream>>>(partials, x, n);
   launchCheck("sumsq", "n=%zu", n);
 }
 

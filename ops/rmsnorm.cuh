@@ -11,24 +11,35 @@
 // ROW_PIECE and the buffers are aligned for it (common.cuh), and single elements otherwise; the two
 // paths sum a row's products in different orders (both within fp32 rounding of the reference).
 //
-// Determinism: forward reduces each row in one warp (xor butterfly: every lane gets the same
-// value). Backward splits the rows into G = ceil(N / rows_per_block) contiguous chunks, one block
-// each (G <= RMSNORM_BACKWARD_MAX_BLOCKS); a block walks its rows in order, keeps its dw partial
-// in shared memory (the columns of piece c are owned by thread c mod blockDim, so no two threads
-// touch one),
-// and writes it to a [G, H] fp32 Workspace buffer; a second kernel adds the G partials of each
-// column in block order into dw. G depends on N only, and the block size and the pieces (below) on H
-// and on whether the buffers are 16-byte aligned, so the result is bit-reproducible.
+// Schedule: forward and backward reduce each row in one warp (xor butterfly: every lane gets the
+// same value, no block barrier); lane l takes pieces l, l + 32, l + 64, ... of the row.
+// Backward (rmsnorm_backward_plan): blocks of W warps, W the most, up to 8, whose dw partials fit
+// RMSNORM_BACKWARD_SHARED_BYTES (64 KiB), at least 1. The rows are split into G contiguous chunks of
+// rows_per_block = max(4·W, ceil(N / 1024)) rows, one block each, so that G <= 1024
+// (RMSNORM_BACKWARD_MAX_BLOCKS) and every warp walks at least 4 rows (but in the last block). Warp w
+// takes rows w, w + W, w + 2W, ... of its block's chunk, in that order, and adds dout·x·rstd into its
+// own dw partial in shared memory (the columns of the pieces its lanes own). At the end the block adds
+// its W partials, in warp order, into row g of a [G, H] fp32 Workspace buffer; a second kernel adds
+// the G rows of each column into dw (8 warps per 32 columns, each warp every 8th row in ascending
+// order, then the warps in order). At N = 16384, H = 1024: W = 8, 32 rows per block,
+// G = 512.
 //
-// Memory: backward takes G·H·4 bytes of Workspace (<= 1024·H·4) for the duration of the call
-// (freed when the launcher returns; the kernels are ordered on `stream`).
-// Limits: backward needs H·4 bytes of shared memory per block (H <= ~57000 on sm_90).
+// Determinism: W, rows_per_block and G depend on N, H and the path (pieces or elements) only, and
+// every sum runs in a fixed order, so a replay is bit-identical.
+//
+// Memory: backward takes G·H·4 bytes of Workspace (G <= 1024, so <= 1024·H·4) for the duration of the
+// call (freed when the launcher returns; the kernels are ordered on `stream`).
+// Limits: backward needs W·S·4 bytes of shared memory per block, S = H rounded up to a whole number of
+// 32-piece rounds; with W = 1 that is H·4 bytes and a little more (H <= ~58000 on sm_90).
 #pragma once
 #include <algorithm>
 #include "common.cuh"
 #include "../runtime/pool.cuh"
 
-static const int RMSNORM_BACKWARD_MAX_BLOCKS = 1024;
+static const int RMSNORM_BACKWARD_MAX_BLOCKS = 1024;         // G: the rows of the dw_partials Workspace
+static const int RMSNORM_BACKWARD_MAX_WARPS = 8;             // W: warps per block
+static const int RMSNORM_BACKWARD_ROWS_PER_WARP = 4;         // the fewest rows a warp walks (but in the last block)
+static const int RMSNORM_BACKWARD_SHARED_BYTES = 64 * 1024;  // a block's dw partials (unless one warp's pass it)
 
 // ---------------------------------------------------------------------------------------------
 // Kernels. Each thread takes a row's elements in pieces of NV consecutive ones (common.cuh: NV =
@@ -61,61 +72,75 @@ __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T*
   if (lane == 0) rstd[row] = r;
 }
 
-// One block per chunk of rows_per_block consecutive rows; dynamic shared memory: H floats.
+// One warp per row. Block g takes rows [g·rows_per_block, (g+1)·rows_per_block), its warp w the rows
+// w, w + W, w + 2W, ... of them in order. Dynamic shared memory: W·warp_slots floats, warp w's dw partial
+// from float w·warp_slots on; in it element e of piece l + 32k (k-th round of lane l) is at slot
+// (k·NV + e)·32 + l, so that a warp's 32 lanes touch 32 consecutive floats (one per bank), and no slot
+// is touched by two lanes (no barrier until the block adds its warps' partials).
 template <int NV, typename T>
-__global__ void rmsnorm_backward_kernel(T* dx, float* dw_partials /*G,H*/, const T* dout, const T* x,
-                                        const T* w, const float* rstd, int N, int H, int rows_per_block) {
+__global__ void rmsnorm_backward_kernel(T* dx, float* dw_partials /*G,H*/, const T* dout, const T* x, const T* w,
+                                        const float* rstd, int N, int H, int rows_per_block, int warp_slots) {
   using P = Pack<T, NV>;
-  extern __shared__ float dw_acc[];  // [H], the columns of piece c owned by thread c % blockDim.x
-  __shared__ float warp_sums[32];
+  extern __shared__ float dw_acc[];  // [W, warp_slots]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32, pieces = H / NV;
   const P* wp = reinterpret_cast<const P*>(w);
-  for (int c = threadIdx.x; c < pieces; c += blockDim.x)
-    for (int e = 0; e < NV; e++) dw_acc[c * NV + e] = 0.f;
-  int row_begin = blockIdx.x * rows_per_block;
-  int row_end = min(N, row_begin + rows_per_block);
-  for (int row = row_begin; row < row_end; row++) {
+  float* lane_acc = dw_acc + warp * warp_slots + lane;  // this lane's slots: every 32nd float
+  for (int s = 0; s < warp_slots; s += 32) lane_acc[s] = 0.f;
+  const int row_begin = blockIdx.x * rows_per_block;
+  const int row_end = min(N, row_begin + rows_per_block);
+  for (int row = row_begin + warp; row < row_end; row += num_warps) {
     const P* xr = reinterpret_cast<const P*>(x + (size_t)row * H);
     const P* dyr = reinterpret_cast<const P*>(dout + (size_t)row * H);
-    float r = rstd[row];
+    const float r = rstd[row];
     float dot = 0.f;  // Σ_i dout·w·x over this row
-    for (int c = threadIdx.x; c < pieces; c += blockDim.x) {
+    for (int c = lane; c < pieces; c += 32) {
       const P xv = xr[c], dv = dyr[c], wv = wp[c];
 #pragma unroll
       for (int e = 0; e < NV; e++) dot += to_float(dv.v[e]) * to_float(wv.v[e]) * to_float(xv.v[e]);
     }
     for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, o);
-    if (lane == 0) warp_sums[warp] = dot;
-    __syncthreads();
-    float row_dot = 0.f;
-    for (int i = 0; i < num_warps; i++) row_dot += warp_sums[i];
-    __syncthreads();  // warp_sums is rewritten by the next row
-    float coef = r * r * row_dot / (float)H;
+    const float coef = r * r * dot / (float)H;
     P* dxr = reinterpret_cast<P*>(dx + (size_t)row * H);
-    for (int c = threadIdx.x; c < pieces; c += blockDim.x) {
+    for (int c = lane; c < pieces; c += 32) {
       const P xv = xr[c], dv = dyr[c], wv = wp[c];
+      float* acc = lane_acc + (c / 32) * NV * 32;  // element e of piece c at acc[e·32]
       P o;
 #pragma unroll
       for (int e = 0; e < NV; e++) {
         const float xe = to_float(xv.v[e]), dye = to_float(dv.v[e]);
         o.v[e] = from_float<T>(r * (to_float(wv.v[e]) * dye - xe * coef));
-        dw_acc[c * NV + e] += dye * xe * r;
+        acc[e * 32] += dye * xe * r;
       }
       dxr[c] = o;
     }
   }
-  for (int c = threadIdx.x; c < pieces; c += blockDim.x)
-    for (int e = 0; e < NV; e++) dw_partials[(size_t)blockIdx.x * H + c * NV + e] = dw_acc[c * NV + e];
+  __syncthreads();
+  for (int j = threadIdx.x; j < H; j += blockDim.x) {  // column j: element j % NV of piece j / NV
+    const int c = j / NV, slot = ((c / 32) * NV + j % NV) * 32 + c % 32;
+    float sum = 0.f;
+    for (int i = 0; i < num_warps; i++) sum += dw_acc[i * warp_slots + slot];
+    dw_partials[(size_t)blockIdx.x * H + j] = sum;
+  }
 }
 
-// dw[j] += Σ_{g = 0..G-1} dw_partials[g, j], in g order.
+// dw[j] += Σ_g dw_partials[g, j]. One block of RMSNORM_REDUCE_WARPS warps per 32 columns (lane =
+// column, so each load is 128 coalesced bytes): warp w sums the rows g ≡ w (mod RMSNORM_REDUCE_WARPS)
+// in ascending g, then the warps' sums are added in warp order. A fixed order for given G and H.
+static const int RMSNORM_REDUCE_WARPS = 8;
 template <typename T>
 __global__ void rmsnorm_dw_reduce_kernel(T* dw, const float* dw_partials, int G, int H) {
-  int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= H) return;
+  __shared__ float warp_sums[RMSNORM_REDUCE_WARPS][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int c = blockIdx.x * 32 + lane;
   float s = 0.f;
-  for (int g = 0; g < G; g++) s += dw_partials[(size_t)g * H + c];
-  dw[c] = from_float<T>(to_float(dw[c]) + s);
+  if (c < H)
+    for (int g = warp; g < G; g += RMSNORM_REDUCE_WARPS) s += dw_partials[(size_t)g * H + c];
+  warp_sums[warp][lane] = s;
+  __syncthreads();
+  if (warp != 0 || c >= H) return;
+  float total = 0.f;
+  for (int i = 0; i < RMSNORM_REDUCE_WARPS; i++) total += warp_sums[i][lane];
+  dw[c] = from_float<T>(to_float(dw[c]) + total);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -138,16 +163,38 @@ inline void rmsnorm_forward(floatX* out, float* rstd, const floatX* x, const flo
   launchCheck("rmsnorm_forward", "N=%d H=%d", N, H);
 }
 
-// The backward kernel on G blocks of as many threads as a row has pieces (a multiple of 32, at most 256).
+// The backward's schedule (header comment): a function of N, H and the piece width NV only.
+struct RmsNormBackwardPlan {
+  int warp_slots;      // floats of one warp's dw partial: 32·NV per round of 32 pieces, ceil(H / NV / 32) rounds
+  int warps;           // W, per block
+  int rows_per_block;  // consecutive rows of one block
+  int blocks;          // G
+};
+
+inline RmsNormBackwardPlan rmsnorm_backward_plan(int N, int H, int NV) {
+  RmsNormBackwardPlan p;
+  p.warp_slots = 32 * NV * ceil_div(H / NV, 32);
+  p.warps = std::clamp(RMSNORM_BACKWARD_SHARED_BYTES / (p.warp_slots * (int)sizeof(float)), 1, RMSNORM_BACKWARD_MAX_WARPS);
+  p.rows_per_block = std::max(p.warps * RMSNORM_BACKWARD_ROWS_PER_WARP, ceil_div(N, RMSNORM_BACKWARD_MAX_BLOCKS));
+  p.blocks = ceil_div(N, p.rows_per_block);
+  return p;
+}
+
+// The backward kernel on the plan's G blocks of W warps, then the reduction of its partials into dw.
 template <int NV>
-inline void rmsnorm_backward_launch(floatX* dx, float* dw_partials, const floatX* dout, const floatX* x, const floatX* w,
-                                    const float* rstd, int N, int H, int G, int rows_per_block, cudaStream_t stream) {
-  const int threads = std::min(256, 32 * ceil_div(H / NV, 32));
-  const size_t smem = (size_t)H * sizeof(float);
+inline void rmsnorm_backward_launch(floatX* dx, floatX* dw, const floatX* dout, const floatX* x, const floatX* w,
+                                    const float* rstd, int N, int H, cudaStream_t stream) {
+  const RmsNormBackwardPlan plan = rmsnorm_backward_plan(N, H, NV);
+  DeviceBuffer<float> dw_partials((size_t)plan.blocks * H, Mem::Workspace, "rmsnorm.dw_partials");
+  const size_t smem = (size_t)plan.warps * plan.warp_slots * sizeof(float);
   if (smem > 48 * 1024)
     cudaCheck(cudaFuncSetAttribute(rmsnorm_backward_kernel<NV, floatX>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
               "rmsnorm_backward", "N=%d H=%d shared=%zu bytes", N, H, smem);
-  rmsnorm_backward_kernel<NV><<<G, threads, smem, stream>>>(dx, dw_partials, dout, x, w, rstd, N, H, rows_per_block);
+  rmsnorm_backward_kernel<NV><<<plan.blocks, 32 * plan.warps, smem, stream>>>(dx, dw_partials.ptr, dout, x, w, rstd, N, H,
+                                                                              plan.rows_per_block, plan.warp_slots);
+  launchCheck("rmsnorm_backward", "N=%d H=%d G=%d W=%d", N, H, plan.blocks, plan.warps);
+  rmsnorm_dw_reduce_kernel<<<ceil_div(H, 32), 32 * RMSNORM_REDUCE_WARPS, 0, stream>>>(dw, dw_partials.ptr, plan.blocks, H);
+  launchCheck("rmsnorm_backward.dw_reduce", "N=%d H=%d G=%d", N, H, plan.blocks);
 }
 
 // dx [N, H] (=), dw [H] (+=); rstd [N] from rmsnorm_forward.
@@ -155,14 +202,6 @@ inline void rmsnorm_backward(floatX* dx, floatX* dw, const floatX* dout, const f
                              const float* rstd, int N, int H, cudaStream_t stream) {
   if (N == 0) return;
   if (H <= 0) fm_fail("rmsnorm_backward", "H must be positive", "N=%d H=%d", N, H);
-  int rows_per_block = ceil_div(N, RMSNORM_BACKWARD_MAX_BLOCKS);
-  int G = ceil_div(N, rows_per_block);
-  DeviceBuffer<float> dw_partials((size_t)G * H, Mem::Workspace, "rmsnorm.dw_partials");
-  if (row_pieces(H, {dx, dout, x, w}))
-    rmsnorm_backward_launch<ROW_PIECE>(dx, dw_partials.ptr, dout, x, w, rstd, N, H, G, rows_per_block, stream);
-  else
-    rmsnorm_backward_launch<1>(dx, dw_partials.ptr, dout, x, w, rstd, N, H, G, rows_per_block, stream);
-  launchCheck("rmsnorm_backward", "N=%d H=%d G=%d", N, H, G);
-  rmsnorm_dw_reduce_kernel<<<ceil_div(H, 256), 256, 0, stream>>>(dw, dw_partials.ptr, G, H);
-  launchCheck("rmsnorm_backward.dw_reduce", "N=%d H=%d G=%d", N, H, G);
+  if (row_pieces(H, {dx, dout, x, w})) rmsnorm_backward_launch<ROW_PIECE>(dx, dw, dout, x, w, rstd, N, H, stream);
+  else rmsnorm_backward_launch<1>(dx, dw, dout, x, w, rstd, N, H, stream);
 }

@@ -249,3 +249,78 @@ TEST(AdamWHost, LaunchPlanCutsTheSegmentsIntoLaunchesOf64) {
   while (next < segs.size() && segs[next].count == 0) next++;
   EXPECT_EQ(next, segs.size()) << "every non-empty segment is in a launch";
 }
+
+// common.cuh's sum of squares (the gradient norm) against a double sum over the same values, within
+// FP32_TOL: in 16-byte pieces (n a multiple of the piece, x aligned) and by element (n not a multiple,
+// or x one element past an aligned address), for fp32 and bf16 inputs; two runs give the same bits;
+// a value of 1000 just outside [x, x + n) would show in the error if it were read; and several
+// tensors on both paths accumulate into the same partials.
+namespace {
+
+template <typename T>
+struct SumSqInput {
+  DeviceBuffer<T> buffer;
+  const T* x;
+  size_t n;
+  double sumsq;  // in double, over the values the GPU sees
+};
+
+// n fresh values of T at `offset` elements past a pool (aligned) address; 1000 in the elements before
+// them and in the one after.
+template <typename T>
+SumSqInput<T> sumsq_input(Rng& rng, size_t n, int offset) {
+  std::vector<T> host(offset + n + 1, from_float<T>(1000.f));
+  double sumsq = 0;
+  for (size_t i = 0; i < n; i++) {
+    host[offset + i] = from_float<T>((float)rng.normal());
+    sumsq += (double)to_float(host[offset + i]) * to_float(host[offset + i]);
+  }
+  SumSqInput<T> in{upload_vec(host, Mem::Grads, "test.sumsq_x"), nullptr, n, sumsq};
+  in.x = in.buffer.ptr + offset;
+  return in;
+}
+
+// sumsq_finish after sumsq_accumulate of each `accumulate(partials)` call, from zeroed partials.
+template <typename F>
+float gpu_sumsq(F accumulate) {
+  DeviceBuffer<float> d_partials(SUMSQ_BLOCKS, Mem::Workspace, "test.sumsq_partials");
+  DeviceBuffer<float> d_sumsq(1, Mem::Workspace, "test.sumsq");
+  cudaCheck(cudaMemsetAsync(d_partials.ptr, 0, d_partials.bytes(), 0), "test", "sumsq");
+  accumulate(d_partials.ptr);
+  sumsq_finish(d_sumsq.ptr, d_partials.ptr, 0);
+  return download_vec(d_sumsq.ptr, 1)[0];
+}
+
+template <typename T>
+void check_sumsq(const char* name, size_t n, int offset, bool pieces) {
+  REQUIRE_GPU();
+  Rng rng;
+  const SumSqInput<T> in = sumsq_input<T>(rng, n, offset);
+  EXPECT_EQ(n % (16 / sizeof(T)) == 0 && pack_aligned(in.x, 16 / sizeof(T)), pieces) << name << ": not the path meant";
+  float runs[2];
+  for (float& r : runs) r = gpu_sumsq([&](float* partials) { sumsq_accumulate(partials, in.x, in.n, 0); });
+  EXPECT_REL(name, "sumsq", std::abs(runs[0] - in.sumsq) / in.sumsq, FP32_TOL);
+  EXPECT_EQ(0, memcmp(&runs[0], &runs[1], sizeof(float))) << name << ": two runs differ";
+}
+
+}  // namespace
+
+TEST(SumSqGpu, Fp32InPiecesMatchesDoubleSum) { check_sumsq<float>("SumSqGpu.fp32.n2^20", 1 << 20, 0, true); }
+TEST(SumSqGpu, Fp32NotWholePiecesMatchesDoubleSum) { check_sumsq<float>("SumSqGpu.fp32.n1000003", 1000003, 0, false); }
+TEST(SumSqGpu, Fp32UnalignedMatchesDoubleSum) { check_sumsq<float>("SumSqGpu.fp32.n2^20+1", 1 << 20, 1, false); }
+TEST(SumSqGpu, Bf16InPiecesMatchesDoubleSum) { check_sumsq<__nv_bfloat16>("SumSqGpu.bf16.n2^20", 1 << 20, 0, true); }
+TEST(SumSqGpu, Bf16UnalignedMatchesDoubleSum) { check_sumsq<__nv_bfloat16>("SumSqGpu.bf16.n2^20+1", 1 << 20, 1, false); }
+
+TEST(SumSqGpu, AccumulatesTensorsOnBothPathsIntoThePartials) {
+  REQUIRE_GPU();
+  Rng rng;
+  const SumSqInput<float> a = sumsq_input<float>(rng, 1 << 18, 0), b = sumsq_input<float>(rng, 100003, 1);
+  const SumSqInput<__nv_bfloat16> c = sumsq_input<__nv_bfloat16>(rng, 4096, 0);
+  const float got = gpu_sumsq([&](float* partials) {
+    sumsq_accumulate(partials, a.x, a.n, 0);
+    sumsq_accumulate(partials, b.x, b.n, 0);
+    sumsq_accumulate(partials, c.x, c.n, 0);
+  });
+  const double want = a.sumsq + b.sumsq + c.sumsq;
+  EXPECT_REL("SumSqGpu.three_tensors", "sumsq", std::abs(got - want) / want, FP32_TOL);
+}

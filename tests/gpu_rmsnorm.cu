@@ -1,7 +1,8 @@
 // GPU tests of ops/rmsnorm.cuh against ref/rmsnorm.hpp: out, rstd, dx and the += dw at shapes
-// that are not multiples of the warp/block sizes, with several rows per backward block
-// (N > 1024), with H past the 48 KiB default shared memory, with H in 16-byte pieces and not, and
-// bitwise reproducibility.
+// that are not multiples of the warp/block sizes: backward blocks of 8 warps with idle warps in the
+// last block, G near its bound 1024 (rows_per_block = ceil(N / 1024), not a multiple of the warps),
+// fewer warps per block (5) for wide rows, one warp per block past the 48 KiB default shared memory
+// (H 16000), H in 16-byte pieces and not; bitwise reproducibility; and the backward's plan (host only).
 #include <cstring>
 #include "gpu_util.cuh"
 #include "../ops/rmsnorm.cuh"
@@ -63,6 +64,10 @@ TEST(RmsNormGpu, MatchesReferenceSeveralRowsPerBackwardBlock) { check_rmsnorm("R
 TEST(RmsNormGpu, MatchesReferenceHiddenPastDefaultSharedMemory) { check_rmsnorm("RmsNormGpu.N5H16000", 5, 16000); }
 // H not a multiple of ROW_PIECE: one element per thread instead of 16-byte pieces
 TEST(RmsNormGpu, MatchesReferenceHiddenNotInWholePieces) { check_rmsnorm("RmsNormGpu.N1100H70", 1100, 70); }
+// 33 rows per block (ceil(N / 1024) > 4·8): G = 1001, the last block one row
+TEST(RmsNormGpu, MatchesReferenceAtTheBlockBound) { check_rmsnorm("RmsNormGpu.N33001H72", 33001, 72); }
+// a warp's dw partial 12 KiB: 5 warps per block
+TEST(RmsNormGpu, MatchesReferenceFewerWarpsPerBlock) { check_rmsnorm("RmsNormGpu.N1000H3000", 1000, 3000); }
 
 TEST(RmsNormGpu, BackwardIsBitwiseReproducible) {
   REQUIRE_GPU();
@@ -84,4 +89,31 @@ TEST(RmsNormGpu, BackwardIsBitwiseReproducible) {
   }
   EXPECT_EQ(0, memcmp(dx_runs[0].data(), dx_runs[1].data(), dx_runs[0].size() * sizeof(floatX))) << "dx differs";
   EXPECT_EQ(0, memcmp(dw_runs[0].data(), dw_runs[1].data(), dw_runs[0].size() * sizeof(floatX))) << "dw differs";
+}
+
+// The backward's schedule (host only, runs without a GPU): G within the Workspace bound, covering
+// every row with no empty block; a warp's partial holds the whole row; a block's partials within the
+// shared-memory budget unless one warp's alone pass it; at training's shape 8 warps of 4 rows each.
+TEST(RmsNormHost, BackwardPlanBoundsBlocksAndSharedMemory) {
+  for (int NV : {1, ROW_PIECE})
+    for (int H : {64, 72, 1000, 1024, 3000, 16000, 40000})
+      for (int N : {1, 37, 2500, 16384, 33001, 1 << 20}) {
+        if (H % NV != 0) continue;
+        const RmsNormBackwardPlan p = rmsnorm_backward_plan(N, H, NV);
+        SCOPED_TRACE("NV=" + std::to_string(NV) + " H=" + std::to_string(H) + " N=" + std::to_string(N));
+        EXPECT_LE(p.blocks, RMSNORM_BACKWARD_MAX_BLOCKS);
+        EXPECT_GE((long long)p.blocks * p.rows_per_block, N);
+        EXPECT_LT((long long)(p.blocks - 1) * p.rows_per_block, N);
+        EXPECT_GE(p.warp_slots, H);
+        EXPECT_GE(p.warps, 1);
+        EXPECT_LE(p.warps, RMSNORM_BACKWARD_MAX_WARPS);
+        EXPECT_TRUE(p.warps == 1 || p.warps * p.warp_slots * (int)sizeof(float) <= RMSNORM_BACKWARD_SHARED_BYTES);
+        EXPECT_GE(p.rows_per_block, p.warps * RMSNORM_BACKWARD_ROWS_PER_WARP);
+      }
+  const RmsNormBackwardPlan train = rmsnorm_backward_plan(16384, 1024, ROW_PIECE);
+  EXPECT_EQ(train.warps, 8);
+  EXPECT_EQ(train.rows_per_block, 32);
+  EXPECT_EQ(train.blocks, 512);
+  EXPECT_EQ(rmsnorm_backward_plan(1000, 3000, ROW_PIECE).warps, 5);
+  EXPECT_EQ(rmsnorm_backward_plan(5, 16000, ROW_PIECE).warps, 1);
 }
