@@ -22,7 +22,9 @@
 // Hopper kernels (~400 TFLOP/s). A problem that takes the GPU longer than that to compute — 8 µs at
 // 400 TFLOP/s is ~3 GFLOP — is faster that way (B1's dW13: 4.3 GFLOP per expert, 400 against this
 // kernel's 250); a smaller one leaves the GPU waiting on the host (the default model's dW: 0.3–0.6
-// GFLOP per expert, 30–60 TFLOP/s through cuBLAS, 70–110 here).
+// GFLOP per expert, 30–60 TFLOP/s through cuBLAS, 70–110 here). cuBLAS's per-problem choice is
+// not steady: in one process of B1 with recomputation its dW13 and dW2 took 2–3× their usual time
+// (notes/speed.md, G), which a faster transposed-A form of this kernel would remove.
 //
 // The kernel. Every problem is cut into tiles of BM × BN = 128 × 128 of C; the launch's blocks take
 // the tiles of problem 0, then of problem 1, …, each problem's tiles row by row (so neighbouring
