@@ -5,10 +5,12 @@
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   speed: issue 13's speed work (notes/speed.md): the tests it touched in both precisions (AdamWGpu,
-#     OffloadAdamWGpu, RouterGpu, MoEGpu*, GpuModel, ProfileGpu, GpuMemoryPrediction, RmsNormGpu, CrossEntropyGpu; with 2 GPUs or more test_dist's DistModel), then
+#     OffloadAdamWGpu, SumSqGpu, RouterGpu, MoEGpu*, GroupedGemm*, GpuModel, ProfileGpu, GpuMemoryPrediction, RmsNormGpu, GpuRope*,
+#     CrossEntropyGpu; with 2 GPUs or more test_dist's DistModel), compute-sanitizer memcheck and racecheck over the grouped
+#     GEMM, RMSNorm and RoPE tests, then
 #     tools/bench_train.sh's speed part on one GPU: the default model and config B1, tokens/s, MFU, memory
 #     and the per-operator breakdown of step 20 (speed.md; the profile_step*.md files in speed_profiles.tgz), and
-#     bench_expert_gemm (the expert GEMMs of the default model's and B1's layers: grouped call vs per-expert loop)
+#     bench_expert_gemm (the expert GEMMs of the default model's and B1's layers: flatmoe's grouped GEMM, cuBLAS's grouped call, the per-expert loop)
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, relay expert/token/auto, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   bench-opt: the optimizer step (notes/offload_adamw.md): the CPU AdamW loop alone (scalar vs vectorised, 1 thread to
@@ -313,7 +315,7 @@ if [[ " $want " == *" speed "* ]]; then
   : > "$OUT/speed_tests.log"
   gpus=$(nvidia-smi -L | wc -l)
   for p in fp32 bf16; do
-    runs=("build/$p/test_gpu --gtest_filter=AdamWGpu.*:OffloadAdamWGpu.*:RouterGpu.*:MoEGpu*:GpuModel.*:ProfileGpu.*:GpuMemoryPrediction.*:RmsNormGpu.*:CrossEntropyGpu.*")
+    runs=("build/$p/test_gpu --gtest_filter=AdamWGpu.*:OffloadAdamWGpu.*:SumSqGpu.*:RouterGpu.*:MoEGpu*:GroupedGemm*:GpuModel.*:ProfileGpu.*:GpuMemoryPrediction.*:RmsNormGpu.*:GpuRope*:CrossEntropyGpu.*")
     [ "$gpus" -ge 2 ] && runs+=("build/$p/test_dist --gtest_filter=DistModel.*")
     for run in "${runs[@]}"; do
       $run > build/speed_run.log 2>&1
@@ -323,6 +325,14 @@ if [[ " $want " == *" speed "* ]]; then
       summary+=("$run: exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' build/speed_run.log | tr '\n' ' ')")
       grep -q '^\[  FAILED  \]' build/speed_run.log && summary+=("  $(grep -m1 -A2 ': Failure$' build/speed_run.log | tr '\n' ' ')")
     done
+  done
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck; do  # the kernels with shared memory and cp.async that this work wrote
+    timeout 120 "$sanitizer" --tool $tool build/bf16/test_gpu \
+      --gtest_filter='GroupedGemmGpu.*:RmsNormGpu.MatchesReferenceSeveralRowsPerBackwardBlock:GpuRope.*' > "$OUT/speed_$tool.log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("speed kernels $tool: exit $rc | $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/speed_$tool.log" | tr '\n' ' ')")
   done
   CUDA_VISIBLE_DEVICES=0 tools/bench_train.sh build/bf16/train data/fortunes build/bench-speed speed > "$OUT/speed.md" \
     2> build/bench-speed.err || status=1
