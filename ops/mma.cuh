@@ -1,6 +1,7 @@
 // mma.cuh — the PTX that flatmoe's tensor-core kernels share (ops/attention_mma.cuh,
 // ops/grouped_gemm.cuh): asynchronous 16-byte copies into shared memory, ldmatrix, and the bf16
-// mma.sync m16n8k16 with fp32 accumulation (sm_80 and later).
+// mma.sync m16n8k16 with fp32 accumulation (sm_80 and later). Not an operator: no twin of its own;
+// its users' twins (ref/attention.hpp, ref/moe.hpp) check what is built from it.
 //
 // MMA fragments relied on (PTX ISA, mma.m16n8k16 .bf16, lane l, g = l/4, t = l%4):
 //   A (16×16, row-major), 4 × b32 of two bf16 (lower column in the low half):
