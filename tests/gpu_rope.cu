@@ -37,18 +37,31 @@ std::string case_name(const char* test, const RopeCase& c) {
   return buf;
 }
 
+// Fresh qkv and dqkv of a case, rounded to what a floatX buffer holds, and the reference's results.
+struct RopeData {
+  int N, cols;  // rows B·T, row width 3·nh·hd
+  Mat<double> x, dy, y_ref, dx_ref;
+};
+
+RopeData rope_data(const RopeCase& c, testutil::Rng& rng) {
+  RopeData d;
+  d.N = c.B * c.T;
+  d.cols = 3 * c.nh * c.hd;
+  d.x = round_to_floatX(rng.mat<double>(d.N, d.cols));
+  d.dy = round_to_floatX(rng.mat<double>(d.N, d.cols));
+  d.y_ref = ref::rope_forward(d.x, c.B, c.T, c.nh, c.hd, kTheta);
+  d.dx_ref = ref::rope_backward(d.dy, c.B, c.T, c.nh, c.hd, kTheta);
+  return d;
+}
+
 TEST(GpuRope, ForwardAndBackwardMatchReference) {
   REQUIRE_GPU();
   for (const RopeCase& c : kCases) {
     testutil::Rng rng;
-    const int N = c.B * c.T, cols = 3 * c.nh * c.hd;
-    const Mat<double> x = round_to_floatX(rng.mat<double>(N, cols));
-    const Mat<double> dy = round_to_floatX(rng.mat<double>(N, cols));
-    const Mat<double> y_ref = ref::rope_forward(x, c.B, c.T, c.nh, c.hd, kTheta);
-    const Mat<double> dx_ref = ref::rope_backward(dy, c.B, c.T, c.nh, c.hd, kTheta);
-
-    DeviceBuffer<floatX> d_x = upload<floatX>(x);
-    DeviceBuffer<floatX> d_dy = upload<floatX>(dy);
+    const RopeData d = rope_data(c, rng);
+    const int N = d.N, cols = d.cols;
+    DeviceBuffer<floatX> d_x = upload<floatX>(d.x);
+    DeviceBuffer<floatX> d_dy = upload<floatX>(d.dy);
     DeviceBuffer<floatX> d_y((size_t)N * cols, Mem::Activations, "test.rope.y");
     DeviceBuffer<floatX> d_dx((size_t)N * cols, Mem::Grads, "test.rope.dx");
     poison(d_y.ptr, d_y.count);
@@ -57,8 +70,8 @@ TEST(GpuRope, ForwardAndBackwardMatchReference) {
     rope_backward(d_dx.ptr, d_dy.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
 
     const std::string name = case_name("GpuRope", c);
-    EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_y.ptr, N, cols), y_ref), OP_TOL);
-    EXPECT_REL(name.c_str(), "dqkv_in", testutil::rel_err(download(d_dx.ptr, N, cols), dx_ref), OP_TOL);
+    EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_y.ptr, N, cols), d.y_ref), OP_TOL);
+    EXPECT_REL(name.c_str(), "dqkv_in", testutil::rel_err(download(d_dx.ptr, N, cols), d.dx_ref), OP_TOL);
   }
 }
 
@@ -66,20 +79,15 @@ TEST(GpuRope, InPlaceMatchesReference) {
   REQUIRE_GPU();
   for (const RopeCase& c : {kCases[0], kCases[1]}) {
     testutil::Rng rng;
-    const int N = c.B * c.T, cols = 3 * c.nh * c.hd;
-    const Mat<double> x = round_to_floatX(rng.mat<double>(N, cols));
-    const Mat<double> dy = round_to_floatX(rng.mat<double>(N, cols));
-
-    DeviceBuffer<floatX> d_x = upload<floatX>(x);
-    DeviceBuffer<floatX> d_dy = upload<floatX>(dy);
+    const RopeData d = rope_data(c, rng);
+    DeviceBuffer<floatX> d_x = upload<floatX>(d.x);
+    DeviceBuffer<floatX> d_dy = upload<floatX>(d.dy);
     rope_forward(d_x.ptr, d_x.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
     rope_backward(d_dy.ptr, d_dy.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
 
     const std::string name = case_name("GpuRope.InPlace", c);
-    EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_x.ptr, N, cols),
-                                                          ref::rope_forward(x, c.B, c.T, c.nh, c.hd, kTheta)), OP_TOL);
-    EXPECT_REL(name.c_str(), "dqkv_in", testutil::rel_err(download(d_dy.ptr, N, cols),
-                                                          ref::rope_backward(dy, c.B, c.T, c.nh, c.hd, kTheta)), OP_TOL);
+    EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_x.ptr, d.N, d.cols), d.y_ref), OP_TOL);
+    EXPECT_REL(name.c_str(), "dqkv_in", testutil::rel_err(download(d_dy.ptr, d.N, d.cols), d.dx_ref), OP_TOL);
   }
 }
 
@@ -90,11 +98,8 @@ TEST(GpuRope, PiecesAndElementsGiveTheSameBits) {
   REQUIRE_GPU();
   const RopeCase c{2, 67, 3, 64};
   testutil::Rng rng;
-  const int N = c.B * c.T, cols = 3 * c.nh * c.hd;
-  const Mat<double> x = round_to_floatX(rng.mat<double>(N, cols));
-  const Mat<double> dy = round_to_floatX(rng.mat<double>(N, cols));
-  const Mat<double> y_ref = ref::rope_forward(x, c.B, c.T, c.nh, c.hd, kTheta);
-  const Mat<double> dx_ref = ref::rope_backward(dy, c.B, c.T, c.nh, c.hd, kTheta);
+  const RopeData d = rope_data(c, rng);
+  const int N = d.N, cols = d.cols;
   auto placed = [&](const Mat<double>& m, int offset) {  // m at `offset` elements past a pool address
     std::vector<floatX> host(offset + m.size(), from_float<floatX>((float)rng.normal()));
     for (Eigen::Index i = 0; i < m.size(); i++) host[offset + i] = from_float<floatX>((float)m.data()[i]);
@@ -103,14 +108,14 @@ TEST(GpuRope, PiecesAndElementsGiveTheSameBits) {
   std::vector<floatX> y_bits[2], dx_bits[2];
   for (int offset : {0, 1}) {
     const std::string name = case_name(offset == 0 ? "GpuRope.Pieces" : "GpuRope.Elements", c);
-    DeviceBuffer<floatX> d_x = placed(x, offset), d_dy = placed(dy, offset);
+    DeviceBuffer<floatX> d_x = placed(d.x, offset), d_dy = placed(d.dy, offset);
     DeviceBuffer<floatX> d_y(offset + (size_t)N * cols, Mem::Activations, "test.rope.y");
     poison(d_y.ptr, d_y.count);
     EXPECT_EQ(row_pieces(c.hd / 2, {d_y.ptr + offset, d_x.ptr + offset}), offset == 0) << name;
     rope_forward(d_y.ptr + offset, d_x.ptr + offset, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
     rope_backward(d_dy.ptr + offset, d_dy.ptr + offset, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
-    EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_y.ptr + offset, N, cols), y_ref), OP_TOL);
-    EXPECT_REL(name.c_str(), "dqkv_in", testutil::rel_err(download(d_dy.ptr + offset, N, cols), dx_ref), OP_TOL);
+    EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_y.ptr + offset, N, cols), d.y_ref), OP_TOL);
+    EXPECT_REL(name.c_str(), "dqkv_in", testutil::rel_err(download(d_dy.ptr + offset, N, cols), d.dx_ref), OP_TOL);
     y_bits[offset] = download_vec(d_y.ptr + offset, (size_t)N * cols);
     dx_bits[offset] = download_vec(d_dy.ptr + offset, (size_t)N * cols);
   }
