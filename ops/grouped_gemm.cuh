@@ -274,7 +274,7 @@ inline bool grouped_gemm_mma_fits(const std::vector<GroupedGemmProblem>& problem
 template <bool TRANS_A, bool TRANS_B>
 inline void grouped_gemm_mma_launch(const char* op, const GroupedGemmBatch& batch, int lda, int ldb, int ldc, float beta,
                                     cudaStream_t stream) {
-  // 80 KiB is past the default 48 KiB; set on every call, since the current device may differ
+  // 108 KiB is past the default 48 KiB; set on every call, since the current device may differ
   cudaCheck(cudaFuncSetAttribute(ggemm::grouped_gemm_kernel<TRANS_A, TRANS_B>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)ggemm::SHARED_BYTES),
             op, "grouped_gemm (mma) shared=%zu bytes", ggemm::SHARED_BYTES);
