@@ -58,6 +58,21 @@
 // N of B stored [k][n]) and lda, ldb, ldc are multiples of 8, A and B 16-byte aligned, C 4-byte
 // aligned, N even.
 //
+// Routed problems (GroupedGemmProblems::route_offsets): the expert GEMMs of a layer whose per-expert
+// row counts are only on the device (ops/moe.cuh's local layer: nothing waits for a download). Problem
+// g is expert g's; its routes are the rows [route_offsets[g], route_offsets[g+1]) of expert-sorted
+// buffers — the rows of A and C (its M) without transA, of A and B (its K) with transA — and the
+// problem names those buffers' row 0 (the other operand: the expert's own matrix). The kernel reads
+// the two offsets and moves the route-indexed pointers by offset × ld. Without transA a block cannot
+// know its problem from the host's tile table, so each block has its first warp sum the problems'
+// tiles from the offsets (a prefix over ≤ 64 problems, shuffles) into shared memory and searches that;
+// the launch has blocks for the most tiles any split of the routes can need, ⌈routes/BM⌉ + problems
+// per column of tiles, and the surplus blocks return at once. A problem without routes leaves its C
+// untouched, as the host form does by leaving it out. The same tiles in the same k order as the host
+// form: the same bits (GroupedGemmGpu.RoutedProblems…). Routed problems that the kernel does not take
+// (the FP32 build; shapes outside its requirements) are resolved on the host: one download of the
+// offsets, a host wait.
+//
 // Exactness: each C element is one lane's fp32 sum over k in a fixed order (16 per MMA, k-tiles in
 // order), plus beta · C read as bf16, rounded once to bf16: deterministic, and bit-identical on replay.
 // It differs from cuBLAS's (another summation order) by fp32 rounding before the one bf16 rounding.
@@ -70,6 +85,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "../runtime/pool.cuh"
+#include "../runtime/stream.cuh"
 
 // Row-major problem g: C_g [M,N] = op(A_g) [M,K] · op(B_g) [K,N] + beta · C_g (see the header).
 struct GroupedGemmProblem {
@@ -115,6 +131,34 @@ struct GroupedGemmBatch {
   ggemm::Problem p[GGEMM_PROBLEMS_PER_LAUNCH];
   int count = 0;            // problems in p
   unsigned int tiles = 0;   // the launch's blocks
+  // routed problems (header): [count + 1] on the device; p's routed size (M, or K with transA) is
+  // then read there, and without transA p's first_tile too. nullptr: p holds every size.
+  const int* route_offsets = nullptr;
+};
+
+// A routed problem p (header), given at row 0 of the expert-sorted buffers, moved to its `routes` rows
+// from row `first`: the route-indexed operands' pointers by first × their row stride, and its routed
+// size set. P: the host's GroupedGemmProblem or the kernel's ggemm::Problem.
+template <typename P>
+__host__ __device__ __forceinline__ void move_to_routes(P& p, int first, int routes, bool transA, int lda, int ldb,
+                                                        int ldc) {
+  p.A += (size_t)first * lda;
+  if (transA) {  // routes = rows of A and B: K
+    p.B += (size_t)first * ldb;
+    p.K = routes;
+  } else {       // routes = rows of A and C: M
+    p.C += (size_t)first * ldc;
+    p.M = routes;
+  }
+}
+
+// The problems of one grouped GEMM: `list`, and for routed problems (header) their offsets.
+struct GroupedGemmProblems {
+  std::vector<GroupedGemmProblem> list;
+  const int* route_offsets = nullptr;  // [list.size() + 1] device, or nullptr: every size in list
+  int routes = 0;                      // routed: the buffers' rows (route_offsets[list.size()] at most)
+  GroupedGemmProblems() = default;
+  GroupedGemmProblems(std::vector<GroupedGemmProblem> problems) : list(std::move(problems)) {}
 };
 
 namespace ggemm {
@@ -173,6 +217,53 @@ __device__ __forceinline__ void load_b_fragments(uint32_t (&b)[NT][2], const bf1
   }
 }
 
+// This block's problem p and its tile within p; false: the block has no tile (a routed launch's
+// surplus block, or a routed problem without routes). Uniform over the block.
+template <bool TRANS_A>
+__device__ __forceinline__ bool block_problem(const GroupedGemmBatch& batch, int lda, int ldb, int ldc, Problem& p,
+                                              int& tile) {
+  __shared__ unsigned int routed_first_tile[GGEMM_PROBLEMS_PER_LAUNCH + 1];  // routed, without transA
+  const bool tiles_from_routes = batch.route_offsets != nullptr && !TRANS_A;
+  if (tiles_from_routes) {
+    if (threadIdx.x < 32) {  // lane l sums the tiles of problems 2l and 2l + 1, then a prefix over lanes
+      unsigned int mine[2] = {0, 0};
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int g = 2 * threadIdx.x + j;
+        if (g < batch.count)
+          mine[j] = (unsigned)((batch.route_offsets[g + 1] - batch.route_offsets[g] + BM - 1) / BM) * batch.p[g].tiles_n;
+      }
+      unsigned int through = mine[0] + mine[1];  // inclusive prefix over lanes
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const unsigned int below = __shfl_up_sync(0xffffffffu, through, d);
+        if ((int)threadIdx.x >= d) through += below;
+      }
+      const unsigned int before = through - mine[0] - mine[1];
+      routed_first_tile[2 * threadIdx.x] = before;
+      routed_first_tile[2 * threadIdx.x + 1] = before + mine[0];
+      if (threadIdx.x == 31) routed_first_tile[GGEMM_PROBLEMS_PER_LAUNCH] = through;  // all tiles
+    }
+    __syncthreads();
+    if (blockIdx.x >= routed_first_tile[GGEMM_PROBLEMS_PER_LAUNCH]) return false;
+  }
+  auto first_tile = [&](int g) { return tiles_from_routes ? routed_first_tile[g] : batch.p[g].first_tile; };
+  int lo = 0, hi = batch.count - 1;  // the last problem whose first tile is ≤ this block
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first_tile(mid) <= blockIdx.x) lo = mid;
+    else hi = mid - 1;
+  }
+  p = batch.p[lo];
+  tile = blockIdx.x - first_tile(lo);
+  if (batch.route_offsets != nullptr) {
+    const int first = batch.route_offsets[lo], routes = batch.route_offsets[lo + 1] - first;
+    if (routes == 0) return false;  // (transA: without routes its C stays as it is)
+    move_to_routes(p, first, routes, TRANS_A, lda, ldb, ldc);
+  }
+  return true;
+}
+
 // One block = one 128 × 128 tile of C of one problem (header).
 template <bool TRANS_A, bool TRANS_B>
 __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemmBatch batch, int lda, int ldb, int ldc,
@@ -180,14 +271,9 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemm
   extern __shared__ __align__(16) bf16 shared[];
   bf16* a_ring = shared;                    // STAGES tiles of op(A)
   bf16* b_ring = shared + STAGES * A_TILE;  // STAGES tiles of op(B)
-  int lo = 0, hi = batch.count - 1;  // the last problem whose first tile is ≤ this block
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (batch.p[mid].first_tile <= blockIdx.x) lo = mid;
-    else hi = mid - 1;
-  }
-  const Problem p = batch.p[lo];
-  const int tile = blockIdx.x - p.first_tile;
+  Problem p;
+  int tile;
+  if (!block_problem<TRANS_A>(batch, lda, ldb, ldc, p, tile)) return;
   const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * BN;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
@@ -254,12 +340,15 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemm
 
 }  // namespace ggemm
 
-// true when the kernel takes these problems (the header's requirements); the BF16 build only.
-inline bool grouped_gemm_mma_fits(const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB, int lda,
-                                  int ldb, int ldc) {
+// true when the kernel takes these problems (the header's requirements); the BF16 build only. A
+// routed problem's routed size is unknown here: routed problems need it to be no operand's contiguous
+// dimension (it is not in the expert GEMMs; it would be with transA and transB both).
+inline bool grouped_gemm_mma_fits(const GroupedGemmProblems& problems, bool transA, bool transB, int lda, int ldb,
+                                  int ldc) {
 #if defined(FLATMOE_BF16)
   if (lda % 8 || ldb % 8 || ldc % 8) return false;
-  for (const GroupedGemmProblem& p : problems) {
+  if (problems.route_offsets && transA && transB) return false;
+  for (const GroupedGemmProblem& p : problems.list) {
     if (!pack_aligned(p.A, 8) || !pack_aligned(p.B, 8) || !pack_aligned(p.C, 2) || p.N % 2) return false;
     if ((transA ? p.M : p.K) % 8 || (transB ? p.K : p.N) % 8) return false;
   }
@@ -287,24 +376,32 @@ inline void grouped_gemm_mma_launch(const char* op, const GroupedGemmBatch& batc
 
 // The problems on the tensor-core kernel: one launch per GGEMM_PROBLEMS_PER_LAUNCH problems, on
 // `stream`, nothing waits. Callers check grouped_gemm_mma_fits first.
-inline void grouped_gemm_mma(const char* op, const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB,
-                             int lda, int ldb, int ldc, float beta, cudaStream_t stream) {
+inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems, bool transA, bool transB, int lda,
+                             int ldb, int ldc, float beta, cudaStream_t stream) {
 #if defined(FLATMOE_BF16)
-  for (size_t first = 0; first < problems.size(); first += GGEMM_PROBLEMS_PER_LAUNCH) {
+  const std::vector<GroupedGemmProblem>& list = problems.list;
+  const bool tiles_from_routes = problems.route_offsets != nullptr && !transA;
+  for (size_t first = 0; first < list.size(); first += GGEMM_PROBLEMS_PER_LAUNCH) {
     GroupedGemmBatch batch;
-    for (size_t g = first; g < std::min(problems.size(), first + GGEMM_PROBLEMS_PER_LAUNCH); g++) {
-      const GroupedGemmProblem& q = problems[g];
+    if (problems.route_offsets) batch.route_offsets = problems.route_offsets + first;
+    int most_tiles_n = 0;
+    for (size_t g = first; g < std::min(list.size(), first + GGEMM_PROBLEMS_PER_LAUNCH); g++) {
+      const GroupedGemmProblem& q = list[g];
       const int tiles_n = ceil_div(q.N, ggemm::BN);
       batch.p[batch.count++] = ggemm::Problem{q.A, q.B, q.C, q.M, q.N, q.K, tiles_n, batch.tiles};
-      batch.tiles += (unsigned)ceil_div(q.M, ggemm::BM) * tiles_n;
+      batch.tiles += (unsigned)ceil_div(q.M, ggemm::BM) * tiles_n;  // routed without transA: M is 0 here
+      most_tiles_n = std::max(most_tiles_n, tiles_n);
     }
+    if (tiles_from_routes)  // the most any split of the routes over these problems needs
+      batch.tiles = (unsigned)(ceil_div(problems.routes, ggemm::BM) + batch.count) * most_tiles_n;
+    if (batch.tiles == 0) continue;
     if (transA && transB) grouped_gemm_mma_launch<true, true>(op, batch, lda, ldb, ldc, beta, stream);
     else if (transA) grouped_gemm_mma_launch<true, false>(op, batch, lda, ldb, ldc, beta, stream);
     else if (transB) grouped_gemm_mma_launch<false, true>(op, batch, lda, ldb, ldc, beta, stream);
     else grouped_gemm_mma_launch<false, false>(op, batch, lda, ldb, ldc, beta, stream);
   }
 #else
-  fm_fail(op, "grouped_gemm_mma is the BF16 build's kernel", "problems=%zu", problems.size());
+  fm_fail(op, "grouped_gemm_mma is the BF16 build's kernel", "problems=%zu", problems.list.size());
 #endif
 }
 
@@ -376,28 +473,55 @@ inline void grouped_gemm_cublas(const char* op, const std::vector<GroupedGemmPro
 // Weight-gradient problems (transA) at least this large, on average, go to cuBLAS (header).
 static const double GGEMM_CUBLAS_MIN_FLOP = 3e9;
 
+// true when weight-gradient problems of this many FLOPs each, on average, run faster on the kernel
+// than on cuBLAS's per-problem GEMMs (header).
+inline bool weight_gradient_takes_kernel(double flop_per_problem) { return flop_per_problem < GGEMM_CUBLAS_MIN_FLOP; }
+
 // true when grouped_gemm runs these problems on the tensor-core kernel, false when on cuBLAS (header).
-inline bool grouped_gemm_takes_kernel(const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB, int lda,
-                                      int ldb, int ldc) {
+// Routed problems take the kernel whenever it fits them (header).
+inline bool grouped_gemm_takes_kernel(const GroupedGemmProblems& problems, bool transA, bool transB, int lda, int ldb,
+                                      int ldc) {
   if (!grouped_gemm_mma_fits(problems, transA, transB, lda, ldb, ldc)) return false;
-  if (!transA) return true;
+  if (!transA || problems.route_offsets) return true;
   double flop = 0;
-  for (const GroupedGemmProblem& p : problems) flop += 2.0 * p.M * p.N * p.K;
-  return flop < GGEMM_CUBLAS_MIN_FLOP * (double)problems.size();
+  for (const GroupedGemmProblem& p : problems.list) flop += 2.0 * p.M * p.N * p.K;
+  return weight_gradient_takes_kernel(flop / (double)problems.list.size());
 }
 
-// The problems (every M, N, K ≥ 1: callers leave out experts without routes) on the tensor-core
-// kernel or in one cuBLAS call (grouped_gemm_takes_kernel). Does not synchronise.
-inline void grouped_gemm(const char* op, const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB,
-                         int lda, int ldb, int ldc, float beta, cudaStream_t stream) {
-  for (size_t g = 0; g < problems.size(); g++) {
-    const GroupedGemmProblem& p = problems[g];
-    if (p.M < 1 || p.N < 1 || p.K < 1)
+// Routed problems with their sizes and pointers from the offsets, downloaded (a host wait); problems
+// without routes left out.
+inline std::vector<GroupedGemmProblem> grouped_gemm_routes_on_host(const char* op, const GroupedGemmProblems& problems,
+                                                                   bool transA, int lda, int ldb, int ldc,
+                                                                   cudaStream_t stream) {
+  std::vector<int> offsets(problems.list.size() + 1);
+  copy_to_host(offsets.data(), problems.route_offsets, offsets.size() * sizeof(int), stream, op);
+  std::vector<GroupedGemmProblem> list;
+  for (size_t g = 0; g < problems.list.size(); g++) {
+    if (offsets[g + 1] == offsets[g]) continue;
+    GroupedGemmProblem p = problems.list[g];
+    move_to_routes(p, offsets[g], offsets[g + 1] - offsets[g], transA, lda, ldb, ldc);
+    list.push_back(p);
+  }
+  return list;
+}
+
+// The problems (every M, N, K ≥ 1 but a routed one's routed size: callers leave out experts without
+// routes) on the tensor-core kernel or in one cuBLAS call (grouped_gemm_takes_kernel). Does not
+// synchronise, except for routed problems the kernel does not take (header).
+inline void grouped_gemm(const char* op, const GroupedGemmProblems& problems, bool transA, bool transB, int lda,
+                         int ldb, int ldc, float beta, cudaStream_t stream) {
+  for (size_t g = 0; g < problems.list.size(); g++) {
+    const GroupedGemmProblem& p = problems.list[g];
+    const bool routed = problems.route_offsets != nullptr;
+    if ((p.M < 1 && !(routed && !transA)) || p.N < 1 || (p.K < 1 && !(routed && transA)))
       fm_fail(op, "grouped_gemm problem with an empty dimension", "problem=%zu M=%d N=%d K=%d", g, p.M, p.N, p.K);
   }
-  if (problems.empty()) return;
+  if (problems.list.empty()) return;
   if (grouped_gemm_takes_kernel(problems, transA, transB, lda, ldb, ldc))
     grouped_gemm_mma(op, problems, transA, transB, lda, ldb, ldc, beta, stream);
+  else if (problems.route_offsets)
+    grouped_gemm(op, grouped_gemm_routes_on_host(op, problems, transA, lda, ldb, ldc, stream), transA, transB, lda, ldb,
+                 ldc, beta, stream);
   else
-    grouped_gemm_cublas(op, problems, transA, transB, lda, ldb, ldc, beta, stream);
+    grouped_gemm_cublas(op, problems.list, transA, transB, lda, ldb, ldc, beta, stream);
 }

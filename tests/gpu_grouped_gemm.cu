@@ -97,6 +97,84 @@ std::vector<std::array<int, 3>> rows_vary(Rng& rng, int n, int most, int N, int 
   return s;
 }
 
+
+// Routed problems (ops/grouped_gemm.cuh): G experts' routes sorted by expert in one buffer, `counts`
+// routes each (0 for some), the offsets only on the device. Without transA the routes are the rows of
+// A [R,K] and C [R,N] and each expert has its B; with transA they are the rows of A [R,M] and B [R,N]
+// and each expert has its C [M,N]. The routed call must give the same bits as grouped_gemm on the
+// host's list of the same problems (experts without routes left out) over all of C and guard
+// elements past it; an expert with routes gets a new C, one without keeps its C bit for bit.
+void check_routed(const char* name, bool transA, bool transB, float beta, const std::vector<int>& counts, int fixed_rows,
+                  int fixed_cols, bool kernel_expected) {
+  REQUIRE_GPU();
+  Rng rng;
+  const int G = (int)counts.size();
+  std::vector<int> offsets(G + 1, 0);
+  for (int g = 0; g < G; g++) offsets[g + 1] = offsets[g] + counts[g];
+  const int R = offsets[G];
+  // without transA: fixed_rows = K, fixed_cols = N; with transA: fixed_rows = M, fixed_cols = N
+  const int N = fixed_cols, K = fixed_rows, M = fixed_rows;
+  const size_t a_count = (size_t)R * (transA ? M : K);
+  const size_t b_count = transA ? (size_t)R * N : (size_t)G * K * N;
+  const size_t c_count = transA ? (size_t)G * M * N : (size_t)R * N, guard = 64;
+  auto random_floatX = [&](size_t n) {
+    std::vector<floatX> v(n);
+    for (floatX& e : v) e = from_float<floatX>((float)rng.uniform());
+    return v;
+  };
+  const std::vector<floatX> c_start = random_floatX(c_count + guard);
+  DeviceBuffer<floatX> d_A = upload_vec(random_floatX(a_count), Mem::Activations, "test.A");
+  DeviceBuffer<floatX> d_B = upload_vec(random_floatX(b_count), Mem::Weights, "test.B");
+  DeviceBuffer<floatX> d_C = upload_vec(c_start, Mem::Activations, "test.C");
+  DeviceBuffer<int> d_offsets = upload_vec(offsets, Mem::Workspace, "test.offsets");
+  const int lda = transA ? M : K, ldb = transB ? K : N, ldc = N;
+
+  // expert g's problem at route row `first` with `rows` routes (the host form), or at row 0 with 0 (routed)
+  auto problem = [&](int g, size_t first, int rows) {
+    if (transA) return GroupedGemmProblem{d_A.ptr + first * lda, d_B.ptr + first * ldb, d_C.ptr + (size_t)g * M * N, M, N, rows};
+    return GroupedGemmProblem{d_A.ptr + first * lda, d_B.ptr + (size_t)g * K * N, d_C.ptr + first * ldc, rows, N, K};
+  };
+  GroupedGemmProblems on_host, routed;
+  for (int g = 0; g < G; g++) {
+    if (counts[g] > 0) on_host.list.push_back(problem(g, (size_t)offsets[g], counts[g]));
+    routed.list.push_back(problem(g, 0, 0));
+  }
+  routed.route_offsets = d_offsets.ptr;
+  routed.routes = R;
+#if defined(FLATMOE_BF16)
+  ASSERT_EQ(grouped_gemm_takes_kernel(routed, transA, transB, lda, ldb, ldc), kernel_expected) << name;
+#else
+  (void)kernel_expected;
+#endif
+
+  grouped_gemm(name, on_host, transA, transB, lda, ldb, ldc, beta, 0);
+  const std::vector<floatX> host_result = download_vec(d_C.ptr, d_C.count);
+  cudaCheck(cudaMemcpy(d_C.ptr, c_start.data(), c_start.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
+  grouped_gemm(name, routed, transA, transB, lda, ldb, ldc, beta, 0);
+  const std::vector<floatX> routed_result = download_vec(d_C.ptr, d_C.count);
+  EXPECT_EQ(memcmp(host_result.data(), routed_result.data(), host_result.size() * sizeof(floatX)), 0)
+      << name << ": the routed call differs from the host's list";
+  int changed = 0, kept = 0;  // experts with routes whose C changed; experts without whose C did not
+  for (int g = 0; g < G; g++) {
+    const size_t first = transA ? (size_t)g * M * N : (size_t)offsets[g] * N;
+    const size_t size = transA ? (size_t)M * N : (size_t)counts[g] * N;
+    const bool same = memcmp(routed_result.data() + first, c_start.data() + first, size * sizeof(floatX)) == 0;
+    if (counts[g] > 0) changed += !same;
+    else kept += same;
+  }
+  const int empty = (int)std::count(counts.begin(), counts.end(), 0);
+  EXPECT_EQ(changed, G - empty) << name;
+  if (transA) EXPECT_EQ(kept, empty) << name << ": an expert without routes had its C written";
+  printf("[routed] %s: %d experts (%d without routes), %d routes: same bits as the host's list\n", name, G, empty, R);
+}
+
+// `experts` route counts from 1 to `most`, with `empty` of them (spread out) set to 0.
+std::vector<int> routes_per_expert(Rng& rng, int experts, int most, int empty) {
+  std::vector<int> counts(experts);
+  for (int& c : counts) c = rng.integer(1, most);
+  for (int i = 0; i < empty; i++) counts[(size_t)i * experts / empty] = 0;
+  return counts;
+}
 }  // namespace
 
 // h13 = xp W13ᵀ, y = a W2ᵀ: A [M,K], B [N,K]. N = 272 and K = 200 end inside a tile; M = 1, 129, 300.
@@ -129,6 +207,32 @@ TEST(GroupedGemmGpu, MoreProblemsThanOneLaunchTakes) {
 // K = 36 is not a multiple of 8: the kernel's 16-byte copies would straddle rows, so cuBLAS takes it.
 TEST(GroupedGemmGpu, ShapesTheKernelRefusesGoToCublas) {
   check_grouped_gemm({"GroupedGemmGpu.NT.K36", false, true, 0.f, {{50, 64, 36}, {3, 64, 36}}, false});
+}
+
+// The forward form (A [R,K] routes, B [N,K] per expert): uneven routes, 2 of 8 experts without any.
+TEST(GroupedGemmGpu, RoutedProblemsForwardFormGiveTheHostListsBits) {
+  Rng rng;
+  check_routed("GroupedGemmGpu.NT.routed", false, true, 0.f, routes_per_expert(rng, 8, 300, 2), 136, 264, true);
+}
+
+// The input-gradient form (B [K,N] per expert) over 70 experts: two launches, each with its offsets.
+TEST(GroupedGemmGpu, RoutedProblemsInputGradientFormOverTwoLaunches) {
+  Rng rng;
+  check_routed("GroupedGemmGpu.NN.routed", false, false, 0.f, routes_per_expert(rng, 70, 40, 5), 72, 136, true);
+}
+
+// The weight-gradient form (K = the expert's routes, beta 1) over 70 experts: an expert without
+// routes keeps its gradient.
+TEST(GroupedGemmGpu, RoutedProblemsWeightGradientFormKeepsEmptyExperts) {
+  Rng rng;
+  check_routed("GroupedGemmGpu.TN+=.routed", true, false, 1.f, routes_per_expert(rng, 70, 300, 6), 136, 72, true);
+}
+
+// K = 36 is not a multiple of 8: the kernel does not take it, so the routed call downloads the
+// offsets and runs the host's list on cuBLAS (as every routed call does in the FP32 build).
+TEST(GroupedGemmGpu, RoutedProblemsTheKernelRefusesAreResolvedOnTheHost) {
+  Rng rng;
+  check_routed("GroupedGemmGpu.NT.routed.K36", false, true, 0.f, routes_per_expert(rng, 5, 60, 1), 36, 64, false);
 }
 
 // The choice of implementation, on B1's layer (H 1024, I 512, E 32, 2048 routes per expert) and the
