@@ -321,14 +321,17 @@ void write_timeline(const std::string& out_dir, int step) {
 
 // --profile_step: the step's GPU time per operator (runtime/profile.cuh) to stdout and to
 // OUT/profile_stepS.md. `step_ms` is the step's host wall time (the same clock as the log's ms).
-void write_profile(const std::string& out_dir, int step, double step_ms, const ModelConfig& c, int B, int T, int accum) {
+// `waits`: the host's waits for the GPU during the step (runtime/stream.cuh, host_waits).
+void write_profile(const std::string& out_dir, int step, double step_ms, long long waits, const ModelConfig& c, int B,
+                   int T, int accum) {
   double gpu_ms = 0;
   const std::vector<ProfileRow> rows = profiler().end(&gpu_ms);
   char title[512];
   snprintf(title, sizeof title,
-           "per-operator GPU time of step %d (%s; H %d, L %d, heads %d, E %d, top-%d, I %d, V %d, T %d, B %d, accum %d)",
+           "per-operator GPU time of step %d (%s; H %d, L %d, heads %d, E %d, top-%d, I %d, V %d, T %d, B %d, accum %d; "
+           "%lld host waits for the GPU)",
            step, sizeof(floatX) == 2 ? "BF16" : "FP32", c.hidden, c.layers, c.heads, c.experts, c.topk, c.expert_dim,
-           c.vocab, T, B, accum);
+           c.vocab, T, B, accum, waits);
   print_profile(stdout, rows, gpu_ms, step_ms, title);
   const std::string path = out_dir + "/profile_step" + std::to_string(step) + ".md";
   if (FILE* f = fopen(path.c_str(), "w")) {
@@ -524,11 +527,12 @@ int train_main(int argc, char** argv) {
       stream_wait(stream, "train", "step=%d", step);
       const bool profile = step == tc.profile_step && main_rank;  // --profile_step: CUDA events per operator
       if (profile) profiler().begin(stream);
+      const long long waits_before = host_waits();
       auto t0 = std::chrono::steady_clock::now();
       float norm = 0.f, lr = lr_at(tc, step);
       double loss = model_train_step(m, tc, step, B, T, accum, [&](int* xb, int* yb) { train_data.next_batch(xb, yb); }, &norm);
       double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      if (profile) write_profile(tc.out_dir, step, ms, mc, B, T, accum);
+      if (profile) write_profile(tc.out_dir, step, ms, host_waits() - waits_before, mc, B, T, accum);
       if (timeline) { pool().set_timeline(false); write_timeline(tc.out_dir, step); }
       if (!std::isfinite(loss)) throw std::runtime_error("loss is not finite at step " + std::to_string(step));
       if (!main_rank) continue;

@@ -259,10 +259,15 @@ struct GroupGrads {
   std::vector<floatX*> dW13, dW2;      // [G]: [2I,H], [H,I]
 };
 
+// The received routes' groups, on the host.
+inline ExpertRows ep_group_rows(const EPPlan& plan) {
+  return ExpertRows::on_host(plan.group_rows, plan.group_offsets, (int)plan.received);
+}
+
 // One problem per group with at least one received route; make(g, first_row, rows) builds it.
 template <typename F>
-std::vector<GroupedGemmProblem> ep_group_problems(const EPPlan& plan, F make) {
-  return expert_problems(plan.group_rows, plan.group_offsets, make);
+GroupedGemmProblems ep_group_problems(const EPPlan& plan, F make) {
+  return expert_problems(ep_group_rows(plan), make);
 }
 
 // Checks shared by the expert-parallel forwards; records the sizes in `saved`.
@@ -331,7 +336,7 @@ inline void ep_forward_experts(EPExchange& ret, EPExchange& dispatch, EPSaved& s
                }),
                false, true, H, H, 2 * I, 0.f, cs);
   floatX* y_group = alloc_rows<floatX>((size_t)R_d * H, Mem::Dispatch, name + ".y_group");
-  experts_swiglu_down(y_group, saved.h13, w.W2, plan.group_rows, plan.group_offsets, R_d, H, I, name, cs);
+  experts_swiglu_down(y_group, saved.h13, w.W2, ep_group_rows(plan), H, I, name, cs);
   if (!keep_h13) {
     pool().free(saved.h13);
     saved.h13 = nullptr;
@@ -372,8 +377,7 @@ inline void ep_backward_experts(EPExchange& ret, EPExchange& dispatch, const Gro
   moe_permute_rows(dy, dispatch.received, saved.recv_row_of_slot, R_d, H, 1, cs);
   pool().free(dispatch.received);
   dispatch = EPExchange();
-  floatX* dh13 = experts_backward_to_h13(dy, grads.dW2, saved.h13, w.W2, plan.group_rows, plan.group_offsets, R_d, H,
-                                         I, name, cs);
+  floatX* dh13 = experts_backward_to_h13(dy, grads.dW2, saved.h13, w.W2, ep_group_rows(plan), H, I, name, cs);
   grouped_gemm((name + ".dW13").c_str(), ep_group_problems(plan, [&](int g, size_t first, int rows) {
                  return GroupedGemmProblem{dh13 + first * 2 * I, saved.xe + first * H, grads.dW13[g], 2 * I, H, rows};
                }),

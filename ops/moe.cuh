@@ -13,18 +13,21 @@
 // Gradient outputs: dx (=), dtopk_w (=), dW13 (+=), dW2 (+=).
 //
 // Schedule (pieces are separate launchers, reused by the expert-parallel versions):
-//   moe_route_plan       routes sorted by expert, stable (ascending route index inside an expert):
-//                        route_of_slot / slot_of_route; returns the per-expert counts on the host
+//   moe_route_sort       routes sorted by expert, stable (ascending route index inside an expert):
+//                        route_of_slot / slot_of_route and the experts' offsets, which stay on the device
+//                        in the BF16 build (the grouped GEMMs read them there: no host wait in the
+//                        layer); in the FP32 build the counts come to the host (moe_route_plan)
 //   moe_permute_rows     xp[s] = x[route_of_slot[s] / k]
-//   grouped_gemm         ops/grouped_gemm.cuh, one problem per expert with ≥ 1 route: one launch of
-//                        flatmoe's tensor-core kernel per GEMM (BF16), one cublasGemmGroupedBatchedEx (FP32)
+//   grouped_gemm         ops/grouped_gemm.cuh, one problem per expert: one launch of flatmoe's
+//                        tensor-core kernel per GEMM (BF16), one cublasGemmGroupedBatchedEx (FP32)
 //   swiglu_forward/backward, moe_combine (weighted or plain sum over the k slots), moe_combine_backward;
 //                        their window forms (moe_combine_window_add, moe_combine_backward_window) take only
 //                        the routes of a range of sorted slots: one ring hop's (ops/relay_moe.cuh)
-// Live set (b = bytes per floatX): saved between forward and backward: route maps 2·R·4 B (Dispatch),
-// h13 R·2I·b (ExpertIntermediates), y R·H·b (Dispatch). Forward temporaries on top: xp R·H·b
-// (Dispatch) and a R·I·b (ExpertIntermediates), plus the plan's ceil(R/256)·E·4 B and cuBLAS's
-// pointer arrays (Workspace, FP32 build). Backward temporaries on top: one R·H·b row buffer at a time (dy, dxp, xp; Dispatch)
+// Live set (b = bytes per floatX): saved between forward and backward: route maps 2·R·4 B and the
+// expert offsets (E+1)·4 B (Dispatch), h13 R·2I·b (ExpertIntermediates), y R·H·b (Dispatch).
+// Forward temporaries on top: xp R·H·b (Dispatch) and a R·I·b (ExpertIntermediates), plus the plan's
+// ceil(R/256)·(E+1)·4 B and cuBLAS's pointer arrays (Workspace, FP32 build). Backward temporaries
+// on top: one R·H·b row buffer at a time (dy, dxp, xp; Dispatch)
 // and at most R·3I·b of per-route hidden state (ExpertIntermediates). All temporaries are freed
 // before each launcher returns. Under skew nothing here is bounded except by R = N·k.
 // Determinism: integer atomics only (counting); every float sum has a fixed order; the grouped GEMMs
@@ -45,66 +48,65 @@
 #include "../runtime/profile.cuh"
 
 static const int MOE_PLAN_TILE = 256;          // routes per tile of the stable sort
-static const int MOE_MAX_E = 12288;            // the plan keeps one int per expert in shared memory (48 KiB)
+static const int MOE_MAX_E = 12287;            // the plan keeps E + 1 ints in shared memory (48 KiB)
 static const int MOE_WARPS_PER_BLOCK = 8;      // routes per block in moe_combine_backward
 
 // ---------------------------------------------------------------------------------------------
 // Kernels: routing plan (stable counting sort of the routes by expert)
 
-// Grid: one block of MOE_PLAN_TILE threads per tile of routes; dynamic shared memory E ints.
-// tile_counts [tiles,E] (=): routes of each expert in the tile; bad_routes (+=): indices outside [0,E).
-static __global__ void moe_plan_count_kernel(int* tile_counts, int* bad_routes, const int* topk_idx, int R, int E) {
+// The plan sorts the routes into E + 1 bins: expert e's for topk_idx in [0,E), and bin E for any other
+// index, so that every route gets a slot inside [0,R) whatever its index (no expert computes bin E).
+__device__ __forceinline__ int moe_plan_bin(int expert, int E) { return expert >= 0 && expert < E ? expert : E; }
+
+// Grid: one block of MOE_PLAN_TILE threads per tile of routes; dynamic shared memory E + 1 ints.
+// tile_counts [tiles,E+1] (=): routes of each bin in the tile.
+static __global__ void moe_plan_count_kernel(int* tile_counts, const int* topk_idx, int R, int E) {
   extern __shared__ int tile_hist[];
-  for (int e = threadIdx.x; e < E; e += blockDim.x) tile_hist[e] = 0;
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) tile_hist[e] = 0;
   __syncthreads();
   int r = blockIdx.x * MOE_PLAN_TILE + threadIdx.x;
-  if (r < R) {
-    int e = topk_idx[r];
-    if (e >= 0 && e < E) atomicAdd(&tile_hist[e], 1);
-    else atomicAdd(bad_routes, 1);
-  }
+  if (r < R) atomicAdd(&tile_hist[moe_plan_bin(topk_idx[r], E)], 1);
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) tile_counts[(size_t)blockIdx.x * E + e] = tile_hist[e];
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) tile_counts[(size_t)blockIdx.x * (E + 1) + e] = tile_hist[e];
 }
 
-// One block. tile_counts becomes, in place, the exclusive prefix over tiles per expert (routes of
-// expert e in the tiles before this one); expert_counts [E] (=) the totals; expert_offsets [E] (=)
-// their exclusive prefix over experts (first sorted slot of each expert).
-static __global__ void moe_plan_scan_kernel(int* tile_counts, int* expert_counts, int* expert_offsets, int tiles, int E) {
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+// One block, over B = E + 1 bins. tile_counts becomes, in place, the exclusive prefix over tiles per
+// bin (routes of bin e in the tiles before this one); bin_counts [B] (=) the totals; bin_offsets [B]
+// (=) their exclusive prefix over bins (first sorted slot of each bin).
+static __global__ void moe_plan_scan_kernel(int* tile_counts, int* bin_counts, int* bin_offsets, int tiles, int B) {
+  for (int e = threadIdx.x; e < B; e += blockDim.x) {
     int running = 0;
     for (int t = 0; t < tiles; t++) {
-      int c = tile_counts[(size_t)t * E + e];
-      tile_counts[(size_t)t * E + e] = running;
+      int c = tile_counts[(size_t)t * B + e];
+      tile_counts[(size_t)t * B + e] = running;
       running += c;
     }
-    expert_counts[e] = running;
+    bin_counts[e] = running;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     int offset = 0;
-    for (int e = 0; e < E; e++) {
-      expert_offsets[e] = offset;
-      offset += expert_counts[e];
+    for (int e = 0; e < B; e++) {
+      bin_offsets[e] = offset;
+      offset += bin_counts[e];
     }
   }
 }
 
-// Grid as moe_plan_count_kernel. Slot of route r = first slot of its expert + routes of that expert
-// in earlier tiles + routes of that expert earlier in this tile: a stable sort.
+// Grid as moe_plan_count_kernel. Slot of route r = first slot of its bin + routes of that bin in
+// earlier tiles + routes of that bin earlier in this tile: a stable sort.
 static __global__ void moe_plan_rank_kernel(int* route_of_slot, int* slot_of_route, const int* topk_idx,
-                                            const int* tile_prefix, const int* expert_offsets, int R, int E) {
-  __shared__ int tile_expert[MOE_PLAN_TILE];
+                                            const int* tile_prefix, const int* bin_offsets, int R, int E) {
+  __shared__ int tile_bin[MOE_PLAN_TILE];
   int t = threadIdx.x;
   int r = blockIdx.x * MOE_PLAN_TILE + t;
-  tile_expert[t] = r < R ? topk_idx[r] : -1;
+  tile_bin[t] = r < R ? moe_plan_bin(topk_idx[r], E) : -1;
   __syncthreads();
   if (r >= R) return;
-  int e = tile_expert[t];
-  if (e < 0 || e >= E) return;  // refused by the host check, or by the caller's own count (moe_route_sort)
+  int e = tile_bin[t];
   int rank = 0;
-  for (int u = 0; u < t; u++) rank += tile_expert[u] == e;
-  int slot = expert_offsets[e] + tile_prefix[(size_t)blockIdx.x * E + e] + rank;
+  for (int u = 0; u < t; u++) rank += tile_bin[u] == e;
+  int slot = bin_offsets[e] + tile_prefix[(size_t)blockIdx.x * (E + 1) + e] + rank;
   slot_of_route[r] = slot;
   route_of_slot[slot] = r;
 }
@@ -253,32 +255,36 @@ static __global__ void dense_routes_kernel(int* topk_idx, float* topk_w, int N) 
 
 // Sorts the R routes of topk_idx [R] by expert, stably: route_of_slot [R] (=) sorted position ->
 // route, slot_of_route [R] (=) route -> sorted position. Expert e owns the sorted positions
-// [offset_e, offset_e + count_e), offset = exclusive prefix of count.
+// [offset_e, offset_e + count_e), offset = exclusive prefix of count; routes whose index is outside
+// [0,E) follow all experts' (slots [offset_E, R); no expert computes them).
+// expert_offsets [E+1] (=, device; may be nullptr): offset_0 … offset_E, which the grouped GEMMs can
+// read on the device (ops/grouped_gemm.cuh, routed problems).
 // With host_counts: the E per-expert counts come to the host into *host_counts, and expert indices
-// outside [0,E) are refused (one D2H copy of E+1 ints: synchronises `stream` once; the grouped
-// GEMMs take their sizes from host memory). Without: nothing leaves the GPU and the host does not wait
-// — for a caller that counted the routes and checked the indices itself (ops/pipelined_llep.cuh:
-// every chunk's counts in one copy); a route outside [0,E) then gets no slot.
-inline void moe_route_sort(int* route_of_slot, int* slot_of_route, const int* topk_idx, int R, int E, cudaStream_t stream,
-                           std::vector<int>* host_counts) {
-  if (E < 1 || E > MOE_MAX_E) fm_fail("moe_route_sort", "need 1 <= E <= 12288 (one int per expert in shared memory)", "R=%d E=%d", R, E);
+// outside [0,E) are refused (one D2H copy of E+1 ints: synchronises `stream` once). Without: nothing
+// leaves the GPU and the host does not wait — for a caller whose indices are in [0,E) by
+// construction (the router's top-k; a routing checked on the host when it was loaded) or that counted
+// and checked them itself (ops/pipelined_llep.cuh: every chunk's counts in one copy).
+inline void moe_route_sort(int* route_of_slot, int* slot_of_route, int* expert_offsets, const int* topk_idx, int R,
+                           int E, cudaStream_t stream, std::vector<int>* host_counts) {
+  if (E < 1 || E > MOE_MAX_E) fm_fail("moe_route_sort", "need 1 <= E <= 12287 (E + 1 ints in shared memory)", "R=%d E=%d", R, E);
   if (host_counts) host_counts->assign(E, 0);
-  if (R == 0) return;
-  const int tiles = ceil_div(R, MOE_PLAN_TILE);
-  // plan_ints: [0,E) counts, [E] bad routes, [E+1, 2E+1) offsets
-  int* plan_ints = pool().alloc_t<int>(2 * (size_t)E + 1, Mem::Workspace, "moe_route_sort.counts");
-  int* tile_counts = pool().alloc_t<int>((size_t)tiles * E, Mem::Workspace, "moe_route_sort.tile_counts");
+  if (R == 0) {
+    if (expert_offsets) cudaCheck(cudaMemsetAsync(expert_offsets, 0, (E + 1) * sizeof(int), stream), "moe_route_sort", "R=0 E=%d", E);
+    return;
+  }
+  const int tiles = ceil_div(R, MOE_PLAN_TILE), bins = E + 1;
+  // plan_ints: [0, bins) counts per bin (bin E: indices outside [0,E)), then the offsets if the caller keeps none
+  int* plan_ints = pool().alloc_t<int>((size_t)bins * (expert_offsets ? 1 : 2), Mem::Workspace, "moe_route_sort.counts");
+  int* tile_counts = pool().alloc_t<int>((size_t)tiles * bins, Mem::Workspace, "moe_route_sort.tile_counts");
   int* counts = plan_ints;
-  int* bad_routes = plan_ints + E;
-  int* offsets = plan_ints + E + 1;
-  cudaCheck(cudaMemsetAsync(bad_routes, 0, sizeof(int), stream), "moe_route_sort", "R=%d E=%d", R, E);
-  moe_plan_count_kernel<<<tiles, MOE_PLAN_TILE, (size_t)E * sizeof(int), stream>>>(tile_counts, bad_routes, topk_idx, R, E);
+  int* offsets = expert_offsets ? expert_offsets : plan_ints + bins;
+  moe_plan_count_kernel<<<tiles, MOE_PLAN_TILE, (size_t)bins * sizeof(int), stream>>>(tile_counts, topk_idx, R, E);
   launchCheck("moe_route_sort.count", "R=%d E=%d", R, E);
-  moe_plan_scan_kernel<<<1, 256, 0, stream>>>(tile_counts, counts, offsets, tiles, E);
+  moe_plan_scan_kernel<<<1, 256, 0, stream>>>(tile_counts, counts, offsets, tiles, bins);
   launchCheck("moe_route_sort.scan", "R=%d E=%d", R, E);
   if (host_counts) {
-    host_counts->resize(E + 1);
-    copy_to_host(host_counts->data(), plan_ints, (E + 1) * sizeof(int), stream, "moe_route_sort");
+    host_counts->resize(bins);
+    copy_to_host(host_counts->data(), counts, bins * sizeof(int), stream, "moe_route_sort");
     if (host_counts->back() != 0)
       fm_fail("moe_route_sort", "expert index outside [0, E) in topk_idx", "R=%d E=%d bad_routes=%d", R, E, host_counts->back());
     host_counts->pop_back();
@@ -293,7 +299,7 @@ inline void moe_route_sort(int* route_of_slot, int* slot_of_route, const int* to
 inline std::vector<int> moe_route_plan(int* route_of_slot, int* slot_of_route, const int* topk_idx, int R, int E,
                                        cudaStream_t stream) {
   std::vector<int> counts;
-  moe_route_sort(route_of_slot, slot_of_route, topk_idx, R, E, stream, &counts);
+  moe_route_sort(route_of_slot, slot_of_route, nullptr, topk_idx, R, E, stream, &counts);
   return counts;
 }
 
@@ -412,11 +418,56 @@ inline void dense_routes(int* topk_idx, float* topk_w, int N, cudaStream_t strea
 // ---------------------------------------------------------------------------------------------
 // Launchers: the MoE FFN
 
+// Which rows of group-sorted buffers each group (an expert, or a group of routes of an expert-parallel
+// dispatcher) owns: group g has rows [offset_g, offset_g + count_g). Host form: counts and offsets on
+// the host, which sizes each grouped-GEMM problem there. Device form: only device_offsets [G+1], read
+// by the grouped GEMMs on the device — nothing waits for the counts (ops/grouped_gemm.cuh, routed
+// problems).
+struct ExpertRows {
+  std::vector<int> counts, offsets;     // host form: [G] each
+  const int* device_offsets = nullptr;  // device form: [G+1]
+  int groups = 0;                       // G
+  int rows = 0;                         // rows of the buffers (the routes)
+
+  static ExpertRows on_host(std::vector<int> counts, std::vector<int> offsets, int rows) {
+    ExpertRows r;
+    r.groups = (int)counts.size();
+    r.counts = std::move(counts);
+    r.offsets = std::move(offsets);
+    r.rows = rows;
+    return r;
+  }
+  static ExpertRows on_device(const int* offsets, int groups, int rows) {
+    ExpertRows r;
+    r.device_offsets = offsets;
+    r.groups = groups;
+    r.rows = rows;
+    return r;
+  }
+};
+
+// true when a layer's expert GEMMs take the per-expert counts from the device (routed problems on the
+// BF16 build's kernel; its 16-byte copies need H and I multiples of 8, and pool buffers and the
+// model's weights are aligned) — unless its larger weight gradient, dW13 (2·2I·H·R/E FLOPs per expert
+// on average), is faster on cuBLAS's per-expert GEMMs (weight_gradient_takes_kernel): cuBLAS needs
+// the counts on the host, and one wait per layer costs less than the kernel's slower transposed form
+// there (B1's layer: 4.3 GFLOP per expert, 245 TFLOP/s on the kernel against 405 on cuBLAS, 0.22 ms
+// more per layer against a ~0.1 ms wait; notes/speed.md, I). Otherwise the counts come to the host
+// first: one host wait.
+inline bool moe_counts_stay_on_device(int H, int I, int E, long long R) {
+#if defined(FLATMOE_BF16)
+  return H % 8 == 0 && I % 8 == 0 && weight_gradient_takes_kernel(2.0 * 2 * I * H * (double)R / E);
+#else
+  (void)H, (void)I, (void)E, (void)R;
+  return false;
+#endif
+}
+
 // What backward needs; allocated from the pool by moe_forward, freed by moe_saved_free.
 struct MoESaved {
   int N = 0, H = 0, I = 0, E = 0, k = 0;
-  std::vector<int> expert_counts;   // [E] host: routes per expert
-  std::vector<int> expert_offsets;  // [E] host: first sorted position of each expert
+  ExpertRows rows;                  // each expert's rows of the sorted buffers (host or device form)
+  int* expert_offsets = nullptr;    // [E+1] device: first sorted position of each expert, then the end (Dispatch)
   int* route_of_slot = nullptr;     // [N·k] device: sorted position -> route index r  (Dispatch)
   int* slot_of_route = nullptr;     // [N·k] device: route index r -> sorted position  (Dispatch)
   floatX* h13 = nullptr;            // [N·k, 2I] sorted order                          (ExpertIntermediates)
@@ -424,6 +475,7 @@ struct MoESaved {
 };
 
 inline void moe_saved_free(MoESaved& saved) {
+  pool().free(saved.expert_offsets);
   pool().free(saved.route_of_slot);
   pool().free(saved.slot_of_route);
   pool().free(saved.h13);
@@ -431,19 +483,28 @@ inline void moe_saved_free(MoESaved& saved) {
   saved = MoESaved();
 }
 
-// One grouped-GEMM problem per expert with at least one row (rows [offsets[e], offsets[e] + counts[e])
-// of the expert-sorted buffers); make(e, first_row, rows) builds it. Shared with ops/ep_moe.cuh.
+// One grouped-GEMM problem per group, make(g, first_row, rows) building group g's from its rows
+// [first_row, first_row + rows) of the group-sorted buffers. Host form: the groups with at least one
+// row. Device form: every group, built at row 0 with 0 rows, its rows read on the device (routed
+// problems, ops/grouped_gemm.cuh; make must be linear in first_row with each operand's row stride,
+// as a pointer into a row-major buffer is). Shared with the expert-parallel dispatchers.
 template <typename F>
-std::vector<GroupedGemmProblem> expert_problems(const std::vector<int>& counts, const std::vector<int>& offsets, F make) {
-  std::vector<GroupedGemmProblem> problems;
-  for (size_t e = 0; e < counts.size(); e++)
-    if (counts[e] > 0) problems.push_back(make((int)e, (size_t)offsets[e], counts[e]));
+GroupedGemmProblems expert_problems(const ExpertRows& groups, F make) {
+  GroupedGemmProblems problems;
+  if (groups.device_offsets) {
+    for (int g = 0; g < groups.groups; g++) problems.list.push_back(make(g, 0, 0));
+    problems.route_offsets = groups.device_offsets;
+    problems.routes = groups.rows;
+    return problems;
+  }
+  for (int g = 0; g < groups.groups; g++)
+    if (groups.counts[g] > 0) problems.list.push_back(make(g, (size_t)groups.offsets[g], groups.counts[g]));
   return problems;
 }
 
 template <typename F>
-std::vector<GroupedGemmProblem> moe_expert_problems(const MoESaved& saved, F make) {
-  return expert_problems(saved.expert_counts, saved.expert_offsets, make);
+GroupedGemmProblems moe_expert_problems(const MoESaved& saved, F make) {
+  return expert_problems(saved.rows, make);
 }
 
 // A pool buffer of `count` elements, or nullptr when count is 0 (a rank that receives no routes
@@ -463,18 +524,18 @@ std::vector<T*> expert_slices(T* stack, int E, size_t stride) {
   return slices;
 }
 
-// The experts' second half, shared by moe_forward and the expert-parallel dispatchers: on R routes
-// sorted by group (counts/offsets per group; group g computed with W2[g] [H,I]),
+// The experts' second half, shared by moe_forward and the expert-parallel dispatchers: on R =
+// groups.rows routes sorted by group (group g computed with W2[g] [H,I]),
 // y_g [R_g,H] (=) = swiglu(h13_g) [R_g,I] · W2_gᵀ. The activation a [R,I] lives only inside
 // (ExpertIntermediates).
 inline void experts_swiglu_down(floatX* y, const floatX* h13, const std::vector<const floatX*>& W2,
-                                const std::vector<int>& counts, const std::vector<int>& offsets, int R, int H, int I,
-                                const std::string& op, cudaStream_t stream) {
+                                const ExpertRows& groups, int H, int I, const std::string& op, cudaStream_t stream) {
+  const int R = groups.rows;
   floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
   prof_sub(stream, "swiglu", 3.0 * R * I * sizeof(floatX));
   swiglu_forward(a, h13, R, I, stream);
   prof_sub(stream, "grouped gemm y = a W2");
-  grouped_gemm((op + ".y").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
+  grouped_gemm((op + ".y").c_str(), expert_problems(groups, [&](int e, size_t first, int rows) {
                  return GroupedGemmProblem{a + first * I, W2[e], y + first * H, rows, H, I};
                }),
                false, true, I, I, H, 0.f, stream);
@@ -487,21 +548,21 @@ inline void experts_swiglu_down(floatX* y, const floatX* h13, const std::vector<
 // (ExpertIntermediates, the caller frees it). Frees dy as soon as it is consumed, before dh13 is
 // allocated, so that the two are never live together.
 inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& dW2, const floatX* h13,
-                                       const std::vector<const floatX*>& W2, const std::vector<int>& counts,
-                                       const std::vector<int>& offsets, int R, int H, int I, const std::string& op,
-                                       cudaStream_t stream) {
+                                       const std::vector<const floatX*>& W2, const ExpertRows& groups, int H, int I,
+                                       const std::string& op, cudaStream_t stream) {
+  const int R = groups.rows;
   floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
   prof_sub(stream, "swiglu (a again)", 3.0 * R * I * sizeof(floatX));
   swiglu_forward(a, h13, R, I, stream);
   prof_sub(stream, "grouped gemms da, dW2");
   // da_e [R_e,I] = dy_e [R_e,H] · W2_e [H,I]
   floatX* da = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".da");
-  grouped_gemm((op + ".da").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
+  grouped_gemm((op + ".da").c_str(), expert_problems(groups, [&](int e, size_t first, int rows) {
                  return GroupedGemmProblem{dy + first * H, W2[e], da + first * I, rows, I, H};
                }),
                false, false, H, I, I, 0.f, stream);
   // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
-  grouped_gemm((op + ".dW2").c_str(), expert_problems(counts, offsets, [&](int e, size_t first, int rows) {
+  grouped_gemm((op + ".dW2").c_str(), expert_problems(groups, [&](int e, size_t first, int rows) {
                  return GroupedGemmProblem{dy + first * H, a + first * I, dW2[e], H, I, rows};
                }),
                true, false, H, I, I, 1.f, stream);
@@ -516,10 +577,13 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
 
 // out [N,H] (=; nullptr: no combine, only what backward needs — a layer's recomputation, whose
 // output is already kept); fills `saved` (which must be empty: moe_saved_free it after backward).
-// Synchronises `stream` once, in moe_route_plan (the per-expert counts go to the host: the
-// grouped GEMMs take their problem sizes from the host) — except with dense_routes = true: the
-// caller's topk_idx is dense_routes' (E = 1, k = 1, every route to expert 0), so the one count is N,
-// known on the host, and nothing waits (a dense FFN layer, the shared expert: no host sync).
+// The per-expert counts stay on the device and the host does not wait when the grouped GEMMs read
+// them there (moe_counts_stay_on_device: the BF16 build, but for large layers); topk_idx must then hold indices in
+// [0,E) — the router's always do — since none is refused (a route outside gets a slot past every
+// expert's and no output). Otherwise the counts come to the host (moe_route_plan: one wait, and
+// indices outside [0,E) are refused). With dense_routes = true the caller's topk_idx is
+// dense_routes' (E = 1, k = 1, every route to expert 0), so the one count is N, known on the host, and
+// nothing waits either (a dense FFN layer, the shared expert).
 inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                         const floatX* W13, const floatX* W2, int N, int H, int I, int E, int k, cudaStream_t stream,
                         bool dense_routes = false) {
@@ -534,17 +598,24 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
   const int R = N * k;
   const size_t w13_stride = (size_t)2 * I * H;
   saved.N = N; saved.H = H; saved.I = I; saved.E = E; saved.k = k;
+  saved.expert_offsets = pool().alloc_t<int>((size_t)E + 1, Mem::Dispatch, "moe.expert_offsets");
   saved.route_of_slot = pool().alloc_t<int>(R, Mem::Dispatch, "moe.route_of_slot");
   saved.slot_of_route = pool().alloc_t<int>(R, Mem::Dispatch, "moe.slot_of_route");
-  prof_sub(stream, dense_routes ? "route plan" : "route plan (host wait)");
+  const bool counts_on_device = !dense_routes && moe_counts_stay_on_device(H, I, E, R);
+  prof_sub(stream, dense_routes || counts_on_device ? "route plan" : "route plan (host wait)");
   if (dense_routes) {  // the same stable sort (here the identity), its one count known without a download
-    moe_route_sort(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream, nullptr);
-    saved.expert_counts.assign(1, R);
+    moe_route_sort(saved.route_of_slot, saved.slot_of_route, saved.expert_offsets, topk_idx, R, E, stream, nullptr);
+    saved.rows = ExpertRows::on_host({R}, {0}, R);
+  } else if (counts_on_device) {
+    moe_route_sort(saved.route_of_slot, saved.slot_of_route, saved.expert_offsets, topk_idx, R, E, stream, nullptr);
+    saved.rows = ExpertRows::on_device(saved.expert_offsets, E, R);
   } else {
-    saved.expert_counts = moe_route_plan(saved.route_of_slot, saved.slot_of_route, topk_idx, R, E, stream);
+    std::vector<int> counts;
+    moe_route_sort(saved.route_of_slot, saved.slot_of_route, saved.expert_offsets, topk_idx, R, E, stream, &counts);
+    std::vector<int> offsets(E, 0);
+    for (int e = 1; e < E; e++) offsets[e] = offsets[e - 1] + counts[e - 1];
+    saved.rows = ExpertRows::on_host(std::move(counts), std::move(offsets), R);
   }
-  saved.expert_offsets.assign(E, 0);
-  for (int e = 1; e < E; e++) saved.expert_offsets[e] = saved.expert_offsets[e - 1] + saved.expert_counts[e - 1];
 
   floatX* xp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_forward.xp");
   prof_sub(stream, "permute", 2.0 * R * H * sizeof(floatX) + 4.0 * R);
@@ -559,14 +630,14 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
   pool().free(xp);
   // y_e [R_e,H] = swiglu(h13_e) [R_e,I] · W2_eᵀ
   saved.y = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe.y");
-  experts_swiglu_down(saved.y, saved.h13, expert_slices(W2, E, (size_t)H * I), saved.expert_counts, saved.expert_offsets,
-                      R, H, I, "moe_forward", stream);
+  experts_swiglu_down(saved.y, saved.h13, expert_slices(W2, E, (size_t)H * I), saved.rows, H, I, "moe_forward", stream);
   if (out != nullptr) prof_sub(stream, "combine", ((double)R + N) * H * sizeof(floatX) + 8.0 * R);
   if (out != nullptr) moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
 }
 
 // dx [N,H] (=), dtopk_w [N,k] (=), dW13 [E,2I,H] (+=), dW2 [E,H,I] (+=) from dout [N,H], the
-// forward's saved state and inputs. Does not synchronise.
+// forward's saved state and inputs. Does not synchronise (with counts on the device, unless a
+// gradient buffer is not aligned for the grouped GEMM kernel: ops/grouped_gemm.cuh).
 inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const MoESaved& saved,
                          const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
                          cudaStream_t stream) {
@@ -580,8 +651,8 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
   prof_sub(stream, "combine bwd", 3.0 * R * H * sizeof(floatX) + 12.0 * R);
   moe_combine_backward(dy, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
   floatX* dh13 = experts_backward_to_h13(dy, expert_slices(dW2, saved.E, (size_t)H * I), saved.h13,
-                                         expert_slices(W2, saved.E, (size_t)H * I), saved.expert_counts,
-                                         saved.expert_offsets, R, H, I, "moe_backward", stream);
+                                         expert_slices(W2, saved.E, (size_t)H * I), saved.rows, H, I, "moe_backward",
+                                         stream);
   // dxp_e [R_e,H] = dh13_e [R_e,2I] · W13_e [2I,H];  dx[n] = Σ_j dxp[route n·k+j]
   floatX* dxp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dxp");
   prof_sub(stream, "grouped gemm dxp");
@@ -627,14 +698,14 @@ struct DispatchBound {
   size_t saved = 0, peak = 0;
 };
 
-// moe_forward + moe_backward, R = N·k routes: route maps 2·R·4 B and y R·H·b (Dispatch) and h13 R·2I·b
-// (ExpertIntermediates) saved; backward adds dy + a + da (R·H·b + 2·R·I·b), or dh13 + da (3·R·I·b),
+// moe_forward + moe_backward, R = N·k routes: route maps 2·R·4 B, expert offsets (E+1)·4 B and y R·H·b
+// (Dispatch) and h13 R·2I·b (ExpertIntermediates) saved; backward adds dy + a + da (R·H·b + 2·R·I·b), or dh13 + da (3·R·I·b),
 // or dxp/xp + dh13 (R·H·b + 2·R·I·b), and a grouped GEMM's pointer table (3 per expert, Workspace;
 // only cuBLAS's path has one, counted in both builds).
 inline DispatchBound moe_live_bound(long long N, int H, int I, int E, int k, size_t b) {
   const size_t R = (size_t)N * k;
   DispatchBound d;
-  d.saved = 8 * R + R * H * b + 2 * R * I * b;
+  d.saved = 8 * R + 4 * ((size_t)E + 1) + R * H * b + 2 * R * I * b;
   d.peak = d.saved + std::max(R * H * b + 2 * R * I * b, 3 * R * I * b) + 3 * sizeof(void*) * (size_t)E;
   return d;
 }

@@ -370,7 +370,7 @@ inline std::unique_ptr<PLLEPChunkRun> pllep_chunk_pack(const PLLEPPass& p, int i
   run->topk_w = pllep_gather(topk_w, n, p.k, K, i, Mem::Dispatch, "pllep.topk_w_chunk", p.cs);
   es.route_of_slot = alloc_rows<int>(R, Mem::Dispatch, "pllep.route_of_slot");
   es.slot_of_route = alloc_rows<int>(R, Mem::Dispatch, "pllep.slot_of_route");
-  moe_route_sort(es.route_of_slot, es.slot_of_route, idx_chunk, R, p.E, p.cs, nullptr);  // counted and checked in pllep_make_plans
+  moe_route_sort(es.route_of_slot, es.slot_of_route, nullptr, idx_chunk, R, p.E, p.cs, nullptr);  // counted and checked in pllep_make_plans
   pool().free(idx_chunk);
   llep_send_order(es, p.tables_dev + p.saved.send_order_at[i], p.cs);
   ep_forward_pack(run->dispatch, es, x_chunk, p.tables_dev + p.saved.blocks_at[i], "pllep", p.cs);

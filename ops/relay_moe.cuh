@@ -184,6 +184,7 @@ inline std::vector<int> relay_hop_routes(const std::vector<int>& topk_idx, int p
 struct RelayHopSlice {
   int first = 0, count = 0;
   std::vector<int> counts, offsets;  // [E_l]
+  ExpertRows rows() const { return ExpertRows::on_host(counts, offsets, count); }
 };
 
 inline RelayHopSlice relay_hop_slice(const std::vector<int>& expert_counts, int partition, int E_l) {
@@ -339,7 +340,7 @@ struct RelayDispatcher : MoEDispatcher {
     moe_permute_rows(*xp, x, route_of_slot + slice.first, R_h, H, k, cs);
     *h13 = alloc_rows<floatX>((size_t)R_h * 2 * I, Mem::ExpertIntermediates, "relay_moe.h13");
     const std::vector<const floatX*> W13 = slices13(w);
-    grouped_gemm("relay_moe.h13", expert_problems(slice.counts, slice.offsets, [&](int l, size_t first, int rows) {
+    grouped_gemm("relay_moe.h13", expert_problems(slice.rows(), [&](int l, size_t first, int rows) {
                    return GroupedGemmProblem{*xp + first * H, W13[l], *h13 + first * 2 * I, rows, 2 * I, H};
                  }),
                  false, true, H, H, 2 * I, 0.f, cs);
@@ -348,7 +349,7 @@ struct RelayDispatcher : MoEDispatcher {
       *xp = nullptr;
     }
     *y = alloc_rows<floatX>((size_t)R_h * H, Mem::Dispatch, "relay_moe.y");
-    experts_swiglu_down(*y, *h13, slices2(w), slice.counts, slice.offsets, R_h, H, I, "relay_moe", cs);
+    experts_swiglu_down(*y, *h13, slices2(w), slice.rows(), H, I, "relay_moe", cs);
   }
 
   // out [N,H] (=; nullptr: only the plan). Collective over the EP group.
@@ -443,9 +444,9 @@ struct RelayDispatcher : MoEDispatcher {
       if (slice.count > 0) {
         const int R_h = slice.count;
         floatX* dh13 = experts_backward_to_h13(y, expert_slices<floatX>(grad.W2, E_l(), (size_t)H * I), h13, slices2(cur),
-                                               slice.counts, slice.offsets, R_h, H, I, "relay_moe_backward", cs);
+                                               slice.rows(), H, I, "relay_moe_backward", cs);
         // dW13_l [2I,H] += dh13_lᵀ [2I,R_l] · xp_l [R_l,H]
-        grouped_gemm("relay_moe_backward.dW13", expert_problems(slice.counts, slice.offsets, [&](int l, size_t first, int rows) {
+        grouped_gemm("relay_moe_backward.dW13", expert_problems(slice.rows(), [&](int l, size_t first, int rows) {
                        return GroupedGemmProblem{dh13 + first * 2 * I, xp + first * H, grad.W13 + l * (size_t)2 * I * H,
                                                  2 * I, H, rows};
                      }),
@@ -454,7 +455,7 @@ struct RelayDispatcher : MoEDispatcher {
         // dxp_l [R_l,H] = dh13_l [R_l,2I] · W13_l [2I,H];  dx[n] += Σ_j of the hop's routes
         floatX* dxp = alloc_rows<floatX>((size_t)R_h * H, Mem::Dispatch, "relay_moe.dxp");
         const std::vector<const floatX*> W13_cur = slices13(cur);
-        grouped_gemm("relay_moe_backward.dxp", expert_problems(slice.counts, slice.offsets, [&](int l, size_t first, int rows) {
+        grouped_gemm("relay_moe_backward.dxp", expert_problems(slice.rows(), [&](int l, size_t first, int rows) {
                        return GroupedGemmProblem{dh13 + first * 2 * I, W13_cur[l], dxp + first * H, rows, H, 2 * I};
                      }),
                      false, false, 2 * I, H, H, 0.f, cs);
@@ -648,9 +649,9 @@ struct RelayDispatcher : MoEDispatcher {
       if (slice.count > 0) {
         const int R_h = slice.count;
         moe_combine_backward_window(y, acc_dtopk_w, cur.dout, y, slot_of_route, cur.w, slice.first, R_h, (int)n, H, k, cs);
-        floatX* dh13 = experts_backward_to_h13(y, dW2_own, h13, slices2(own), slice.counts, slice.offsets, R_h, H, I,
+        floatX* dh13 = experts_backward_to_h13(y, dW2_own, h13, slices2(own), slice.rows(), H, I,
                                                "relay_moe_backward", cs);
-        grouped_gemm("relay_moe_backward.dW13", expert_problems(slice.counts, slice.offsets, [&](int l, size_t first, int rows) {
+        grouped_gemm("relay_moe_backward.dW13", expert_problems(slice.rows(), [&](int l, size_t first, int rows) {
                        return GroupedGemmProblem{dh13 + first * 2 * I, xp + first * H, dW13 + l * (size_t)2 * I * H, 2 * I,
                                                  H, rows};
                      }),
@@ -658,7 +659,7 @@ struct RelayDispatcher : MoEDispatcher {
         pool().free(xp);
         floatX* dxp = alloc_rows<floatX>((size_t)R_h * H, Mem::Dispatch, "relay_moe.dxp");
         const std::vector<const floatX*> W13_own = slices13(own);
-        grouped_gemm("relay_moe_backward.dxp", expert_problems(slice.counts, slice.offsets, [&](int l, size_t first, int rows) {
+        grouped_gemm("relay_moe_backward.dxp", expert_problems(slice.rows(), [&](int l, size_t first, int rows) {
                        return GroupedGemmProblem{dh13 + first * 2 * I, W13_own[l], dxp + first * H, rows, H, 2 * I};
                      }),
                      false, false, 2 * I, H, H, 0.f, cs);

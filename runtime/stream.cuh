@@ -138,10 +138,19 @@ struct WatchedWait {
   WatchedWait& operator=(const WatchedWait&) = delete;
 };
 
+// How many times this process's host has waited for a stream (stream_wait_why, which every wait
+// here goes through: stream_wait, copy_to_host, copy_to_device). While the host waits nothing new is
+// queued, so the GPU runs dry; --profile_step prints a step's count, and GpuModel.* counts a pass's.
+inline std::atomic<long long>& host_waits() {
+  static std::atomic<long long> count{0};
+  return count;
+}
+
 // Polls until `stream` has finished its work. Returns "" then, or why it gave up: a CUDA error on the
 // stream, what the wait watcher reports, or the timeout. Spins (yielding the CPU) for the first
 // millisecond, then sleeps 20 µs between polls.
 inline std::string stream_wait_why(cudaStream_t stream) {
+  host_waits()++;
   WatchedWait watched("a wait for a stream");
   const auto start = std::chrono::steady_clock::now();
   for (long polls = 0;; polls++) {

@@ -4,9 +4,8 @@
 # Usage: tests/gpu.sh [test] [train] [train2] [bench] [speed] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
-#   speed: issue 13's speed work (notes/speed.md): the tests it touched in both precisions (AdamWGpu,
-#     OffloadAdamWGpu, SumSqGpu, RouterGpu, MoEGpu*, GroupedGemm*, GpuModel, ProfileGpu, GpuMemoryPrediction, RmsNormGpu, GpuRope*,
-#     CrossEntropyGpu; with 2 GPUs or more test_dist's DistModel), compute-sanitizer memcheck and racecheck over the grouped
+#   speed: issue 13's speed work (notes/speed.md): the whole test_gpu in both precisions (with 2 GPUs or more
+#     also test_dist's DistModel), compute-sanitizer memcheck and racecheck over the grouped
 #     GEMM, RMSNorm and RoPE tests, then
 #     tools/bench_train.sh's speed part on one GPU: the default model and config B1, tokens/s, MFU, memory
 #     and the per-operator breakdown of step 20 (speed.md; the profile_step*.md files in speed_profiles.tgz), and
@@ -315,7 +314,7 @@ if [[ " $want " == *" speed "* ]]; then
   : > "$OUT/speed_tests.log"
   gpus=$(nvidia-smi -L | wc -l)
   for p in fp32 bf16; do
-    runs=("build/$p/test_gpu --gtest_filter=AdamWGpu.*:OffloadAdamWGpu.*:SumSqGpu.*:RouterGpu.*:MoEGpu*:GroupedGemm*:GpuModel.*:ProfileGpu.*:GpuMemoryPrediction.*:RmsNormGpu.*:GpuRope*:CrossEntropyGpu.*")
+    runs=("build/$p/test_gpu")
     [ "$gpus" -ge 2 ] && runs+=("build/$p/test_dist --gtest_filter=DistModel.*")
     for run in "${runs[@]}"; do
       $run > build/speed_run.log 2>&1

@@ -57,6 +57,20 @@ double tensor_err(const std::vector<float>& gpu, const std::vector<double>& ref,
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
+// A model of random weights (seed `seed`) and B sequences of random tokens x, y, after one forward
+// pass over them: the pass sizes the model's own buffers (the trivial routing of dense layers) for
+// those tokens, so that a measured pass after it allocates only what it uses.
+Model warmed_up_model(const ModelConfig& c, uint64_t seed, int B, std::vector<int>& x, std::vector<int>& y) {
+  testutil::Rng rng;
+  random_tokens(B * c.seq_len, c.vocab, rng, x, y);
+  Model m = model_create(c, seed);
+  model_set_master(m, random_master(c, rng));
+  PassOptions warmup;
+  warmup.backward = false;
+  model_pass(m, x.data(), y.data(), B, c.seq_len, warmup);
+  return m;
+}
+
 void first_step_matches_reference(int variant) {
   ModelConfig c = config_variant(variant);
   testutil::Rng rng;
@@ -183,17 +197,11 @@ TEST(GpuModel, RecomputeIsBitIdenticalAndLowersPeak) {
   ModelConfig c = config_variant(1);
   c.layers = 4;
   const int B = 4, T = c.seq_len, N = B * T;
-  testutil::Rng rng;
   std::vector<int> x, y;
-  random_tokens(N, c.vocab, rng, x, y);
-  Model m = model_create(c, 3);
-  model_set_master(m, random_master(c, rng));
+  Model m = warmed_up_model(c, 3, B, x, y);
   size_t peak[2];
   std::vector<float> grads[2];
   float loss[2];
-  PassOptions warmup;  // sizes the model's own buffers (the trivial routing of dense layers) for N tokens
-  warmup.backward = false;
-  model_pass(m, x.data(), y.data(), B, T, warmup);
   for (int recompute = 0; recompute < 2; recompute++) {
     model_zero_grads(m);
     cudaCheck(cudaDeviceSynchronize(), "test", "sync");
@@ -213,6 +221,43 @@ TEST(GpuModel, RecomputeIsBitIdenticalAndLowersPeak) {
       << "recomputation must reproduce the gradients bit for bit";
   EXPECT_LT(peak[1], peak[0]);
   model_destroy(m);
+}
+
+// One GPU's MoE layers do not wait for the host in the BF16 build (the per-expert counts stay on the
+// device, ops/moe.cuh): a pass — forward and backward, with or without recomputation — over 4 MoE
+// layers waits for the GPU exactly as often as one over 2, for the pass's uploads and its loss only.
+// In the FP32 build the grouped GEMMs take the counts from the host: one download per MoE layer's
+// forward and one more per recomputed layer, each two waits (runtime/stream.cuh's copy_to_host waits
+// for the stream before its copy and for the copy).
+TEST(GpuModel, MoELayersDoNotWaitForTheHost) {
+  REQUIRE_GPU();
+  long long waits[2][2];  // [2 or 4 layers][recompute]
+  for (int i = 0; i < 2; i++) {
+    ModelConfig c = config_variant(0);
+    c.layers = 2 + 2 * i;
+    const int B = 2, T = c.seq_len, N = B * T;
+    std::vector<int> x, y;
+    Model m = warmed_up_model(c, 1, B, x, y);
+    for (int recompute = 0; recompute < 2; recompute++) {
+      model_zero_grads(m);
+      PassOptions o;
+      o.dloss = 1.f / N;
+      o.recompute = recompute == 1;
+      const long long before = host_waits();
+      model_pass(m, x.data(), y.data(), B, T, o);
+      waits[i][recompute] = host_waits() - before;
+    }
+    model_destroy(m);
+  }
+  printf("[waits] one pass over 2 / 4 MoE layers: %lld / %lld host waits (stored), %lld / %lld (recomputed)\n",
+         waits[0][0], waits[1][0], waits[0][1], waits[1][1]);
+#if defined(FLATMOE_BF16)
+  EXPECT_EQ(waits[1][0], waits[0][0]) << "a MoE layer waited for the host";
+  EXPECT_EQ(waits[1][1], waits[0][1]) << "a recomputed MoE layer waited for the host";
+#else
+  EXPECT_EQ(waits[1][0] - waits[0][0], 2 * 2) << "one download per MoE layer's forward";
+  EXPECT_EQ(waits[1][1] - waits[0][1], 2 * 4) << "one download per MoE layer's forward and one per recomputation";
+#endif
 }
 
 // The pool's peak is exactly the largest live total that its own timeline records.

@@ -106,14 +106,21 @@ MoEResult run_device(const MoECase& c, bool dense_routes = false) {
   pool().reset_peak();
   MoESaved saved;
   moe_forward(d_out.ptr, saved, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, H, I, E, k, stream, dense_routes);
-  EXPECT_EQ(saved.expert_counts, routes_per_expert(c.topk_idx, E));
-  // saved between forward and backward: route maps + y (Dispatch), h13 (ExpertIntermediates)
-  EXPECT_EQ(pool().live(Mem::Dispatch) - dispatch_start, 2 * R * sizeof(int) + R * H * b);
+  // the experts' offsets on the device; the counts on the host too unless they stay on the device
+  const std::vector<int> offsets = testutil::download_vec(saved.expert_offsets, (size_t)E + 1);
+  std::vector<int> counts(E);
+  for (int e = 0; e < E; e++) counts[e] = offsets[e + 1] - offsets[e];
+  EXPECT_EQ(counts, routes_per_expert(c.topk_idx, E));
+  EXPECT_EQ(offsets[0], 0);
+  EXPECT_EQ(saved.rows.device_offsets != nullptr, !dense_routes && moe_counts_stay_on_device(H, I, E, (long long)R));
+  if (!saved.rows.device_offsets) EXPECT_EQ(saved.rows.counts, counts);
+  // saved between forward and backward: route maps, expert offsets + y (Dispatch), h13 (ExpertIntermediates)
+  EXPECT_EQ(pool().live(Mem::Dispatch) - dispatch_start, 2 * R * sizeof(int) + (E + 1) * sizeof(int) + R * H * b);
   EXPECT_EQ(pool().live(Mem::ExpertIntermediates) - inter_start, R * 2 * I * b);
   moe_backward(d_dx.ptr, d_dtopk_w.ptr, d_dW13.ptr, d_dW2.ptr, d_dout.ptr, saved, d_x.ptr, d_idx.ptr, d_w.ptr,
                d_W13.ptr, d_W2.ptr, stream);
   // peak live set: one R·H row buffer beside y; per-route hidden state at most 5·R·I (h13, da, dh13)
-  EXPECT_LE(pool().peak(Mem::Dispatch) - dispatch_start, 2 * R * sizeof(int) + 2 * R * H * b);
+  EXPECT_LE(pool().peak(Mem::Dispatch) - dispatch_start, 2 * R * sizeof(int) + (E + 1) * sizeof(int) + 2 * R * H * b);
   EXPECT_LE(pool().peak(Mem::ExpertIntermediates) - inter_start, 5 * R * I * b);
   moe_saved_free(saved);
   EXPECT_EQ(pool().live_total(), live_start) << "moe_forward/backward/saved_free leaked pool bytes";
@@ -259,6 +266,60 @@ TEST(MoEGpu, RoutePlanIsStableSortByExpert) {
   int not_inverse = 0;
   for (int s = 0; s < R; s++) not_inverse += slot_of_route[route_of_slot[s]] != s;
   EXPECT_EQ(not_inverse, 0);
+}
+
+// With the offsets kept on the device (what moe_forward does in the BF16 build, where nothing refuses
+// an index), a route whose expert index is outside [0, E) still gets a slot: after every expert's,
+// in route order, so that the maps stay a permutation of [0, R) and no kernel reads outside them;
+// offsets[E] is where those routes start.
+TEST(MoEGpu, RouteSortPutsIndicesOutsideTheExpertsAfterThem) {
+  REQUIRE_GPU();
+  Rng rng;
+  const int R = 1500, E = 6;
+  std::vector<int> idx(R);
+  for (int& e : idx) e = rng.integer(0, E - 1);
+  for (int r : {3, 700, 701, 1499}) idx[r] = r % 2 ? E : -1;  // outside, in both directions
+  idx[900] = 1000;
+  auto bin = [&](int e) { return e >= 0 && e < E ? e : E; };
+  std::vector<int> expected(R);
+  for (int r = 0; r < R; r++) expected[r] = r;
+  std::stable_sort(expected.begin(), expected.end(), [&](int a, int b) { return bin(idx[a]) < bin(idx[b]); });
+  std::vector<int> expected_offsets(E + 1, 0);
+  for (int e = 0; e < E; e++) expected_offsets[e + 1] = expected_offsets[e] + (int)std::count(idx.begin(), idx.end(), e);
+
+  auto d_idx = testutil::upload_vec(idx);
+  DeviceBuffer<int> d_route_of_slot(R, Mem::Dispatch, "test.route_of_slot");
+  DeviceBuffer<int> d_slot_of_route(R, Mem::Dispatch, "test.slot_of_route");
+  DeviceBuffer<int> d_offsets(E + 1, Mem::Dispatch, "test.offsets");
+  testutil::poison(d_route_of_slot.ptr, R);
+  testutil::poison(d_slot_of_route.ptr, R);
+  testutil::poison(d_offsets.ptr, E + 1);
+  moe_route_sort(d_route_of_slot.ptr, d_slot_of_route.ptr, d_offsets.ptr, d_idx.ptr, R, E, 0, nullptr);
+  std::vector<int> route_of_slot = testutil::download_vec(d_route_of_slot.ptr, R);
+  std::vector<int> slot_of_route = testutil::download_vec(d_slot_of_route.ptr, R);
+  EXPECT_EQ(testutil::download_vec(d_offsets.ptr, E + 1), expected_offsets);
+  EXPECT_EQ(expected_offsets[E], R - 5);
+  EXPECT_EQ(route_of_slot, expected);
+  int not_inverse = 0;
+  for (int s = 0; s < R; s++) not_inverse += slot_of_route[route_of_slot[s]] != s;
+  EXPECT_EQ(not_inverse, 0);
+}
+
+// Which layers keep their per-expert counts on the device (no host wait in the layer): in the BF16
+// build the default model's (H 384, I 384, E 8, 8192 routes: dW13 0.6 GFLOP per expert); not config
+// B1's (H 1024, I 512, E 32, 65536 routes: dW13 4.3 GFLOP per expert, faster on cuBLAS, which takes
+// its sizes from the host), nor a width that is not a multiple of 8; none in the FP32 build. Runs
+// without a GPU (CI).
+TEST(MoEHost, CountsStayOnTheDeviceUnlessCublasTakesTheWeightGradients) {
+#if defined(FLATMOE_BF16)
+  const bool bf16 = true;
+#else
+  const bool bf16 = false;
+#endif
+  EXPECT_EQ(moe_counts_stay_on_device(384, 384, 8, 8192), bf16) << "the default model";
+  EXPECT_FALSE(moe_counts_stay_on_device(1024, 512, 32, 65536)) << "B1";
+  EXPECT_EQ(moe_counts_stay_on_device(1024, 512, 32, 32768), bf16) << "B1's layer at half the tokens (2.1 GFLOP)";
+  EXPECT_FALSE(moe_counts_stay_on_device(384, 36, 8, 8192)) << "I not a multiple of 8";
 }
 
 // The row kernels (moe_permute_rows, moe_combine weighted and plain, moe_combine_window_add,

@@ -1,7 +1,9 @@
 // tools/bench_expert_gemm.cu — the six expert GEMMs of one MoE layer (ops/moe.cuh: h13 = xp W13ᵀ,
-// y = a W2ᵀ, da = dy W2, dW2 += dyᵀ a, dxp = dh13 W13, dW13 += dh13ᵀ xp) on one GPU, each three ways
-// on the same inputs: ops/grouped_gemm.cuh's grouped_gemm (what training runs: flatmoe's tensor-core
-// kernel, one launch per GEMM, or cuBLAS — the "runs" column), grouped_gemm_cublas (ONE
+// y = a W2ᵀ, da = dy W2, dW2 += dyᵀ a, dxp = dh13 W13, dW13 += dh13ᵀ xp) on one GPU, each four ways
+// on the same inputs: ops/grouped_gemm.cuh's grouped_gemm with the sizes on the host (what the
+// expert-parallel dispatchers run: flatmoe's tensor-core kernel, one launch per GEMM, or cuBLAS — the
+// "runs" column), grouped_gemm with routed problems (the sizes read on the device: what one GPU's
+// layer runs in the BF16 build, always on the kernel), grouped_gemm_cublas (ONE
 // cublasGemmGroupedBatchedEx call, one group per expert) and a loop of one cublasGemmEx per expert.
 //
 //   build/bf16/bench_expert_gemm [--configs H:I:E:R,...] [--spread s] [--warmup 2] [--iters 10]
@@ -12,8 +14,8 @@
 // (--spread s, default 0.3: shares within ±30 % of even). Time: CUDA events around one call on a stream,
 // median of --iters after --warmup; "host ms": the median host time to issue the call (when it is near
 // the GPU time, the call is bound by the host). TFLOP/s = 2·M·N·K summed over the experts / time.
-// "rel diff": ‖C − C_loop‖ / ‖C_loop‖ for grouped_gemm and for the cuBLAS grouped call, after one
-// call of each from the same C (0: the same bits). Markdown rows.
+// "rel diff": ‖C − C_loop‖ / ‖C_loop‖ for the first three ways, after one call of each from the same C
+// (0: the same bits). Markdown rows.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -123,13 +125,20 @@ int main(int argc, char** argv) {
   for (const Config& c : f.configs) {
     const int H = c.H, I = c.I, E = c.E, R = c.R;
     const std::vector<int> counts = uneven_counts(R, E, f.spread);
-    std::vector<int> offsets(E, 0);
-    for (int e = 1; e < E; e++) offsets[e] = offsets[e - 1] + counts[e - 1];
+    std::vector<int> offsets(E + 1, 0);
+    for (int e = 0; e < E; e++) offsets[e + 1] = offsets[e] + counts[e];
+    DeviceBuffer<int> device_offsets(E + 1, Mem::Workspace, "bench.offsets");
+    cudaCheck(cudaMemcpy(device_offsets.ptr, offsets.data(), (E + 1) * sizeof(int), cudaMemcpyHostToDevice), "bench_expert_gemm",
+              "offsets");
+    offsets.pop_back();
+    const ExpertRows on_host = ExpertRows::on_host(counts, offsets, R);
+    const ExpertRows on_device = ExpertRows::on_device(device_offsets.ptr, E, R);
     const auto [lo, hi] = std::minmax_element(counts.begin(), counts.end());
     printf("\n### H %d, I %d, E %d, R %d (routes per expert %d to %d)\n\n", H, I, E, R, *lo, *hi);
-    printf("| GEMM | GFLOP | grouped_gemm runs | grouped_gemm ms | TFLOP/s | host ms | cuBLAS grouped ms | TFLOP/s | host ms | "
-           "per-expert loop ms | TFLOP/s | host ms | rel diff grouped_gemm | rel diff cuBLAS grouped |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| GEMM | GFLOP | grouped_gemm runs | grouped_gemm ms | TFLOP/s | host ms | routed ms | TFLOP/s | host ms | "
+           "cuBLAS grouped ms | TFLOP/s | host ms | per-expert loop ms | TFLOP/s | host ms | rel diff grouped_gemm | "
+           "rel diff routed | rel diff cuBLAS grouped |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     fflush(stdout);
     auto filled = [&](size_t n, unsigned seed, const char* tag) {
       DeviceBuffer<floatX> b(n, Mem::Workspace, tag);
@@ -145,37 +154,44 @@ int main(int argc, char** argv) {
     const size_t w13 = (size_t)2 * I * H, w2 = (size_t)H * I;
     struct Gemm {
       const char* name;
-      std::vector<GroupedGemmProblem> problems;
+      GroupedGemmProblems problems, routed;
       bool transA, transB;
       int lda, ldb, ldc;
       float beta;
       floatX* C;
       size_t C_count;
     };
-    auto per_expert = [&](auto make) { return expert_problems(counts, offsets, make); };
+    // one GEMM's problems both ways: sizes on the host, and routed (sizes on the device)
+    auto both = [&](auto make) { return std::make_pair(expert_problems(on_host, make), expert_problems(on_device, make)); };
+    auto gemm = [&](const char* name, auto problems, bool transA, bool transB, int lda, int ldb, int ldc, float beta,
+                    floatX* C, size_t C_count) {
+      return Gemm{name, problems.first, problems.second, transA, transB, lda, ldb, ldc, beta, C, C_count};
+    };
     const std::vector<Gemm> gemms = {
-        {"h13 = xp W13ᵀ", per_expert([&](int e, size_t r0, int rows) { return GroupedGemmProblem{xp.ptr + r0 * H, W13.ptr + e * w13, h13.ptr + r0 * 2 * I, rows, 2 * I, H}; }),
-         false, true, H, H, 2 * I, 0.f, h13.ptr, h13.count},
-        {"y = a W2ᵀ", per_expert([&](int e, size_t r0, int rows) { return GroupedGemmProblem{a.ptr + r0 * I, W2.ptr + e * w2, y.ptr + r0 * H, rows, H, I}; }),
-         false, true, I, I, H, 0.f, y.ptr, y.count},
-        {"da = dy W2", per_expert([&](int e, size_t r0, int rows) { return GroupedGemmProblem{dy.ptr + r0 * H, W2.ptr + e * w2, da.ptr + r0 * I, rows, I, H}; }),
-         false, false, H, I, I, 0.f, da.ptr, da.count},
-        {"dW2 += dyᵀ a", per_expert([&](int e, size_t r0, int rows) { return GroupedGemmProblem{dy.ptr + r0 * H, a.ptr + r0 * I, dW2.ptr + e * w2, H, I, rows}; }),
-         true, false, H, I, I, 1.f, dW2.ptr, dW2.count},
-        {"dxp = dh13 W13", per_expert([&](int e, size_t r0, int rows) { return GroupedGemmProblem{dh13.ptr + r0 * 2 * I, W13.ptr + e * w13, dxp.ptr + r0 * H, rows, H, 2 * I}; }),
-         false, false, 2 * I, H, H, 0.f, dxp.ptr, dxp.count},
-        {"dW13 += dh13ᵀ xp", per_expert([&](int e, size_t r0, int rows) { return GroupedGemmProblem{dh13.ptr + r0 * 2 * I, xp.ptr + r0 * H, dW13.ptr + e * w13, 2 * I, H, rows}; }),
-         true, false, 2 * I, H, H, 1.f, dW13.ptr, dW13.count},
+        gemm("h13 = xp W13ᵀ", both([&](int e, size_t r0, int rows) { return GroupedGemmProblem{xp.ptr + r0 * H, W13.ptr + e * w13, h13.ptr + r0 * 2 * I, rows, 2 * I, H}; }),
+             false, true, H, H, 2 * I, 0.f, h13.ptr, h13.count),
+        gemm("y = a W2ᵀ", both([&](int e, size_t r0, int rows) { return GroupedGemmProblem{a.ptr + r0 * I, W2.ptr + e * w2, y.ptr + r0 * H, rows, H, I}; }),
+             false, true, I, I, H, 0.f, y.ptr, y.count),
+        gemm("da = dy W2", both([&](int e, size_t r0, int rows) { return GroupedGemmProblem{dy.ptr + r0 * H, W2.ptr + e * w2, da.ptr + r0 * I, rows, I, H}; }),
+             false, false, H, I, I, 0.f, da.ptr, da.count),
+        gemm("dW2 += dyᵀ a", both([&](int e, size_t r0, int rows) { return GroupedGemmProblem{dy.ptr + r0 * H, a.ptr + r0 * I, dW2.ptr + e * w2, H, I, rows}; }),
+             true, false, H, I, I, 1.f, dW2.ptr, dW2.count),
+        gemm("dxp = dh13 W13", both([&](int e, size_t r0, int rows) { return GroupedGemmProblem{dh13.ptr + r0 * 2 * I, W13.ptr + e * w13, dxp.ptr + r0 * H, rows, H, 2 * I}; }),
+             false, false, 2 * I, H, H, 0.f, dxp.ptr, dxp.count),
+        gemm("dW13 += dh13ᵀ xp", both([&](int e, size_t r0, int rows) { return GroupedGemmProblem{dh13.ptr + r0 * 2 * I, xp.ptr + r0 * H, dW13.ptr + e * w13, 2 * I, H, rows}; }),
+             true, false, 2 * I, H, H, 1.f, dW13.ptr, dW13.count),
     };
     for (const Gemm& g : gemms) {
       double flop = 0;
-      for (const GroupedGemmProblem& p : g.problems) flop += 2.0 * p.M * p.N * p.K;
+      for (const GroupedGemmProblem& p : g.problems.list) flop += 2.0 * p.M * p.N * p.K;
       const std::vector<std::function<void()>> ways = {
           [&] { grouped_gemm(g.name, g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); },
-          [&] { grouped_gemm_cublas(g.name, g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); },
-          [&] { gemm_per_expert(g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); }};
-      std::vector<float> results[3];
-      for (int way = 0; way < 3; way++) {  // one call of each from C = 0 (dW: += onto 0)
+          [&] { grouped_gemm(g.name, g.routed, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); },
+          [&] { grouped_gemm_cublas(g.name, g.problems.list, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); },
+          [&] { gemm_per_expert(g.problems.list, g.transA, g.transB, g.lda, g.ldb, g.ldc, g.beta, stream); }};
+      const int ways_count = (int)ways.size(), loop = ways_count - 1;
+      std::vector<std::vector<float>> results(ways_count);
+      for (int way = 0; way < ways_count; way++) {  // one call of each from C = 0 (dW: += onto 0)
         cudaCheck(cudaMemsetAsync(g.C, 0, g.C_count * sizeof(floatX), stream), "bench_expert_gemm", "zero C");
         ways[way]();
         results[way] = download(g.C, g.C_count, stream);
@@ -183,20 +199,21 @@ int main(int argc, char** argv) {
       auto rel_diff_to_loop = [&](const std::vector<float>& c) {
         double num = 0, den = 0;
         for (size_t i = 0; i < g.C_count; i++) {
-          const double d = (double)c[i] - results[2][i];
+          const double d = (double)c[i] - results[loop][i];
           num += d * d;
-          den += (double)results[2][i] * results[2][i];
+          den += (double)results[loop][i] * results[loop][i];
         }
         return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
       };
       printf("| %s | %.1f | %s", g.name, flop / 1e9,
              grouped_gemm_takes_kernel(g.problems, g.transA, g.transB, g.lda, g.ldb, g.ldc) ? "kernel" : "cuBLAS");
-      for (int way = 0; way < 3; way++) {
+      for (int way = 0; way < ways_count; way++) {
         double issue_ms = 0;
         const double ms = median_ms(ways[way], f.warmup, f.iters, stream, "bench_expert_gemm", &issue_ms);
         printf(" | %.3f | %.0f | %.3f", ms, flop / (ms * 1e9), issue_ms);
       }
-      printf(" | %.1e | %.1e |\n", rel_diff_to_loop(results[0]), rel_diff_to_loop(results[1]));
+      for (int way = 0; way < loop; way++) printf(" | %.1e", rel_diff_to_loop(results[way]));
+      printf(" |\n");
       fflush(stdout);
     }
   }
