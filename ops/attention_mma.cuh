@@ -12,7 +12,9 @@
 //
 // Tiling. Every kernel runs one block of 4 warps (128 threads) on a 64-row tile of one
 // (sequence, head); the tile is split into 4 warp strips of 16 rows. Each warp's strip is the
-// M = 16 side of its MMAs, so the softmax of a row never leaves the 4 lanes that hold it.
+// M = 16 side of its MMAs, so the softmax of a row never leaves the 4 lanes that hold it. The
+// forward at hd 64 gives each warp two strips (a block of 128 queries, FORWARD_STRIPS): each K and V
+// fragment it reads from shared memory then feeds two MMAs instead of one.
 //
 //                  key tile kt: 64 keys (shared memory, double-buffered, cp.async)
 //                +----------------------------------+
@@ -27,20 +29,23 @@
 //     row g+8    lane 4g    lane 4g+1  lane 4g+2  lane 4g+3    (c[2], c[3])
 //   so a row's max and sum are two __shfl_xor_sync (1, 2) away.
 //
-//   forward:         block = query tile; loop key tiles 0 … qt (online softmax; O in registers).
+//   forward:         block = query tile (64 or 128 rows); loop key tiles 0 … the last query's
+//                    (online softmax; O in registers).
 //   backward dK, dV: block = key tile (warp strips are 16 keys); loop query tiles kt … last,
 //                    computing Sᵀ = K Qᵀ and dPᵀ = V dOᵀ per strip, then dV += Pᵀ dO, dK += dSᵀ Q.
 //   backward dQ:     block = query tile; loop key tiles 0 … qt: S, dP, then dQ += dS K.
 // Every output element is accumulated by one lane in a fixed order (no atomics): deterministic.
-// Only the diagonal tile (kt == qt) and, in the backward, the tile holding T are masked.
+// Only the key tiles from the block's first query on (the diagonal) and, in the backward, the tile
+// holding T are masked.
 //
 // Shared memory: bf16 tiles of 64 rows with row stride LD = HD + 8 (HD + 8 bf16 = 144 / 272
 // bytes: the 8 row addresses of one ldmatrix phase fall on 8 distinct 16-byte bank groups, so
-// ldmatrix is conflict-free; cp.async writes 16-byte chunks). Tiles per block: forward Q + 2 K
-// + 2 V (5), dK/dV K + V + 2 Q + 2 dO (6, + 2·2·64 floats of lse/delta), dQ Q + dO + 2 K + 2 V
-// (6): hd = 64: 45 / 55 / 54 KiB, hd = 128: 85 / 103 / 102 KiB (two blocks per SM fit the
-// 227 KiB of sm_90). Registers per lane: O (or dQ, dK + dV) HD/8·4 fp32 each, S and dP 32 fp32
-// each, the forward's Q fragments HD/16·4 words (ptxas counts: notes/attention.md).
+// ldmatrix is conflict-free; cp.async writes 16-byte chunks). Tiles per block: forward one Q tile
+// per strip + 2 K + 2 V (6 at hd 64, 5 at hd 128), dK/dV K + V + 2 Q + 2 dO (6, + 2·2·64 floats of
+// lse/delta), dQ Q + dO + 2 K + 2 V (6): hd = 64: 55 / 55 / 54 KiB, hd = 128: 85 / 103 / 102 KiB (two
+// blocks per SM fit the 227 KiB of sm_90). Registers per lane: O (or dQ, dK + dV) HD/8·4 fp32 per
+// strip, S and dP 32 fp32 per strip, the forward's Q fragments HD/16·4 words per strip (ptxas
+// counts: notes/attention.md).
 //
 // The MMA fragments and ldmatrix forms these kernels rely on are drawn in ops/mma.cuh. Two n-blocks
 // of C side by side (keys 16j … 16j+15) are exactly the A fragment of k-step j for the next
@@ -64,11 +69,16 @@ template <int HD>
 constexpr int ld() { return HD + 8; }  // shared-memory row stride in bf16
 template <int HD>
 constexpr int tile_elems() { return TILE * ld<HD>(); }
+// Query strips of 16 rows per warp in the forward: two at hd 64 (128 queries per block, each K and V
+// fragment read from shared memory once for both), one at hd 128 (two would not fit the registers).
+template <int HD>
+constexpr int FORWARD_STRIPS = HD == 64 ? 2 : 1;
 
 // ---- tile helpers (lane = threadIdx.x % 32) -----------------------------------------------
 
 // Rows [0, rows_valid) of a 64 × HD tile (global row stride `stride` elements) into shared
-// memory (row stride LD) with cp.async; rows past rows_valid become zeros. rows_valid ≥ 1.
+// memory (row stride LD) with cp.async; rows past rows_valid become zeros. src must be readable even
+// when rows_valid ≤ 0 (every row zeros).
 template <int HD>
 __device__ __forceinline__ void load_tile_async(bf16* dst, const bf16* src, size_t stride, int rows_valid) {
   constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
@@ -108,66 +118,91 @@ __device__ __forceinline__ void strip_times_tile_t(float (&acc)[NB][4], const bf
   }
 }
 
-// acc += P · Y for P the 16 × 8NB strip held as C fragments (p[NB][4], rounded to bf16 here)
-// and Y an 8NB × HD tile stored [k][n] (row = the keys or queries P's columns index).
-template <int HD, int NB>
-__device__ __forceinline__ void c_strip_times_tile(float (&acc)[HD / 8][4], const float (&p)[NB][4], const bf16* Y,
+// acc[i] += P_i · Y for i < MB: each P_i a 16 × 8NB strip held as C fragments (p[i][NB][4], rounded
+// to bf16 here) and Y an 8NB × HD tile stored [k][n] (row = the keys or queries P's columns index).
+// Each fragment of Y is loaded once for the MB strips; each strip's products are added in the same
+// order whatever MB is.
+template <int HD, int NB, int MB = 1>
+__device__ __forceinline__ void c_strip_times_tile(float (*acc)[HD / 8][4], const float (*p)[NB][4], const bf16* Y,
                                                    int lane) {
 #pragma unroll
   for (int j = 0; j < NB / 2; j++) {  // k-step j: columns 16j … 16j+15 of P = n-blocks 2j, 2j+1
-    const uint32_t a[4] = {pack_bf16(p[2 * j][0], p[2 * j][1]), pack_bf16(p[2 * j][2], p[2 * j][3]),
-                           pack_bf16(p[2 * j + 1][0], p[2 * j + 1][1]), pack_bf16(p[2 * j + 1][2], p[2 * j + 1][3])};
+    uint32_t a[MB][4];
+#pragma unroll
+    for (int i = 0; i < MB; i++) {
+      a[i][0] = pack_bf16(p[i][2 * j][0], p[i][2 * j][1]);
+      a[i][1] = pack_bf16(p[i][2 * j][2], p[i][2 * j][3]);
+      a[i][2] = pack_bf16(p[i][2 * j + 1][0], p[i][2 * j + 1][1]);
+      a[i][3] = pack_bf16(p[i][2 * j + 1][2], p[i][2 * j + 1][3]);
+    }
 #pragma unroll
     for (int np = 0; np < HD / 16; np++) {  // pairs of n-blocks: columns 16np … 16np+15 of Y
       uint32_t b[4];
       ldmatrix_x4_trans(b, Y + (j * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * ld<HD>() + np * 16 + 8 * (lane / 16));
-      mma_16816(acc[2 * np], a, b[0], b[1]);
-      mma_16816(acc[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int i = 0; i < MB; i++) {
+        mma_16816(acc[i][2 * np], a[i], b[0], b[1]);
+        mma_16816(acc[i][2 * np + 1], a[i], b[2], b[3]);
+      }
     }
   }
 }
 
 // ---- kernels ------------------------------------------------------------------------------
 
-// grid (nh, B, ceil(T/64)); block 128. out and lse of one 64-query tile of one head.
-template <int HD>
+// grid (nh, B, ceil(T/(64·MB))); block 128. out and lse of one tile of 64·MB queries of one head;
+// warp w owns the MB strips of 16 rows from 16·MB·w on (MB = FORWARD_STRIPS<HD>).
+template <int HD, int MB>
 __global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse, const bf16* qkv, int T, int nh) {
   constexpr int TE = tile_elems<HD>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* Q_s = reinterpret_cast<bf16*>(smem_raw);  // [64][LD]
-  bf16* K_s = Q_s + TE;                            // [2][64][LD]
+  bf16* Q_s = reinterpret_cast<bf16*>(smem_raw);  // [64·MB][LD]
+  bf16* K_s = Q_s + MB * TE;                       // [2][64][LD]
   bf16* V_s = K_s + 2 * TE;                        // [2][64][LD]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.x, b = blockIdx.y;
   const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
-  const int q0 = qt * TILE;
+  const int q0 = qt * TILE * MB;
+  const int last_kt = (min(q0 + TILE * MB, T) - 1) / TILE;  // the key tile of the last query
   const int H = nh * HD;
   const size_t stride = 3 * (size_t)H;
   const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;  // q of (b, t = 0, h)
   const float scale_log2 = LOG2E / sqrtf((float)HD);
 
-  load_tile_async<HD>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
+#pragma unroll
+  for (int i = 0; i < MB; i++) {  // 64 query rows at a time; none past T (zeros)
+    const int first = q0 + i * TILE;
+    load_tile_async<HD>(Q_s + i * TE, first < T ? q_base + (size_t)first * stride : q_base, stride, min(TILE, T - first));
+  }
   load_tile_async<HD>(K_s, q_base + H, stride, min(TILE, T));
   load_tile_async<HD>(V_s, q_base + 2 * H, stride, min(TILE, T));
   cp_async_commit();
 
-  uint32_t qf[HD / 16][4];  // the warp's 16 query rows as A fragments, loaded once
-  float o[HD / 8][4];       // O strip 16 × HD (C fragments), unnormalised
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g, g+8: max (log2 units), partial sum
+  uint32_t qf[MB][HD / 16][4];  // the warp's query strips as A fragments, loaded once
+  float o[MB][HD / 8][4];       // O strips 16 × HD (C fragments), unnormalised
+  float m[MB][2], l[MB][2];     // per strip, rows g, g+8: max (log2 units), partial sum
+  int row0[MB];                 // per strip, the query of c[0], c[1]; c[2], c[3] are row0 + 8
 #pragma unroll
-  for (int nb = 0; nb < HD / 8; nb++)
+  for (int i = 0; i < MB; i++) {
+    row0[i] = q0 + (warp * MB + i) * 16 + g;
 #pragma unroll
-    for (int e = 0; e < 4; e++) o[nb][e] = 0.f;
-  const int row0 = q0 + warp * 16 + g;  // query of c[0], c[1]; c[2], c[3] are row0 + 8
+    for (int r = 0; r < 2; r++) m[i][r] = -INFINITY, l[i][r] = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < HD / 8; nb++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) o[i][nb][e] = 0.f;
+  }
 
-  for (int kt = 0; kt <= qt; kt++) {
+  for (int kt = 0; kt <= last_kt; kt++) {
     cp_async_wait_all();
     __syncthreads();  // tile kt is in; every warp is done with the buffer of tile kt − 1
     if (kt == 0) {
 #pragma unroll
-      for (int ks = 0; ks < HD / 16; ks++) load_a<HD>(qf[ks], Q_s + warp * 16 * ld<HD>(), ks, lane);
+      for (int i = 0; i < MB; i++)
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) load_a<HD>(qf[i][ks], Q_s + (warp * MB + i) * 16 * ld<HD>(), ks, lane);
     }
-    if (kt < qt) {  // prefetch tile kt + 1 into the other buffer
+    if (kt < last_kt) {  // prefetch tile kt + 1 into the other buffer
       const int k1 = (kt + 1) * TILE;
       load_tile_async<HD>(K_s + ((kt + 1) & 1) * TE, q_base + H + (size_t)k1 * stride, stride, min(TILE, T - k1));
       load_tile_async<HD>(V_s + ((kt + 1) & 1) * TE, q_base + 2 * H + (size_t)k1 * stride, stride, min(TILE, T - k1));
@@ -176,75 +211,87 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse,
     const bf16* Kt = K_s + (kt & 1) * TE;
     const bf16* Vt = V_s + (kt & 1) * TE;
 
-    // S = Q Kᵀ (16 × 64 per warp), Q from registers.
-    float s[8][4];
+    // S = Q Kᵀ (16 × 64 per strip), Q from registers; each K fragment loaded once for the MB strips.
+    float s[MB][8][4];
 #pragma unroll
-    for (int nb = 0; nb < 8; nb++)
+    for (int i = 0; i < MB; i++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) s[nb][e] = 0.f;
+      for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[i][nb][e] = 0.f;
 #pragma unroll
     for (int kp = 0; kp < HD / 32; kp++)
 #pragma unroll
       for (int nb = 0; nb < 8; nb++) {
         uint32_t kb[4];
         ldmatrix_x4(kb, Kt + (nb * 8 + lane % 8) * ld<HD>() + kp * 32 + 8 * (lane / 8));
-        mma_16816(s[nb], qf[2 * kp], kb[0], kb[1]);
-        mma_16816(s[nb], qf[2 * kp + 1], kb[2], kb[3]);
+#pragma unroll
+        for (int i = 0; i < MB; i++) {
+          mma_16816(s[i][nb], qf[i][2 * kp], kb[0], kb[1]);
+          mma_16816(s[i][nb], qf[i][2 * kp + 1], kb[2], kb[3]);
+        }
       }
 
-    // Online softmax in log2 units. Only the diagonal tile has keys after a query; every row of
-    // every tile keeps at least one key (key k0 ≤ row0 on the diagonal), so m stays finite after
-    // tile 0 and exp2(−inf − m) = 0 covers the masked keys and the first rescale.
+    // Online softmax in log2 units. Only tiles from the block's first query on have keys after a
+    // query. A row meets its own key tile before any tile wholly after it, and that tile holds key
+    // k0 ≤ row, so m is finite from then on: exp2(−inf − m) = 0 covers the masked keys, and a tile
+    // wholly masked for a row leaves its m, l and O as they are (alpha = 1, P = 0).
     const int k0 = kt * TILE;
-    float tile_max[2] = {-INFINITY, -INFINITY};
+    const bool diagonal = k0 + TILE > q0;
 #pragma unroll
-    for (int nb = 0; nb < 8; nb++)
+    for (int i = 0; i < MB; i++) {
+      float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int key = k0 + nb * 8 + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
-        s[nb][e] = (kt == qt && key > row) ? -INFINITY : s[nb][e] * scale_log2;
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nb][e]);
+      for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int key = k0 + nb * 8 + 2 * t + (e & 1), row = row0[i] + 8 * (e >> 1);
+          s[i][nb][e] = (diagonal && key > row) ? -INFINITY : s[i][nb][e] * scale_log2;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[i][nb][e]);
+        }
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; r++) {  // the 4 lanes t = 0 … 3 of group g hold the row
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
+        const float m_new = fmaxf(m[i][r], tile_max[r]);
+        alpha[r] = exp2f(m[i][r] - m_new);
+        m[i][r] = m_new;
+        l[i][r] *= alpha[r];
       }
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {  // the 4 lanes t = 0 … 3 of group g hold the row
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
-      const float m_new = fmaxf(m[r], tile_max[r]);
-      alpha[r] = exp2f(m[r] - m_new);
-      m[r] = m_new;
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int nb = 0; nb < HD / 8; nb++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) o[nb][e] *= alpha[e >> 1];
-#pragma unroll
-    for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        s[nb][e] = exp2f(s[nb][e] - m[e >> 1]);  // now P (unnormalised), fp32
-        l[e >> 1] += s[nb][e];
-      }
-
-    c_strip_times_tile<HD, 8>(o, s, Vt, lane);  // O += P V
-  }
-
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
-    const int row = row0 + 8 * r;
-    if (row < T) {
-      const float inv = 1.f / l[r];
-      bf16* out_row = out + ((size_t)b * T + row) * H + (size_t)h * HD;
 #pragma unroll
       for (int nb = 0; nb < HD / 8; nb++)
-        *reinterpret_cast<__nv_bfloat162*>(out_row + nb * 8 + 2 * t) =
-            __floats2bfloat162_rn(o[nb][2 * r] * inv, o[nb][2 * r + 1] * inv);
-      if (t == 0) lse[((size_t)b * nh + h) * T + row] = (m[r] + log2f(l[r])) * LN2;
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[i][nb][e] *= alpha[e >> 1];
+#pragma unroll
+      for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          s[i][nb][e] = exp2f(s[i][nb][e] - m[i][e >> 1]);  // now P (unnormalised), fp32
+          l[i][e >> 1] += s[i][nb][e];
+        }
     }
+
+    c_strip_times_tile<HD, 8, MB>(o, s, Vt, lane);  // O += P V
   }
+
+#pragma unroll
+  for (int i = 0; i < MB; i++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      l[i][r] += __shfl_xor_sync(0xffffffff, l[i][r], 1);
+      l[i][r] += __shfl_xor_sync(0xffffffff, l[i][r], 2);
+      const int row = row0[i] + 8 * r;
+      if (row < T) {
+        const float inv = 1.f / l[i][r];
+        bf16* out_row = out + ((size_t)b * T + row) * H + (size_t)h * HD;
+#pragma unroll
+        for (int nb = 0; nb < HD / 8; nb++)
+          *reinterpret_cast<__nv_bfloat162*>(out_row + nb * 8 + 2 * t) =
+              __floats2bfloat162_rn(o[i][nb][2 * r] * inv, o[i][nb][2 * r + 1] * inv);
+        if (t == 0) lse[((size_t)b * nh + h) * T + row] = (m[i][r] + log2f(l[i][r])) * LN2;
+      }
+    }
 }
 
 // grid (nh, B, ceil(T/64)); block 128. dK and dV of one 64-key tile of one head; warp w owns
@@ -327,8 +374,8 @@ __global__ void __launch_bounds__(THREADS) backward_dkdv_kernel(bf16* dqkv, cons
           st[nb][e] = p;                                             // Pᵀ
           dpt[nb][e] = p * (dpt[nb][e] - delta_s[buf * TILE + qi]);  // dSᵀ
         }
-      c_strip_times_tile<HD, QC / 8>(dv, st, dOt + c0 * ld<HD>(), lane);  // dV += Pᵀ dO
-      c_strip_times_tile<HD, QC / 8>(dk, dpt, Qt + c0 * ld<HD>(), lane);  // dK += dSᵀ Q
+      c_strip_times_tile<HD, QC / 8>(&dv, &st, dOt + c0 * ld<HD>(), lane);  // dV += Pᵀ dO
+      c_strip_times_tile<HD, QC / 8>(&dk, &dpt, Qt + c0 * ld<HD>(), lane);  // dK += dSᵀ Q
     }
   }
 
@@ -417,7 +464,7 @@ __global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const 
         if (edge && (key > row || row >= T)) p = 0.f;
         dp[nb][e] = p * (dp[nb][e] - dlt[e >> 1]);  // dS
       }
-    c_strip_times_tile<HD, 8>(dq, dp, Kt, lane);  // dQ += dS K
+    c_strip_times_tile<HD, 8>(&dq, &dp, Kt, lane);  // dQ += dS K
   }
 
   const float scale = 1.f / sqrtf((float)HD);
@@ -436,8 +483,8 @@ __global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const 
 
 // ---- shared-memory sizes ------------------------------------------------------------------
 
-template <int HD>
-inline size_t forward_smem() { return sizeof(bf16) * 5 * tile_elems<HD>(); }
+template <int HD, int MB>
+inline size_t forward_smem() { return sizeof(bf16) * (MB + 4) * tile_elems<HD>(); }
 template <int HD>
 inline size_t dkdv_smem() { return sizeof(bf16) * 6 * tile_elems<HD>() + sizeof(float) * 4 * TILE; }
 template <int HD>
@@ -460,13 +507,16 @@ inline void allow_smem(const char* op, Kernel kernel, size_t bytes, int B, int T
             "tensor cores: B=%d T=%d nh=%d hd=%d smem=%zu", B, T, nh, hd, bytes);
 }
 
-template <int HD>
+// The forward with MB query strips of 16 rows per warp (a block of 64·MB queries); forward() takes
+// FORWARD_STRIPS<HD>. Any MB gives the same bits (the same products in the same order per row;
+// GpuAttention.ForwardQueryTilesOf64And128GiveTheSameBits).
+template <int HD, int MB>
 inline void forward_hd(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh, cudaStream_t stream) {
-  const size_t smem = forward_smem<HD>();
-  allow_smem("attention_forward", forward_kernel<HD>, smem, B, T, nh, HD);
-  const dim3 grid(nh, B, ceil_div(T, TILE));
-  forward_kernel<HD><<<grid, THREADS, smem, stream>>>(out, lse, qkv, T, nh);
-  launchCheck("attention_forward", "tensor-core kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
+  const size_t smem = forward_smem<HD, MB>();
+  allow_smem("attention_forward", forward_kernel<HD, MB>, smem, B, T, nh, HD);
+  const dim3 grid(nh, B, ceil_div(T, TILE * MB));
+  forward_kernel<HD, MB><<<grid, THREADS, smem, stream>>>(out, lse, qkv, T, nh);
+  launchCheck("attention_forward", "tensor-core kernel: B=%d T=%d nh=%d hd=%d strips=%d", B, T, nh, HD, MB);
 }
 
 template <int HD>
@@ -484,8 +534,8 @@ inline void backward_hd(bf16* dqkv, const bf16* dout, const bf16* qkv, const flo
 }
 
 inline void forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh, int hd, cudaStream_t stream) {
-  if (hd == 64) forward_hd<64>(out, lse, qkv, B, T, nh, stream);
-  else if (hd == 128) forward_hd<128>(out, lse, qkv, B, T, nh, stream);
+  if (hd == 64) forward_hd<64, FORWARD_STRIPS<64>>(out, lse, qkv, B, T, nh, stream);
+  else if (hd == 128) forward_hd<128, FORWARD_STRIPS<128>>(out, lse, qkv, B, T, nh, stream);
   else fm_fail("attention_forward", "tensor-core kernels take hd 64 or 128", "B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
 }
 

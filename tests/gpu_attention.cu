@@ -165,6 +165,35 @@ TEST(GpuAttention, IsBitwiseDeterministic) {
   }
 }
 
+#if defined(FLATMOE_BF16)
+// The tensor-core forward at hd 64 runs blocks of 128 queries (two 16-row strips per warp) where it
+// ran blocks of 64: every row sums the same products in the same order, so out and lse are the same
+// bits either way. T = 150 ends inside a 64-query tile, T = 192 has an odd number of them (the last
+// 128-query block holds 64 queries), T = 37 and T = 1 fit in one.
+TEST(GpuAttention, ForwardQueryTilesOf64And128GiveTheSameBits) {
+  REQUIRE_GPU();
+  for (const int T : {150, 192, 37, 1}) {
+    testutil::Rng rng;
+    const int hd = 64, B = 2, nh = 3, N = B * T, H = nh * hd;
+    DeviceBuffer<floatX> d_qkv = upload<floatX>(rng.mat<double>(N, 3 * H));
+    std::vector<floatX> out[2];
+    std::vector<float> lse[2];
+    for (int strips = 1; strips <= 2; strips++) {
+      DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+      DeviceBuffer<float> d_lse((size_t)B * nh * T, Mem::Activations, "test.attention.lse");
+      testutil::poison(d_out.ptr, d_out.count);
+      testutil::poison(d_lse.ptr, d_lse.count);
+      if (strips == 1) attn_mma::forward_hd<64, 1>(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, 0);
+      else attn_mma::forward_hd<64, 2>(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, nh, 0);
+      out[strips - 1] = testutil::download_vec(d_out.ptr, d_out.count);
+      lse[strips - 1] = testutil::download_vec(d_lse.ptr, d_lse.count);
+    }
+    EXPECT_EQ(0, memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(floatX))) << "T " << T;
+    EXPECT_EQ(0, memcmp(lse[0].data(), lse[1].data(), lse[0].size() * sizeof(float))) << "T " << T;
+  }
+}
+#endif
+
 // The backward's only device memory is delta (B·nh·T floats of workspace), released on return.
 TEST(GpuAttention, BackwardWorkspaceIsDeltaOnly) {
   REQUIRE_GPU();
