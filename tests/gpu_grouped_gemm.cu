@@ -239,6 +239,7 @@ TEST(GroupedGemmGpu, RoutedProblemsTheKernelRefusesAreResolvedOnTheHost) {
 // default model's (H 384, I 384, E 8, 1024 routes per expert): the tensor-core kernel for every
 // forward and input-gradient GEMM; for the weight gradients only below GGEMM_CUBLAS_MIN_FLOP per
 // problem (B1's dW13, 4.3 GFLOP per expert, goes to cuBLAS); cuBLAS for everything in the FP32 build.
+// Routed problems: the kernel whenever it fits.
 TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
   // 16-byte aligned fake pointers: the choice reads only sizes and alignment
   const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 20);
@@ -255,4 +256,17 @@ TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
   EXPECT_FALSE(grouped_gemm_takes_kernel(call(32, 1024, 1024, 2048), true, false, 1024, 1024, 1024)) << "B1 dW13 (4.3 GFLOP)";
   EXPECT_EQ(grouped_gemm_takes_kernel(call(8, 768, 384, 1024), true, false, 768, 384, 384), bf16) << "default dW13";
   EXPECT_FALSE(grouped_gemm_takes_kernel(call(8, 768, 384, 1020), false, true, 1020, 1020, 384)) << "K % 8 != 0";
+  // Routed problems (sizes on the device): the kernel whenever it fits, whatever their size, since
+  // cuBLAS would need the sizes downloaded first; never with transA and transB (K routed would be
+  // a contiguous dimension).
+  const int* offsets = reinterpret_cast<const int*>(uintptr_t(1) << 28);
+  auto routed = [&](int groups, int M, int N, int K) {
+    GroupedGemmProblems p(call(groups, M, N, K));
+    p.route_offsets = offsets;
+    p.routes = 65536;
+    return p;
+  };
+  EXPECT_EQ(grouped_gemm_takes_kernel(routed(32, 1024, 1024, 0), true, false, 1024, 1024, 1024), bf16) << "B1 dW13, routed";
+  EXPECT_EQ(grouped_gemm_takes_kernel(routed(32, 0, 1024, 1024), false, true, 1024, 1024, 1024), bf16) << "B1 h13, routed";
+  EXPECT_FALSE(grouped_gemm_takes_kernel(routed(32, 136, 72, 0), true, true, 136, 72, 72)) << "routed, both transposed";
 }
