@@ -5,11 +5,11 @@
 #                           breakdown) and memory limits (needs a GPU); BENCH_PARTS="speed" or "limits" for one
 #   make toy                print one toy MoE layer traced through expert parallelism (CPU)
 #   make data [CORPUS=large] prepare the corpus: fortunes (default) or large (fortunes + GCIDE)
-# Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90, EIGEN_DIR, GTEST_DIR, NVCC,
+# Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90a, EIGEN_DIR, GTEST_DIR, NVCC,
 #   CORPUS=fortunes|large, FORTUNES (folder), GCIDE (gcide.dict.dz), DATA_DIR, BENCH_PARTS.
 
 PRECISION ?= BF16
-GPU_ARCH  ?= 90
+GPU_ARCH  ?= 90a
 NVCC      ?= nvcc
 CXX       ?= g++
 EIGEN_DIR ?= /usr/include/eigen3
@@ -39,8 +39,12 @@ BUILD := build
 CXXFLAGS := -std=c++17 -O2 -Wall -Wextra -I. -isystem $(EIGEN_DIR) -MMD -MP
 # EIGEN_NO_CUDA: Eigen is the tests' host-side reference, never device code; without it, Eigen marks its
 # functions __host__ __device__ and nvcc warns about those marks in Eigen's headers (#20012, ~18 per file).
-NVFLAGS  := -std=c++17 -O3 -arch=sm_$(GPU_ARCH) -lineinfo -I. -isystem $(EIGEN_DIR) -DEIGEN_NO_CUDA -MMD -MP \
-            -Xcompiler -Wall --expt-relaxed-constexpr
+# the real architecture only (sm_90a code does not run on other GPUs, and has no portable PTX form)
+ARCH_FLAGS := -gencode arch=compute_$(GPU_ARCH),code=sm_$(GPU_ARCH)
+NVFLAGS  := -std=c++17 -O3 $(ARCH_FLAGS) -lineinfo -I. -isystem $(EIGEN_DIR) -DEIGEN_NO_CUDA -MMD -MP \
+            -Xcompiler -Wall --expt-relaxed-constexpr $(if $(filter 90a,$(GPU_ARCH)),-DFLATMOE_WGMMA)
+# FLATMOE_WGMMA: Hopper's warpgroup MMA (sm_90a only) for the expert GEMMs (ops/grouped_gemm.cuh); other
+# GPU_ARCH values (80 for A100, 90 without it) build the same kernel's mma.sync form.
 GTEST_INC := -isystem $(GTEST_DIR)/include -isystem $(GTEST_DIR)
 CUDA_LIBS := -lcublas -lnccl -lcudart
 
@@ -141,11 +145,11 @@ $(BUILD)/$(1)/%.o: tests/%.cu | deps
 	$(NVCC) $(NVFLAGS) $(2) $(GTEST_INC) -c $$< -o $$@
 
 $(BUILD)/$(1)/test_gpu: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(GPU_TESTS)) $(CPU_ADAMW) $(GTEST_OBJS)
-	$(NVCC) -arch=sm_$(GPU_ARCH) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
+	$(NVCC) $(ARCH_FLAGS) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
 
 # multi-rank tests: dist_main.cu is their main (it starts the ranks), so no gtest_main
 $(BUILD)/$(1)/test_dist: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(DIST_TESTS)) $(CPU_ADAMW) $(BUILD)/gtest/gtest-all.o
-	$(NVCC) -arch=sm_$(GPU_ARCH) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
+	$(NVCC) $(ARCH_FLAGS) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
 
 $(BUILD)/$(1)/bench_%: tools/bench_%.cu $(CPU_ADAMW) | deps
 	@mkdir -p $$(@D)

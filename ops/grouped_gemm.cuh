@@ -10,21 +10,23 @@
 //   dW2 += dyᵀ a and dW13 += dh13ᵀ xp (transA, beta 1; K = the group's routes, different per group).
 //
 // Two implementations behind grouped_gemm (grouped_gemm_takes_kernel):
-//   - BF16 build: flatmoe's own kernel below, bf16 mma.sync with fp32 accumulation, ONE launch for up
-//     to GGEMM_PROBLEMS_PER_LAUNCH problems, their sizes passed as the launch's argument — except
-//     weight-gradient problems (transA) of ≥ GGEMM_CUBLAS_MIN_FLOP each, and shapes the kernel does
-//     not take (requirements below).
+//   - BF16 build: flatmoe's own kernel below, bf16 tensor-core MMAs with fp32 accumulation, ONE launch
+//     for up to GGEMM_PROBLEMS_PER_LAUNCH problems, their sizes passed as the launch's argument — except
+//     shapes the kernel does not take (requirements below) and, in builds without wgmma, weight-gradient
+//     problems (transA) of ≥ GGEMM_CUBLAS_MIN_FLOP each. Two forms of the same kernel: Hopper's
+//     warpgroup MMA (wgmma, GPU_ARCH=90a, the default: FLATMOE_WGMMA) and mma.sync (any other GPU_ARCH).
 //   - otherwise, and always in the FP32 build (pedantic fp32, no TF32): one cublasGemmGroupedBatchedEx.
-// Why (notes/speed.md, F; tools/bench_expert_gemm): cublasGemmGroupedBatchedEx runs the forward and
-// input-gradient forms on an sm80 grouped kernel (240–290 TFLOP/s on B1's layer, 70–130 on the default
-// model's), where this kernel reaches 260–320 and 110–160. The weight-gradient forms, whose K differs
-// per problem, cuBLAS does not group: it issues one GEMM per problem from the host, ~8 µs each, on its
-// Hopper kernels (~400 TFLOP/s). A problem that takes the GPU longer than that to compute — 8 µs at
-// 400 TFLOP/s is ~3 GFLOP — is faster that way (B1's dW13: 4.3 GFLOP per expert, 400 against this
-// kernel's 250); a smaller one leaves the GPU waiting on the host (the default model's dW: 0.3–0.6
-// GFLOP per expert, 30–60 TFLOP/s through cuBLAS, 70–110 here). cuBLAS's per-problem choice is
-// not steady: in one process of B1 with recomputation its dW13 and dW2 took 2–3× their usual time
-// (notes/speed.md, G), which a faster transposed-A form of this kernel would remove.
+// Why (notes/speed.md, F, G, J; tools/bench_expert_gemm): cublasGemmGroupedBatchedEx runs the forward
+// and input-gradient forms on an sm80 grouped kernel (240–290 TFLOP/s on B1's layer, 70–130 on the
+// default model's), where the wgmma form reaches 310–420 and the mma.sync form 260–320 (110–160 on the
+// default model's). The weight-gradient forms, whose K differs per problem, cuBLAS does not group: it
+// issues one GEMM per problem from the host, ~8 µs each, on its Hopper kernels (~340–400 TFLOP/s). The
+// wgmma form is faster at every size measured (B1's dW13, 4.3 GFLOP per expert: 430 against 340). The
+// mma.sync form is not above ~3 GFLOP per problem (8 µs at 400 TFLOP/s; B1's dW13: 250 against 400),
+// so without wgmma those go to cuBLAS; a smaller one leaves the GPU waiting on the host (the default
+// model's dW: 0.3–0.6 GFLOP per expert, 30–60 TFLOP/s through cuBLAS, 70–110 on the kernel). cuBLAS's
+// per-problem choice is not steady either: in one process of B1 with recomputation its dW13 and dW2
+// took 2–3× their usual time (notes/speed.md, G).
 //
 // The kernel. Every problem is cut into tiles of BM × BN = 128 × 128 of C; the launch's blocks take
 // the tiles of problem 0, then of problem 1, …, each problem's tiles row by row (so neighbouring
@@ -51,6 +53,24 @@
 // notes/speed.md): 128 × 128 × 64 with 4 warps of 64 × 64 beat 128 × 128 × 32 with 8 warps of 64 × 32
 // (the first version: 250–265 TFLOP/s, limited by L2 traffic and ldmatrix per MMA), 128 × 256 and
 // 256 × 128 (one block per SM: 190–267).
+//
+// The wgmma form (sm_90a) keeps the tiles, the ring and the k order, and changes who multiplies:
+// two warpgroups of 4 warps (256 threads), each 64 rows × all 128 columns of the tile, four wgmma
+// m64n128k16 per k-tile read their operands straight from shared memory (no ldmatrix, no fragments
+// in registers but the 64 accumulators per thread):
+//
+//             +---------------------------------------+
+//   BM = 128  |  warpgroup 0 (warps 0–3, 16 rows each) |  rows  0–63
+//   rows of C |  warpgroup 1 (warps 4–7)               |  rows 64–127
+//             +---------------------------------------+
+//
+// wgmma reads tiles in its own 128-byte swizzle (ops/mma.cuh) rather than padded rows, and reads
+// both storages: k contiguous as 128 rows of 64 k (128 bytes each), m or n contiguous as two halves
+// of 64 m or n, each 64 k-rows of 128 bytes; 16 KiB per operand and stage, 96 KiB per block, 2 blocks
+// per SM (128 registers per thread). The copies land in the generic proxy, the MMA reads through the
+// async proxy: each k-tile is fenced (fence.proxy.async) before the block barrier that publishes it,
+// and a warpgroup waits for its MMAs before the next barrier lets its slot be refilled.
+//
 // Parts of a tile past M, N or K are copied as zeros (cp.async with 0 source bytes), so the edges
 // need no branch in the MMA loop; C is written (or read and written) only inside [M, N].
 // Requirements (else cuBLAS): every 16-byte copy lies wholly inside or outside its matrix — the
@@ -75,11 +95,14 @@
 //
 // Exactness: each C element is one lane's fp32 sum over k in a fixed order (16 per MMA, k-tiles in
 // order), plus beta · C read as bf16, rounded once to bf16: deterministic, and bit-identical on replay.
+// The two forms (wgmma, mma.sync) add the same products in the same order of k-steps; the tensor
+// cores' rounding inside a step may differ, and the tests hold each form to the same tolerance.
 // It differs from cuBLAS's (another summation order) by fp32 rounding before the one bf16 rounding.
 // Memory: none besides its operands (the problems travel as kernel arguments; the cuBLAS path keeps a
 // pointer table of 3 per problem in the Workspace for the call).
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 #include "common.cuh"
@@ -338,6 +361,120 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemm
     }
 }
 
+#if defined(FLATMOE_WGMMA)
+// ---- the wgmma form (sm_90a builds; header) ----
+constexpr int WG_THREADS = 256;
+constexpr int SWIZZLED_TILE_BYTES = 128 * BK * 2;
+constexpr size_t WG_SHARED_BYTES = (size_t)STAGES * 2 * SWIZZLED_TILE_BYTES + 1024;  // + the 1024-byte alignment
+
+// Byte offset in a swizzled tile of the 16-byte piece holding (r, 8c … 8c+7): K_CONTIGUOUS: r a row (m
+// or n, < 128), c the piece of k (< 8); else r a k-row (< 64), c the piece of m or n (< 16).
+template <bool K_CONTIGUOUS>
+__device__ __forceinline__ int swizzled_piece(int r, int c) {
+  if (K_CONTIGUOUS) return r * 128 + ((c ^ (r % 8)) << 4);
+  return (c / 8) * (BK * 128) + r * 128 + (((c % 8) ^ (r % 8)) << 4);
+}
+
+// load_tile's copies (same tile, same zero-filled edges) into the swizzled layout.
+template <bool K_CONTIGUOUS>
+__device__ __forceinline__ void load_swizzled_tile(uint8_t* dst, const bf16* src, int ld, int rows_left, int k_left) {
+  static_assert(128 * BK / 8 % WG_THREADS == 0, "whole copies per thread");
+#pragma unroll
+  for (int i = 0; i < 128 * BK / 8 / WG_THREADS; i++) {
+    const int idx = threadIdx.x + i * WG_THREADS;
+    if (K_CONTIGUOUS) {
+      const int r = idx / (BK / 8), c = idx % (BK / 8);
+      const bool inside = r < rows_left && 8 * c < k_left;
+      cp_async_16(dst + swizzled_piece<true>(r, c), inside ? src + (size_t)r * ld + 8 * c : src, inside ? 16 : 0);
+    } else {
+      const int k = idx / 16, c = idx % 16;
+      const bool inside = k < k_left && 8 * c < rows_left;
+      cp_async_16(dst + swizzled_piece<false>(k, c), inside ? src + (size_t)k * ld + 8 * c : src, inside ? 16 : 0);
+    }
+  }
+}
+
+// The descriptor of k-step ks (k 16ks … 16ks+15) of a swizzled tile at shared address `tile`, for its
+// 64- (A: this warpgroup's rows) or 128-row (B) piece starting at row `row0` (a multiple of 64).
+template <bool K_CONTIGUOUS>
+__device__ __forceinline__ uint64_t tile_descriptor(uint32_t tile, int row0, int ks) {
+  if (K_CONTIGUOUS) return wgmma_descriptor(tile + row0 * 128 + ks * 32, 16);
+  return wgmma_descriptor(tile + (row0 / 64) * (BK * 128) + ks * 16 * 128, BK * 128);
+}
+
+// grouped_gemm_kernel's tiles, k order and epilogue, on wgmma (header).
+template <bool TRANS_A, bool TRANS_B>
+__global__ void __launch_bounds__(WG_THREADS, 2) grouped_gemm_wgmma_kernel(const GroupedGemmBatch batch, int lda, int ldb,
+                                                                              int ldc, float beta) {
+  extern __shared__ __align__(16) uint8_t shared_bytes[];
+  const uint32_t shared_start = smem_addr(shared_bytes);
+  const uint32_t aligned = (shared_start + 1023) & ~1023u;  // the swizzle needs 1024-byte aligned tiles
+  uint8_t* a_ring = shared_bytes + (aligned - shared_start);  // STAGES tiles of op(A)
+  uint8_t* b_ring = a_ring + STAGES * SWIZZLED_TILE_BYTES;    // STAGES tiles of op(B)
+  Problem p;
+  int tile;
+  if (!block_problem<TRANS_A>(batch, lda, ldb, ldc, p, tile)) return;
+  const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * BN;
+  const int warpgroup = threadIdx.x / 128;  // rows 64·warpgroup … +63 of the tile
+
+  auto load_stage = [&](int kt) {
+    const int k0 = kt * BK, slot = kt % STAGES;
+    const bf16* a_src = TRANS_A ? p.A + (size_t)k0 * lda + m0 : p.A + (size_t)m0 * lda + k0;
+    const bf16* b_src = TRANS_B ? p.B + (size_t)n0 * ldb + k0 : p.B + (size_t)k0 * ldb + n0;
+    load_swizzled_tile<!TRANS_A>(a_ring + slot * SWIZZLED_TILE_BYTES, a_src, lda, p.M - m0, p.K - k0);
+    load_swizzled_tile<TRANS_B>(b_ring + slot * SWIZZLED_TILE_BYTES, b_src, ldb, p.N - n0, p.K - k0);
+  };
+
+  float acc[64] = {};  // this warpgroup's 64 × 128 piece of C (ops/mma.cuh: the fragment)
+  const int k_tiles = (p.K + BK - 1) / BK;
+#pragma unroll
+  for (int kt = 0; kt < STAGES - 1; kt++) {
+    if (kt < k_tiles) load_stage(kt);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; kt++) {
+    cp_async_wait<STAGES - 2>();  // k-tile kt has landed (this thread's copies) …
+    fence_proxy_async_shared();   // … is visible to the MMA's reads …
+    __syncthreads();              // … everyone's; and both warpgroups are done with slot (kt − 1) % STAGES
+    if (kt + STAGES - 1 < k_tiles) load_stage(kt + STAGES - 1);
+    cp_async_commit();
+    const uint32_t a_tile = smem_addr(a_ring + (kt % STAGES) * SWIZZLED_TILE_BYTES);
+    const uint32_t b_tile = smem_addr(b_ring + (kt % STAGES) * SWIZZLED_TILE_BYTES);
+    wgmma_fence();
+    wgmma_fence_operands(acc);
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ks++)
+      wgmma_m64n128k16<TRANS_A, !TRANS_B>(acc, tile_descriptor<!TRANS_A>(a_tile, 64 * warpgroup, ks),
+                                          tile_descriptor<TRANS_B>(b_tile, 0, ks));
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+  }
+  cp_async_wait_all();
+
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp_row = 64 * warpgroup + 16 * ((threadIdx.x / 32) % 4);
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const int row = m0 + warp_row + g + 8 * half;
+    if (row >= p.M) continue;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+      const int col = n0 + 8 * j + 2 * t;
+      if (col >= p.N) continue;
+      __nv_bfloat162* c = reinterpret_cast<__nv_bfloat162*>(p.C + (size_t)row * ldc + col);
+      float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+      if (beta != 0.f) {
+        const float2 old = __bfloat1622float2(*c);
+        v0 += beta * old.x;
+        v1 += beta * old.y;
+      }
+      *c = __floats2bfloat162_rn(v0, v1);
+    }
+  }
+}
+#endif
+
 }  // namespace ggemm
 
 // true when the kernel takes these problems (the header's requirements); the BF16 build only. A
@@ -363,12 +500,19 @@ inline bool grouped_gemm_mma_fits(const GroupedGemmProblems& problems, bool tran
 template <bool TRANS_A, bool TRANS_B>
 inline void grouped_gemm_mma_launch(const char* op, const GroupedGemmBatch& batch, int lda, int ldb, int ldc, float beta,
                                     cudaStream_t stream) {
-  // 108 KiB is past the default 48 KiB; set on every call, since the current device may differ
-  cudaCheck(cudaFuncSetAttribute(ggemm::grouped_gemm_kernel<TRANS_A, TRANS_B>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)ggemm::SHARED_BYTES),
-            op, "grouped_gemm (mma) shared=%zu bytes", ggemm::SHARED_BYTES);
-  ggemm::grouped_gemm_kernel<TRANS_A, TRANS_B><<<batch.tiles, ggemm::THREADS, ggemm::SHARED_BYTES, stream>>>(batch, lda, ldb,
-                                                                                                        ldc, beta);
+#if defined(FLATMOE_WGMMA)
+  const auto kernel = ggemm::grouped_gemm_wgmma_kernel<TRANS_A, TRANS_B>;
+  const int threads = ggemm::WG_THREADS;
+  const size_t shared = ggemm::WG_SHARED_BYTES;
+#else
+  const auto kernel = ggemm::grouped_gemm_kernel<TRANS_A, TRANS_B>;
+  const int threads = ggemm::THREADS;
+  const size_t shared = ggemm::SHARED_BYTES;
+#endif
+  // ~100 KiB is past the default 48 KiB; set on every call, since the current device may differ
+  cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared), op,
+            "grouped_gemm (mma) shared=%zu bytes", shared);
+  kernel<<<batch.tiles, threads, shared, stream>>>(batch, lda, ldb, ldc, beta);
   launchCheck(op, "grouped_gemm (mma) problems=%d tiles=%u transA=%d transB=%d", batch.count, batch.tiles, (int)TRANS_A,
               (int)TRANS_B);
 }
@@ -470,8 +614,13 @@ inline void grouped_gemm_cublas(const char* op, const std::vector<GroupedGemmPro
 // ---------------------------------------------------------------------------------------------
 // The entry point
 
-// Weight-gradient problems (transA) at least this large, on average, go to cuBLAS (header).
+// Weight-gradient problems (transA) at least this large, on average, go to cuBLAS (header): never with
+// the wgmma form.
+#if defined(FLATMOE_WGMMA)
+static const double GGEMM_CUBLAS_MIN_FLOP = HUGE_VAL;
+#else
 static const double GGEMM_CUBLAS_MIN_FLOP = 3e9;
+#endif
 
 // true when weight-gradient problems of this many FLOPs each, on average, run faster on the kernel
 // than on cuBLAS's per-problem GEMMs (header).

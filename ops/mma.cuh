@@ -1,6 +1,7 @@
 // mma.cuh — the PTX that flatmoe's tensor-core kernels share (ops/attention_mma.cuh,
 // ops/grouped_gemm.cuh): asynchronous 16-byte copies into shared memory, ldmatrix, and the bf16
-// mma.sync m16n8k16 with fp32 accumulation (sm_80 and later). Not an operator: no twin of its own;
+// mma.sync m16n8k16 with fp32 accumulation (sm_80 and later); and Hopper's warpgroup MMA (wgmma,
+// sm_90a builds only: FLATMOE_WGMMA, GPU_ARCH=90a). Not an operator: no twin of its own;
 // its users' twins (ref/attention.hpp, ref/moe.hpp) check what is built from it.
 //
 // MMA fragments relied on (PTX ISA, mma.m16n8k16 .bf16, lane l, g = l/4, t = l%4):
@@ -57,3 +58,64 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+
+#if defined(FLATMOE_WGMMA)
+// ---- Hopper's warpgroup MMA (PTX ISA "asynchronous warpgroup level matrix multiply") ----
+// A warpgroup (4 consecutive warps, 128 threads) multiplies a 64 × 16 tile of A by a 16 × N tile of B,
+// both read from shared memory through 64-bit descriptors, into a 64 × N fp32 accumulator held in its
+// registers: warp w of the group holds rows 16w … 16w+15, and in each 8-column block j a lane holds
+// d[4j … 4j+3] at (row g, cols 8j+2t, +1) and (row g+8, cols 8j+2t, +1), g = lane/4, t = lane%4 — the
+// mma.sync C fragment above, once per 8 columns. The MMA runs asynchronously: fence, issue, commit,
+// then wait before the accumulator or the shared-memory tiles are touched again.
+//
+// Shared-memory tiles in the 128-byte swizzle: rows of 128 bytes (64 bf16), the 16-byte piece c of row
+// r stored at piece c ^ (r % 8), tiles 1024-byte aligned (the hardware un-swizzles by address bits).
+// A descriptor holds the start address, the leading and stride byte offsets and the swizzle mode:
+//   stored with k contiguous (K-major: A [m][k], B [n][k]): rows are m or n; 8-row groups 1024 bytes
+//     apart (stride offset); the leading offset is unused; k-step s of 16 starts 32·s bytes further;
+//   stored with m or n contiguous (MN-major, imm-trans 1): rows are k, each holding 64 m or n; 8-row
+//     groups 1024 bytes apart (stride offset), the next 64 m or n `leading` bytes further; k-step s
+//     starts 16 rows (2048 bytes) further.
+__device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t shared_address, uint32_t leading_bytes) {
+  const uint32_t stride_bytes = 1024;
+  return (uint64_t)((shared_address & 0x3FFFF) >> 4) | (uint64_t)(leading_bytes >> 4) << 16 |
+         (uint64_t)(stride_bytes >> 4) << 32 | 1ull << 62;  // 1 << 62: the 128-byte swizzle
+}
+
+// Orders this thread's earlier generic-proxy writes to shared memory (st.shared, cp.async) before the
+// async proxy's reads (wgmma's operands).
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most `pending` of this warpgroup's committed MMA groups are still running.
+template <int pending>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending) : "memory"); }
+
+// Keeps the compiler from moving reads or writes of the accumulator across a wgmma_wait: the MMA
+// writes it asynchronously, which the asm's operands alone do not say.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 × 128, fp32) += A (64 × 16) · B (16 × 128), bf16, from shared memory. MN_MAJOR_A / MN_MAJOR_B:
+// the tile is stored with m / n contiguous (1), else with k contiguous (0).
+template <int MN_MAJOR_A, int MN_MAJOR_B>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t descriptor_a, uint64_t descriptor_b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, accumulate, 1, 1, %67, %68;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(descriptor_a), "l"(descriptor_b), "r"(1), "n"(MN_MAJOR_A), "n"(MN_MAJOR_B));
+}
+#endif

@@ -449,11 +449,11 @@ struct ExpertRows {
 // true when a layer's expert GEMMs take the per-expert counts from the device (routed problems on the
 // BF16 build's kernel; its 16-byte copies need H and I multiples of 8, and pool buffers and the
 // model's weights are aligned) — unless its larger weight gradient, dW13 (2·2I·H·R/E FLOPs per expert
-// on average), is faster on cuBLAS's per-expert GEMMs (weight_gradient_takes_kernel): cuBLAS needs
-// the counts on the host, and one wait per layer costs less than the kernel's slower transposed form
-// there (B1's layer: 4.3 GFLOP per expert, 245 TFLOP/s on the kernel against 405 on cuBLAS, 0.22 ms
-// more per layer against a ~0.1 ms wait; notes/speed.md, I). Otherwise the counts come to the host
-// first: one host wait.
+// on average), is faster on cuBLAS's per-expert GEMMs (weight_gradient_takes_kernel; only in builds
+// without wgmma): cuBLAS needs the counts on the host, and there one wait per layer costs less than
+// the mma.sync form's slower transposed form (B1's layer: 4.3 GFLOP per expert, 245 TFLOP/s on it
+// against 405 on cuBLAS, 0.22 ms more per layer against a ~0.1 ms wait; notes/speed.md, I). Otherwise
+// the counts come to the host first: one host wait.
 inline bool moe_counts_stay_on_device(int H, int I, int E, long long R) {
 #if defined(FLATMOE_BF16)
   return H % 8 == 0 && I % 8 == 0 && weight_gradient_takes_kernel(2.0 * 2 * I * H * (double)R / E);

@@ -237,9 +237,9 @@ TEST(GroupedGemmGpu, RoutedProblemsTheKernelRefusesAreResolvedOnTheHost) {
 
 // The choice of implementation, on B1's layer (H 1024, I 512, E 32, 2048 routes per expert) and the
 // default model's (H 384, I 384, E 8, 1024 routes per expert): the tensor-core kernel for every
-// forward and input-gradient GEMM; for the weight gradients only below GGEMM_CUBLAS_MIN_FLOP per
-// problem (B1's dW13, 4.3 GFLOP per expert, goes to cuBLAS); cuBLAS for everything in the FP32 build.
-// Routed problems: the kernel whenever it fits.
+// forward and input-gradient GEMM; for the weight gradients always in its wgmma form, and in its
+// mma.sync form only below GGEMM_CUBLAS_MIN_FLOP per problem (B1's dW13, 4.3 GFLOP per expert, goes
+// to cuBLAS); cuBLAS for everything in the FP32 build. Routed problems: the kernel whenever it fits.
 TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
   // 16-byte aligned fake pointers: the choice reads only sizes and alignment
   const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 20);
@@ -250,10 +250,16 @@ TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
 #else
   const bool bf16 = false;
 #endif
+#if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
+  const bool wgmma = true;
+#else
+  const bool wgmma = false;
+#endif
   EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 2048, 1024, 1024), false, true, 1024, 1024, 1024), bf16) << "B1 h13";
   EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 2048, 1024, 1024), false, false, 1024, 1024, 1024), bf16) << "B1 dxp";
   EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 1024, 512, 2048), true, false, 1024, 512, 512), bf16) << "B1 dW2 (2.1 GFLOP)";
-  EXPECT_FALSE(grouped_gemm_takes_kernel(call(32, 1024, 1024, 2048), true, false, 1024, 1024, 1024)) << "B1 dW13 (4.3 GFLOP)";
+  EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 1024, 1024, 2048), true, false, 1024, 1024, 1024), wgmma)
+      << "B1 dW13 (4.3 GFLOP)";
   EXPECT_EQ(grouped_gemm_takes_kernel(call(8, 768, 384, 1024), true, false, 768, 384, 384), bf16) << "default dW13";
   EXPECT_FALSE(grouped_gemm_takes_kernel(call(8, 768, 384, 1020), false, true, 1020, 1020, 384)) << "K % 8 != 0";
   // Routed problems (sizes on the device): the kernel whenever it fits, whatever their size, since
