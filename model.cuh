@@ -745,12 +745,13 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   };
   // layer_backward's buffers beside the activations: d_norm_out, d_branch, d_qkv; in the FFN's backward
   // d_topk_w and the largest of the routed experts' backward, the shared expert's (beside d_ln2_part and
-  // d_shared_w) and the router's (d_ln2_part, d_router_logits)
+  // d_shared_w) and the router's (d_ln2_part, d_router_logits, its fp32 copies)
   const size_t backward_buffers = 5 * NH * b;
   auto operator_term = [&](int l) {
     if (!c.is_moe_layer(l)) return 4 * N + dense.peak - dense.saved;
     const size_t shared_step = c.shared_expert ? NH * b + 4 * N + shared.peak - shared.saved : 0;
-    return 4 * N * k + std::max({routed.peak - routed.saved, shared_step, NH * b + 4 * N * E});
+    const size_t router_step = NH * b + 4 * N * E + router_logits_workspace_bytes((int)N, c.hidden, (int)E);
+    return 4 * N * k + std::max({routed.peak - routed.saved, shared_step, router_step});
   };
 
   // the layer boundaries on the device, at the head and during layer l's backward (ops/sco_plan.hpp)

@@ -83,12 +83,17 @@
 // g is expert g's; its routes are the rows [route_offsets[g], route_offsets[g+1]) of expert-sorted
 // buffers — the rows of A and C (its M) without transA, of A and B (its K) with transA — and the
 // problem names those buffers' row 0 (the other operand: the expert's own matrix). The kernel reads
-// the two offsets and moves the route-indexed pointers by offset × ld. Without transA a block cannot
-// know its problem from the host's tile table, so each block has its first warp sum the problems'
-// tiles from the offsets (a prefix over ≤ 64 problems, shuffles) into shared memory and searches that;
-// the launch has blocks for the most tiles any split of the routes can need, ⌈routes/BM⌉ + problems
-// per column of tiles, and the surplus blocks return at once. A problem without routes leaves its C
-// untouched, as the host form does by leaving it out. The same tiles in the same k order as the host
+// the two offsets and moves the route-indexed pointers by offset × ld. A block cannot know its problem
+// from the host's tile table, so each block has its first warp lay the problems' tiles out from the
+// offsets (a prefix over ≤ 64 problems, shuffles) in shared memory and searches that:
+//   - without transA the routes are rows of C, so a problem's tiles are ⌈routes/BM⌉ rows of them, in
+//     problem order; the launch has blocks for the most tiles any split of the routes can need,
+//     ⌈routes/BM⌉ + problems per column of tiles, and the surplus blocks return at once;
+//   - with transA the tiles are fixed (M × N, the expert's weight) but each one's k loop runs over the
+//     routes, so the problems with the most routes take the first tiles: under skewed routing the
+//     longest tiles start first instead of trailing the launch (the weight gradients' tail).
+// A problem without routes has no tiles and leaves its C untouched, as the host form does by leaving
+// it out. The same tiles in the same k order as the host
 // form: the same bits (GroupedGemmGpu.RoutedProblems…). Routed problems that the kernel does not take
 // (the FP32 build; shapes outside its requirements) are resolved on the host: one download of the
 // offsets, a host wait.
@@ -241,20 +246,41 @@ __device__ __forceinline__ void load_b_fragments(uint32_t (&b)[NT][2], const bf1
 }
 
 // This block's problem p and its tile within p; false: the block has no tile (a routed launch's
-// surplus block, or a routed problem without routes). Uniform over the block.
+// surplus block). Uniform over the block.
 template <bool TRANS_A>
 __device__ __forceinline__ bool block_problem(const GroupedGemmBatch& batch, int lda, int ldb, int ldc, Problem& p,
                                               int& tile) {
-  __shared__ unsigned int routed_first_tile[GGEMM_PROBLEMS_PER_LAUNCH + 1];  // routed, without transA
-  const bool tiles_from_routes = batch.route_offsets != nullptr && !TRANS_A;
-  if (tiles_from_routes) {
-    if (threadIdx.x < 32) {  // lane l sums the tiles of problems 2l and 2l + 1, then a prefix over lanes
-      unsigned int mine[2] = {0, 0};
+  constexpr int G = GGEMM_PROBLEMS_PER_LAUNCH;
+  // routed launches (header): the order of the problems' tiles, and where each problem's tiles start
+  __shared__ int routed_routes[G];                   // [problem]: its routes (0 past the launch's problems)
+  __shared__ int routed_problem[G];                  // [place]: the problem whose tiles come place-th
+  __shared__ unsigned int routed_first_tile[G + 1];  // [place]: that problem's first tile; [G]: all tiles
+  const bool routed = batch.route_offsets != nullptr;
+  if (routed) {
+    if (threadIdx.x < 32) {  // warp 0, lane l: problems 2l and 2l + 1, then places 2l and 2l + 1
 #pragma unroll
       for (int j = 0; j < 2; j++) {
         const int g = 2 * threadIdx.x + j;
-        if (g < batch.count)
-          mine[j] = (unsigned)((batch.route_offsets[g + 1] - batch.route_offsets[g] + BM - 1) / BM) * batch.p[g].tiles_n;
+        routed_routes[g] = g < batch.count ? batch.route_offsets[g + 1] - batch.route_offsets[g] : 0;
+      }
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int g = 2 * threadIdx.x + j, routes = routed_routes[g];
+        int place = g;  // without transA, problem order
+        if (TRANS_A) {  // a tile's k loop runs over the routes: more routes first (ties: lower index first)
+          place = 0;
+          for (int h = 0; h < G; h++) place += routed_routes[h] > routes || (routed_routes[h] == routes && h < g);
+        }
+        routed_problem[place] = g;
+      }
+      __syncwarp();
+      unsigned int mine[2];  // the tiles of places 2l and 2l + 1
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int g = routed_problem[2 * threadIdx.x + j], routes = routed_routes[g];
+        const int rows = TRANS_A ? batch.p[g].M : routes;  // routes: rows of C, or k
+        mine[j] = g < batch.count && routes > 0 ? (unsigned)((rows + BM - 1) / BM) * batch.p[g].tiles_n : 0;
       }
       unsigned int through = mine[0] + mine[1];  // inclusive prefix over lanes
 #pragma unroll
@@ -265,24 +291,26 @@ __device__ __forceinline__ bool block_problem(const GroupedGemmBatch& batch, int
       const unsigned int before = through - mine[0] - mine[1];
       routed_first_tile[2 * threadIdx.x] = before;
       routed_first_tile[2 * threadIdx.x + 1] = before + mine[0];
-      if (threadIdx.x == 31) routed_first_tile[GGEMM_PROBLEMS_PER_LAUNCH] = through;  // all tiles
+      if (threadIdx.x == 31) routed_first_tile[G] = through;
     }
     __syncthreads();
-    if (blockIdx.x >= routed_first_tile[GGEMM_PROBLEMS_PER_LAUNCH]) return false;
+    if (blockIdx.x >= routed_first_tile[G]) return false;
   }
-  auto first_tile = [&](int g) { return tiles_from_routes ? routed_first_tile[g] : batch.p[g].first_tile; };
-  int lo = 0, hi = batch.count - 1;  // the last problem whose first tile is ≤ this block
+  // the last place whose first tile is ≤ this block (a place without tiles shares its first tile with
+  // the next, so the search passes over it); routed, places past batch.count hold no tiles
+  auto first_tile = [&](int place) { return routed ? routed_first_tile[place] : batch.p[place].first_tile; };
+  int lo = 0, hi = batch.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (first_tile(mid) <= blockIdx.x) lo = mid;
     else hi = mid - 1;
   }
-  p = batch.p[lo];
+  const int g = routed ? routed_problem[lo] : lo;
+  p = batch.p[g];
   tile = blockIdx.x - first_tile(lo);
-  if (batch.route_offsets != nullptr) {
-    const int first = batch.route_offsets[lo], routes = batch.route_offsets[lo + 1] - first;
-    if (routes == 0) return false;  // (transA: without routes its C stays as it is)
-    move_to_routes(p, first, routes, TRANS_A, lda, ldb, ldc);
+  if (routed) {
+    const int first = batch.route_offsets[g];
+    move_to_routes(p, first, batch.route_offsets[g + 1] - first, TRANS_A, lda, ldb, ldc);
   }
   return true;
 }
