@@ -2,7 +2,8 @@
 #   make train              install what is missing, build, prepare the default data, train (needs a GPU)
 #   make test               install what is missing, build everything (both precisions), run all tests
 #   make bench              training speed (default model and config B1: tokens/s, MFU, memory, per-operator
-#                           breakdown) and memory limits (needs a GPU); BENCH_PARTS="speed" or "limits" for one
+#                           breakdown) and memory limits (needs a GPU); BENCH_PARTS="speed" or "limits" for one,
+#                           "multi" for the default model on every GPU against one (2 GPUs or more)
 #   make toy                print one toy MoE layer traced through expert parallelism (CPU)
 #   make data [CORPUS=large] prepare the corpus: fortunes (default) or large (fortunes + GCIDE)
 # Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90a, EIGEN_DIR, GTEST_DIR, NVCC,

@@ -9,7 +9,9 @@
 #     GEMM, RMSNorm and RoPE tests, then
 #     tools/bench_train.sh's speed part on one GPU: the default model and config B1, tokens/s, MFU, memory
 #     and the per-operator breakdown of step 20 (speed.md; the profile_step*.md files in speed_profiles.tgz), and
-#     bench_expert_gemm (the expert GEMMs of the default model's and B1's layers: flatmoe's grouped GEMM, cuBLAS's grouped call, the per-expert loop)
+#     bench_expert_gemm (the expert GEMMs of the default model's and B1's layers: flatmoe's grouped GEMM, cuBLAS's grouped call, the per-expert loop);
+#     with 2 GPUs or more also bench_train.sh's multi part (the default model on every GPU against one, with and without
+#     expert parallelism: the speed-up in tokens/s)
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, relay expert/token/auto, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   bench-opt: the optimizer step (notes/offload_adamw.md): the CPU AdamW loop alone (scalar vs vectorised, 1 thread to
@@ -337,7 +339,12 @@ if [[ " $want " == *" speed "* ]]; then
     2> build/bench-speed.err || status=1
   tar czf "$OUT/speed_profiles.tgz" -C build/bench-speed $(cd build/bench-speed && ls -d */profile_step*.md 2>/dev/null)
   CUDA_VISIBLE_DEVICES=0 build/bf16/bench_expert_gemm > "$OUT/expert_gemm.md" 2>&1 || status=1
-  cat "$OUT/speed.md" "$OUT/expert_gemm.md"
+  : > "$OUT/speed_multi.md"
+  if [ "$gpus" -ge 2 ]; then
+    tools/bench_train.sh build/bf16/train data/fortunes build/bench-multi multi > "$OUT/speed_multi.md" 2> build/bench-multi.err ||
+      status=1
+  fi
+  cat "$OUT/speed.md" "$OUT/expert_gemm.md" "$OUT/speed_multi.md"
 fi
 
 # sanitize NAME COMMAND...: compute-sanitizer memcheck with leak check; log in $OUT/sanitize_NAME.log,

@@ -5,17 +5,21 @@
 #           989 TFLOP/s bf16), pool peak and the device's used memory; then the per-operator breakdown
 #           of one step of each (--profile_step, runtime/profile.cuh: CUDA events around every operator,
 #           summed over layers, sorted, % of the step, GB/s of the memory-bound ones);
+#   multi:  the default model on every GPU of the machine (2 or more) against one GPU, same flags and
+#           per-rank batch (--gpus W keeps B x T per rank: W times the tokens per step): median step time,
+#           tokens/s of all ranks, and the speed-up in tokens/s over one GPU, with expert parallelism over
+#           all ranks (the default) and without it (--ep 1: experts replicated, no dispatch exchange);
 #   limits: one stated larger model: the longest context (B = 1) and the largest batch (T = 1024) that
 #           fit, without and with layer recomputation, and with its best combination (recomputation, SCO
 #           on every boundary, the chunked head), found by doubling then bisecting on the trainer's memory
 #           prediction (--dry_run 1, exact on one GPU), then one real step at the value found (contexts up
 #           to 262144).
 # Usage: tools/bench_train.sh TRAIN_BIN DATA_DIR [OUT_DIR] [PARTS] (PARTS: "speed limits", the default,
-# or either one). Prints markdown tables.
+# or any of speed, multi, limits). Prints markdown tables.
 set -uo pipefail
 train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed limits}
 for p in $parts; do
-  case $p in speed|limits) ;; *) echo "bench_train.sh: unknown part '$p' (speed, limits)"; exit 2 ;; esac
+  case $p in speed|multi|limits) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, limits)"; exit 2 ;; esac
 done
 mkdir -p "$out"
 quiet="--val_every 0 --sample_every 0 --ckpt_every 0 --log_every 1"
@@ -54,6 +58,26 @@ if [[ " $parts " == *" speed "* ]]; then
     echo
     echo "### per-operator breakdown: $name, step $profile_step"
     cat "$out/$name/profile_step$profile_step.md" 2>/dev/null || echo "(no breakdown: see $out/$name.log)"
+  done
+fi
+if [[ " $parts " == *" multi "* ]]; then
+  gpus=$(nvidia-smi -L 2> /dev/null | wc -l)
+  if [ "$gpus" -lt 2 ]; then
+    echo "bench_train.sh multi: needs 2 GPUs or more, found $gpus"
+    exit 2
+  fi
+  echo "## speed on $gpus GPUs against one ($(basename "$(dirname "$train")") build, the default model)"
+  echo "| run | step ms (median) | tokens/s (all ranks) | MFU | pool peak MiB | speed-up in tokens/s over 1 GPU |"
+  echo "|---|---|---|---|---|---|"
+  one=""
+  for run in "gpus1:--gpus 1" "gpus${gpus}_ep${gpus}:--gpus $gpus" "gpus${gpus}_ep1:--gpus $gpus --ep 1"; do
+    name=${run%%:*}
+    "$train" --data "$data" --steps 60 ${run#*:} $quiet --out "$out/$name" > "$out/$name.log" 2>&1 ||
+      { echo "| $name | run failed (see $out/$name.log) | | | | |"; continue; }
+    row=$(summarise "$out/$name/log.csv")
+    tok=$(echo "$row" | awk -F' [|] ' '{ print $2 }')
+    [ -z "$one" ] && one=$tok
+    echo "| $name | $row | $(awk -v a="$tok" -v b="$one" 'BEGIN { printf "%.2fx", a / b }') |"
   done
 fi
 [[ " $parts " == *" limits "* ]] || exit 0
