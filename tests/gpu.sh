@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [speed] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [speed] [multi] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   speed: issue 13's speed work (notes/speed.md): the whole test_gpu in both precisions (with 2 GPUs or more
@@ -12,6 +12,7 @@
 #     bench_expert_gemm (the expert GEMMs of the default model's and B1's layers: flatmoe's grouped GEMM, cuBLAS's grouped call, the per-expert loop);
 #     with 2 GPUs or more also bench_train.sh's multi part (the default model on every GPU against one, with and without
 #     expert parallelism: the speed-up in tokens/s)
+#   multi: bench_train.sh's multi part alone (2 GPUs or more): the default model on every GPU against one
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, relay expert/token/auto, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   bench-opt: the optimizer step (notes/offload_adamw.md): the CPU AdamW loop alone (scalar vs vectorised, 1 thread to
@@ -339,12 +340,14 @@ if [[ " $want " == *" speed "* ]]; then
     2> build/bench-speed.err || status=1
   tar czf "$OUT/speed_profiles.tgz" -C build/bench-speed $(cd build/bench-speed && ls -d */profile_step*.md 2>/dev/null)
   CUDA_VISIBLE_DEVICES=0 build/bf16/bench_expert_gemm > "$OUT/expert_gemm.md" 2>&1 || status=1
-  : > "$OUT/speed_multi.md"
-  if [ "$gpus" -ge 2 ]; then
-    tools/bench_train.sh build/bf16/train data/fortunes build/bench-multi multi > "$OUT/speed_multi.md" 2> build/bench-multi.err ||
-      status=1
-  fi
-  cat "$OUT/speed.md" "$OUT/expert_gemm.md" "$OUT/speed_multi.md"
+  cat "$OUT/speed.md" "$OUT/expert_gemm.md"
+fi
+
+# speed with 2 GPUs or more, or multi asked for: the default model on every GPU against one
+if [[ " $want " == *" multi "* ]] || { [[ " $want " == *" speed "* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; }; then
+  tools/bench_train.sh build/bf16/train data/fortunes build/bench-multi multi > "$OUT/speed_multi.md" 2> build/bench-multi.err ||
+    status=1
+  cat "$OUT/speed_multi.md"
 fi
 
 # sanitize NAME COMMAND...: compute-sanitizer memcheck with leak check; log in $OUT/sanitize_NAME.log,
