@@ -245,16 +245,7 @@ TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
   const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 20);
   floatX* C = reinterpret_cast<floatX*>(uintptr_t(1) << 24);
   auto call = [&](int groups, int M, int N, int K) { return std::vector<GroupedGemmProblem>(groups, {A, A, C, M, N, K}); };
-#if defined(FLATMOE_BF16)
-  const bool bf16 = true;
-#else
-  const bool bf16 = false;
-#endif
-#if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
-  const bool wgmma = true;
-#else
-  const bool wgmma = false;
-#endif
+  const bool bf16 = BUILD_BF16, wgmma = BUILD_WGMMA;
   EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 2048, 1024, 1024), false, true, 1024, 1024, 1024), bf16) << "B1 h13";
   EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 2048, 1024, 1024), false, false, 1024, 1024, 1024), bf16) << "B1 dxp";
   EXPECT_EQ(grouped_gemm_takes_kernel(call(32, 1024, 512, 2048), true, false, 1024, 512, 512), bf16) << "B1 dW2 (2.1 GFLOP)";

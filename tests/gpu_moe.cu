@@ -311,16 +311,7 @@ TEST(MoEGpu, RouteSortPutsIndicesOutsideTheExpertsAfterThem) {
 // expert, which without wgmma is faster on cuBLAS, which takes its sizes from the host); not a width
 // that is not a multiple of 8; none in the FP32 build. Runs without a GPU (CI).
 TEST(MoEHost, CountsStayOnTheDeviceUnlessCublasTakesTheWeightGradients) {
-#if defined(FLATMOE_BF16)
-  const bool bf16 = true;
-#else
-  const bool bf16 = false;
-#endif
-#if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
-  const bool wgmma = true;
-#else
-  const bool wgmma = false;
-#endif
+  const bool bf16 = BUILD_BF16, wgmma = BUILD_WGMMA;
   EXPECT_EQ(moe_counts_stay_on_device(384, 384, 8, 8192), bf16) << "the default model";
   EXPECT_EQ(moe_counts_stay_on_device(1024, 512, 32, 65536), wgmma) << "B1";
   EXPECT_EQ(moe_counts_stay_on_device(1024, 512, 32, 32768), bf16) << "B1's layer at half the tokens (2.1 GFLOP)";

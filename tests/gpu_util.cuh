@@ -19,6 +19,19 @@ static const double OP_TOL = 1e-5;
 static const double MODEL_TOL = 1e-4;
 #endif
 
+// The build, for tests whose expectation depends on it: BF16 (else FP32); and the grouped GEMM's
+// wgmma form (a BF16 build for GPU_ARCH=90a), else its mma.sync form or cuBLAS.
+#if defined(FLATMOE_BF16)
+static const bool BUILD_BF16 = true;
+#else
+static const bool BUILD_BF16 = false;
+#endif
+#if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
+static const bool BUILD_WGMMA = true;
+#else
+static const bool BUILD_WGMMA = false;
+#endif
+
 namespace testutil {
 
 // FLATMOE_REQUIRE_GPU=1 (set by the device scripts, notes/design.md §3): a test that needs a GPU fails
