@@ -76,8 +76,8 @@ if [[ " $parts " == *" multi "* ]]; then
       { echo "| $name | run failed (see $out/$name.log) | | | | |"; continue; }
     row=$(summarise "$out/$name/log.csv")
     tok=$(echo "$row" | awk -F' [|] ' '{ print $2 }')
-    [ -z "$one" ] && one=$tok
-    echo "| $name | $row | $(awk -v a="$tok" -v b="$one" 'BEGIN { printf "%.2fx", a / b }') |"
+    [ "$name" = gpus1 ] && one=$tok
+    echo "| $name | $row | $(awk -v a="$tok" -v b="$one" 'BEGIN { if (b == "") print "n/a (the 1-GPU run failed)"; else printf "%.2fx", a / b }') |"
   done
 fi
 [[ " $parts " == *" limits "* ]] || exit 0
