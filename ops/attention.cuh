@@ -1,12 +1,13 @@
 // attention.cuh — causal multi-head self-attention, flash-style (FlashAttention-2 schedule on
 // SIMT cores, fp32 accumulation). Twin of ref/attention.hpp.
 //
-// Two implementations of one contract: the SIMT kernels below (the FP32 build's only path,
-// verified against the double reference at 1e-5, and the BF16 build's path for hd = 32), and
-// the tensor-core kernels of attention_mma.cuh (bf16 mma.sync, fp32 softmax statistics; the
-// BF16 build's path for hd = 64 and 128, same schedule, same workspace, deterministic too).
-// attention_forward / attention_backward pick one (attention_uses_tensor_cores);
-// attention_forward_simt / attention_backward_simt always take the SIMT kernels.
+// Three forms of one contract (AttentionKernels): the SIMT kernels below (the FP32 build's only
+// form, verified against the double reference at 1e-5, and the BF16 build's for hd = 32), and the
+// tensor-core kernels of attention_mma.cuh (bf16 MMAs, fp32 softmax statistics; same schedule, same
+// workspace, deterministic too): mma.sync at hd 64 and 128 in the BF16 build, and their wgmma form
+// at hd 64 in sm_90a builds. attention_forward / attention_backward take the fastest form the build
+// has (attention_kernels_for); attention_forward_with / attention_backward_with take a given one
+// (the tests and tools/bench_attention.cu compare them).
 //
 // Shapes: qkv [N = B·T, 3H] (q and k already rotated by RoPE), H = nh·hd; row n = b·T + t holds
 // q (nh×hd), then k (nh×hd), then v (nh×hd). out [N, H]; lse [B, nh, T] (fp32).
@@ -433,11 +434,57 @@ inline void attention_backward_hd(floatX* dqkv, const floatX* dout, const floatX
   launchCheck("attention_backward", "dQ kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
 }
 
-// The SIMT kernels above whatever the build and head dim: the FP32 build's only path and the
-// BF16 build's for hd = 32 (tools/bench_attention.cu calls them directly to compare).
-inline void attention_forward_simt(floatX* out, float* lse, const floatX* qkv, int B, int T, int nh, int hd,
-                                   cudaStream_t stream) {
+// ---------------------------------------------------------------------------------------------
+// Which kernels run
+
+// The three forms of the contract: the SIMT kernels above (any build, any supported hd), the
+// tensor cores' mma.sync kernels and their wgmma form (attention_mma.cuh; BF16 build; wgmma only in
+// sm_90a builds and at hd 64).
+enum class AttentionKernels { Simt, MmaSync, Wgmma };
+
+inline const char* attention_kernels_name(AttentionKernels k) {
+  return k == AttentionKernels::Simt ? "SIMT" : k == AttentionKernels::MmaSync ? "mma.sync" : "wgmma";
+}
+
+// Whether this build has `kernels` for head dim hd and these tensors (the tensor-core kernels copy
+// 16-byte pieces: every tensor 16-byte aligned).
+inline bool attention_has_kernels(AttentionKernels kernels, int hd, std::initializer_list<const void*> ptrs) {
+  if (kernels == AttentionKernels::Simt) return true;
+#ifdef FLATMOE_BF16
+  if (!attn_mma::supported(hd, ptrs)) return false;
+#if defined(FLATMOE_WGMMA)
+  return kernels == AttentionKernels::MmaSync || hd == attn_mma::WG_HD;
+#else
+  return kernels == AttentionKernels::MmaSync;
+#endif
+#else
+  (void)hd;
+  (void)ptrs;
+  return false;
+#endif
+}
+
+// What attention_forward / attention_backward take: the fastest kernels the build has for hd and
+// the tensors (wgmma, then mma.sync, then SIMT).
+inline AttentionKernels attention_kernels_for(int hd, std::initializer_list<const void*> ptrs) {
+  for (const AttentionKernels k : {AttentionKernels::Wgmma, AttentionKernels::MmaSync})
+    if (attention_has_kernels(k, hd, ptrs)) return k;
+  return AttentionKernels::Simt;
+}
+
+// attention_forward (below) on the given kernels; refused when the build does not have them for hd.
+inline void attention_forward_with(AttentionKernels kernels, floatX* out, float* lse, const floatX* qkv, int B, int T,
+                                   int nh, int hd, cudaStream_t stream) {
   attention_check_sizes("attention_forward", B, T, nh, hd);
+  if (!attention_has_kernels(kernels, hd, {out, qkv}))
+    fm_fail("attention_forward", "this build has no such kernels for this head dim", "kernels=%s B=%d T=%d nh=%d hd=%d",
+            attention_kernels_name(kernels), B, T, nh, hd);
+#ifdef FLATMOE_BF16
+#if defined(FLATMOE_WGMMA)
+  if (kernels == AttentionKernels::Wgmma) return attn_mma::forward_wgmma(out, lse, qkv, B, T, nh, stream);
+#endif
+  if (kernels == AttentionKernels::MmaSync) return attn_mma::forward(out, lse, qkv, B, T, nh, hd, stream);
+#endif
   switch (hd) {
     case 32: attention_forward_hd<32>(out, lse, qkv, B, T, nh, stream); break;
     case 64: attention_forward_hd<64>(out, lse, qkv, B, T, nh, stream); break;
@@ -445,11 +492,15 @@ inline void attention_forward_simt(floatX* out, float* lse, const floatX* qkv, i
   }
 }
 
-// Both paths of the backward: delta (the only workspace), then the tensor-core or SIMT kernels.
-inline void attention_backward_path(bool tensor_cores, floatX* dqkv, const floatX* dout, const floatX* qkv,
+// attention_backward (below) on the given kernels: delta (the only workspace), then the dK/dV and
+// dQ kernels.
+inline void attention_backward_with(AttentionKernels kernels, floatX* dqkv, const floatX* dout, const floatX* qkv,
                                     const floatX* out, const float* lse, int B, int T, int nh, int hd,
                                     cudaStream_t stream) {
   attention_check_sizes("attention_backward", B, T, nh, hd);
+  if (!attention_has_kernels(kernels, hd, {dqkv, dout, qkv}))
+    fm_fail("attention_backward", "this build has no such kernels for this head dim",
+            "kernels=%s B=%d T=%d nh=%d hd=%d", attention_kernels_name(kernels), B, T, nh, hd);
   const int N = B * T;
   DeviceBuffer<float> delta((size_t)N * nh, Mem::Workspace, "attention.delta");
   const int threads = 256;
@@ -457,12 +508,12 @@ inline void attention_backward_path(bool tensor_cores, floatX* dqkv, const float
                                                                                              T, nh, hd);
   launchCheck("attention_backward", "delta kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
 #ifdef FLATMOE_BF16
-  if (tensor_cores) {
-    attn_mma::backward(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, hd, stream);
-    return;
-  }
-#else
-  (void)tensor_cores;
+#if defined(FLATMOE_WGMMA)
+  if (kernels == AttentionKernels::Wgmma)
+    return attn_mma::backward_wgmma(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream);
+#endif
+  if (kernels == AttentionKernels::MmaSync)
+    return attn_mma::backward(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, hd, stream);
 #endif
   switch (hd) {
     case 32: attention_backward_hd<32>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
@@ -471,39 +522,15 @@ inline void attention_backward_path(bool tensor_cores, floatX* dqkv, const float
   }
 }
 
-inline void attention_backward_simt(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
-                                    const float* lse, int B, int T, int nh, int hd, cudaStream_t stream) {
-  attention_backward_path(false, dqkv, dout, qkv, out, lse, B, T, nh, hd, stream);
-}
-
-// Whether attention_forward / attention_backward take the tensor-core kernels of
-// attention_mma.cuh: the BF16 build, hd 64 or 128, and 16-byte aligned tensors.
-inline bool attention_uses_tensor_cores(int hd, std::initializer_list<const void*> ptrs) {
-#ifdef FLATMOE_BF16
-  return attn_mma::supported(hd, ptrs);
-#else
-  (void)hd;
-  (void)ptrs;
-  return false;
-#endif
-}
-
 // out [N, H] (=), lse [B, nh, T] (=) from qkv [N, 3H] (q, k rotated). out must not alias qkv.
 inline void attention_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int nh, int hd,
                               cudaStream_t stream) {
-  attention_check_sizes("attention_forward", B, T, nh, hd);
-#ifdef FLATMOE_BF16
-  if (attention_uses_tensor_cores(hd, {out, qkv})) {
-    attn_mma::forward(out, lse, qkv, B, T, nh, hd, stream);
-    return;
-  }
-#endif
-  attention_forward_simt(out, lse, qkv, B, T, nh, hd, stream);
+  attention_forward_with(attention_kernels_for(hd, {out, qkv}), out, lse, qkv, B, T, nh, hd, stream);
 }
 
 // dqkv [N, 3H] (=) from dout [N, H] and the forward's qkv, out, lse. dqkv must not alias inputs.
 inline void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
                                const float* lse, int B, int T, int nh, int hd, cudaStream_t stream) {
-  attention_backward_path(attention_uses_tensor_cores(hd, {dqkv, dout, qkv}), dqkv, dout, qkv, out, lse, B, T, nh,
-                          hd, stream);
+  attention_backward_with(attention_kernels_for(hd, {dqkv, dout, qkv}), dqkv, dout, qkv, out, lse, B, T, nh, hd,
+                          stream);
 }

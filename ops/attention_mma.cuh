@@ -1,7 +1,8 @@
 // attention_mma.cuh — causal multi-head self-attention on tensor cores (BF16 build only): the
 // same contract as the SIMT kernels of attention.cuh (shapes, out, lse, dqkv (=), the delta
-// workspace), computed with bf16 mma.sync (m16n8k16, fp32 accumulation) instead of fp32 FMA. Twin:
-// ref/attention.hpp (the same math; tests/gpu_attention.cu holds these kernels to it).
+// workspace), computed with bf16 mma.sync (m16n8k16, fp32 accumulation) instead of fp32 FMA, and, in
+// sm_90a builds at hd 64, with Hopper's warpgroup MMA (the wgmma form, at the end of this file).
+// Twin: ref/attention.hpp (the same math; tests/gpu_attention.cu holds every form to it).
 // Included by attention.cuh; attention_forward / attention_backward dispatch here for the BF16
 // build and hd ∈ {64, 128} (qkv, dout, out, dqkv 16-byte aligned); everything else stays SIMT.
 //
@@ -76,23 +77,42 @@ constexpr int FORWARD_STRIPS = HD == 64 ? 2 : 1;
 
 // ---- tile helpers (lane = threadIdx.x % 32) -----------------------------------------------
 
+// Element offset of (row r, column c) in a shared-memory tile of 64 rows: padded rows of LD bf16,
+// or (SWIZZLED, hd 64 only: the wgmma kernels) unpadded 128-byte rows in the 128-byte swizzle.
+template <int HD, bool SWIZZLED>
+__device__ __forceinline__ int tile_offset(int r, int c) {
+  static_assert(!SWIZZLED || HD == 64, "a swizzled row is 64 bf16");
+  if (SWIZZLED) return swizzle_128b(r, c / 8) / 2 + c % 8;
+  return r * ld<HD>() + c;
+}
+
 // Rows [0, rows_valid) of a 64 × HD tile (global row stride `stride` elements) into shared
-// memory (row stride LD) with cp.async; rows past rows_valid become zeros. src must be readable even
-// when rows_valid ≤ 0 (every row zeros).
-template <int HD>
+// memory with cp.async; rows past rows_valid become zeros. src must be readable even when
+// rows_valid ≤ 0 (every row zeros).
+template <int HD, bool SWIZZLED = false>
 __device__ __forceinline__ void load_tile_async(bf16* dst, const bf16* src, size_t stride, int rows_valid) {
   constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
   for (int idx = threadIdx.x; idx < TILE * CHUNKS; idx += THREADS) {
     const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
     const bool valid = r < rows_valid;
-    cp_async_16(dst + r * ld<HD>() + c, src + (size_t)(valid ? r : 0) * stride + c, valid ? 16 : 0);
+    cp_async_16(dst + tile_offset<HD, SWIZZLED>(r, c), src + (size_t)(valid ? r : 0) * stride + c, valid ? 16 : 0);
   }
 }
 
 // A fragment of k-step ks (columns 16ks … 16ks+15) of the 16-row strip starting at `rows`.
 template <int HD>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* rows, int ks, int lane) {
-  ldmatrix_x4(a, rows + ((lane % 8) + 8 * ((lane / 8) % 2)) * ld<HD>() + ks * 16 + 8 * (lane / 16));
+  ldmatrix_x4(a, rows + tile_offset<HD, false>((lane % 8) + 8 * ((lane / 8) % 2), ks * 16 + 8 * (lane / 16)));
+}
+
+// Columns 16j … 16j+15 of a 16 × 8NB strip held as C fragments (n-blocks 2j, 2j+1), rounded to bf16,
+// as the A fragment of k-step j of the next product.
+template <int NB>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[NB][4], int j) {
+  a[0] = pack_bf16(c[2 * j][0], c[2 * j][1]);
+  a[1] = pack_bf16(c[2 * j][2], c[2 * j][3]);
+  a[2] = pack_bf16(c[2 * j + 1][0], c[2 * j + 1][1]);
+  a[3] = pack_bf16(c[2 * j + 1][2], c[2 * j + 1][3]);
 }
 
 // acc = strip(16 × HD) · Xᵀ for the 8·NB rows of X (stored [n][k], n = row of X): the
@@ -129,12 +149,7 @@ __device__ __forceinline__ void c_strip_times_tile(float (*acc)[HD / 8][4], cons
   for (int j = 0; j < NB / 2; j++) {  // k-step j: columns 16j … 16j+15 of P = n-blocks 2j, 2j+1
     uint32_t a[MB][4];
 #pragma unroll
-    for (int i = 0; i < MB; i++) {
-      a[i][0] = pack_bf16(p[i][2 * j][0], p[i][2 * j][1]);
-      a[i][1] = pack_bf16(p[i][2 * j][2], p[i][2 * j][3]);
-      a[i][2] = pack_bf16(p[i][2 * j + 1][0], p[i][2 * j + 1][1]);
-      a[i][3] = pack_bf16(p[i][2 * j + 1][2], p[i][2 * j + 1][3]);
-    }
+    for (int i = 0; i < MB; i++) c_to_a<NB>(a[i], p[i], j);
 #pragma unroll
     for (int np = 0; np < HD / 16; np++) {  // pairs of n-blocks: columns 16np … 16np+15 of Y
       uint32_t b[4];
@@ -144,6 +159,139 @@ __device__ __forceinline__ void c_strip_times_tile(float (*acc)[HD / 8][4], cons
         mma_16816(acc[i][2 * np], a[i], b[0], b[1]);
         mma_16816(acc[i][2 * np + 1], a[i], b[2], b[3]);
       }
+    }
+  }
+}
+
+// ---- one strip's softmax and gradient steps (the mma.sync and the wgmma kernels) -----------
+
+// One key tile's online-softmax step for a 16-row strip (rows row0, row0 + 8): s, the scores of keys
+// k0 … k0 + 8NB − 1 (C fragments, unscaled), becomes P (unnormalised, fp32); m (log2 units), l and O
+// are rescaled to the new row maxima. Only tiles from the block's first query on (`diagonal`) have
+// keys after a query. A row meets its own key tile before any tile wholly after it, and that tile
+// holds key k0 ≤ row, so m is finite from then on: exp2(−inf − m) = 0 covers the masked keys, and a
+// tile wholly masked for a row leaves its m, l and O as they are (alpha = 1, P = 0). The maxima are
+// taken on the unscaled scores (scale > 0), and P = exp2(s · scale − m) is one fused multiply-add.
+template <int HD, int NB>
+__device__ __forceinline__ void online_softmax_step(float (&s)[NB][4], float (&o)[HD / 8][4], float (&m)[2],
+                                                    float (&l)[2], int row0, int k0, bool diagonal, float scale_log2,
+                                                    int t) {
+  if (diagonal)
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        if (k0 + nb * 8 + 2 * t + (e & 1) > row0 + 8 * (e >> 1)) s[nb][e] = -INFINITY;
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nb][e]);
+  float alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {  // the 4 lanes t = 0 … 3 of group g hold the row
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
+    const float m_new = fmaxf(m[r], tile_max[r] * scale_log2);
+    alpha[r] = exp2f(m[r] - m_new);
+    m[r] = m_new;
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int nb = 0; nb < HD / 8; nb++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) o[nb][e] *= alpha[e >> 1];
+#pragma unroll
+  for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      s[nb][e] = exp2f(fmaf(s[nb][e], scale_log2, -m[e >> 1]));  // now P (unnormalised), fp32
+      l[e >> 1] += s[nb][e];
+    }
+}
+
+// out rows row0, row0 + 8 (those < T) of a strip: O / l as bf16, and lse = (m + log2 l)·ln 2.
+template <int HD>
+__device__ __forceinline__ void store_out_strip(bf16* out, float* lse_bh, const float (&o)[HD / 8][4], const float (&m)[2],
+                                                float (&l)[2], int row0, int T, int H, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+    const int row = row0 + 8 * r;
+    if (row < T) {
+      const float inv = 1.f / l[r];
+      bf16* out_row = out + (size_t)row * H;
+#pragma unroll
+      for (int nb = 0; nb < HD / 8; nb++)
+        *reinterpret_cast<__nv_bfloat162*>(out_row + nb * 8 + 2 * t) =
+            __floats2bfloat162_rn(o[nb][2 * r] * inv, o[nb][2 * r + 1] * inv);
+      if (t == 0) lse_bh[row] = (m[r] + log2f(l[r])) * LN2;
+    }
+  }
+}
+
+// The dK/dV kernels' step for a 16-key strip (keys key0, key0 + 8) against 8NB queries q_first +
+// 8nb + 2t + (e%2): st (Sᵀ, unscaled) becomes Pᵀ and dpt (dPᵀ) becomes dSᵀ = Pᵀ ⊙ (dPᵀ − delta).
+// lse2 and delta are the queries' lse·log2(e) and delta from q_first on. `edge`: the tile is on the
+// causal diagonal or holds queries ≥ T (whose P is 0).
+template <int NB>
+__device__ __forceinline__ void key_strip_grads(float (&st)[NB][4], float (&dpt)[NB][4], const float* lse2,
+                                                const float* delta, int q_first, int key0, bool edge, int T,
+                                                float scale_log2, int t) {
+#pragma unroll
+  for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int qi = nb * 8 + 2 * t + (e & 1), q = q_first + qi, key = key0 + 8 * (e >> 1);
+      float p = exp2f(st[nb][e] * scale_log2 - lse2[qi]);
+      if (edge && (key > q || q >= T)) p = 0.f;
+      st[nb][e] = p;                                  // Pᵀ
+      dpt[nb][e] = p * (dpt[nb][e] - delta[qi]);      // dSᵀ
+    }
+}
+
+// The dQ kernels' step for a 16-query strip (rows row0, row0 + 8) against keys k0 + 8nb + 2t + (e%2):
+// dp (dP = dO Vᵀ) becomes dS = P ⊙ (dP − delta), P recomputed from s (S, unscaled) and lse2. `edge`:
+// the diagonal tile, which also holds every query ≥ T.
+__device__ __forceinline__ void query_strip_grads(const float (&s)[8][4], float (&dp)[8][4], const float (&lse2)[2],
+                                                  const float (&dlt)[2], int row0, int k0, bool edge, int T,
+                                                  float scale_log2, int t) {
+#pragma unroll
+  for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = k0 + nb * 8 + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
+      float p = exp2f(s[nb][e] * scale_log2 - lse2[e >> 1]);
+      if (edge && (key > row || row >= T)) p = 0.f;
+      dp[nb][e] = p * (dp[nb][e] - dlt[e >> 1]);  // dS
+    }
+}
+
+// lse·log2(e) and delta of rows row0, row0 + 8 (0 for rows ≥ T) from one (sequence, head)'s rows.
+__device__ __forceinline__ void load_row_stats(float (&lse2)[2], float (&dlt)[2], const float* lse_bh,
+                                               const float* delta_bh, int row0, int T) {
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int row = row0 + 8 * r;
+    lse2[r] = row < T ? lse_bh[row] * LOG2E : 0.f;
+    dlt[r] = row < T ? delta_bh[row] : 0.f;
+  }
+}
+
+// Rows row0, row0 + 8 (those < T) of a 16 × HD strip, times scale, as bf16 at dst + row · row_stride.
+template <int HD>
+__device__ __forceinline__ void store_strip(bf16* dst, size_t row_stride, const float (&acc)[HD / 8][4], int row0,
+                                            int T, float scale, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int row = row0 + 8 * r;
+    if (row < T) {
+      bf16* dst_row = dst + (size_t)row * row_stride;
+#pragma unroll
+      for (int nb = 0; nb < HD / 8; nb++)
+        *reinterpret_cast<__nv_bfloat162*>(dst_row + nb * 8 + 2 * t) =
+            __floats2bfloat162_rn(acc[nb][2 * r] * scale, acc[nb][2 * r + 1] * scale);
     }
   }
 }
@@ -232,66 +380,19 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse,
         }
       }
 
-    // Online softmax in log2 units. Only tiles from the block's first query on have keys after a
-    // query. A row meets its own key tile before any tile wholly after it, and that tile holds key
-    // k0 ≤ row, so m is finite from then on: exp2(−inf − m) = 0 covers the masked keys, and a tile
-    // wholly masked for a row leaves its m, l and O as they are (alpha = 1, P = 0).
+    // Online softmax in log2 units (P replaces S).
     const int k0 = kt * TILE;
     const bool diagonal = k0 + TILE > q0;
 #pragma unroll
-    for (int i = 0; i < MB; i++) {
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int key = k0 + nb * 8 + 2 * t + (e & 1), row = row0[i] + 8 * (e >> 1);
-          s[i][nb][e] = (diagonal && key > row) ? -INFINITY : s[i][nb][e] * scale_log2;
-          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[i][nb][e]);
-        }
-      float alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; r++) {  // the 4 lanes t = 0 … 3 of group g hold the row
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
-        const float m_new = fmaxf(m[i][r], tile_max[r]);
-        alpha[r] = exp2f(m[i][r] - m_new);
-        m[i][r] = m_new;
-        l[i][r] *= alpha[r];
-      }
-#pragma unroll
-      for (int nb = 0; nb < HD / 8; nb++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) o[i][nb][e] *= alpha[e >> 1];
-#pragma unroll
-      for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          s[i][nb][e] = exp2f(s[i][nb][e] - m[i][e >> 1]);  // now P (unnormalised), fp32
-          l[i][e >> 1] += s[i][nb][e];
-        }
-    }
+    for (int i = 0; i < MB; i++) online_softmax_step<HD, 8>(s[i], o[i], m[i], l[i], row0[i], k0, diagonal, scale_log2, t);
 
     c_strip_times_tile<HD, 8, MB>(o, s, Vt, lane);  // O += P V
   }
 
 #pragma unroll
   for (int i = 0; i < MB; i++)
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      l[i][r] += __shfl_xor_sync(0xffffffff, l[i][r], 1);
-      l[i][r] += __shfl_xor_sync(0xffffffff, l[i][r], 2);
-      const int row = row0[i] + 8 * r;
-      if (row < T) {
-        const float inv = 1.f / l[i][r];
-        bf16* out_row = out + ((size_t)b * T + row) * H + (size_t)h * HD;
-#pragma unroll
-        for (int nb = 0; nb < HD / 8; nb++)
-          *reinterpret_cast<__nv_bfloat162*>(out_row + nb * 8 + 2 * t) =
-              __floats2bfloat162_rn(o[i][nb][2 * r] * inv, o[i][nb][2 * r + 1] * inv);
-        if (t == 0) lse[((size_t)b * nh + h) * T + row] = (m[i][r] + log2f(l[i][r])) * LN2;
-      }
-    }
+    store_out_strip<HD>(out + (size_t)b * T * H + (size_t)h * HD, lse + ((size_t)b * nh + h) * T, o[i], m[i], l[i],
+                        row0[i], T, H, t);
 }
 
 // grid (nh, B, ceil(T/64)); block 128. dK and dV of one 64-key tile of one head; warp w owns
@@ -364,36 +465,16 @@ __global__ void __launch_bounds__(THREADS) backward_dkdv_kernel(bf16* dqkv, cons
       strip_times_tile_t<HD, QC / 8>(st, K_strip, Qt + c0 * ld<HD>(), lane);    // Sᵀ = K Qᵀ (unscaled)
       strip_times_tile_t<HD, QC / 8>(dpt, V_strip, dOt + c0 * ld<HD>(), lane);  // dPᵀ = V dOᵀ
       const bool edge = qt == kt || q0 + TILE > T;  // causal diagonal or queries past T
-#pragma unroll
-      for (int nb = 0; nb < QC / 8; nb++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int qi = c0 + nb * 8 + 2 * t + (e & 1), q = q0 + qi, key = key0 + 8 * (e >> 1);
-          float p = exp2f(st[nb][e] * scale_log2 - lse_s[buf * TILE + qi]);
-          if (edge && (key > q || q >= T)) p = 0.f;
-          st[nb][e] = p;                                             // Pᵀ
-          dpt[nb][e] = p * (dpt[nb][e] - delta_s[buf * TILE + qi]);  // dSᵀ
-        }
+      key_strip_grads<QC / 8>(st, dpt, lse_s + buf * TILE + c0, delta_s + buf * TILE + c0, q0 + c0, key0, edge, T,
+                              scale_log2, t);
       c_strip_times_tile<HD, QC / 8>(&dv, &st, dOt + c0 * ld<HD>(), lane);  // dV += Pᵀ dO
       c_strip_times_tile<HD, QC / 8>(&dk, &dpt, Qt + c0 * ld<HD>(), lane);  // dK += dSᵀ Q
     }
   }
 
-  const float scale = 1.f / sqrtf((float)HD);
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int key = key0 + 8 * r;
-    if (key < T) {
-      bf16* row = dqkv + ((size_t)b * T + key) * stride + (size_t)h * HD;
-#pragma unroll
-      for (int nb = 0; nb < HD / 8; nb++) {
-        *reinterpret_cast<__nv_bfloat162*>(row + H + nb * 8 + 2 * t) =
-            __floats2bfloat162_rn(dk[nb][2 * r] * scale, dk[nb][2 * r + 1] * scale);
-        *reinterpret_cast<__nv_bfloat162*>(row + 2 * H + nb * 8 + 2 * t) =
-            __floats2bfloat162_rn(dv[nb][2 * r], dv[nb][2 * r + 1]);
-      }
-    }
-  }
+  bf16* dk_rows = dqkv + (size_t)b * T * stride + H + (size_t)h * HD;  // dk of (b, t = 0, h)
+  store_strip<HD>(dk_rows, stride, dk, key0, T, 1.f / sqrtf((float)HD), t);
+  store_strip<HD>(dk_rows + H, stride, dv, key0, T, 1.f, t);
 }
 
 // grid (nh, B, ceil(T/64)); block 128. dQ of one 64-query tile of one head.
@@ -424,12 +505,7 @@ __global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const 
 
   const int row0 = q0 + warp * 16 + g;  // rows row0, row0 + 8
   float lse2[2], dlt[2];
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int row = row0 + 8 * r;
-    lse2[r] = row < T ? lse[((size_t)b * nh + h) * T + row] * LOG2E : 0.f;
-    dlt[r] = row < T ? delta[((size_t)b * nh + h) * T + row] : 0.f;
-  }
+  load_row_stats(lse2, dlt, lse + ((size_t)b * nh + h) * T, delta + ((size_t)b * nh + h) * T, row0, T);
   float dq[HD / 8][4];
 #pragma unroll
   for (int nb = 0; nb < HD / 8; nb++)
@@ -454,32 +530,310 @@ __global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const 
     float s[8][4], dp[8][4];  // [nb][e]: query row0 + 8(e/2), key k0 + 8nb + 2t + (e%2)
     strip_times_tile_t<HD, 8>(s, Q_strip, Kt, lane);    // S = Q Kᵀ (unscaled)
     strip_times_tile_t<HD, 8>(dp, dO_strip, Vt, lane);  // dP = dO Vᵀ
-    const bool edge = kt == qt;  // the diagonal tile also holds every query ≥ T
-#pragma unroll
-    for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int key = k0 + nb * 8 + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
-        float p = exp2f(s[nb][e] * scale_log2 - lse2[e >> 1]);
-        if (edge && (key > row || row >= T)) p = 0.f;
-        dp[nb][e] = p * (dp[nb][e] - dlt[e >> 1]);  // dS
-      }
+    query_strip_grads(s, dp, lse2, dlt, row0, k0, kt == qt, T, scale_log2, t);
     c_strip_times_tile<HD, 8>(&dq, &dp, Kt, lane);  // dQ += dS K
   }
 
-  const float scale = 1.f / sqrtf((float)HD);
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int row = row0 + 8 * r;
-    if (row < T) {
-      bf16* out_row = dqkv + ((size_t)b * T + row) * stride + (size_t)h * HD;
-#pragma unroll
-      for (int nb = 0; nb < HD / 8; nb++)
-        *reinterpret_cast<__nv_bfloat162*>(out_row + nb * 8 + 2 * t) =
-            __floats2bfloat162_rn(dq[nb][2 * r] * scale, dq[nb][2 * r + 1] * scale);
-    }
-  }
+  store_strip<HD>(dqkv + (size_t)b * T * stride + (size_t)h * HD, stride, dq, row0, T, 1.f / sqrtf((float)HD), t);
 }
+
+#if defined(FLATMOE_WGMMA)
+// ---- the wgmma form (sm_90a builds, hd 64) -------------------------------------------------
+// The same blocks, loops and per-strip steps as the kernels above (forward_kernel<64, 1>,
+// backward_dkdv_kernel<64>, backward_dq_kernel<64>), with each tile product a chain of warpgroup
+// MMAs (ops/mma.cuh): the block's 4 warps are one warpgroup, and its 64 × N accumulator is exactly
+// the 4 warp strips' C fragments, so the per-strip steps (online_softmax_step, key_strip_grads,
+// query_strip_grads, the stores) are shared with the mma.sync kernels.
+//   - The score-like products (S = Q Kᵀ, dP = dO Vᵀ, Sᵀ = K Qᵀ, dPᵀ = V dOᵀ) read both operands
+//     from shared memory through descriptors.
+//   - The accumulating products (O += P V, dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K) take P or dS from
+//     registers (c_to_a: C fragments rounded to bf16), as the mma.sync kernels do; they replace
+//     every ldmatrix B load.
+//   - Shared-memory tiles are unpadded, in the 128-byte swizzle (tile_offset), and one tile X
+//     (64 rows × 64, row = a query or key) serves three ways: as A (rows = m, K-major) and as Xᵀ
+//     (B[k = column][n = row], K-major), k-step ks at +32·ks bytes; as X (B[k = row][n = column],
+//     MN-major), k-step ks at +2048·ks bytes.
+//   - The forward's key tiles are 128 keys (two 64-row tiles side by side): one 64 × 128 score tile
+//     per softmax step, half the waits and barriers per key of 64-key tiles.
+// Each product runs its k in ascending steps of 16. Shared memory per block: forward 73 KiB, dK/dV
+// 50 KiB, dQ 49 KiB; registers (ptxas, sm_90a, 128 threads, no spills): forward 128, dK/dV 164,
+// dQ 124. Q, K, V and dO are not held as register A fragments across the loop: with fragments loaded
+// once before it, ptxas (CUDA 13.0) handed their registers to P inside the loop, and every key tile
+// after the first read P for Q (notes/attention.md).
+
+constexpr int WG_HD = 64;
+constexpr int WG_TILE_BYTES = TILE * WG_HD * 2;  // 8 KiB, a multiple of the swizzle's 1024 bytes
+
+__device__ __forceinline__ uint64_t rows_as_n(const bf16* tile, int ks) {
+  return wgmma_descriptor(smem_addr(tile) + 32 * ks, 16);
+}
+__device__ __forceinline__ uint64_t rows_as_k(const bf16* tile, int ks) {
+  return wgmma_descriptor(smem_addr(tile) + 2048 * ks, WG_TILE_BYTES);  // one 64-column atom: leading unused
+}
+// The dynamic shared memory from its first 1024-byte boundary on (the swizzle needs aligned tiles;
+// the launch asks for 1024 bytes more).
+__device__ __forceinline__ bf16* aligned_tiles(unsigned char* smem) {
+  const uint32_t start = smem_addr(smem);
+  return reinterpret_cast<bf16*>(smem + (((start + 1023) & ~1023u) - start));
+}
+
+// acc = A · Xᵀ over one 64-wide k: A and X tiles (A's 64 rows are the warpgroup's rows).
+__device__ __forceinline__ void wgmma_tile_times_tile_t(float (&acc)[8][4], const bf16* A, const bf16* X) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ks++) wgmma_m64n64k16_ss<0>(acc, rows_as_n(A, ks), rows_as_n(X, ks), ks > 0);
+}
+// acc += P · X over one 64-wide k: p[ks] the A fragments (P rounded to bf16), X a tile.
+__device__ __forceinline__ void wgmma_fragments_times_tile(float (&acc)[8][4], uint32_t (&p)[4][4], const bf16* X) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ks++) wgmma_m64n64k16_rs<1>(acc, p[ks], rows_as_k(X, ks), 1);
+}
+
+// The forward's key tiles on wgmma: 128 keys, so each softmax step is one 64 × 128 score tile.
+constexpr int WG_KEYS = 2 * TILE;
+
+// forward_kernel<64, 1> on wgmma, with key tiles of 128: grid (nh, B, ceil(T/64)); block 128.
+template <int HD>
+__global__ void __launch_bounds__(THREADS) forward_wgmma_kernel(bf16* out, float* lse, const bf16* qkv, int T, int nh) {
+  static_assert(HD == WG_HD, "the wgmma kernels take hd 64");
+  constexpr int TE = TILE * HD;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Q_s = aligned_tiles(smem_raw);  // [64][64]
+  bf16* K_s = Q_s + TE;                 // [2][128][64]
+  bf16* V_s = K_s + 4 * TE;             // [2][128][64]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
+  const int q0 = qt * TILE;
+  const int last_kt = (min(q0 + TILE, T) - 1) / WG_KEYS;  // the key tile of the last query
+  const int H = nh * HD;
+  const size_t stride = 3 * (size_t)H;
+  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
+  const float scale_log2 = LOG2E / sqrtf((float)HD);
+
+  auto load_key_tile = [&](int kt) {  // keys and values of key tile kt into buffer kt & 1, as two 64-row tiles
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const int k1 = kt * WG_KEYS + half * TILE;
+      const bf16* k_rows = k1 < T ? q_base + H + (size_t)k1 * stride : q_base;
+      const bf16* v_rows = k1 < T ? q_base + 2 * H + (size_t)k1 * stride : q_base;
+      load_tile_async<HD, true>(K_s + ((kt & 1) * 2 + half) * TE, k_rows, stride, min(TILE, T - k1));
+      load_tile_async<HD, true>(V_s + ((kt & 1) * 2 + half) * TE, v_rows, stride, min(TILE, T - k1));
+    }
+  };
+  load_tile_async<HD, true>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
+  load_key_tile(0);
+  cp_async_commit();
+
+  float o[8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int row0 = q0 + warp * 16 + g;
+
+  for (int kt = 0; kt <= last_kt; kt++) {
+    cp_async_wait_all();
+    fence_proxy_async_shared();  // the copies are visible to the MMAs' reads …
+    __syncthreads();             // … everyone's; every MMA of tile kt − 1 has been waited for
+    if (kt < last_kt) {
+      load_key_tile(kt + 1);
+      cp_async_commit();
+    }
+    const bf16* Kt = K_s + (kt & 1) * 2 * TE;
+    const bf16* Vt = V_s + (kt & 1) * 2 * TE;
+
+    float s[16][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++)  // S = Q Kᵀ (64 × 128)
+      wgmma_m64n128k16<0, 0>(reinterpret_cast<float(&)[64]>(s), rows_as_n(Q_s, ks), rows_as_n(Kt, ks), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    const int k0 = kt * WG_KEYS;
+    online_softmax_step<HD, 16>(s, o, m, l, row0, k0, k0 + WG_KEYS > q0, scale_log2, t);
+
+    uint32_t pf[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; j++) c_to_a<16>(pf[j], s, j);
+    wgmma_fence_operands(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ks++) wgmma_m64n64k16_rs<1>(o, pf[ks], rows_as_k(Vt, ks), 1);  // O += P V
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
+    wgmma_fence_operands(pf);
+  }
+  store_out_strip<HD>(out + (size_t)b * T * H + (size_t)h * HD, lse + ((size_t)b * nh + h) * T, o, m, l, row0, T, H,
+                      t);
+}
+
+// backward_dkdv_kernel<64> on wgmma: grid (nh, B, ceil(T/64)); block 128.
+template <int HD>
+__global__ void __launch_bounds__(THREADS) backward_dkdv_wgmma_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                                      const float* lse, const float* delta, int T,
+                                                                      int nh) {
+  static_assert(HD == WG_HD, "the wgmma kernels take hd 64");
+  constexpr int TE = TILE * HD;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* K_s = aligned_tiles(smem_raw);                     // [64][64]
+  bf16* V_s = K_s + TE;                                    // [64][64]
+  bf16* Q_s = V_s + TE;                                    // [2][64][64]
+  bf16* dO_s = Q_s + 2 * TE;                               // [2][64][64]
+  float* lse_s = reinterpret_cast<float*>(dO_s + 2 * TE);  // [2][64]  lse·log2(e) of the query tile
+  float* delta_s = lse_s + 2 * TILE;                       // [2][64]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int kt = blockIdx.z;  // key tile 0 (most query tiles) first
+  const int q_tiles = gridDim.z;
+  const int k0 = kt * TILE;
+  const int H = nh * HD;
+  const size_t stride = 3 * (size_t)H;
+  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
+  const bf16* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
+  const float* lse_bh = lse + ((size_t)b * nh + h) * T;
+  const float* delta_bh = delta + ((size_t)b * nh + h) * T;
+  const float scale_log2 = LOG2E / sqrtf((float)HD);
+
+  auto stage = [&](int qt) {  // query tile qt into buffer qt & 1
+    const int q0 = qt * TILE, valid = min(TILE, T - q0), buf = qt & 1;
+    load_tile_async<HD, true>(Q_s + buf * TE, q_base + (size_t)q0 * stride, stride, valid);
+    load_tile_async<HD, true>(dO_s + buf * TE, dout_base + (size_t)q0 * H, H, valid);
+    for (int i = threadIdx.x; i < TILE; i += THREADS) {
+      lse_s[buf * TILE + i] = i < valid ? lse_bh[q0 + i] * LOG2E : 0.f;
+      delta_s[buf * TILE + i] = i < valid ? delta_bh[q0 + i] : 0.f;
+    }
+  };
+  load_tile_async<HD, true>(K_s, q_base + H + (size_t)k0 * stride, stride, min(TILE, T - k0));
+  load_tile_async<HD, true>(V_s, q_base + 2 * H + (size_t)k0 * stride, stride, min(TILE, T - k0));
+  stage(kt);
+  cp_async_commit();
+
+  float dk[8][4] = {}, dv[8][4] = {};
+  const int key0 = k0 + warp * 16 + g;
+
+  for (int qt = kt; qt < q_tiles; qt++) {
+    cp_async_wait_all();
+    fence_proxy_async_shared();
+    __syncthreads();  // query tile qt is in, visible to the MMAs; every MMA of qt − 1 has been waited for
+    if (qt + 1 < q_tiles) {
+      stage(qt + 1);
+      cp_async_commit();
+    }
+    const int buf = qt & 1, q0 = qt * TILE;
+    const bf16* Qt = Q_s + buf * TE;
+    const bf16* dOt = dO_s + buf * TE;
+
+    float st[8][4], dpt[8][4];
+    wgmma_fence();
+    wgmma_tile_times_tile_t(st, K_s, Qt);    // Sᵀ = K Qᵀ
+    wgmma_tile_times_tile_t(dpt, V_s, dOt);  // dPᵀ = V dOᵀ
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(st);
+    wgmma_fence_operands(dpt);
+    key_strip_grads<8>(st, dpt, lse_s + buf * TILE, delta_s + buf * TILE, q0, key0, qt == kt || q0 + TILE > T, T,
+                       scale_log2, t);
+
+    uint32_t pf[4][4], dsf[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      c_to_a<8>(pf[j], st, j);
+      c_to_a<8>(dsf[j], dpt, j);
+    }
+    wgmma_fence_operands(dv);
+    wgmma_fence_operands(dk);
+    wgmma_fence();
+    wgmma_fragments_times_tile(dv, pf, dOt);  // dV += Pᵀ dO
+    wgmma_fragments_times_tile(dk, dsf, Qt);  // dK += dSᵀ Q
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(dv);
+    wgmma_fence_operands(dk);
+    wgmma_fence_operands(pf);
+    wgmma_fence_operands(dsf);
+  }
+
+  bf16* dk_rows = dqkv + (size_t)b * T * stride + H + (size_t)h * HD;
+  store_strip<HD>(dk_rows, stride, dk, key0, T, 1.f / sqrtf((float)HD), t);
+  store_strip<HD>(dk_rows + H, stride, dv, key0, T, 1.f, t);
+}
+
+// backward_dq_kernel<64> on wgmma: grid (nh, B, ceil(T/64)); block 128.
+template <int HD>
+__global__ void __launch_bounds__(THREADS) backward_dq_wgmma_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                                    const float* lse, const float* delta, int T,
+                                                                    int nh) {
+  static_assert(HD == WG_HD, "the wgmma kernels take hd 64");
+  constexpr int TE = TILE * HD;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Q_s = aligned_tiles(smem_raw);  // [64][64]
+  bf16* dO_s = Q_s + TE;                // [64][64]
+  bf16* K_s = dO_s + TE;                // [2][64][64]
+  bf16* V_s = K_s + 2 * TE;             // [2][64][64]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
+  const int q0 = qt * TILE;
+  const int H = nh * HD;
+  const size_t stride = 3 * (size_t)H;
+  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
+  const bf16* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
+  const float scale_log2 = LOG2E / sqrtf((float)HD);
+
+  load_tile_async<HD, true>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
+  load_tile_async<HD, true>(dO_s, dout_base + (size_t)q0 * H, H, min(TILE, T - q0));
+  load_tile_async<HD, true>(K_s, q_base + H, stride, min(TILE, T));
+  load_tile_async<HD, true>(V_s, q_base + 2 * H, stride, min(TILE, T));
+  cp_async_commit();
+
+  const int row0 = q0 + warp * 16 + g;
+  float lse2[2], dlt[2];
+  load_row_stats(lse2, dlt, lse + ((size_t)b * nh + h) * T, delta + ((size_t)b * nh + h) * T, row0, T);
+  float dq[8][4] = {};
+
+  for (int kt = 0; kt <= qt; kt++) {
+    cp_async_wait_all();
+    fence_proxy_async_shared();
+    __syncthreads();  // key tile kt is in, visible to the MMAs; every MMA of kt − 1 has been waited for
+    if (kt < qt) {
+      const int k1 = (kt + 1) * TILE;
+      load_tile_async<HD, true>(K_s + ((kt + 1) & 1) * TE, q_base + H + (size_t)k1 * stride, stride, min(TILE, T - k1));
+      load_tile_async<HD, true>(V_s + ((kt + 1) & 1) * TE, q_base + 2 * H + (size_t)k1 * stride, stride,
+                                min(TILE, T - k1));
+      cp_async_commit();
+    }
+    const bf16* Kt = K_s + (kt & 1) * TE;
+    const bf16* Vt = V_s + (kt & 1) * TE;
+
+    float s[8][4], dp[8][4];
+    wgmma_fence();
+    wgmma_tile_times_tile_t(s, Q_s, Kt);   // S = Q Kᵀ
+    wgmma_tile_times_tile_t(dp, dO_s, Vt); // dP = dO Vᵀ
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    query_strip_grads(s, dp, lse2, dlt, row0, kt * TILE, kt == qt, T, scale_log2, t);
+
+    uint32_t dsf[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) c_to_a<8>(dsf[j], dp, j);
+    wgmma_fence_operands(dq);
+    wgmma_fence();
+    wgmma_fragments_times_tile(dq, dsf, Kt);  // dQ += dS K
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(dq);
+    wgmma_fence_operands(dsf);
+  }
+  store_strip<HD>(dqkv + (size_t)b * T * stride + (size_t)h * HD, stride, dq, row0, T, 1.f / sqrtf((float)HD), t);
+}
+
+// Shared memory of the wgmma kernels: 9 or 6 tiles of 8 KiB (+ the dK/dV kernel's lse and delta),
+// + 1024 bytes to align them.
+constexpr size_t WG_FORWARD_SMEM = 9 * WG_TILE_BYTES + 1024;
+constexpr size_t WG_DKDV_SMEM = 6 * WG_TILE_BYTES + sizeof(float) * 4 * TILE + 1024;
+constexpr size_t WG_DQ_SMEM = 6 * WG_TILE_BYTES + 1024;
+#endif  // FLATMOE_WGMMA
 
 // ---- shared-memory sizes ------------------------------------------------------------------
 
@@ -533,6 +887,26 @@ inline void backward_hd(bf16* dqkv, const bf16* dout, const bf16* qkv, const flo
   launchCheck("attention_backward", "tensor-core dQ kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
 }
 
+#if defined(FLATMOE_WGMMA)
+inline void forward_wgmma(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh, cudaStream_t stream) {
+  allow_smem("attention_forward", forward_wgmma_kernel<WG_HD>, WG_FORWARD_SMEM, B, T, nh, WG_HD);
+  forward_wgmma_kernel<WG_HD><<<dim3(nh, B, ceil_div(T, TILE)), THREADS, WG_FORWARD_SMEM, stream>>>(out, lse, qkv, T, nh);
+  launchCheck("attention_forward", "wgmma kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, WG_HD);
+}
+
+inline void backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B,
+                           int T, int nh, cudaStream_t stream) {
+  const dim3 grid(nh, B, ceil_div(T, TILE));
+  allow_smem("attention_backward", backward_dkdv_wgmma_kernel<WG_HD>, WG_DKDV_SMEM, B, T, nh, WG_HD);
+  backward_dkdv_wgmma_kernel<WG_HD><<<grid, THREADS, WG_DKDV_SMEM, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  launchCheck("attention_backward", "wgmma dK/dV kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, WG_HD);
+  allow_smem("attention_backward", backward_dq_wgmma_kernel<WG_HD>, WG_DQ_SMEM, B, T, nh, WG_HD);
+  backward_dq_wgmma_kernel<WG_HD><<<grid, THREADS, WG_DQ_SMEM, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  launchCheck("attention_backward", "wgmma dQ kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, WG_HD);
+}
+#endif
+
+// The mma.sync kernels at hd 64 or 128.
 inline void forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh, int hd, cudaStream_t stream) {
   if (hd == 64) forward_hd<64, FORWARD_STRIPS<64>>(out, lse, qkv, B, T, nh, stream);
   else if (hd == 128) forward_hd<128, FORWARD_STRIPS<128>>(out, lse, qkv, B, T, nh, stream);

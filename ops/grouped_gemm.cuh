@@ -399,8 +399,8 @@ constexpr size_t WG_SHARED_BYTES = (size_t)STAGES * 2 * SWIZZLED_TILE_BYTES + 10
 // or n, < 128), c the piece of k (< 8); else r a k-row (< 64), c the piece of m or n (< 16).
 template <bool K_CONTIGUOUS>
 __device__ __forceinline__ int swizzled_piece(int r, int c) {
-  if (K_CONTIGUOUS) return r * 128 + ((c ^ (r % 8)) << 4);
-  return (c / 8) * (BK * 128) + r * 128 + (((c % 8) ^ (r % 8)) << 4);
+  if (K_CONTIGUOUS) return swizzle_128b(r, c);
+  return (c / 8) * (BK * 128) + swizzle_128b(r, c % 8);
 }
 
 // load_tile's copies (same tile, same zero-filled edges) into the swizzled layout.
@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(WG_THREADS, 2) grouped_gemm_wgmma_kernel(const
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ks++)
       wgmma_m64n128k16<TRANS_A, !TRANS_B>(acc, tile_descriptor<!TRANS_A>(a_tile, 64 * warpgroup, ks),
-                                          tile_descriptor<TRANS_B>(b_tile, 0, ks));
+                                          tile_descriptor<TRANS_B>(b_tile, 0, ks), 1);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(acc);

@@ -59,6 +59,11 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Byte offset of the 16-byte piece c (< 8) of row r in a tile stored in the 128-byte swizzle (below):
+// rows of 128 bytes, piece c stored at piece c ^ (r % 8), so the 8 rows of an ldmatrix phase or a
+// wgmma core matrix fall on 8 distinct bank groups.
+__host__ __device__ constexpr int swizzle_128b(int r, int c) { return r * 128 + ((c ^ (r % 8)) << 4); }
+
 #if defined(FLATMOE_WGMMA)
 // ---- Hopper's warpgroup MMA (PTX ISA "asynchronous warpgroup level matrix multiply") ----
 // A warpgroup (4 consecutive warps, 128 threads) multiplies a 64 × 16 tile of A by a 16 × N tile of B,
@@ -91,18 +96,34 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int pending>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending) : "memory"); }
 
-// Keeps the compiler from moving reads or writes of the accumulator across a wgmma_wait: the MMA
-// writes it asynchronously, which the asm's operands alone do not say.
+// Keeps the compiler from moving reads or writes of an MMA's registers across a wgmma_wait: the MMA
+// writes its accumulator (and reads an A fragment held in registers) asynchronously, which the asm's
+// operands alone do not say.
 template <int N>
 __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
+template <int N, int M>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; i++)
+#pragma unroll
+    for (int j = 0; j < M; j++) asm volatile("" : "+f"(d[i][j])::"memory");
+}
+template <int N, int M>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; i++)
+#pragma unroll
+    for (int j = 0; j < M; j++) asm volatile("" : "+r"(a[i][j])::"memory");
+}
 
-// d (64 × 128, fp32) += A (64 × 16) · B (16 × 128), bf16, from shared memory. MN_MAJOR_A / MN_MAJOR_B:
-// the tile is stored with m / n contiguous (1), else with k contiguous (0).
+// d (64 × 128, fp32) = A (64 × 16) · B (16 × 128), or += when accumulate ≠ 0; bf16, from shared
+// memory. MN_MAJOR_A / MN_MAJOR_B: the tile is stored with m / n contiguous (1), else with k contiguous (0).
 template <int MN_MAJOR_A, int MN_MAJOR_B>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t descriptor_a, uint64_t descriptor_b) {
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t descriptor_a, uint64_t descriptor_b,
+                                                 int accumulate) {
   asm volatile(
       "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
@@ -116,6 +137,47 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t descri
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(descriptor_a), "l"(descriptor_b), "r"(1), "n"(MN_MAJOR_A), "n"(MN_MAJOR_B));
+      : "l"(descriptor_a), "l"(descriptor_b), "r"(accumulate), "n"(MN_MAJOR_A), "n"(MN_MAJOR_B));
+}
+
+// d (64 × 64, fp32; d[j] the C fragment of columns 8j … 8j+7) = A · B, or += when accumulate ≠ 0; A
+// (64 × 16, stored with k contiguous) and B (16 × 64, MN_MAJOR_B as above) from shared memory.
+template <int MN_MAJOR_B>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t descriptor_a, uint64_t descriptor_b,
+                                                   int accumulate) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, accumulate, 1, 1, 0, %35;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(descriptor_a), "l"(descriptor_b), "r"(accumulate), "n"(MN_MAJOR_B));
+}
+
+// d (64 × 64, fp32; d[j] the C fragment of columns 8j … 8j+7) = A · B, or += when accumulate ≠ 0. A
+// (64 × 16) comes from registers: each warp's 16 rows as the mma.sync A fragment above (so two
+// n-blocks of a C fragment, rounded to bf16, are the A fragment of the next product); B (16 × 64) from
+// shared memory through a descriptor, MN_MAJOR_B as above. The registers of a must not change until
+// the MMA has been waited for. Keep such fragments short-lived: with fragments loaded once before a
+// loop and read by this MMA in every iteration, ptxas (CUDA 13.0, sm_90a) gave their registers to
+// other values inside the loop (notes/attention.md); shared-memory operands (_ss) serve that case.
+template <int MN_MAJOR_B>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t descriptor_b,
+                                                   int accumulate) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, accumulate, 1, 1, %38;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(descriptor_b), "r"(accumulate), "n"(MN_MAJOR_B));
 }
 #endif

@@ -25,8 +25,8 @@
 #   head: the output heads' tests alone (test_gpu's ChunkedHeadGpu, test_dist's RingDTPDist and the ring-head
 #     model tests, both precisions) and 30 training steps on every GPU with --head ring_dtp and --head chunked
 #   attention: the attention kernels alone (notes/attention.md): GpuAttention* in both precisions, compute-sanitizer
-#     racecheck and memcheck over the BF16 determinism test (tensor-core kernels), and bench_attention (BF16:
-#     tensor-core and SIMT paths, T 1024/2048/4096, hd 64/128)
+#     racecheck and memcheck over the BF16 determinism test and every kernel form against the reference
+#     (SIMT, mma.sync, wgmma), and bench_attention (BF16: every form, T 1024/2048/4096, hd 64/128)
 #   memory: the whole device beside the pool (the device ledger, runtime/pool.cuh) on the 334M-parameter MoE of
 #     issue 11 (H 768, L 8, E 32, top-4, I 512, T 1024, batch 16), 3 steps on 1 GPU, on 2 with expert
 #     parallelism and on 2 without (--ep 1): the first step's "memory after the first step" line
@@ -201,7 +201,8 @@ if [[ " $want " == *" attention "* ]]; then
   done
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in racecheck memcheck; do
-    timeout 60 "$sanitizer" --tool $tool build/bf16/test_gpu --gtest_filter='GpuAttention.IsBitwiseDeterministic' \
+    timeout 120 "$sanitizer" --tool $tool build/bf16/test_gpu \
+      --gtest_filter='GpuAttention.IsBitwiseDeterministic:GpuAttention.EveryKernelFormMatchesReference' \
       > "$OUT/attention_$tool.log" 2>&1
     rc=$?
     [ "$rc" -eq 0 ] || status=1

@@ -1,8 +1,10 @@
 // tests/gpu_attention.cu — ops/attention.cuh against ref/attention.hpp: out, lse and the q, k, v
 // gradients at several shapes (T not a multiple of the 64-row tile, every supported head dim,
 // T = 1 and 2, B > 1 and nh > 1), bitwise determinism, and the refusal of unsupported head dims.
-// The BF16 build runs hd 64 and 128 on the tensor-core kernels (ops/attention_mma.cuh) and hd 32
-// on the SIMT ones; the SIMT path at hd 64 and 128 is checked there too (SimtPathMatchesReference).
+// The BF16 build runs hd 64 and 128 on the tensor-core kernels (ops/attention_mma.cuh: wgmma at hd 64
+// in sm_90a builds, mma.sync otherwise) and hd 32 on the SIMT ones; every form a build has is checked
+// at hd 64 and 128 too (EveryKernelFormMatchesReference).
+#include <optional>
 #include "../ops/attention.cuh"
 #include "../ref/attention.hpp"
 #include "gpu_util.cuh"
@@ -94,8 +96,9 @@ TEST(GpuAttention, SingleTokenAttendsToItself) {
 }
 
 // Forward and backward of one case against the reference; the backward runs on the GPU forward's
-// own out and lse, as in training. simt: the SIMT kernels whatever the build (attention_*_simt).
-void check_case(const AttnCase& c, bool simt, const char* test) {
+// own out and lse, as in training. kernels: those given (attention_*_with), or (none) those
+// attention_forward / attention_backward pick.
+void check_case(const AttnCase& c, std::optional<AttentionKernels> kernels, const char* test) {
   testutil::Rng rng;
   const int N = c.B * c.T, H = c.nh * c.hd;
   const Mat<double> qkv = round_to_floatX(rng.mat<double>(N, 3 * H));
@@ -112,13 +115,14 @@ void check_case(const AttnCase& c, bool simt, const char* test) {
   poison(d_out.ptr, d_out.count);
   poison(d_lse.ptr, d_lse.count);
   poison(d_dqkv.ptr, d_dqkv.count);
-  if (simt) attention_forward_simt(d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
+  if (kernels) attention_forward_with(*kernels, d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
   else attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
   const std::string fwd = case_name(test, c) + " fwd";
   EXPECT_REL(fwd.c_str(), "out", testutil::rel_err(download(d_out.ptr, N, H), out_ref), OP_TOL);
   EXPECT_REL(fwd.c_str(), "lse", testutil::rel_err(download(d_lse.ptr, c.B * c.nh, c.T), lse_ref), OP_TOL);
   if (c.T == 1) return;  // dq, dk are exactly zero: a relative error cannot measure them
-  if (simt) attention_backward_simt(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0);
+  if (kernels)
+    attention_backward_with(*kernels, d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0);
   else attention_backward(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0);
   const Mat<double> dqkv = download(d_dqkv.ptr, N, 3 * H);
   const std::string bwd = case_name(test, c) + " bwd";
@@ -129,14 +133,18 @@ void check_case(const AttnCase& c, bool simt, const char* test) {
 
 TEST(GpuAttention, BackwardMatchesReference) {
   REQUIRE_GPU();
-  for (const AttnCase& c : kCases) check_case(c, false, "GpuAttention");
+  for (const AttnCase& c : kCases) check_case(c, std::nullopt, "GpuAttention");
 }
 
-// The SIMT kernels at the head dims the BF16 build sends to tensor cores (in the FP32 build this
-// repeats the cases above: both calls take the same kernels).
-TEST(GpuAttention, SimtPathMatchesReference) {
+// Every form of the kernels the build has, at the head dims with tensor-core forms, also those
+// attention_forward does not pick (SIMT in the BF16 build; mma.sync at hd 64 in sm_90a builds). In
+// the FP32 build this repeats cases above on the SIMT kernels, its only form.
+TEST(GpuAttention, EveryKernelFormMatchesReference) {
   REQUIRE_GPU();
-  for (const AttnCase& c : {AttnCase{2, 200, 2, 64}, AttnCase{2, 130, 2, 128}}) check_case(c, true, "GpuAttention.Simt");
+  for (const AttentionKernels k : {AttentionKernels::Simt, AttentionKernels::MmaSync, AttentionKernels::Wgmma})
+    for (const AttnCase& c : {AttnCase{2, 200, 2, 64}, AttnCase{2, 130, 2, 128}, AttnCase{1, 1000, 2, 64}})
+      if (attention_has_kernels(k, c.hd, {}))
+        check_case(c, k, (std::string("GpuAttention.") + attention_kernels_name(k)).c_str());
 }
 
 // Two runs on the same inputs give the same bits (fixed reduction order, no atomics).
@@ -223,6 +231,17 @@ TEST(GpuAttentionDeathTest, RefusesUnsupportedHeadDim) {
                "attention_forward \\(B=1 T=16 nh=2 hd=48\\): unsupported head dim");
   EXPECT_DEATH(attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 16, 2, 96, 0),
                "attention_backward \\(B=1 T=16 nh=2 hd=96\\): unsupported head dim");
+}
+
+// Kernels the build does not have for a head dim are refused by name (wgmma only runs hd 64; the
+// FP32 build has no tensor-core kernels at all), before any device work.
+TEST(GpuAttentionDeathTest, RefusesKernelsTheBuildLacks) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(attention_forward_with(AttentionKernels::Wgmma, nullptr, nullptr, nullptr, 1, 16, 2, 128, 0),
+               "attention_forward \\(kernels=wgmma B=1 T=16 nh=2 hd=128\\): this build has no such kernels");
+  EXPECT_DEATH(attention_backward_with(AttentionKernels::Wgmma, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 16, 2,
+                                       32, 0),
+               "attention_backward \\(kernels=wgmma B=1 T=16 nh=2 hd=32\\): this build has no such kernels");
 }
 
 }  // namespace

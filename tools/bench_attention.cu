@@ -1,7 +1,8 @@
 // tools/bench_attention.cu — causal attention forward and backward (ops/attention.cuh) on one GPU:
-// the path attention_forward / attention_backward take (tensor cores in the BF16 build for hd 64
-// and 128, ops/attention_mma.cuh) and the SIMT kernels (attention_*_simt), in one process on the
-// same inputs.
+// every form of the kernels the build has for the head dim (attention_forward_with /
+// attention_backward_with: SIMT; in the BF16 build the tensor cores' mma.sync kernels at hd 64 and 128
+// and, in sm_90a builds, their wgmma form at hd 64, which attention_forward / attention_backward
+// take), in one process on the same inputs.
 //
 //   build/bf16/bench_attention [--seqs 1024,2048,4096] [--hds 64,128] [--pairs 64] [--width 1024]
 //                              [--warmup 2] [--iters 10]
@@ -10,10 +11,10 @@
 // causal ones: forward 2·2·B·nh·T²·hd / 2 (QKᵀ and PV over the lower triangle), backward 2.5× that
 // (five products: QKᵀ recomputed, dO Vᵀ, Pᵀ dO, dSᵀ Q, dS K). Time: CUDA events around one call on
 // a stream, median of --iters after --warmup. The backward's time includes its delta kernel and the
-// pool allocation of delta. Markdown rows. In the FP32 build both paths are the SIMT kernels and
-// only the SIMT rows are printed. "vs SIMT": on the SIMT row of a shape that also ran on tensor
-// cores, ‖x_tc − x_simt‖ / ‖x_simt‖ of out and of dqkv (each path's backward on its own out, lse):
-// a check of the tensor-core kernels at sizes the tests do not reach (expect bf16 level, ~1e-2).
+// pool allocation of delta. Markdown rows, the SIMT kernels first (the FP32 build has only them).
+// "vs SIMT": on a tensor-core row, ‖x − x_simt‖ / ‖x_simt‖ of out and of dqkv (each form's backward
+// on its own out, lse): a check of the tensor-core kernels at sizes the tests do not reach (expect
+// bf16 level, ~1e-2).
 #include <cmath>
 #include <string>
 #include <vector>
@@ -102,35 +103,23 @@ int main(int argc, char** argv) {
       bench_fill(dout.ptr, dout.count, 29, 1.0f, stream);
       const double fwd_flop = 2.0 * 2.0 * B * nh * (double)T * T * hd / 2.0, bwd_flop = 2.5 * fwd_flop;
 
-      struct Path {
-        const char* name;
-        bool simt;
-      };
-      std::vector<Path> paths;
-      if (attention_uses_tensor_cores(hd, {qkv.ptr, dout.ptr, out.ptr, dqkv.ptr})) paths.push_back({"tensor cores", false});
-      paths.push_back({"SIMT", true});
-      std::vector<floatX> tc_out, tc_dqkv;  // the tensor-core path's results, when it ran
-      for (const Path& p : paths) {
-        auto fwd = [&] {
-          if (p.simt) attention_forward_simt(out.ptr, lse.ptr, qkv.ptr, B, T, nh, hd, stream);
-          else attention_forward(out.ptr, lse.ptr, qkv.ptr, B, T, nh, hd, stream);
-        };
-        auto bwd = [&] {
-          if (p.simt) attention_backward_simt(dqkv.ptr, dout.ptr, qkv.ptr, out.ptr, lse.ptr, B, T, nh, hd, stream);
-          else attention_backward(dqkv.ptr, dout.ptr, qkv.ptr, out.ptr, lse.ptr, B, T, nh, hd, stream);
-        };
+      std::vector<floatX> simt_out, simt_dqkv;  // the SIMT kernels' results (they run first)
+      for (const AttentionKernels k : {AttentionKernels::Simt, AttentionKernels::MmaSync, AttentionKernels::Wgmma}) {
+        if (!attention_has_kernels(k, hd, {qkv.ptr, dout.ptr, out.ptr, dqkv.ptr})) continue;
+        auto fwd = [&] { attention_forward_with(k, out.ptr, lse.ptr, qkv.ptr, B, T, nh, hd, stream); };
+        auto bwd = [&] { attention_backward_with(k, dqkv.ptr, dout.ptr, qkv.ptr, out.ptr, lse.ptr, B, T, nh, hd, stream); };
         const double fwd_ms = median_ms(fwd, f.warmup, f.iters, stream, "bench_attention");
         const double bwd_ms = median_ms(bwd, f.warmup, f.iters, stream, "bench_attention");  // on this path's out, lse
         char vs[64] = "";
-        if (!p.simt) {
-          tc_out = download(out.ptr, out.count, stream);
-          tc_dqkv = download(dqkv.ptr, dqkv.count, stream);
-        } else if (!tc_out.empty()) {
-          snprintf(vs, sizeof vs, "%.2e, %.2e", rel_diff(tc_out, download(out.ptr, out.count, stream)),
-                   rel_diff(tc_dqkv, download(dqkv.ptr, dqkv.count, stream)));
+        if (k == AttentionKernels::Simt) {
+          simt_out = download(out.ptr, out.count, stream);
+          simt_dqkv = download(dqkv.ptr, dqkv.count, stream);
+        } else {
+          snprintf(vs, sizeof vs, "%.2e, %.2e", rel_diff(download(out.ptr, out.count, stream), simt_out),
+                   rel_diff(download(dqkv.ptr, dqkv.count, stream), simt_dqkv));
         }
-        printf("| %d | %d | %d | %d | %s | %.3f | %.1f | %.3f | %.1f | %s |\n", T, hd, B, nh, p.name, fwd_ms,
-               fwd_flop / (fwd_ms * 1e9), bwd_ms, bwd_flop / (bwd_ms * 1e9), vs);
+        printf("| %d | %d | %d | %d | %s | %.3f | %.1f | %.3f | %.1f | %s |\n", T, hd, B, nh, attention_kernels_name(k),
+               fwd_ms, fwd_flop / (fwd_ms * 1e9), bwd_ms, bwd_flop / (bwd_ms * 1e9), vs);
         fflush(stdout);
       }
       stream_wait(stream, "bench_attention", "T=%d hd=%d", T, hd);
