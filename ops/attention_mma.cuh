@@ -165,6 +165,15 @@ __device__ __forceinline__ void c_strip_times_tile(float (*acc)[HD / 8][4], cons
 
 // ---- one strip's softmax and gradient steps (the mma.sync and the wgmma kernels) -----------
 
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: results below 2^-126 flush to 0, exp2(−inf) = 0). exp2f
+// compiles to the non-ftz form, which adds the denormal scaling around it; at hd 64 these kernels
+// issue one exponential per 256 (forward) tensor-core FLOPs, so the instruction count matters.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // One key tile's online-softmax step for a 16-row strip (rows row0, row0 + 8): s, the scores of keys
 // k0 … k0 + 8NB − 1 (C fragments, unscaled), becomes P (unnormalised, fp32); m (log2 units), l and O
 // are rescaled to the new row maxima. Only tiles from the block's first query on (`diagonal`) have
@@ -193,7 +202,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NB][4], float (&o
     tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
     tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
     const float m_new = fmaxf(m[r], tile_max[r] * scale_log2);
-    alpha[r] = exp2f(m[r] - m_new);
+    alpha[r] = fast_exp2(m[r] - m_new);
     m[r] = m_new;
     l[r] *= alpha[r];
   }
@@ -205,7 +214,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NB][4], float (&o
   for (int nb = 0; nb < NB; nb++)
 #pragma unroll
     for (int e = 0; e < 4; e++) {
-      s[nb][e] = exp2f(fmaf(s[nb][e], scale_log2, -m[e >> 1]));  // now P (unnormalised), fp32
+      s[nb][e] = fast_exp2(fmaf(s[nb][e], scale_log2, -m[e >> 1]));  // now P (unnormalised), fp32
       l[e >> 1] += s[nb][e];
     }
 }
@@ -244,7 +253,7 @@ __device__ __forceinline__ void key_strip_grads(float (&st)[NB][4], float (&dpt)
 #pragma unroll
     for (int e = 0; e < 4; e++) {
       const int qi = nb * 8 + 2 * t + (e & 1), q = q_first + qi, key = key0 + 8 * (e >> 1);
-      float p = exp2f(st[nb][e] * scale_log2 - lse2[qi]);
+      float p = fast_exp2(st[nb][e] * scale_log2 - lse2[qi]);
       if (edge && (key > q || q >= T)) p = 0.f;
       st[nb][e] = p;                                  // Pᵀ
       dpt[nb][e] = p * (dpt[nb][e] - delta[qi]);      // dSᵀ
@@ -262,7 +271,7 @@ __device__ __forceinline__ void query_strip_grads(const float (&s)[8][4], float 
 #pragma unroll
     for (int e = 0; e < 4; e++) {
       const int key = k0 + nb * 8 + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
-      float p = exp2f(s[nb][e] * scale_log2 - lse2[e >> 1]);
+      float p = fast_exp2(s[nb][e] * scale_log2 - lse2[e >> 1]);
       if (edge && (key > row || row >= T)) p = 0.f;
       dp[nb][e] = p * (dp[nb][e] - dlt[e >> 1]);  // dS
     }
