@@ -44,8 +44,9 @@ CXXFLAGS := -std=c++17 -O2 -Wall -Wextra -I. -isystem $(EIGEN_DIR) -MMD -MP
 ARCH_FLAGS := -gencode arch=compute_$(GPU_ARCH),code=sm_$(GPU_ARCH)
 NVFLAGS  := -std=c++17 -O3 $(ARCH_FLAGS) -lineinfo -I. -isystem $(EIGEN_DIR) -DEIGEN_NO_CUDA -MMD -MP \
             -Xcompiler -Wall --expt-relaxed-constexpr $(if $(filter 90a,$(GPU_ARCH)),-DFLATMOE_WGMMA)
-# FLATMOE_WGMMA: Hopper's warpgroup MMA (sm_90a only) for the expert GEMMs (ops/grouped_gemm.cuh); other
-# GPU_ARCH values (80 for A100, 90 without it) build the same kernel's mma.sync form.
+# FLATMOE_WGMMA: Hopper's warpgroup MMA (sm_90a only) for the expert GEMMs (ops/grouped_gemm.cuh) and
+# attention at head dim 64 (ops/attention_mma.cuh); other GPU_ARCH values (80 for A100, 90 without it)
+# build the same kernels' mma.sync form.
 GTEST_INC := -isystem $(GTEST_DIR)/include -isystem $(GTEST_DIR)
 CUDA_LIBS := -lcublas -lnccl -lcudart
 
