@@ -221,8 +221,8 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NB][4], float (&o
 
 // out rows row0, row0 + 8 (those < T) of a strip: O / l as bf16, and lse = (m + log2 l)·ln 2.
 template <int HD>
-__device__ __forceinline__ void store_out_strip(bf16* out, float* lse_bh, const float (&o)[HD / 8][4], const float (&m)[2],
-                                                float (&l)[2], int row0, int T, int H, int t) {
+__device__ __forceinline__ void store_out_strip(bf16* out, float* lse_bh, const float (&o)[HD / 8][4],
+                                                const float (&m)[2], float (&l)[2], int row0, int T, int H, int t) {
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
@@ -393,7 +393,8 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse,
     const int k0 = kt * TILE;
     const bool diagonal = k0 + TILE > q0;
 #pragma unroll
-    for (int i = 0; i < MB; i++) online_softmax_step<HD, 8>(s[i], o[i], m[i], l[i], row0[i], k0, diagonal, scale_log2, t);
+    for (int i = 0; i < MB; i++)
+      online_softmax_step<HD, 8>(s[i], o[i], m[i], l[i], row0[i], k0, diagonal, scale_log2, t);
 
     c_strip_times_tile<HD, 8, MB>(o, s, Vt, lane);  // O += P V
   }
@@ -562,11 +563,11 @@ __global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const 
 //     (64 rows × 64, row = a query or key) serves three ways: as A (rows = m, K-major) and as Xᵀ
 //     (B[k = column][n = row], K-major), k-step ks at +32·ks bytes; as X (B[k = row][n = column],
 //     MN-major), k-step ks at +2048·ks bytes.
-//   - The forward's key tiles are 128 keys (two 64-row tiles side by side): one 64 × 128 score tile
-//     per softmax step, half the waits and barriers per key of 64-key tiles.
+//   - The forward's key tiles are 128 keys (two 64-row tiles, one after the other): one 64 × 128
+//     score tile per softmax step, half the waits and barriers per key of 64-key tiles.
 // Each product runs its k in ascending steps of 16. Shared memory per block: forward 73 KiB, dK/dV
-// 50 KiB, dQ 49 KiB; registers (ptxas, sm_90a, 128 threads, no spills): forward 128, dK/dV 164,
-// dQ 124. Q, K, V and dO are not held as register A fragments across the loop: with fragments loaded
+// 50 KiB, dQ 49 KiB; registers (ptxas, sm_90a, 128 threads, no spills): forward 143, dK/dV 164,
+// dQ 139. Q, K, V and dO are not held as register A fragments across the loop: with fragments loaded
 // once before it, ptxas (CUDA 13.0) handed their registers to P inside the loop, and every key tile
 // after the first read P for Q (notes/attention.md).
 
@@ -899,7 +900,8 @@ inline void backward_hd(bf16* dqkv, const bf16* dout, const bf16* qkv, const flo
 #if defined(FLATMOE_WGMMA)
 inline void forward_wgmma(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh, cudaStream_t stream) {
   allow_smem("attention_forward", forward_wgmma_kernel<WG_HD>, WG_FORWARD_SMEM, B, T, nh, WG_HD);
-  forward_wgmma_kernel<WG_HD><<<dim3(nh, B, ceil_div(T, TILE)), THREADS, WG_FORWARD_SMEM, stream>>>(out, lse, qkv, T, nh);
+  const dim3 grid(nh, B, ceil_div(T, TILE));
+  forward_wgmma_kernel<WG_HD><<<grid, THREADS, WG_FORWARD_SMEM, stream>>>(out, lse, qkv, T, nh);
   launchCheck("attention_forward", "wgmma kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, WG_HD);
 }
 
