@@ -147,6 +147,24 @@ TEST(GpuAttention, EveryKernelFormMatchesReference) {
         check_case(c, k, (std::string("GpuAttention.") + attention_kernels_name(k)).c_str());
 }
 
+// The form attention_forward / attention_backward take (notes/attention.md, "What runs where"): in
+// the BF16 build wgmma at hd 64 when built for sm_90a, mma.sync at hd 128 (and at 64 otherwise), SIMT
+// at hd 32, for tensors not 16-byte aligned, and in the FP32 build. Host-only: runs without a GPU.
+TEST(GpuAttentionHost, FormByBuildHeadDimAndAlignment) {
+  const void* aligned = reinterpret_cast<const void*>(uintptr_t(1) << 20);
+  const void* misaligned = reinterpret_cast<const void*>((uintptr_t(1) << 20) + 2);
+  const AttentionKernels tensor_cores_64 = BUILD_WGMMA  ? AttentionKernels::Wgmma
+                                           : BUILD_BF16 ? AttentionKernels::MmaSync
+                                                        : AttentionKernels::Simt;
+  const AttentionKernels tensor_cores_128 = BUILD_BF16 ? AttentionKernels::MmaSync : AttentionKernels::Simt;
+  EXPECT_EQ(attention_kernels_for(64, {aligned, aligned}), tensor_cores_64);
+  EXPECT_EQ(attention_kernels_for(128, {aligned, aligned}), tensor_cores_128);
+  EXPECT_EQ(attention_kernels_for(32, {aligned, aligned}), AttentionKernels::Simt);
+  EXPECT_EQ(attention_kernels_for(64, {aligned, misaligned}), AttentionKernels::Simt);
+  EXPECT_EQ(attention_has_kernels(AttentionKernels::MmaSync, 64, {aligned}), BUILD_BF16);
+  EXPECT_TRUE(attention_has_kernels(AttentionKernels::Simt, 64, {misaligned}));
+}
+
 // Two runs on the same inputs give the same bits (fixed reduction order, no atomics).
 TEST(GpuAttention, IsBitwiseDeterministic) {
   REQUIRE_GPU();
