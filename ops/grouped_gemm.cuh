@@ -65,11 +65,21 @@
 //             +---------------------------------------+
 //
 // wgmma reads tiles in its own 128-byte swizzle (ops/mma.cuh) rather than padded rows, and reads
-// both storages: k contiguous as 128 rows of 64 k (128 bytes each), m or n contiguous as two halves
-// of 64 m or n, each 64 k-rows of 128 bytes; 16 KiB per operand and stage, 96 KiB per block, 2 blocks
-// per SM (128 registers per thread). The copies land in the generic proxy, the MMA reads through the
-// async proxy: each k-tile is fenced (fence.proxy.async) before the block barrier that publishes it,
-// and a warpgroup waits for its MMAs before the next barrier lets its slot be refilled.
+// both storages: k contiguous as rows of 64 k (128 bytes each), m or n contiguous as pieces of 64 m
+// or n, each 64 k-rows of 128 bytes; 16 KiB per 128 rows of an operand and stage. The copies land in
+// the generic proxy, the MMA reads through the async proxy: each k-tile is fenced (fence.proxy.async)
+// before the block barrier that publishes it, and no slot is refilled before a later barrier that
+// every warpgroup reaches after waiting for the MMAs that read it.
+//
+// Two tile shapes in the wgmma form (grouped_gemm_tiles picks per call; notes/speed.md L):
+//   narrow, 128 × 128 (as above): 3 stages, 96 KiB, 2 blocks per SM of one tile each; a warpgroup
+//     waits for its MMAs at the end of each k-tile. The weight gradients, and launches of fewer
+//     than 4 waves of wide tiles.
+//   wide, 128 × 256: each warpgroup 64 × 256 (wgmma m64n256k16, 128 accumulators per thread);
+//     4 stages, 192 KiB, one block per SM, one k-tile of MMAs left running across each barrier (so
+//     the ring is copied 2 k-tiles ahead). The grid is one block per SM, each looping over the
+//     launch's tiles (blockIdx.x, + gridDim.x, …); the next tile's first k-tiles are copied while
+//     this tile's C is stored. B1's forward and input-gradient GEMMs.
 //
 // Parts of a tile past M, N or K are copied as zeros (cp.async with 0 source bytes), so the edges
 // need no branch in the MMA loop; C is written (or read and written) only inside [M, N].
@@ -129,7 +139,19 @@ struct GroupedGemmProblem {
 namespace ggemm {
 
 typedef __nv_bfloat16 bf16;
-constexpr int BM = 128, BN = 128, BK = 64;  // C tile and k-step of a block
+constexpr int BM = 128, BN = 128, BK = 64;  // C tile and k-step of a block (mma.sync; wgmma: BN per shape below)
+// The wgmma form's two tile shapes (header; grouped_gemm_tiles picks one per call). Both have two
+// warpgroups, each 64 rows × all BN columns of the tile, and a ring of STAGES k-tiles, with the copy
+// of k-tile kt + AHEAD in flight while kt is multiplied (AHEAD = STAGES − 1 − IN_FLIGHT); IN_FLIGHT:
+// the k-tiles of MMAs a warpgroup leaves running when it reaches the next barrier.
+struct NarrowTiles {  // 128 × 128, 96 KiB: two blocks per SM, one tile each (the mma.sync form's tile)
+  static constexpr int BN = 128, STAGES = 3, IN_FLIGHT = 0;
+  static constexpr bool PERSISTENT = false;
+};
+struct WideTiles {  // 128 × 256, 192 KiB: one block per SM, looping over the launch's tiles
+  static constexpr int BN = 256, STAGES = 4, IN_FLIGHT = 1;
+  static constexpr bool PERSISTENT = true;
+};
 constexpr int WARPS_M = 2, WARPS_N = 2;     // warps per block: rows × columns of the C tile
 constexpr int STAGES = 3;                   // shared-memory tiles in flight per operand
 constexpr int THREADS = 32 * WARPS_M * WARPS_N;
@@ -245,74 +267,117 @@ __device__ __forceinline__ void load_b_fragments(uint32_t (&b)[NT][2], const bf1
   }
 }
 
+// A routed launch's tiles (header), laid out once per block in shared memory by its first warp.
+struct RoutedTiles {
+  int routes[GGEMM_PROBLEMS_PER_LAUNCH];                 // [problem]: its routes (0 past the launch's problems)
+  int problem[GGEMM_PROBLEMS_PER_LAUNCH];                // [place]: the problem whose tiles come place-th
+  unsigned int first_tile[GGEMM_PROBLEMS_PER_LAUNCH + 1];  // [place]: that problem's first tile; [G]: all tiles
+};
+
+// Fills `routed` from the launch's offsets (warp 0; the caller synchronises the block before reading it).
+template <bool TRANS_A>
+__device__ __forceinline__ void lay_out_routed_tiles(const GroupedGemmBatch& batch, RoutedTiles& routed) {
+  constexpr int G = GGEMM_PROBLEMS_PER_LAUNCH;
+  if (threadIdx.x >= 32) return;  // warp 0, lane l: problems 2l and 2l + 1, then places 2l and 2l + 1
+#pragma unroll
+  for (int j = 0; j < 2; j++) {
+    const int g = 2 * threadIdx.x + j;
+    routed.routes[g] = g < batch.count ? batch.route_offsets[g + 1] - batch.route_offsets[g] : 0;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 2; j++) {
+    const int g = 2 * threadIdx.x + j, routes = routed.routes[g];
+    int place = g;  // without transA, problem order
+    if (TRANS_A) {  // a tile's k loop runs over the routes: more routes first (ties: lower index first)
+      place = 0;
+      for (int h = 0; h < G; h++) place += routed.routes[h] > routes || (routed.routes[h] == routes && h < g);
+    }
+    routed.problem[place] = g;
+  }
+  __syncwarp();
+  unsigned int mine[2];  // the tiles of places 2l and 2l + 1
+#pragma unroll
+  for (int j = 0; j < 2; j++) {
+    const int g = routed.problem[2 * threadIdx.x + j], routes = routed.routes[g];
+    const int rows = TRANS_A ? batch.p[g].M : routes;  // routes: rows of C, or k
+    mine[j] = g < batch.count && routes > 0 ? (unsigned)((rows + BM - 1) / BM) * batch.p[g].tiles_n : 0;
+  }
+  unsigned int through = mine[0] + mine[1];  // inclusive prefix over lanes
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const unsigned int below = __shfl_up_sync(0xffffffffu, through, d);
+    if ((int)threadIdx.x >= d) through += below;
+  }
+  const unsigned int before = through - mine[0] - mine[1];
+  routed.first_tile[2 * threadIdx.x] = before;
+  routed.first_tile[2 * threadIdx.x + 1] = before + mine[0];
+  if (threadIdx.x == 31) routed.first_tile[G] = through;
+}
+
+// The launch's tile number `index`: its problem p and its tile within p; false: no such tile (past a
+// routed launch's tiles, or past the launch's). `routed`: lay_out_routed_tiles's, for a routed launch.
+template <bool TRANS_A>
+__device__ __forceinline__ bool tile_problem(const GroupedGemmBatch& batch, const RoutedTiles& routed, unsigned int index,
+                                             int lda, int ldb, int ldc, Problem& p, int& tile) {
+  const bool is_routed = batch.route_offsets != nullptr;
+  if (index >= (is_routed ? routed.first_tile[GGEMM_PROBLEMS_PER_LAUNCH] : batch.tiles)) return false;
+  // the last place whose first tile is ≤ index (a place without tiles shares its first tile with the
+  // next, so the search passes over it); routed, places past batch.count hold no tiles
+  auto first_tile = [&](int place) { return is_routed ? routed.first_tile[place] : batch.p[place].first_tile; };
+  int lo = 0, hi = batch.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first_tile(mid) <= index) lo = mid;
+    else hi = mid - 1;
+  }
+  const int g = is_routed ? routed.problem[lo] : lo;
+  p = batch.p[g];
+  tile = index - first_tile(lo);
+  if (is_routed) {
+    const int first = batch.route_offsets[g];
+    move_to_routes(p, first, batch.route_offsets[g + 1] - first, TRANS_A, lda, ldb, ldc);
+  }
+  return true;
+}
+
 // This block's problem p and its tile within p; false: the block has no tile (a routed launch's
 // surplus block). Uniform over the block.
 template <bool TRANS_A>
 __device__ __forceinline__ bool block_problem(const GroupedGemmBatch& batch, int lda, int ldb, int ldc, Problem& p,
                                               int& tile) {
-  constexpr int G = GGEMM_PROBLEMS_PER_LAUNCH;
-  // routed launches (header): the order of the problems' tiles, and where each problem's tiles start
-  __shared__ int routed_routes[G];                   // [problem]: its routes (0 past the launch's problems)
-  __shared__ int routed_problem[G];                  // [place]: the problem whose tiles come place-th
-  __shared__ unsigned int routed_first_tile[G + 1];  // [place]: that problem's first tile; [G]: all tiles
-  const bool routed = batch.route_offsets != nullptr;
-  if (routed) {
-    if (threadIdx.x < 32) {  // warp 0, lane l: problems 2l and 2l + 1, then places 2l and 2l + 1
-#pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int g = 2 * threadIdx.x + j;
-        routed_routes[g] = g < batch.count ? batch.route_offsets[g + 1] - batch.route_offsets[g] : 0;
-      }
-      __syncwarp();
-#pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int g = 2 * threadIdx.x + j, routes = routed_routes[g];
-        int place = g;  // without transA, problem order
-        if (TRANS_A) {  // a tile's k loop runs over the routes: more routes first (ties: lower index first)
-          place = 0;
-          for (int h = 0; h < G; h++) place += routed_routes[h] > routes || (routed_routes[h] == routes && h < g);
-        }
-        routed_problem[place] = g;
-      }
-      __syncwarp();
-      unsigned int mine[2];  // the tiles of places 2l and 2l + 1
-#pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int g = routed_problem[2 * threadIdx.x + j], routes = routed_routes[g];
-        const int rows = TRANS_A ? batch.p[g].M : routes;  // routes: rows of C, or k
-        mine[j] = g < batch.count && routes > 0 ? (unsigned)((rows + BM - 1) / BM) * batch.p[g].tiles_n : 0;
-      }
-      unsigned int through = mine[0] + mine[1];  // inclusive prefix over lanes
-#pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const unsigned int below = __shfl_up_sync(0xffffffffu, through, d);
-        if ((int)threadIdx.x >= d) through += below;
-      }
-      const unsigned int before = through - mine[0] - mine[1];
-      routed_first_tile[2 * threadIdx.x] = before;
-      routed_first_tile[2 * threadIdx.x + 1] = before + mine[0];
-      if (threadIdx.x == 31) routed_first_tile[G] = through;
-    }
+  __shared__ RoutedTiles routed;
+  if (batch.route_offsets) {
+    lay_out_routed_tiles<TRANS_A>(batch, routed);
     __syncthreads();
-    if (blockIdx.x >= routed_first_tile[G]) return false;
   }
-  // the last place whose first tile is ≤ this block (a place without tiles shares its first tile with
-  // the next, so the search passes over it); routed, places past batch.count hold no tiles
-  auto first_tile = [&](int place) { return routed ? routed_first_tile[place] : batch.p[place].first_tile; };
-  int lo = 0, hi = batch.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (first_tile(mid) <= blockIdx.x) lo = mid;
-    else hi = mid - 1;
+  return tile_problem<TRANS_A>(batch, routed, blockIdx.x, lda, ldb, ldc, p, tile);
+}
+
+// Stores one C fragment row pair of a 16-row strip: the 8-column blocks j < BLOCKS hold, in acc[4j …
+// 4j+3], (row, col + 8j … +1) and (row + 8, col + 8j … +1) (ops/mma.cuh: the fragment); beta · C
+// added as read; only inside [M, N].
+template <int BLOCKS>
+__device__ __forceinline__ void store_c_fragments(const Problem& p, int row, int col, const float* acc, int ldc,
+                                                  float beta) {
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const int r = row + 8 * half;
+    if (r >= p.M) continue;
+#pragma unroll
+    for (int j = 0; j < BLOCKS; j++) {
+      const int c = col + 8 * j;
+      if (c >= p.N) continue;
+      __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(p.C + (size_t)r * ldc + c);
+      float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+      if (beta != 0.f) {
+        const float2 old = __bfloat1622float2(*dst);
+        v0 += beta * old.x;
+        v1 += beta * old.y;
+      }
+      *dst = __floats2bfloat162_rn(v0, v1);
+    }
   }
-  const int g = routed ? routed_problem[lo] : lo;
-  p = batch.p[g];
-  tile = blockIdx.x - first_tile(lo);
-  if (routed) {
-    const int first = batch.route_offsets[g];
-    move_to_routes(p, first, batch.route_offsets[g + 1] - first, TRANS_A, lda, ldb, ldc);
-  }
-  return true;
 }
 
 // One block = one 128 × 128 tile of C of one problem (header).
@@ -365,38 +430,25 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemm
   }
   cp_async_wait_all();
 
-  // C fragment element pairs: (row g or g + 8, columns 2t, 2t + 1) of each 16 × 8 block
-  const int g = lane / 4, t = lane % 4;
+  // each 16-row strip's C fragments: (row g or g + 8, columns 2t, 2t + 1) of each 16 × 8 block
 #pragma unroll
   for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-      const int row = m0 + warp_row + mt * 16 + g + 8 * half;
-      if (row >= p.M) continue;
-#pragma unroll
-      for (int nt = 0; nt < NT; nt++) {
-        const int col = n0 + warp_col + nt * 8 + 2 * t;
-        if (col >= p.N) continue;
-        __nv_bfloat162* c = reinterpret_cast<__nv_bfloat162*>(p.C + (size_t)row * ldc + col);
-        float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
-        if (beta != 0.f) {
-          const float2 old = __bfloat1622float2(*c);
-          v0 += beta * old.x;
-          v1 += beta * old.y;
-        }
-        *c = __floats2bfloat162_rn(v0, v1);
-      }
-    }
+    store_c_fragments<NT>(p, m0 + warp_row + mt * 16 + lane / 4, n0 + warp_col + 2 * (lane % 4), &acc[mt][0][0], ldc, beta);
 }
 
 #if defined(FLATMOE_WGMMA)
 // ---- the wgmma form (sm_90a builds; header) ----
 constexpr int WG_THREADS = 256;
-constexpr int SWIZZLED_TILE_BYTES = 128 * BK * 2;
-constexpr size_t WG_SHARED_BYTES = (size_t)STAGES * 2 * SWIZZLED_TILE_BYTES + 1024;  // + the 1024-byte alignment
+template <class Tiles>
+constexpr size_t wgmma_shared_bytes() {  // + 1 KiB: the 1024-byte alignment of the tiles
+  return (size_t)Tiles::STAGES * (BM + Tiles::BN) * BK * sizeof(bf16) + 1024;
+}
+template <class Tiles>
+constexpr int wgmma_blocks_per_sm() { return wgmma_shared_bytes<Tiles>() * 2 <= 227 * 1024 ? 2 : 1; }
 
 // Byte offset in a swizzled tile of the 16-byte piece holding (r, 8c … 8c+7): K_CONTIGUOUS: r a row (m
-// or n, < 128), c the piece of k (< 8); else r a k-row (< 64), c the piece of m or n (< 16).
+// or n, < the tile's rows), c the piece of k (< 8); else r a k-row (< 64), c the piece of m or n (< the
+// tile's rows / 8), in 64-wide pieces of m or n BK·128 bytes apart.
 template <bool K_CONTIGUOUS>
 __device__ __forceinline__ int swizzled_piece(int r, int c) {
   if (K_CONTIGUOUS) return swizzle_128b(r, c);
@@ -404,18 +456,18 @@ __device__ __forceinline__ int swizzled_piece(int r, int c) {
 }
 
 // load_tile's copies (same tile, same zero-filled edges) into the swizzled layout.
-template <bool K_CONTIGUOUS>
+template <bool K_CONTIGUOUS, int ROWS>
 __device__ __forceinline__ void load_swizzled_tile(uint8_t* dst, const bf16* src, int ld, int rows_left, int k_left) {
-  static_assert(128 * BK / 8 % WG_THREADS == 0, "whole copies per thread");
+  static_assert(ROWS * BK / 8 % WG_THREADS == 0, "whole copies per thread");
 #pragma unroll
-  for (int i = 0; i < 128 * BK / 8 / WG_THREADS; i++) {
+  for (int i = 0; i < ROWS * BK / 8 / WG_THREADS; i++) {
     const int idx = threadIdx.x + i * WG_THREADS;
     if (K_CONTIGUOUS) {
       const int r = idx / (BK / 8), c = idx % (BK / 8);
       const bool inside = r < rows_left && 8 * c < k_left;
       cp_async_16(dst + swizzled_piece<true>(r, c), inside ? src + (size_t)r * ld + 8 * c : src, inside ? 16 : 0);
     } else {
-      const int k = idx / 16, c = idx % 16;
+      const int k = idx / (ROWS / 8), c = idx % (ROWS / 8);
       const bool inside = k < k_left && 8 * c < rows_left;
       cp_async_16(dst + swizzled_piece<false>(k, c), inside ? src + (size_t)k * ld + 8 * c : src, inside ? 16 : 0);
     }
@@ -423,83 +475,100 @@ __device__ __forceinline__ void load_swizzled_tile(uint8_t* dst, const bf16* src
 }
 
 // The descriptor of k-step ks (k 16ks … 16ks+15) of a swizzled tile at shared address `tile`, for its
-// 64- (A: this warpgroup's rows) or 128-row (B) piece starting at row `row0` (a multiple of 64).
+// piece starting at row `row0` (a multiple of 64): A's 64 rows of this warpgroup, or all of B's.
 template <bool K_CONTIGUOUS>
 __device__ __forceinline__ uint64_t tile_descriptor(uint32_t tile, int row0, int ks) {
   if (K_CONTIGUOUS) return wgmma_descriptor(tile + row0 * 128 + ks * 32, 16);
   return wgmma_descriptor(tile + (row0 / 64) * (BK * 128) + ks * 16 * 128, BK * 128);
 }
 
-// grouped_gemm_kernel's tiles, k order and epilogue, on wgmma (header).
-template <bool TRANS_A, bool TRANS_B>
-__global__ void __launch_bounds__(WG_THREADS, 2) grouped_gemm_wgmma_kernel(const GroupedGemmBatch batch, int lda, int ldb,
-                                                                              int ldc, float beta) {
+// grouped_gemm_kernel's k order and epilogue on wgmma, in tiles of BM × Tiles::BN (header). A block
+// takes the launch's tiles blockIdx.x, + gridDim.x, …: one with a grid of every tile; with a
+// persistent grid, the copies of its next tile's first k-tiles start before this tile's C is stored.
+template <bool TRANS_A, bool TRANS_B, class Tiles>
+__global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
+    grouped_gemm_wgmma_kernel(const GroupedGemmBatch batch, int lda, int ldb, int ldc, float beta) {
+  constexpr int TILE_N = Tiles::BN, STAGES = Tiles::STAGES, IN_FLIGHT = Tiles::IN_FLIGHT;
+  constexpr int AHEAD = STAGES - 1 - IN_FLIGHT;  // k-tiles copied ahead of the one multiplied
+  constexpr int A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = TILE_N * BK * 2;
   extern __shared__ __align__(16) uint8_t shared_bytes[];
   const uint32_t shared_start = smem_addr(shared_bytes);
   const uint32_t aligned = (shared_start + 1023) & ~1023u;  // the swizzle needs 1024-byte aligned tiles
   uint8_t* a_ring = shared_bytes + (aligned - shared_start);  // STAGES tiles of op(A)
-  uint8_t* b_ring = a_ring + STAGES * SWIZZLED_TILE_BYTES;    // STAGES tiles of op(B)
-  Problem p;
-  int tile;
-  if (!block_problem<TRANS_A>(batch, lda, ldb, ldc, p, tile)) return;
-  const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * BN;
+  uint8_t* b_ring = a_ring + STAGES * A_TILE_BYTES;           // STAGES tiles of op(B)
+  __shared__ RoutedTiles routed;
+  if (batch.route_offsets) {
+    lay_out_routed_tiles<TRANS_A>(batch, routed);
+    __syncthreads();
+  }
   const int warpgroup = threadIdx.x / 128;  // rows 64·warpgroup … +63 of the tile
 
-  auto load_stage = [&](int kt) {
+  // k-tile kt of the tile at (m0, n0) of problem p into ring slot kt % STAGES
+  auto load_stage = [&](const Problem& p, int m0, int n0, int kt) {
     const int k0 = kt * BK, slot = kt % STAGES;
     const bf16* a_src = TRANS_A ? p.A + (size_t)k0 * lda + m0 : p.A + (size_t)m0 * lda + k0;
     const bf16* b_src = TRANS_B ? p.B + (size_t)n0 * ldb + k0 : p.B + (size_t)k0 * ldb + n0;
-    load_swizzled_tile<!TRANS_A>(a_ring + slot * SWIZZLED_TILE_BYTES, a_src, lda, p.M - m0, p.K - k0);
-    load_swizzled_tile<TRANS_B>(b_ring + slot * SWIZZLED_TILE_BYTES, b_src, ldb, p.N - n0, p.K - k0);
+    load_swizzled_tile<!TRANS_A, BM>(a_ring + slot * A_TILE_BYTES, a_src, lda, p.M - m0, p.K - k0);
+    load_swizzled_tile<TRANS_B, TILE_N>(b_ring + slot * B_TILE_BYTES, b_src, ldb, p.N - n0, p.K - k0);
+  };
+  auto load_first_stages = [&](const Problem& p, int m0, int n0) {  // one commit group per k-tile
+    const int k_tiles = (p.K + BK - 1) / BK;
+#pragma unroll
+    for (int kt = 0; kt < AHEAD; kt++) {
+      if (kt < k_tiles) load_stage(p, m0, n0, kt);
+      cp_async_commit();
+    }
   };
 
-  float acc[64] = {};  // this warpgroup's 64 × 128 piece of C (ops/mma.cuh: the fragment)
-  const int k_tiles = (p.K + BK - 1) / BK;
+  Problem p;
+  int tile;
+  unsigned int index = blockIdx.x;
+  if (!tile_problem<TRANS_A>(batch, routed, index, lda, ldb, ldc, p, tile)) return;
+  int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * TILE_N;
+  load_first_stages(p, m0, n0);
+  while (true) {
+    float acc[TILE_N / 2] = {};  // this warpgroup's 64 × TILE_N piece of C (ops/mma.cuh: the fragment)
+    const int k_tiles = (p.K + BK - 1) / BK;
+    for (int kt = 0; kt < k_tiles; kt++) {
+      cp_async_wait<AHEAD - 1>();  // k-tile kt has landed (this thread's copies) …
+      fence_proxy_async_shared();  // … is visible to the MMA's reads …
+      __syncthreads();             // … everyone's; and both warpgroups are done with slot (kt − 1 − IN_FLIGHT) % STAGES
+      if (kt + AHEAD < k_tiles) load_stage(p, m0, n0, kt + AHEAD);
+      cp_async_commit();
+      const uint32_t a_tile = smem_addr(a_ring + (kt % STAGES) * A_TILE_BYTES);
+      const uint32_t b_tile = smem_addr(b_ring + (kt % STAGES) * B_TILE_BYTES);
+      wgmma_fence();
+      wgmma_fence_operands(acc);
 #pragma unroll
-  for (int kt = 0; kt < STAGES - 1; kt++) {
-    if (kt < k_tiles) load_stage(kt);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < k_tiles; kt++) {
-    cp_async_wait<STAGES - 2>();  // k-tile kt has landed (this thread's copies) …
-    fence_proxy_async_shared();   // … is visible to the MMA's reads …
-    __syncthreads();              // … everyone's; and both warpgroups are done with slot (kt − 1) % STAGES
-    if (kt + STAGES - 1 < k_tiles) load_stage(kt + STAGES - 1);
-    cp_async_commit();
-    const uint32_t a_tile = smem_addr(a_ring + (kt % STAGES) * SWIZZLED_TILE_BYTES);
-    const uint32_t b_tile = smem_addr(b_ring + (kt % STAGES) * SWIZZLED_TILE_BYTES);
-    wgmma_fence();
-    wgmma_fence_operands(acc);
-#pragma unroll
-    for (int ks = 0; ks < BK / 16; ks++)
-      wgmma_m64n128k16<TRANS_A, !TRANS_B>(acc, tile_descriptor<!TRANS_A>(a_tile, 64 * warpgroup, ks),
-                                          tile_descriptor<TRANS_B>(b_tile, 0, ks), 1);
-    wgmma_commit();
+      for (int ks = 0; ks < BK / 16; ks++) {
+        const uint64_t a = tile_descriptor<!TRANS_A>(a_tile, 64 * warpgroup, ks), b = tile_descriptor<TRANS_B>(b_tile, 0, ks);
+        if constexpr (TILE_N == 128) wgmma_m64n128k16<TRANS_A, !TRANS_B>(acc, a, b, 1);
+        else wgmma_m64n256k16<TRANS_A, !TRANS_B>(acc, a, b, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<IN_FLIGHT>();
+      wgmma_fence_operands(acc);
+    }
     wgmma_wait<0>();
     wgmma_fence_operands(acc);
+
+    Problem next_p;
+    int next_tile;
+    index += gridDim.x;
+    const bool more = Tiles::PERSISTENT && tile_problem<TRANS_A>(batch, routed, index, lda, ldb, ldc, next_p, next_tile);
+    if (more) {         // the next tile's first k-tiles are copied while this one's C is stored
+      __syncthreads();  // both warpgroups are done reading the ring
+      load_first_stages(next_p, (next_tile / next_p.tiles_n) * BM, (next_tile % next_p.tiles_n) * TILE_N);
+    }
+    const int lane = threadIdx.x % 32;
+    store_c_fragments<TILE_N / 8>(p, m0 + 64 * warpgroup + 16 * ((threadIdx.x / 32) % 4) + lane / 4,
+                                  n0 + 2 * (lane % 4), acc, ldc, beta);
+    if (!more) break;
+    p = next_p;
+    m0 = (next_tile / p.tiles_n) * BM;
+    n0 = (next_tile % p.tiles_n) * TILE_N;
   }
   cp_async_wait_all();
-
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int warp_row = 64 * warpgroup + 16 * ((threadIdx.x / 32) % 4);
-#pragma unroll
-  for (int half = 0; half < 2; half++) {
-    const int row = m0 + warp_row + g + 8 * half;
-    if (row >= p.M) continue;
-#pragma unroll
-    for (int j = 0; j < BN / 8; j++) {
-      const int col = n0 + 8 * j + 2 * t;
-      if (col >= p.N) continue;
-      __nv_bfloat162* c = reinterpret_cast<__nv_bfloat162*>(p.C + (size_t)row * ldc + col);
-      float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-      if (beta != 0.f) {
-        const float2 old = __bfloat1622float2(*c);
-        v0 += beta * old.x;
-        v1 += beta * old.y;
-      }
-      *c = __floats2bfloat162_rn(v0, v1);
-    }
-  }
 }
 #endif
 
@@ -524,33 +593,89 @@ inline bool grouped_gemm_mma_fits(const GroupedGemmProblems& problems, bool tran
 #endif
 }
 
-#if defined(FLATMOE_BF16)
-template <bool TRANS_A, bool TRANS_B>
-inline void grouped_gemm_mma_launch(const char* op, const GroupedGemmBatch& batch, int lda, int ldb, int ldc, float beta,
-                                    cudaStream_t stream) {
-#if defined(FLATMOE_WGMMA)
-  const auto kernel = ggemm::grouped_gemm_wgmma_kernel<TRANS_A, TRANS_B>;
-  const int threads = ggemm::WG_THREADS;
-  const size_t shared = ggemm::WG_SHARED_BYTES;
+// The current device's SMs (the wide tiles' persistent grid, the choice of tiles).
+inline int grouped_gemm_sms(const char* op) {
+  int device = 0, sms = 0;
+  cudaCheck(cudaGetDevice(&device), op, "grouped_gemm: current device");
+  cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), op, "grouped_gemm: SM count of device %d",
+            device);
+  return sms;
+}
+
+// The tile shape of the wgmma form (header): wide tiles (128 × 256, one persistent block per SM) for
+// the forward and input-gradient forms when a launch has at least GGEMM_WIDE_MIN_WAVES waves of them;
+// 128 × 128 otherwise, for the weight gradients always (measured, notes/speed.md L: the wide tiles
+// gain 6–16 % on B1's h13, y, da and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the default
+// model's smaller layers). The mma.sync form has only 128 × 128.
+enum class GroupedGemmTiles { Narrow, Wide };
+static const int GGEMM_WIDE_MIN_WAVES = 4;
+inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, bool transA, int sms) {
+#if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
+  if (transA) return GroupedGemmTiles::Narrow;
+  long long wide_tiles = 0;  // routed (M unknown here): the most any split of the routes can need
+  int most_tiles_n = 0;
+  for (const GroupedGemmProblem& p : problems.list) {
+    const int tiles_n = ceil_div(p.N, ggemm::WideTiles::BN);
+    wide_tiles += (long long)ceil_div(p.M, ggemm::BM) * tiles_n;
+    most_tiles_n = std::max(most_tiles_n, tiles_n);
+  }
+  if (problems.route_offsets)
+    wide_tiles = (long long)(ceil_div(problems.routes, ggemm::BM) + (int)problems.list.size()) * most_tiles_n;
+  return wide_tiles >= (long long)GGEMM_WIDE_MIN_WAVES * sms ? GroupedGemmTiles::Wide : GroupedGemmTiles::Narrow;
 #else
+  (void)problems, (void)transA, (void)sms;
+  return GroupedGemmTiles::Narrow;
+#endif
+}
+
+#if defined(FLATMOE_BF16)
+template <bool TRANS_A, bool TRANS_B, class Tiles>
+inline void grouped_gemm_mma_launch(const char* op, const GroupedGemmBatch& batch, int lda, int ldb, int ldc, float beta,
+                                    int sms, cudaStream_t stream) {
+#if defined(FLATMOE_WGMMA)
+  const auto kernel = ggemm::grouped_gemm_wgmma_kernel<TRANS_A, TRANS_B, Tiles>;
+  const int threads = ggemm::WG_THREADS;
+  const size_t shared = ggemm::wgmma_shared_bytes<Tiles>();
+  const unsigned int blocks =
+      Tiles::PERSISTENT ? std::min(batch.tiles, (unsigned)(sms * ggemm::wgmma_blocks_per_sm<Tiles>())) : batch.tiles;
+#else
+  static_assert(Tiles::BN == ggemm::BN && !Tiles::PERSISTENT, "the mma.sync form's tiles");
   const auto kernel = ggemm::grouped_gemm_kernel<TRANS_A, TRANS_B>;
   const int threads = ggemm::THREADS;
   const size_t shared = ggemm::SHARED_BYTES;
+  const unsigned int blocks = batch.tiles;
+  (void)sms;
 #endif
-  // ~100 KiB is past the default 48 KiB; set on every call, since the current device may differ
+  // 96–193 KiB is past the default 48 KiB; set on every call, since the current device may differ
   cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared), op,
             "grouped_gemm (mma) shared=%zu bytes", shared);
-  kernel<<<batch.tiles, threads, shared, stream>>>(batch, lda, ldb, ldc, beta);
-  launchCheck(op, "grouped_gemm (mma) problems=%d tiles=%u transA=%d transB=%d", batch.count, batch.tiles, (int)TRANS_A,
-              (int)TRANS_B);
+  kernel<<<blocks, threads, shared, stream>>>(batch, lda, ldb, ldc, beta);
+  launchCheck(op, "grouped_gemm (mma) problems=%d tiles=%u blocks=%u transA=%d transB=%d", batch.count, batch.tiles,
+              blocks, (int)TRANS_A, (int)TRANS_B);
+}
+
+template <class Tiles>
+inline void grouped_gemm_mma_launch(const char* op, const GroupedGemmBatch& batch, bool transA, bool transB, int lda,
+                                    int ldb, int ldc, float beta, int sms, cudaStream_t stream) {
+  if (transA && transB) grouped_gemm_mma_launch<true, true, Tiles>(op, batch, lda, ldb, ldc, beta, sms, stream);
+  else if (transA) grouped_gemm_mma_launch<true, false, Tiles>(op, batch, lda, ldb, ldc, beta, sms, stream);
+  else if (transB) grouped_gemm_mma_launch<false, true, Tiles>(op, batch, lda, ldb, ldc, beta, sms, stream);
+  else grouped_gemm_mma_launch<false, false, Tiles>(op, batch, lda, ldb, ldc, beta, sms, stream);
 }
 #endif
 
-// The problems on the tensor-core kernel: one launch per GGEMM_PROBLEMS_PER_LAUNCH problems, on
-// `stream`, nothing waits. Callers check grouped_gemm_mma_fits first.
+// The problems on the tensor-core kernel in tiles of the given shape (grouped_gemm_tiles; Wide: the
+// wgmma form only): one launch per GGEMM_PROBLEMS_PER_LAUNCH problems, on `stream`, nothing waits.
+// Callers check grouped_gemm_mma_fits first.
 inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems, bool transA, bool transB, int lda,
-                             int ldb, int ldc, float beta, cudaStream_t stream) {
+                             int ldb, int ldc, float beta, GroupedGemmTiles tiles, cudaStream_t stream) {
 #if defined(FLATMOE_BF16)
+#if !defined(FLATMOE_WGMMA)
+  if (tiles != GroupedGemmTiles::Narrow)
+    fm_fail(op, "grouped_gemm: wide tiles are the wgmma form's (GPU_ARCH=90a)", "problems=%zu", problems.list.size());
+#endif
+  const int tile_n = tiles == GroupedGemmTiles::Wide ? ggemm::WideTiles::BN : ggemm::NarrowTiles::BN;
+  const int sms = grouped_gemm_sms(op);
   const std::vector<GroupedGemmProblem>& list = problems.list;
   const bool tiles_from_routes = problems.route_offsets != nullptr && !transA;
   for (size_t first = 0; first < list.size(); first += GGEMM_PROBLEMS_PER_LAUNCH) {
@@ -559,7 +684,7 @@ inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems
     int most_tiles_n = 0;
     for (size_t g = first; g < std::min(list.size(), first + GGEMM_PROBLEMS_PER_LAUNCH); g++) {
       const GroupedGemmProblem& q = list[g];
-      const int tiles_n = ceil_div(q.N, ggemm::BN);
+      const int tiles_n = ceil_div(q.N, tile_n);
       batch.p[batch.count++] = ggemm::Problem{q.A, q.B, q.C, q.M, q.N, q.K, tiles_n, batch.tiles};
       batch.tiles += (unsigned)ceil_div(q.M, ggemm::BM) * tiles_n;  // routed without transA: M is 0 here
       most_tiles_n = std::max(most_tiles_n, tiles_n);
@@ -567,12 +692,15 @@ inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems
     if (tiles_from_routes)  // the most any split of the routes over these problems needs
       batch.tiles = (unsigned)(ceil_div(problems.routes, ggemm::BM) + batch.count) * most_tiles_n;
     if (batch.tiles == 0) continue;
-    if (transA && transB) grouped_gemm_mma_launch<true, true>(op, batch, lda, ldb, ldc, beta, stream);
-    else if (transA) grouped_gemm_mma_launch<true, false>(op, batch, lda, ldb, ldc, beta, stream);
-    else if (transB) grouped_gemm_mma_launch<false, true>(op, batch, lda, ldb, ldc, beta, stream);
-    else grouped_gemm_mma_launch<false, false>(op, batch, lda, ldb, ldc, beta, stream);
+#if defined(FLATMOE_WGMMA)
+    if (tiles == GroupedGemmTiles::Wide)
+      grouped_gemm_mma_launch<ggemm::WideTiles>(op, batch, transA, transB, lda, ldb, ldc, beta, sms, stream);
+    else
+#endif
+      grouped_gemm_mma_launch<ggemm::NarrowTiles>(op, batch, transA, transB, lda, ldb, ldc, beta, sms, stream);
   }
 #else
+  (void)tiles;
   fm_fail(op, "grouped_gemm_mma is the BF16 build's kernel", "problems=%zu", problems.list.size());
 #endif
 }
@@ -695,7 +823,8 @@ inline void grouped_gemm(const char* op, const GroupedGemmProblems& problems, bo
   }
   if (problems.list.empty()) return;
   if (grouped_gemm_takes_kernel(problems, transA, transB, lda, ldb, ldc))
-    grouped_gemm_mma(op, problems, transA, transB, lda, ldb, ldc, beta, stream);
+    grouped_gemm_mma(op, problems, transA, transB, lda, ldb, ldc, beta, grouped_gemm_tiles(problems, transA, grouped_gemm_sms(op)),
+                     stream);
   else if (problems.route_offsets)
     grouped_gemm(op, grouped_gemm_routes_on_host(op, problems, transA, lda, ldb, ldc, stream), transA, transB, lda, ldb,
                  ldc, beta, stream);

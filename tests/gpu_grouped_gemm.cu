@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <functional>
 #include <vector>
 #include "gpu_util.cuh"
 #include "../ops/grouped_gemm.cuh"
@@ -16,6 +17,24 @@
 using namespace testutil;
 
 namespace {
+
+// The ways a test runs a grouped call: grouped_gemm as the layers call it, and in the wgmma build, when
+// the kernel takes the call, each tile shape forced (ops/grouped_gemm.cuh, grouped_gemm_tiles).
+struct Way {
+  const char* name;
+  std::function<void(const GroupedGemmProblems&, bool transA, bool transB, int lda, int ldb, int ldc, float beta)> run;
+};
+std::vector<Way> ways_to_run(const char* op, bool kernel_expected) {
+  std::vector<Way> ways = {{"grouped_gemm", [op](const GroupedGemmProblems& p, bool ta, bool tb, int lda, int ldb, int ldc,
+                                                 float beta) { grouped_gemm(op, p, ta, tb, lda, ldb, ldc, beta, 0); }}};
+  if (BUILD_WGMMA && kernel_expected)
+    for (GroupedGemmTiles tiles : {GroupedGemmTiles::Narrow, GroupedGemmTiles::Wide})
+      ways.push_back({tiles == GroupedGemmTiles::Wide ? "wide tiles" : "narrow tiles",
+                      [op, tiles](const GroupedGemmProblems& p, bool ta, bool tb, int lda, int ldb, int ldc, float beta) {
+                        grouped_gemm_mma(op, p, ta, tb, lda, ldb, ldc, beta, tiles, 0);
+                      }});
+  return ways;
+}
 
 // Problems as the MoE layer stacks them: each operand's per-problem matrices one after another in
 // one buffer, all with the same row width. Stored shapes (rows × width): A [M,K], or [K,M] with
@@ -65,29 +84,35 @@ void check_grouped_gemm(const Case& c) {
   ASSERT_EQ(grouped_gemm_takes_kernel(problems, c.transA, c.transB, lda, ldb, ldc), c.kernel_expected) << c.name;
 #endif
 
-  grouped_gemm(c.name, problems, c.transA, c.transB, lda, ldb, ldc, c.beta, 0);
-  const std::vector<floatX> first = download_vec(d_C.ptr, d_C.count);
-  double worst = 0;
-  for (int g = 0; g < G; g++) {
-    auto [M, N, K] = c.sizes[g];
-    const ref::Mat<double> opA = c.transA ? ref::Mat<double>(A[g].transpose()) : A[g];
-    const ref::Mat<double> opB = c.transB ? ref::Mat<double>(B[g].transpose()) : B[g];
-    const ref::Mat<double> expected = opA * opB + (double)c.beta * C0[g];
-    ref::Mat<double> got(M, N);
-    for (Eigen::Index i = 0; i < got.size(); i++) got.data()[i] = to_float(first[c_off[g] + i]);
-    const double err = rel_err(got, expected);
-    worst = std::max(worst, err);
-    EXPECT_LE(err, OP_TOL) << c.name << " problem " << g << " (M " << M << ", N " << N << ", K " << K << ")";
-  }
-  printf("[err] %s: %d problems, worst per-problem relative error %.3e (tol %.0e)\n", c.name, G, worst, OP_TOL);
-  EXPECT_EQ(memcmp(first.data() + c_count, c_host.data() + c_count, guard * sizeof(floatX)), 0)
-      << c.name << ": bytes after the last problem's C were written";
+  for (const Way& way : ways_to_run(c.name, c.kernel_expected)) {
+    cudaCheck(cudaMemcpy(d_C.ptr, c_host.data(), c_host.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
+    way.run(problems, c.transA, c.transB, lda, ldb, ldc, c.beta);
+    const std::vector<floatX> first = download_vec(d_C.ptr, d_C.count);
+    double worst = 0;
+    for (int g = 0; g < G; g++) {
+      auto [M, N, K] = c.sizes[g];
+      const ref::Mat<double> opA = c.transA ? ref::Mat<double>(A[g].transpose()) : A[g];
+      const ref::Mat<double> opB = c.transB ? ref::Mat<double>(B[g].transpose()) : B[g];
+      const ref::Mat<double> expected = opA * opB + (double)c.beta * C0[g];
+      ref::Mat<double> got(M, N);
+      for (Eigen::Index i = 0; i < got.size(); i++) got.data()[i] = to_float(first[c_off[g] + i]);
+      const double err = rel_err(got, expected);
+      worst = std::max(worst, err);
+      EXPECT_LE(err, OP_TOL) << c.name << " (" << way.name << ") problem " << g << " (M " << M << ", N " << N << ", K "
+                             << K << ")";
+    }
+    printf("[err] %s (%s): %d problems, worst per-problem relative error %.3e (tol %.0e)\n", c.name, way.name, G, worst,
+           OP_TOL);
+    EXPECT_EQ(memcmp(first.data() + c_count, c_host.data() + c_count, guard * sizeof(floatX)), 0)
+        << c.name << " (" << way.name << "): bytes after the last problem's C were written";
 
-  // the same call from the same C again: the same bits
-  cudaCheck(cudaMemcpy(d_C.ptr, c_host.data(), c_host.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
-  grouped_gemm(c.name, problems, c.transA, c.transB, lda, ldb, ldc, c.beta, 0);
-  const std::vector<floatX> again = download_vec(d_C.ptr, d_C.count);
-  EXPECT_EQ(memcmp(first.data(), again.data(), first.size() * sizeof(floatX)), 0) << c.name << ": replay differs";
+    // the same call from the same C again: the same bits
+    cudaCheck(cudaMemcpy(d_C.ptr, c_host.data(), c_host.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
+    way.run(problems, c.transA, c.transB, lda, ldb, ldc, c.beta);
+    const std::vector<floatX> again = download_vec(d_C.ptr, d_C.count);
+    EXPECT_EQ(memcmp(first.data(), again.data(), first.size() * sizeof(floatX)), 0)
+        << c.name << " (" << way.name << "): replay differs";
+  }
 }
 
 // n problems with M from 1 to `most` rows, the same N and K: the forward and input-gradient form.
@@ -147,25 +172,29 @@ void check_routed(const char* name, bool transA, bool transB, float beta, const 
   (void)kernel_expected;
 #endif
 
-  grouped_gemm(name, on_host, transA, transB, lda, ldb, ldc, beta, 0);
-  const std::vector<floatX> host_result = download_vec(d_C.ptr, d_C.count);
-  cudaCheck(cudaMemcpy(d_C.ptr, c_start.data(), c_start.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
-  grouped_gemm(name, routed, transA, transB, lda, ldb, ldc, beta, 0);
-  const std::vector<floatX> routed_result = download_vec(d_C.ptr, d_C.count);
-  EXPECT_EQ(memcmp(host_result.data(), routed_result.data(), host_result.size() * sizeof(floatX)), 0)
-      << name << ": the routed call differs from the host's list";
-  int changed = 0, kept = 0;  // experts with routes whose C changed; experts without whose C did not
-  for (int g = 0; g < G; g++) {
-    const size_t first = transA ? (size_t)g * M * N : (size_t)offsets[g] * N;
-    const size_t size = transA ? (size_t)M * N : (size_t)counts[g] * N;
-    const bool same = memcmp(routed_result.data() + first, c_start.data() + first, size * sizeof(floatX)) == 0;
-    if (counts[g] > 0) changed += !same;
-    else kept += same;
+  for (const Way& way : ways_to_run(name, kernel_expected)) {
+    cudaCheck(cudaMemcpy(d_C.ptr, c_start.data(), c_start.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
+    way.run(on_host, transA, transB, lda, ldb, ldc, beta);
+    const std::vector<floatX> host_result = download_vec(d_C.ptr, d_C.count);
+    cudaCheck(cudaMemcpy(d_C.ptr, c_start.data(), c_start.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
+    way.run(routed, transA, transB, lda, ldb, ldc, beta);
+    const std::vector<floatX> routed_result = download_vec(d_C.ptr, d_C.count);
+    EXPECT_EQ(memcmp(host_result.data(), routed_result.data(), host_result.size() * sizeof(floatX)), 0)
+        << name << " (" << way.name << "): the routed call differs from the host's list";
+    int changed = 0, kept = 0;  // experts with routes whose C changed; experts without whose C did not
+    for (int g = 0; g < G; g++) {
+      const size_t first = transA ? (size_t)g * M * N : (size_t)offsets[g] * N;
+      const size_t size = transA ? (size_t)M * N : (size_t)counts[g] * N;
+      const bool same = memcmp(routed_result.data() + first, c_start.data() + first, size * sizeof(floatX)) == 0;
+      if (counts[g] > 0) changed += !same;
+      else kept += same;
+    }
+    const int empty = (int)std::count(counts.begin(), counts.end(), 0);
+    EXPECT_EQ(changed, G - empty) << name << " (" << way.name << ")";
+    if (transA) EXPECT_EQ(kept, empty) << name << " (" << way.name << "): an expert without routes had its C written";
+    printf("[routed] %s (%s): %d experts (%d without routes), %d routes: same bits as the host's list\n", name, way.name, G,
+           empty, R);
   }
-  const int empty = (int)std::count(counts.begin(), counts.end(), 0);
-  EXPECT_EQ(changed, G - empty) << name;
-  if (transA) EXPECT_EQ(kept, empty) << name << ": an expert without routes had its C written";
-  printf("[routed] %s: %d experts (%d without routes), %d routes: same bits as the host's list\n", name, G, empty, R);
 }
 
 // `experts` route counts from 1 to `most`, with `empty` of them (spread out) set to 0.
@@ -204,6 +233,13 @@ TEST(GroupedGemmGpu, MoreProblemsThanOneLaunchTakes) {
   check_grouped_gemm({"GroupedGemmGpu.NT.70", false, true, 0.f, rows_vary(rng, 70, 40, 136, 72), true});
 }
 
+// More tiles than the GPU has SMs (H200: 132) in wide tiles (128 × 256): a wide launch's persistent
+// blocks each take several tiles, the next one's first copies overlapping this one's stores. N = 776
+// ends 8 columns into a fourth wide tile, K = 136 inside a third k-tile.
+TEST(GroupedGemmGpu, InputGradientFormMoreTilesThanSMs) {
+  check_grouped_gemm({"GroupedGemmGpu.NN.many", false, false, 0.f, {{1500, 776, 136}, {1100, 776, 136}, {700, 776, 136}, {900, 776, 136}, {300, 776, 136}}, true});
+}
+
 // K = 36 is not a multiple of 8: the kernel's 16-byte copies would straddle rows, so cuBLAS takes it.
 TEST(GroupedGemmGpu, ShapesTheKernelRefusesGoToCublas) {
   check_grouped_gemm({"GroupedGemmGpu.NT.K36", false, true, 0.f, {{50, 64, 36}, {3, 64, 36}}, false});
@@ -213,6 +249,12 @@ TEST(GroupedGemmGpu, ShapesTheKernelRefusesGoToCublas) {
 TEST(GroupedGemmGpu, RoutedProblemsForwardFormGiveTheHostListsBits) {
   Rng rng;
   check_routed("GroupedGemmGpu.NT.routed", false, true, 0.f, routes_per_expert(rng, 8, 300, 2), 136, 264, true);
+}
+
+// The forward form with more tiles than the GPU has SMs (wide tiles: see InputGradientFormMoreTilesThanSMs).
+TEST(GroupedGemmGpu, RoutedProblemsForwardFormMoreTilesThanSMs) {
+  Rng rng;
+  check_routed("GroupedGemmGpu.NT.routed.many", false, true, 0.f, routes_per_expert(rng, 8, 2000, 1), 136, 776, true);
 }
 
 // The input-gradient form (B [K,N] per expert) over 70 experts: two launches, each with its offsets.
@@ -266,4 +308,37 @@ TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
   EXPECT_EQ(grouped_gemm_takes_kernel(routed(32, 1024, 1024, 0), true, false, 1024, 1024, 1024), bf16) << "B1 dW13, routed";
   EXPECT_EQ(grouped_gemm_takes_kernel(routed(32, 0, 1024, 1024), false, true, 1024, 1024, 1024), bf16) << "B1 h13, routed";
   EXPECT_FALSE(grouped_gemm_takes_kernel(routed(32, 136, 72, 0), true, true, 136, 72, 72)) << "routed, both transposed";
+}
+
+// The wgmma form's tile shape (ops/grouped_gemm.cuh, grouped_gemm_tiles) on an H200 (132 SMs): wide
+// tiles (128 × 256) for B1's forward and input-gradient GEMMs, routed or not (≥ 4 waves of wide
+// tiles); narrow tiles (128 × 128) for every weight gradient and for the default model's smaller
+// layers; narrow always without wgmma.
+TEST(GroupedGemmHost, TileShapeByFormAndSize) {
+  const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 20);
+  floatX* C = reinterpret_cast<floatX*>(uintptr_t(1) << 24);
+  auto call = [&](int groups, int M, int N, int K) {
+    return GroupedGemmProblems(std::vector<GroupedGemmProblem>(groups, {A, A, C, M, N, K}));
+  };
+  auto routed = [&](int groups, int N, int K, int routes) {
+    GroupedGemmProblems p = call(groups, 0, N, K);
+    p.route_offsets = reinterpret_cast<const int*>(uintptr_t(1) << 28);
+    p.routes = routes;
+    return p;
+  };
+  const int sms = 132;
+  const GroupedGemmTiles wide = BUILD_WGMMA ? GroupedGemmTiles::Wide : GroupedGemmTiles::Narrow;
+  EXPECT_EQ(grouped_gemm_tiles(call(32, 2048, 1024, 1024), false, sms), wide) << "B1 h13 (2048 wide tiles)";
+  EXPECT_EQ(grouped_gemm_tiles(call(32, 2048, 512, 1024), false, sms), wide) << "B1 da (1024 wide tiles)";
+  EXPECT_EQ(grouped_gemm_tiles(routed(32, 1024, 1024, 65536), false, sms), wide) << "B1 y, routed";
+  EXPECT_EQ(grouped_gemm_tiles(routed(32, 512, 512, 65536), false, sms), wide) << "B1 da, routed";
+  EXPECT_EQ(grouped_gemm_tiles(call(32, 1024, 1024, 2048), true, sms), GroupedGemmTiles::Narrow) << "B1 dW13";
+  EXPECT_EQ(grouped_gemm_tiles(routed(32, 512, 0, 65536), true, sms), GroupedGemmTiles::Narrow) << "B1 dW2, routed";
+  EXPECT_EQ(grouped_gemm_tiles(routed(8, 768, 384, 8192), false, sms), GroupedGemmTiles::Narrow)
+      << "default model h13, routed (216 wide tiles)";
+  EXPECT_EQ(grouped_gemm_tiles(call(8, 1024, 384, 768), false, sms), GroupedGemmTiles::Narrow) << "default model dxp";
+  // the threshold: 4 waves of wide tiles
+  EXPECT_EQ(grouped_gemm_tiles(call(1, 128 * 4 * sms, 256, 64), false, sms), wide) << "4 waves";
+  EXPECT_EQ(grouped_gemm_tiles(call(1, 128 * 4 * sms - 128, 256, 64), false, sms), GroupedGemmTiles::Narrow)
+      << "one tile short of 4 waves";
 }
