@@ -405,155 +405,14 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse,
                         row0[i], T, H, t);
 }
 
-// grid (nh, B, ceil(T/64)); block 128. dK and dV of one 64-key tile of one head; warp w owns
-// keys k0 + 16w … k0 + 16w + 15.
-template <int HD>
-__global__ void __launch_bounds__(THREADS) backward_dkdv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
-                                                                const float* lse, const float* delta, int T, int nh) {
-  constexpr int TE = tile_elems<HD>();
-  constexpr int QC = HD == 128 ? 32 : 64;  // query columns per Sᵀ chunk
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* K_s = reinterpret_cast<bf16*>(smem_raw);  // [64][LD]
-  bf16* V_s = K_s + TE;                            // [64][LD]
-  bf16* Q_s = V_s + TE;                            // [2][64][LD]
-  bf16* dO_s = Q_s + 2 * TE;                       // [2][64][LD]
-  float* lse_s = reinterpret_cast<float*>(dO_s + 2 * TE);  // [2][64]  lse·log2(e) of the query tile
-  float* delta_s = lse_s + 2 * TILE;                       // [2][64]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int kt = blockIdx.z;  // key tile 0 (most query tiles) first
-  const int q_tiles = gridDim.z;
-  const int k0 = kt * TILE;
-  const int H = nh * HD;
-  const size_t stride = 3 * (size_t)H;
-  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
-  const bf16* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
-  const float* lse_bh = lse + ((size_t)b * nh + h) * T;
-  const float* delta_bh = delta + ((size_t)b * nh + h) * T;
-  const float scale_log2 = LOG2E / sqrtf((float)HD);
-
-  // Stages query tile qt (Q, dO by cp.async; lse, delta by plain loads) into buffer qt & 1.
-  auto stage = [&](int qt) {
-    const int q0 = qt * TILE, valid = min(TILE, T - q0), buf = qt & 1;
-    load_tile_async<HD>(Q_s + buf * TE, q_base + (size_t)q0 * stride, stride, valid);
-    load_tile_async<HD>(dO_s + buf * TE, dout_base + (size_t)q0 * H, H, valid);
-    for (int i = threadIdx.x; i < TILE; i += THREADS) {
-      lse_s[buf * TILE + i] = i < valid ? lse_bh[q0 + i] * LOG2E : 0.f;
-      delta_s[buf * TILE + i] = i < valid ? delta_bh[q0 + i] : 0.f;
-    }
-  };
-  load_tile_async<HD>(K_s, q_base + H + (size_t)k0 * stride, stride, min(TILE, T - k0));
-  load_tile_async<HD>(V_s, q_base + 2 * H + (size_t)k0 * stride, stride, min(TILE, T - k0));
-  stage(kt);
-  cp_async_commit();
-
-  float dk[HD / 8][4], dv[HD / 8][4];  // keys (rows) key0, key0 + 8; columns 8nb + 2t, +1
-#pragma unroll
-  for (int nb = 0; nb < HD / 8; nb++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) dk[nb][e] = dv[nb][e] = 0.f;
-  const int key0 = k0 + warp * 16 + g;
-  const bf16* K_strip = K_s + warp * 16 * ld<HD>();
-  const bf16* V_strip = V_s + warp * 16 * ld<HD>();
-
-  for (int qt = kt; qt < q_tiles; qt++) {
-    cp_async_wait_all();
-    __syncthreads();  // query tile qt is in; every warp is done with the buffer of qt − 1
-    if (qt + 1 < q_tiles) {
-      stage(qt + 1);
-      cp_async_commit();
-    }
-    const int buf = qt & 1, q0 = qt * TILE;
-    const bf16* Qt = Q_s + buf * TE;
-    const bf16* dOt = dO_s + buf * TE;
-
-    // The query tile in chunks of QC columns (one chunk for hd 64; two for hd 128, where
-    // dK, dV take 128 registers and a 64-column Sᵀ, dPᵀ would spill).
-#pragma unroll 1
-    for (int c0 = 0; c0 < TILE; c0 += QC) {
-      float st[QC / 8][4], dpt[QC / 8][4];  // [nb][e]: key key0 + 8(e/2), query q0 + c0 + 8nb + 2t + (e%2)
-      strip_times_tile_t<HD, QC / 8>(st, K_strip, Qt + c0 * ld<HD>(), lane);    // Sᵀ = K Qᵀ (unscaled)
-      strip_times_tile_t<HD, QC / 8>(dpt, V_strip, dOt + c0 * ld<HD>(), lane);  // dPᵀ = V dOᵀ
-      const bool edge = qt == kt || q0 + TILE > T;  // causal diagonal or queries past T
-      key_strip_grads<QC / 8>(st, dpt, lse_s + buf * TILE + c0, delta_s + buf * TILE + c0, q0 + c0, key0, edge, T,
-                              scale_log2, t);
-      c_strip_times_tile<HD, QC / 8>(&dv, &st, dOt + c0 * ld<HD>(), lane);  // dV += Pᵀ dO
-      c_strip_times_tile<HD, QC / 8>(&dk, &dpt, Qt + c0 * ld<HD>(), lane);  // dK += dSᵀ Q
-    }
-  }
-
-  bf16* dk_rows = dqkv + (size_t)b * T * stride + H + (size_t)h * HD;  // dk of (b, t = 0, h)
-  store_strip<HD>(dk_rows, stride, dk, key0, T, 1.f / sqrtf((float)HD), t);
-  store_strip<HD>(dk_rows + H, stride, dv, key0, T, 1.f, t);
-}
-
-// grid (nh, B, ceil(T/64)); block 128. dQ of one 64-query tile of one head.
-template <int HD>
-__global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
-                                                              const float* lse, const float* delta, int T, int nh) {
-  constexpr int TE = tile_elems<HD>();
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* Q_s = reinterpret_cast<bf16*>(smem_raw);  // [64][LD]
-  bf16* dO_s = Q_s + TE;                           // [64][LD]
-  bf16* K_s = dO_s + TE;                           // [2][64][LD]
-  bf16* V_s = K_s + 2 * TE;                        // [2][64][LD]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
-  const int q0 = qt * TILE;
-  const int H = nh * HD;
-  const size_t stride = 3 * (size_t)H;
-  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
-  const bf16* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
-  const float scale_log2 = LOG2E / sqrtf((float)HD);
-
-  load_tile_async<HD>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
-  load_tile_async<HD>(dO_s, dout_base + (size_t)q0 * H, H, min(TILE, T - q0));
-  load_tile_async<HD>(K_s, q_base + H, stride, min(TILE, T));
-  load_tile_async<HD>(V_s, q_base + 2 * H, stride, min(TILE, T));
-  cp_async_commit();
-
-  const int row0 = q0 + warp * 16 + g;  // rows row0, row0 + 8
-  float lse2[2], dlt[2];
-  load_row_stats(lse2, dlt, lse + ((size_t)b * nh + h) * T, delta + ((size_t)b * nh + h) * T, row0, T);
-  float dq[HD / 8][4];
-#pragma unroll
-  for (int nb = 0; nb < HD / 8; nb++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) dq[nb][e] = 0.f;
-  const bf16* Q_strip = Q_s + warp * 16 * ld<HD>();
-  const bf16* dO_strip = dO_s + warp * 16 * ld<HD>();
-
-  for (int kt = 0; kt <= qt; kt++) {
-    cp_async_wait_all();
-    __syncthreads();  // key tile kt is in; every warp is done with the buffer of kt − 1
-    if (kt < qt) {
-      const int k1 = (kt + 1) * TILE;
-      load_tile_async<HD>(K_s + ((kt + 1) & 1) * TE, q_base + H + (size_t)k1 * stride, stride, min(TILE, T - k1));
-      load_tile_async<HD>(V_s + ((kt + 1) & 1) * TE, q_base + 2 * H + (size_t)k1 * stride, stride, min(TILE, T - k1));
-      cp_async_commit();
-    }
-    const bf16* Kt = K_s + (kt & 1) * TE;
-    const bf16* Vt = V_s + (kt & 1) * TE;
-    const int k0 = kt * TILE;
-
-    float s[8][4], dp[8][4];  // [nb][e]: query row0 + 8(e/2), key k0 + 8nb + 2t + (e%2)
-    strip_times_tile_t<HD, 8>(s, Q_strip, Kt, lane);    // S = Q Kᵀ (unscaled)
-    strip_times_tile_t<HD, 8>(dp, dO_strip, Vt, lane);  // dP = dO Vᵀ
-    query_strip_grads(s, dp, lse2, dlt, row0, k0, kt == qt, T, scale_log2, t);
-    c_strip_times_tile<HD, 8>(&dq, &dp, Kt, lane);  // dQ += dS K
-  }
-
-  store_strip<HD>(dqkv + (size_t)b * T * stride + (size_t)h * HD, stride, dq, row0, T, 1.f / sqrtf((float)HD), t);
-}
-
 #if defined(FLATMOE_WGMMA)
 // ---- the wgmma form (sm_90a builds, hd 64) -------------------------------------------------
-// The same blocks, loops and per-strip steps as the kernels above (forward_kernel<64, 1>,
-// backward_dkdv_kernel<64>, backward_dq_kernel<64>), with each tile product a chain of warpgroup
-// MMAs (ops/mma.cuh): the block's 4 warps are one warpgroup, and its 64 × N accumulator is exactly
-// the 4 warp strips' C fragments, so the per-strip steps (online_softmax_step, key_strip_grads,
-// query_strip_grads, the stores) are shared with the mma.sync kernels.
+// The same blocks, loops and per-strip steps as the mma.sync kernels (forward_kernel<64, 1>; the
+// backward kernels below take either form: backward_dkdv_kernel<64, WgmmaProducts>), with each tile
+// product a chain of warpgroup MMAs (ops/mma.cuh): the block's 4 warps are one warpgroup, and its
+// 64 × N accumulator is exactly the 4 warp strips' C fragments, so the per-strip steps
+// (online_softmax_step, key_strip_grads, query_strip_grads, the stores) are shared with the
+// mma.sync kernels.
 //   - The score-like products (S = Q Kᵀ, dP = dO Vᵀ, Sᵀ = K Qᵀ, dPᵀ = V dOᵀ) read both operands
 //     from shared memory through descriptors.
 //   - The accumulating products (O += P V, dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K) take P or dS from
@@ -676,20 +535,113 @@ __global__ void __launch_bounds__(THREADS) forward_wgmma_kernel(bf16* out, float
                       t);
 }
 
-// backward_dkdv_kernel<64> on wgmma: grid (nh, B, ceil(T/64)); block 128.
+// Shared memory of the wgmma forward: 9 tiles of 8 KiB, + 1024 bytes to align them.
+constexpr size_t WG_FORWARD_SMEM = 9 * WG_TILE_BYTES + 1024;
+#endif  // FLATMOE_WGMMA
+
+// ---- the backward kernels, in either form ---------------------------------------------------
+// One kernel per role (dK/dV, dQ), templated on the form of its tile products: Products is
+// MmaSyncProducts<HD> (per warp, its 16-row strip, ldmatrix + mma.sync, padded tiles) or, in sm_90a
+// builds at hd 64, WgmmaProducts (the warpgroup's 64 rows, wgmma, swizzled tiles). The blocks, loops,
+// masking, per-strip steps and stores are the same; so are the products' k orders.
+
+// acc += P · Y: P a 16 × 8NB strip per warp held as C fragments (rounded to bf16 as the product's A
+// operand), Y an 8NB × HD tile (row = the keys or queries P's columns index).
+template <int HD, int NB_>
+struct FragmentsTimesTile {
+  static constexpr int NB = NB_;
+  float (&acc)[HD / 8][4];
+  const float (&p)[NB][4];
+  const bf16* Y;
+};
+
 template <int HD>
-__global__ void __launch_bounds__(THREADS) backward_dkdv_wgmma_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
-                                                                      const float* lse, const float* delta, int T,
-                                                                      int nh) {
-  static_assert(HD == WG_HD, "the wgmma kernels take hd 64");
-  constexpr int TE = TILE * HD;
+struct MmaSyncProducts {
+  static constexpr bool SWIZZLED = false;
+  static constexpr int ROW = ld<HD>();         // elements per shared-memory tile row (padded)
+  static constexpr size_t ALIGN_BYTES = 0;     // shared memory the launch adds to align the tiles
+  __device__ static bf16* tiles(unsigned char* smem) { return reinterpret_cast<bf16*>(smem); }
+  // after cp_async_wait_all: every thread's copies are visible to every warp
+  __device__ static void publish() { __syncthreads(); }
+  // s1 = A1 · X1ᵀ, s2 = A2 · X2ᵀ for this warp's 16-row strip of the 64-row tiles A1, A2 (8NB rows of X)
+  template <int NB>
+  __device__ static void scores_t(float (&s1)[NB][4], const bf16* A1, const bf16* X1, float (&s2)[NB][4],
+                                  const bf16* A2, const bf16* X2) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    strip_times_tile_t<HD, NB>(s1, A1 + warp * 16 * ROW, X1, lane);
+    strip_times_tile_t<HD, NB>(s2, A2 + warp * 16 * ROW, X2, lane);
+  }
+  template <typename... Products>
+  __device__ static void accumulate(const Products&... products) {
+    (c_strip_times_tile<HD, Products::NB>(&products.acc, &products.p, products.Y, threadIdx.x % 32), ...);
+  }
+};
+
+#if defined(FLATMOE_WGMMA)
+struct WgmmaProducts {
+  static constexpr bool SWIZZLED = true;
+  static constexpr int ROW = WG_HD;          // unpadded 128-byte rows in the 128-byte swizzle
+  static constexpr size_t ALIGN_BYTES = 1024;
+  __device__ static bf16* tiles(unsigned char* smem) { return aligned_tiles(smem); }
+  // the copies are visible to the MMAs' reads (async proxy), then to everyone
+  __device__ static void publish() {
+    fence_proxy_async_shared();
+    __syncthreads();
+  }
+  // s1 = A1 · X1ᵀ, s2 = A2 · X2ᵀ for the warpgroup's 64 rows: one group of MMAs, waited for
+  template <int NB>
+  __device__ static void scores_t(float (&s1)[NB][4], const bf16* A1, const bf16* X1, float (&s2)[NB][4],
+                                  const bf16* A2, const bf16* X2) {
+    static_assert(NB == 8, "the wgmma kernels' score tiles are 64 × 64");
+    wgmma_fence();
+    wgmma_tile_times_tile_t(s1, A1, X1);
+    wgmma_tile_times_tile_t(s2, A2, X2);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s1);
+    wgmma_fence_operands(s2);
+  }
+  // every product's MMAs in one group, waited for; P as register A fragments
+  template <typename... Products>
+  __device__ static void accumulate(const Products&... products) {
+    static_assert(((Products::NB == 8) && ...), "the wgmma kernels' P tiles are 64 × 64");
+    uint32_t pf[sizeof...(Products)][4][4];
+    int i = 0;
+    ((c_to_a_all(pf[i++], products.p)), ...);
+    (wgmma_fence_operands(products.acc), ...);
+    wgmma_fence();
+    i = 0;
+    (wgmma_fragments_times_tile(products.acc, pf[i++], products.Y), ...);
+    wgmma_commit();
+    wgmma_wait<0>();
+    (wgmma_fence_operands(products.acc), ...);
+#pragma unroll
+    for (auto& fragments : pf) wgmma_fence_operands(fragments);
+  }
+
+ private:
+  __device__ static void c_to_a_all(uint32_t (&pf)[4][4], const float (&p)[8][4]) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) c_to_a<8>(pf[j], p, j);
+  }
+};
+#endif  // FLATMOE_WGMMA
+
+// grid (nh, B, ceil(T/64)); block 128. dK and dV of one 64-key tile of one head; warp w owns
+// keys k0 + 16w … k0 + 16w + 15.
+template <int HD, class Products>
+__global__ void __launch_bounds__(THREADS) backward_dkdv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                                const float* lse, const float* delta, int T, int nh) {
+  constexpr int ROW = Products::ROW, TE = TILE * ROW;
+  constexpr bool SWIZZLED = Products::SWIZZLED;
+  constexpr int QC = HD == 128 ? 32 : 64;  // query columns per Sᵀ chunk
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* K_s = aligned_tiles(smem_raw);                     // [64][64]
-  bf16* V_s = K_s + TE;                                    // [64][64]
-  bf16* Q_s = V_s + TE;                                    // [2][64][64]
-  bf16* dO_s = Q_s + 2 * TE;                               // [2][64][64]
+  bf16* K_s = Products::tiles(smem_raw);                    // [64][ROW]
+  bf16* V_s = K_s + TE;                                     // [64][ROW]
+  bf16* Q_s = V_s + TE;                                     // [2][64][ROW]
+  bf16* dO_s = Q_s + 2 * TE;                                // [2][64][ROW]
   float* lse_s = reinterpret_cast<float*>(dO_s + 2 * TE);  // [2][64]  lse·log2(e) of the query tile
-  float* delta_s = lse_s + 2 * TILE;                       // [2][64]
+  float* delta_s = lse_s + 2 * TILE;                        // [2][64]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.x, b = blockIdx.y;
   const int kt = blockIdx.z;  // key tile 0 (most query tiles) first
@@ -703,27 +655,27 @@ __global__ void __launch_bounds__(THREADS) backward_dkdv_wgmma_kernel(bf16* dqkv
   const float* delta_bh = delta + ((size_t)b * nh + h) * T;
   const float scale_log2 = LOG2E / sqrtf((float)HD);
 
-  auto stage = [&](int qt) {  // query tile qt into buffer qt & 1
+  // Stages query tile qt (Q, dO by cp.async; lse, delta by plain loads) into buffer qt & 1.
+  auto stage = [&](int qt) {
     const int q0 = qt * TILE, valid = min(TILE, T - q0), buf = qt & 1;
-    load_tile_async<HD, true>(Q_s + buf * TE, q_base + (size_t)q0 * stride, stride, valid);
-    load_tile_async<HD, true>(dO_s + buf * TE, dout_base + (size_t)q0 * H, H, valid);
+    load_tile_async<HD, SWIZZLED>(Q_s + buf * TE, q_base + (size_t)q0 * stride, stride, valid);
+    load_tile_async<HD, SWIZZLED>(dO_s + buf * TE, dout_base + (size_t)q0 * H, H, valid);
     for (int i = threadIdx.x; i < TILE; i += THREADS) {
       lse_s[buf * TILE + i] = i < valid ? lse_bh[q0 + i] * LOG2E : 0.f;
       delta_s[buf * TILE + i] = i < valid ? delta_bh[q0 + i] : 0.f;
     }
   };
-  load_tile_async<HD, true>(K_s, q_base + H + (size_t)k0 * stride, stride, min(TILE, T - k0));
-  load_tile_async<HD, true>(V_s, q_base + 2 * H + (size_t)k0 * stride, stride, min(TILE, T - k0));
+  load_tile_async<HD, SWIZZLED>(K_s, q_base + H + (size_t)k0 * stride, stride, min(TILE, T - k0));
+  load_tile_async<HD, SWIZZLED>(V_s, q_base + 2 * H + (size_t)k0 * stride, stride, min(TILE, T - k0));
   stage(kt);
   cp_async_commit();
 
-  float dk[8][4] = {}, dv[8][4] = {};
+  float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};  // keys (rows) key0, key0 + 8; columns 8nb + 2t, +1
   const int key0 = k0 + warp * 16 + g;
 
   for (int qt = kt; qt < q_tiles; qt++) {
     cp_async_wait_all();
-    fence_proxy_async_shared();
-    __syncthreads();  // query tile qt is in, visible to the MMAs; every MMA of qt − 1 has been waited for
+    Products::publish();  // query tile qt is in; every warp is done with the buffer of qt − 1
     if (qt + 1 < q_tiles) {
       stage(qt + 1);
       cp_async_commit();
@@ -732,53 +684,36 @@ __global__ void __launch_bounds__(THREADS) backward_dkdv_wgmma_kernel(bf16* dqkv
     const bf16* Qt = Q_s + buf * TE;
     const bf16* dOt = dO_s + buf * TE;
 
-    float st[8][4], dpt[8][4];
-    wgmma_fence();
-    wgmma_tile_times_tile_t(st, K_s, Qt);    // Sᵀ = K Qᵀ
-    wgmma_tile_times_tile_t(dpt, V_s, dOt);  // dPᵀ = V dOᵀ
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(st);
-    wgmma_fence_operands(dpt);
-    key_strip_grads<8>(st, dpt, lse_s + buf * TILE, delta_s + buf * TILE, q0, key0, qt == kt || q0 + TILE > T, T,
-                       scale_log2, t);
-
-    uint32_t pf[4][4], dsf[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      c_to_a<8>(pf[j], st, j);
-      c_to_a<8>(dsf[j], dpt, j);
+    // The query tile in chunks of QC columns (one chunk for hd 64; two for hd 128, where
+    // dK, dV take 128 registers and a 64-column Sᵀ, dPᵀ would spill).
+#pragma unroll 1
+    for (int c0 = 0; c0 < TILE; c0 += QC) {
+      float st[QC / 8][4], dpt[QC / 8][4];  // [nb][e]: key key0 + 8(e/2), query q0 + c0 + 8nb + 2t + (e%2)
+      Products::template scores_t<QC / 8>(st, K_s, Qt + c0 * ROW, dpt, V_s, dOt + c0 * ROW);  // Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
+      const bool edge = qt == kt || q0 + TILE > T;  // causal diagonal or queries past T
+      key_strip_grads<QC / 8>(st, dpt, lse_s + buf * TILE + c0, delta_s + buf * TILE + c0, q0 + c0, key0, edge, T,
+                              scale_log2, t);
+      Products::accumulate(FragmentsTimesTile<HD, QC / 8>{dv, st, dOt + c0 * ROW},   // dV += Pᵀ dO
+                           FragmentsTimesTile<HD, QC / 8>{dk, dpt, Qt + c0 * ROW});  // dK += dSᵀ Q
     }
-    wgmma_fence_operands(dv);
-    wgmma_fence_operands(dk);
-    wgmma_fence();
-    wgmma_fragments_times_tile(dv, pf, dOt);  // dV += Pᵀ dO
-    wgmma_fragments_times_tile(dk, dsf, Qt);  // dK += dSᵀ Q
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(dv);
-    wgmma_fence_operands(dk);
-    wgmma_fence_operands(pf);
-    wgmma_fence_operands(dsf);
   }
 
-  bf16* dk_rows = dqkv + (size_t)b * T * stride + H + (size_t)h * HD;
+  bf16* dk_rows = dqkv + (size_t)b * T * stride + H + (size_t)h * HD;  // dk of (b, t = 0, h)
   store_strip<HD>(dk_rows, stride, dk, key0, T, 1.f / sqrtf((float)HD), t);
   store_strip<HD>(dk_rows + H, stride, dv, key0, T, 1.f, t);
 }
 
-// backward_dq_kernel<64> on wgmma: grid (nh, B, ceil(T/64)); block 128.
-template <int HD>
-__global__ void __launch_bounds__(THREADS) backward_dq_wgmma_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
-                                                                    const float* lse, const float* delta, int T,
-                                                                    int nh) {
-  static_assert(HD == WG_HD, "the wgmma kernels take hd 64");
-  constexpr int TE = TILE * HD;
+// grid (nh, B, ceil(T/64)); block 128. dQ of one 64-query tile of one head.
+template <int HD, class Products>
+__global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                              const float* lse, const float* delta, int T, int nh) {
+  constexpr int TE = TILE * Products::ROW;
+  constexpr bool SWIZZLED = Products::SWIZZLED;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* Q_s = aligned_tiles(smem_raw);  // [64][64]
-  bf16* dO_s = Q_s + TE;                // [64][64]
-  bf16* K_s = dO_s + TE;                // [2][64][64]
-  bf16* V_s = K_s + 2 * TE;             // [2][64][64]
+  bf16* Q_s = Products::tiles(smem_raw);  // [64][ROW]
+  bf16* dO_s = Q_s + TE;                  // [64][ROW]
+  bf16* K_s = dO_s + TE;                  // [2][64][ROW]
+  bf16* V_s = K_s + 2 * TE;               // [2][64][ROW]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.x, b = blockIdx.y;
   const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
@@ -789,70 +724,52 @@ __global__ void __launch_bounds__(THREADS) backward_dq_wgmma_kernel(bf16* dqkv, 
   const bf16* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
   const float scale_log2 = LOG2E / sqrtf((float)HD);
 
-  load_tile_async<HD, true>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
-  load_tile_async<HD, true>(dO_s, dout_base + (size_t)q0 * H, H, min(TILE, T - q0));
-  load_tile_async<HD, true>(K_s, q_base + H, stride, min(TILE, T));
-  load_tile_async<HD, true>(V_s, q_base + 2 * H, stride, min(TILE, T));
+  load_tile_async<HD, SWIZZLED>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
+  load_tile_async<HD, SWIZZLED>(dO_s, dout_base + (size_t)q0 * H, H, min(TILE, T - q0));
+  load_tile_async<HD, SWIZZLED>(K_s, q_base + H, stride, min(TILE, T));
+  load_tile_async<HD, SWIZZLED>(V_s, q_base + 2 * H, stride, min(TILE, T));
   cp_async_commit();
 
-  const int row0 = q0 + warp * 16 + g;
+  const int row0 = q0 + warp * 16 + g;  // rows row0, row0 + 8
   float lse2[2], dlt[2];
   load_row_stats(lse2, dlt, lse + ((size_t)b * nh + h) * T, delta + ((size_t)b * nh + h) * T, row0, T);
-  float dq[8][4] = {};
+  float dq[HD / 8][4] = {};
 
   for (int kt = 0; kt <= qt; kt++) {
     cp_async_wait_all();
-    fence_proxy_async_shared();
-    __syncthreads();  // key tile kt is in, visible to the MMAs; every MMA of kt − 1 has been waited for
+    Products::publish();  // key tile kt is in; every warp is done with the buffer of kt − 1
     if (kt < qt) {
       const int k1 = (kt + 1) * TILE;
-      load_tile_async<HD, true>(K_s + ((kt + 1) & 1) * TE, q_base + H + (size_t)k1 * stride, stride, min(TILE, T - k1));
-      load_tile_async<HD, true>(V_s + ((kt + 1) & 1) * TE, q_base + 2 * H + (size_t)k1 * stride, stride,
-                                min(TILE, T - k1));
+      load_tile_async<HD, SWIZZLED>(K_s + ((kt + 1) & 1) * TE, q_base + H + (size_t)k1 * stride, stride,
+                                    min(TILE, T - k1));
+      load_tile_async<HD, SWIZZLED>(V_s + ((kt + 1) & 1) * TE, q_base + 2 * H + (size_t)k1 * stride, stride,
+                                    min(TILE, T - k1));
       cp_async_commit();
     }
     const bf16* Kt = K_s + (kt & 1) * TE;
     const bf16* Vt = V_s + (kt & 1) * TE;
+    const int k0 = kt * TILE;
 
-    float s[8][4], dp[8][4];
-    wgmma_fence();
-    wgmma_tile_times_tile_t(s, Q_s, Kt);   // S = Q Kᵀ
-    wgmma_tile_times_tile_t(dp, dO_s, Vt); // dP = dO Vᵀ
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(s);
-    wgmma_fence_operands(dp);
-    query_strip_grads(s, dp, lse2, dlt, row0, kt * TILE, kt == qt, T, scale_log2, t);
-
-    uint32_t dsf[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) c_to_a<8>(dsf[j], dp, j);
-    wgmma_fence_operands(dq);
-    wgmma_fence();
-    wgmma_fragments_times_tile(dq, dsf, Kt);  // dQ += dS K
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(dq);
-    wgmma_fence_operands(dsf);
+    float s[8][4], dp[8][4];  // [nb][e]: query row0 + 8(e/2), key k0 + 8nb + 2t + (e%2)
+    Products::template scores_t<8>(s, Q_s, Kt, dp, dO_s, Vt);  // S = Q Kᵀ (unscaled), dP = dO Vᵀ
+    query_strip_grads(s, dp, lse2, dlt, row0, k0, kt == qt, T, scale_log2, t);
+    Products::accumulate(FragmentsTimesTile<HD, 8>{dq, dp, Kt});  // dQ += dS K
   }
+
   store_strip<HD>(dqkv + (size_t)b * T * stride + (size_t)h * HD, stride, dq, row0, T, 1.f / sqrtf((float)HD), t);
 }
-
-// Shared memory of the wgmma kernels: 9 or 6 tiles of 8 KiB (+ the dK/dV kernel's lse and delta),
-// + 1024 bytes to align them.
-constexpr size_t WG_FORWARD_SMEM = 9 * WG_TILE_BYTES + 1024;
-constexpr size_t WG_DKDV_SMEM = 6 * WG_TILE_BYTES + sizeof(float) * 4 * TILE + 1024;
-constexpr size_t WG_DQ_SMEM = 6 * WG_TILE_BYTES + 1024;
-#endif  // FLATMOE_WGMMA
 
 // ---- shared-memory sizes ------------------------------------------------------------------
 
 template <int HD, int MB>
 inline size_t forward_smem() { return sizeof(bf16) * (MB + 4) * tile_elems<HD>(); }
-template <int HD>
-inline size_t dkdv_smem() { return sizeof(bf16) * 6 * tile_elems<HD>() + sizeof(float) * 4 * TILE; }
-template <int HD>
-inline size_t dq_smem() { return sizeof(bf16) * 6 * tile_elems<HD>(); }
+// the backward kernels: 6 tiles (+ the dK/dV kernel's lse and delta), + the tiles' alignment
+template <int HD, class Products>
+inline size_t dkdv_smem() {
+  return sizeof(bf16) * 6 * TILE * Products::ROW + sizeof(float) * 4 * TILE + Products::ALIGN_BYTES;
+}
+template <int HD, class Products>
+inline size_t dq_smem() { return sizeof(bf16) * 6 * TILE * Products::ROW + Products::ALIGN_BYTES; }
 
 // ---- launchers (sizes already checked by attention.cuh's attention_check_sizes) ------------
 
@@ -883,18 +800,20 @@ inline void forward_hd(bf16* out, float* lse, const bf16* qkv, int B, int T, int
   launchCheck("attention_forward", "tensor-core kernel: B=%d T=%d nh=%d hd=%d strips=%d", B, T, nh, HD, MB);
 }
 
-template <int HD>
+// The backward in either form (Products above): the dK/dV kernel, then the dQ kernel.
+template <int HD, class Products>
 inline void backward_hd(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B,
                         int T, int nh, cudaStream_t stream) {
   const dim3 grid(nh, B, ceil_div(T, TILE));
-  const size_t smem_dkdv = dkdv_smem<HD>();
-  allow_smem("attention_backward", backward_dkdv_kernel<HD>, smem_dkdv, B, T, nh, HD);
-  backward_dkdv_kernel<HD><<<grid, THREADS, smem_dkdv, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
-  launchCheck("attention_backward", "tensor-core dK/dV kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
-  const size_t smem_dq = dq_smem<HD>();
-  allow_smem("attention_backward", backward_dq_kernel<HD>, smem_dq, B, T, nh, HD);
-  backward_dq_kernel<HD><<<grid, THREADS, smem_dq, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
-  launchCheck("attention_backward", "tensor-core dQ kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
+  const char* form = Products::SWIZZLED ? "wgmma" : "tensor-core";
+  const size_t smem_dkdv = dkdv_smem<HD, Products>();
+  allow_smem("attention_backward", backward_dkdv_kernel<HD, Products>, smem_dkdv, B, T, nh, HD);
+  backward_dkdv_kernel<HD, Products><<<grid, THREADS, smem_dkdv, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  launchCheck("attention_backward", "%s dK/dV kernel: B=%d T=%d nh=%d hd=%d", form, B, T, nh, HD);
+  const size_t smem_dq = dq_smem<HD, Products>();
+  allow_smem("attention_backward", backward_dq_kernel<HD, Products>, smem_dq, B, T, nh, HD);
+  backward_dq_kernel<HD, Products><<<grid, THREADS, smem_dq, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  launchCheck("attention_backward", "%s dQ kernel: B=%d T=%d nh=%d hd=%d", form, B, T, nh, HD);
 }
 
 #if defined(FLATMOE_WGMMA)
@@ -907,13 +826,7 @@ inline void forward_wgmma(bf16* out, float* lse, const bf16* qkv, int B, int T, 
 
 inline void backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B,
                            int T, int nh, cudaStream_t stream) {
-  const dim3 grid(nh, B, ceil_div(T, TILE));
-  allow_smem("attention_backward", backward_dkdv_wgmma_kernel<WG_HD>, WG_DKDV_SMEM, B, T, nh, WG_HD);
-  backward_dkdv_wgmma_kernel<WG_HD><<<grid, THREADS, WG_DKDV_SMEM, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
-  launchCheck("attention_backward", "wgmma dK/dV kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, WG_HD);
-  allow_smem("attention_backward", backward_dq_wgmma_kernel<WG_HD>, WG_DQ_SMEM, B, T, nh, WG_HD);
-  backward_dq_wgmma_kernel<WG_HD><<<grid, THREADS, WG_DQ_SMEM, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
-  launchCheck("attention_backward", "wgmma dQ kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, WG_HD);
+  backward_hd<WG_HD, WgmmaProducts>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
 }
 #endif
 
@@ -926,8 +839,8 @@ inline void forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh
 
 inline void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B, int T,
                      int nh, int hd, cudaStream_t stream) {
-  if (hd == 64) backward_hd<64>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
-  else if (hd == 128) backward_hd<128>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
+  if (hd == 64) backward_hd<64, MmaSyncProducts<64>>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
+  else if (hd == 128) backward_hd<128, MmaSyncProducts<128>>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
   else fm_fail("attention_backward", "tensor-core kernels take hd 64 or 128", "B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
 }
 
