@@ -605,7 +605,7 @@ inline int grouped_gemm_sms(const char* op) {
 // The tile shape of the wgmma form (header): wide tiles (128 × 256, one persistent block per SM) for
 // the forward and input-gradient forms when a launch has at least GGEMM_WIDE_MIN_WAVES waves of them;
 // 128 × 128 otherwise, for the weight gradients always (measured, notes/speed.md L: the wide tiles
-// gain 6–16 % on B1's h13, y, da and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the default
+// gain 8–18 % on B1's h13, y, da and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the default
 // model's smaller layers). The mma.sync form has only 128 × 128.
 enum class GroupedGemmTiles { Narrow, Wide };
 static const int GGEMM_WIDE_MIN_WAVES = 4;
