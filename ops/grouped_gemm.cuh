@@ -274,7 +274,7 @@ struct RoutedTiles {
   unsigned int first_tile[GGEMM_PROBLEMS_PER_LAUNCH + 1];  // [place]: that problem's first tile; [G]: all tiles
 };
 
-// Fills `routed` from the launch's offsets (warp 0; the caller synchronises the block before reading it).
+// Fills `routed` from the launch's offsets (warp 0; routed_tiles synchronises the block after it).
 template <bool TRANS_A>
 __device__ __forceinline__ void lay_out_routed_tiles(const GroupedGemmBatch& batch, RoutedTiles& routed) {
   constexpr int G = GGEMM_PROBLEMS_PER_LAUNCH;
@@ -315,6 +315,18 @@ __device__ __forceinline__ void lay_out_routed_tiles(const GroupedGemmBatch& bat
   if (threadIdx.x == 31) routed.first_tile[G] = through;
 }
 
+// A routed launch's tiles, laid out once in this block's shared memory by its first warp; every thread
+// returns once they are. Unset for a launch without route offsets.
+template <bool TRANS_A>
+__device__ __forceinline__ const RoutedTiles& routed_tiles(const GroupedGemmBatch& batch) {
+  __shared__ RoutedTiles routed;
+  if (batch.route_offsets) {
+    lay_out_routed_tiles<TRANS_A>(batch, routed);
+    __syncthreads();
+  }
+  return routed;
+}
+
 // The launch's tile number `index`: its problem p and its tile within p; false: no such tile (past a
 // routed launch's tiles, or past the launch's). `routed`: lay_out_routed_tiles's, for a routed launch.
 template <bool TRANS_A>
@@ -339,19 +351,6 @@ __device__ __forceinline__ bool tile_problem(const GroupedGemmBatch& batch, cons
     move_to_routes(p, first, batch.route_offsets[g + 1] - first, TRANS_A, lda, ldb, ldc);
   }
   return true;
-}
-
-// This block's problem p and its tile within p; false: the block has no tile (a routed launch's
-// surplus block). Uniform over the block.
-template <bool TRANS_A>
-__device__ __forceinline__ bool block_problem(const GroupedGemmBatch& batch, int lda, int ldb, int ldc, Problem& p,
-                                              int& tile) {
-  __shared__ RoutedTiles routed;
-  if (batch.route_offsets) {
-    lay_out_routed_tiles<TRANS_A>(batch, routed);
-    __syncthreads();
-  }
-  return tile_problem<TRANS_A>(batch, routed, blockIdx.x, lda, ldb, ldc, p, tile);
 }
 
 // Stores one C fragment row pair of a 16-row strip: the 8-column blocks j < BLOCKS hold, in acc[4j …
@@ -389,7 +388,7 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemm
   bf16* b_ring = shared + STAGES * A_TILE;  // STAGES tiles of op(B)
   Problem p;
   int tile;
-  if (!block_problem<TRANS_A>(batch, lda, ldb, ldc, p, tile)) return;
+  if (!tile_problem<TRANS_A>(batch, routed_tiles<TRANS_A>(batch), blockIdx.x, lda, ldb, ldc, p, tile)) return;  // a routed launch's surplus block
   const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * BN;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
@@ -496,11 +495,7 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
   const uint32_t aligned = (shared_start + 1023) & ~1023u;  // the swizzle needs 1024-byte aligned tiles
   uint8_t* a_ring = shared_bytes + (aligned - shared_start);  // STAGES tiles of op(A)
   uint8_t* b_ring = a_ring + STAGES * A_TILE_BYTES;           // STAGES tiles of op(B)
-  __shared__ RoutedTiles routed;
-  if (batch.route_offsets) {
-    lay_out_routed_tiles<TRANS_A>(batch, routed);
-    __syncthreads();
-  }
+  const RoutedTiles& routed = routed_tiles<TRANS_A>(batch);
   const int warpgroup = threadIdx.x / 128;  // rows 64·warpgroup … +63 of the tile
 
   // k-tile kt of the tile at (m0, n0) of problem p into ring slot kt % STAGES
