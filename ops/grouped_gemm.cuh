@@ -388,7 +388,8 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemm
   bf16* b_ring = shared + STAGES * A_TILE;  // STAGES tiles of op(B)
   Problem p;
   int tile;
-  if (!tile_problem<TRANS_A>(batch, routed_tiles<TRANS_A>(batch), blockIdx.x, lda, ldb, ldc, p, tile)) return;  // a routed launch's surplus block
+  // false: a routed launch's surplus block
+  if (!tile_problem<TRANS_A>(batch, routed_tiles<TRANS_A>(batch), blockIdx.x, lda, ldb, ldc, p, tile)) return;
   const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * BN;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
@@ -432,7 +433,8 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemm
   // each 16-row strip's C fragments: (row g or g + 8, columns 2t, 2t + 1) of each 16 × 8 block
 #pragma unroll
   for (int mt = 0; mt < MT; mt++)
-    store_c_fragments<NT>(p, m0 + warp_row + mt * 16 + lane / 4, n0 + warp_col + 2 * (lane % 4), &acc[mt][0][0], ldc, beta);
+    store_c_fragments<NT>(p, m0 + warp_row + mt * 16 + lane / 4, n0 + warp_col + 2 * (lane % 4), &acc[mt][0][0], ldc,
+                          beta);
 }
 
 #if defined(FLATMOE_WGMMA)
@@ -527,7 +529,7 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
     for (int kt = 0; kt < k_tiles; kt++) {
       cp_async_wait<AHEAD - 1>();  // k-tile kt has landed (this thread's copies) …
       fence_proxy_async_shared();  // … is visible to the MMA's reads …
-      __syncthreads();             // … everyone's; and both warpgroups are done with slot (kt − 1 − IN_FLIGHT) % STAGES
+      __syncthreads();             // … everyone's; both warpgroups are done with slot (kt − 1 − IN_FLIGHT) % STAGES
       if (kt + AHEAD < k_tiles) load_stage(p, m0, n0, kt + AHEAD);
       cp_async_commit();
       const uint32_t a_tile = smem_addr(a_ring + (kt % STAGES) * A_TILE_BYTES);
@@ -536,7 +538,8 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
       wgmma_fence_operands(acc);
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ks++) {
-        const uint64_t a = tile_descriptor<!TRANS_A>(a_tile, 64 * warpgroup, ks), b = tile_descriptor<TRANS_B>(b_tile, 0, ks);
+        const uint64_t a = tile_descriptor<!TRANS_A>(a_tile, 64 * warpgroup, ks);
+        const uint64_t b = tile_descriptor<TRANS_B>(b_tile, 0, ks);
         if constexpr (TILE_N == 128) wgmma_m64n128k16<TRANS_A, !TRANS_B>(acc, a, b, 1);
         else wgmma_m64n256k16<TRANS_A, !TRANS_B>(acc, a, b, 1);
       }
@@ -550,7 +553,8 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
     Problem next_p;
     int next_tile;
     index += gridDim.x;
-    const bool more = Tiles::PERSISTENT && tile_problem<TRANS_A>(batch, routed, index, lda, ldb, ldc, next_p, next_tile);
+    const bool more =
+        Tiles::PERSISTENT && tile_problem<TRANS_A>(batch, routed, index, lda, ldb, ldc, next_p, next_tile);
     if (more) {         // the next tile's first k-tiles are copied while this one's C is stored
       __syncthreads();  // both warpgroups are done reading the ring
       load_first_stages(next_p, (next_tile / next_p.tiles_n) * BM, (next_tile % next_p.tiles_n) * TILE_N);
@@ -592,8 +596,8 @@ inline bool grouped_gemm_mma_fits(const GroupedGemmProblems& problems, bool tran
 inline int grouped_gemm_sms(const char* op) {
   int device = 0, sms = 0;
   cudaCheck(cudaGetDevice(&device), op, "grouped_gemm: current device");
-  cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), op, "grouped_gemm: SM count of device %d",
-            device);
+  cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), op,
+            "grouped_gemm: SM count of device %d", device);
   return sms;
 }
 
@@ -818,8 +822,8 @@ inline void grouped_gemm(const char* op, const GroupedGemmProblems& problems, bo
   }
   if (problems.list.empty()) return;
   if (grouped_gemm_takes_kernel(problems, transA, transB, lda, ldb, ldc))
-    grouped_gemm_mma(op, problems, transA, transB, lda, ldb, ldc, beta, grouped_gemm_tiles(problems, transA, grouped_gemm_sms(op)),
-                     stream);
+    grouped_gemm_mma(op, problems, transA, transB, lda, ldb, ldc, beta,
+                     grouped_gemm_tiles(problems, transA, grouped_gemm_sms(op)), stream);
   else if (problems.route_offsets)
     grouped_gemm(op, grouped_gemm_routes_on_host(op, problems, transA, lda, ldb, ldc, stream), transA, transB, lda, ldb,
                  ldc, beta, stream);
