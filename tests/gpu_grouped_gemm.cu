@@ -1,11 +1,13 @@
 // GPU tests of ops/grouped_gemm.cuh: every problem of a grouped call against the double-precision
 // product of the same (floatX) inputs, per problem, within the per-operator tolerance; the four
 // storage forms of A and B the kernel reads; beta 1 (the weight gradients' +=); problems whose sizes
-// are multiples of no tile (M, N, K past the 128 × 128 × 32 tiles, M = 1, K = 1); more problems than
-// one launch takes; bytes of C outside the problems untouched; a replay bit-identical (memcmp). In
-// the BF16 build the shapes here take flatmoe's tensor-core kernel (asserted), except one that its
-// requirements send to cuBLAS; in the FP32 build every call is cuBLAS's. On the host (runs in CI):
-// which calls grouped_gemm gives to which implementation.
+// are multiples of no tile (M, N, K past the 128 × 128 × 64 tiles, M = 1, K = 1); more problems than
+// one launch takes; more tiles than the GPU has SMs; bytes of C outside the problems untouched; a
+// replay bit-identical (memcmp). In the BF16 build the shapes here take flatmoe's tensor-core kernel
+// (asserted), except one that its requirements send to cuBLAS; in the wgmma form every check runs
+// through grouped_gemm and in each tile shape forced (narrow 128 × 128, wide 128 × 256). In the FP32
+// build every call is cuBLAS's. On the host (runs in CI): which calls grouped_gemm gives to which
+// implementation, and which tile shape.
 #include <algorithm>
 #include <array>
 #include <cstring>
