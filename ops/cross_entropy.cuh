@@ -13,8 +13,9 @@
 // A target outside [0, V) gives a NaN loss and a NaN gradient row (no read outside the row).
 //
 // Determinism: one block per row; each thread folds its strided columns (in 16-byte pieces when the
-// rows are whole pieces and aligned, common.cuh's ROW_PIECE) into a running (max, sum-exp) pair, and the pairs are combined by a warp xor butterfly (the combine is
-// commutative, so every lane gets the same value) and then across warps in warp order.
+// rows are whole pieces and aligned, common.cuh's ROW_PIECE) into a running (max, sum-exp) pair, and
+// the pairs are combined by a fixed warp xor butterfly (the combine is commutative, so every lane gets
+// the same value), then the warps' pairs by the same butterfly in warp 0.
 //
 // Memory: none of its own in the three launchers. The output head at the end of this file (the
 // seam of notes/design.md §1.1, --head full) owns its logits: N·V·b (Logits) + 2·N·4 B (losses, lse).
@@ -44,35 +45,38 @@ __device__ inline CrossEntropyOnlineLse cross_entropy_combine(CrossEntropyOnline
 
 // (m, s) of one row's `width` values, in thread 0 of the block (the other threads' results are
 // partial): each thread folds its strided pieces of NV consecutive columns (common.cuh: NV =
-// ROW_PIECE when the row is whole 16-byte pieces, else 1), a warp xor butterfly combines the lanes
-// (every lane gets the same value), and thread 0 combines the warps in warp order. Call with all threads.
+// ROW_PIECE when the row is whole 16-byte pieces, else 1) — per piece, the running max is raised to
+// the piece's max first, so the piece costs one rescale and NV independent exponentials, not a
+// chain of NV dependent ones —, a warp xor butterfly combines the lanes (every lane gets the same
+// value: the combine is commutative), and warp 0 combines the warps' pairs by the same butterfly.
+// Call with all threads.
 template <int NV, typename T>
 __device__ CrossEntropyOnlineLse row_online_lse(const T* z, int width) {
   __shared__ CrossEntropyOnlineLse warp_acc[32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   CrossEntropyOnlineLse acc{-INFINITY, 0.f};
+#pragma unroll 4
   for (int c = threadIdx.x; c < width / NV; c += blockDim.x) {
     const Pack<T, NV> v = reinterpret_cast<const Pack<T, NV>*>(z)[c];
+    float m = acc.m;
 #pragma unroll
-    for (int e = 0; e < NV; e++) {
-      const float zj = to_float(v.v[e]);
-      if (zj > acc.m) {
-        acc.s = acc.s * expf(acc.m - zj) + 1.f;
-        acc.m = zj;
-      } else {
-        acc.s += expf(zj - acc.m);
-      }
-    }
+    for (int e = 0; e < NV; e++) m = fmaxf(m, to_float(v.v[e]));
+    float s = acc.m == -INFINITY ? 0.f : acc.s * expf(acc.m - m);
+#pragma unroll
+    for (int e = 0; e < NV; e++) s += expf(to_float(v.v[e]) - m);
+    acc = CrossEntropyOnlineLse{m, s};
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    CrossEntropyOnlineLse other{__shfl_xor_sync(0xffffffff, acc.m, o), __shfl_xor_sync(0xffffffff, acc.s, o)};
-    acc = cross_entropy_combine(acc, other);
-  }
+  auto butterfly = [](CrossEntropyOnlineLse a) {
+    for (int o = 16; o > 0; o >>= 1)
+      a = cross_entropy_combine(a, CrossEntropyOnlineLse{__shfl_xor_sync(0xffffffff, a.m, o),
+                                                         __shfl_xor_sync(0xffffffff, a.s, o)});
+    return a;
+  };
+  acc = butterfly(acc);
   if (lane == 0) warp_acc[warp] = acc;
   __syncthreads();
-  CrossEntropyOnlineLse total = warp_acc[0];
-  if (threadIdx.x == 0)
-    for (int i = 1; i < num_warps; i++) total = cross_entropy_combine(total, warp_acc[i]);
+  CrossEntropyOnlineLse total{-INFINITY, 0.f};
+  if (warp == 0) total = butterfly(lane < num_warps ? warp_acc[lane] : CrossEntropyOnlineLse{-INFINITY, 0.f});
   return total;
 }
 
