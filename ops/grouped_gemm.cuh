@@ -119,6 +119,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include "common.cuh"
 #include "mma.cuh"
@@ -139,7 +140,7 @@ struct GroupedGemmProblem {
 namespace ggemm {
 
 typedef __nv_bfloat16 bf16;
-constexpr int BM = 128, BN = 128, BK = 64;  // C tile and k-step of a block (mma.sync; wgmma: BN per shape below)
+constexpr int BM = 128, BK = 64;  // rows of a C tile and the k-step of a block, in both forms
 // The wgmma form's two tile shapes (header; grouped_gemm_tiles picks one per call). Both have two
 // warpgroups, each 64 rows × all BN columns of the tile, and a ring of STAGES k-tiles, with the copy
 // of k-tile kt + AHEAD in flight while kt is multiplied (AHEAD = STAGES − 1 − IN_FLIGHT); IN_FLIGHT:
@@ -152,8 +153,10 @@ struct WideTiles {  // 128 × 256, 192 KiB: one block per SM, looping over the l
   static constexpr int BN = 256, STAGES = 4, IN_FLIGHT = 1;
   static constexpr bool PERSISTENT = true;
 };
+// the mma.sync form: the narrow tiles, 4 warps
+constexpr int BN = NarrowTiles::BN;         // columns of a C tile
+constexpr int STAGES = NarrowTiles::STAGES; // shared-memory tiles in flight per operand
 constexpr int WARPS_M = 2, WARPS_N = 2;     // warps per block: rows × columns of the C tile
-constexpr int STAGES = 3;                   // shared-memory tiles in flight per operand
 constexpr int THREADS = 32 * WARPS_M * WARPS_N;
 constexpr int WARP_M = BM / WARPS_M, WARP_N = BN / WARPS_N;  // a warp's piece of C
 constexpr int MT = WARP_M / 16, NT = WARP_N / 8;             // its 16 × 8 MMA blocks
@@ -638,7 +641,7 @@ inline void grouped_gemm_mma_launch(const char* op, const GroupedGemmBatch& batc
   const unsigned int blocks =
       Tiles::PERSISTENT ? std::min(batch.tiles, (unsigned)(sms * ggemm::wgmma_blocks_per_sm<Tiles>())) : batch.tiles;
 #else
-  static_assert(Tiles::BN == ggemm::BN && !Tiles::PERSISTENT, "the mma.sync form's tiles");
+  static_assert(std::is_same<Tiles, ggemm::NarrowTiles>::value, "the mma.sync form has the narrow tiles only");
   const auto kernel = ggemm::grouped_gemm_kernel<TRANS_A, TRANS_B>;
   const int threads = ggemm::THREADS;
   const size_t shared = ggemm::SHARED_BYTES;
