@@ -65,9 +65,9 @@ inline void matmul_gemm(const char* op_name, cublasOperation_t op_a, cublasOpera
               op_name, "N=%d IC=%d OC=%d type=%s out=%s", N, IC, OC, MatmulTypes<T>::name, MatmulTypes<TC>::name);
 }
 
-// out [N, OC] (=) = x [N, IC] · W [OC, IC]ᵀ
-template <typename T>
-inline void matmul_forward(T* out, const T* x, const T* W, int N, int IC, int OC, cudaStream_t stream) {
+// out [N, OC] (=) = x [N, IC] · W [OC, IC]ᵀ; out of type T, or fp32 (TO) beside bf16 x and W.
+template <typename T, typename TO>
+inline void matmul_forward(TO* out, const T* x, const T* W, int N, int IC, int OC, cudaStream_t stream) {
   if (N == 0 || OC == 0) return;
   if (IC <= 0) fm_fail("matmul_forward", "IC must be positive", "N=%d IC=%d OC=%d", N, IC, OC);
   matmul_gemm("matmul_forward", CUBLAS_OP_T, CUBLAS_OP_N, OC, N, IC, W, IC, x, IC, 0.0f, out, OC, N, IC, OC, stream);
@@ -83,9 +83,9 @@ inline void matmul_backward_dx(TD* dx, const T* dout, const T* W, int N, int IC,
               IC, N, IC, OC, stream);
 }
 
-// dW [OC, IC] (+=) doutᵀ [OC, N] · x [N, IC]
-template <typename T>
-inline void matmul_backward_dW(T* dW, const T* dout, const T* x, int N, int IC, int OC, cudaStream_t stream) {
+// dW [OC, IC] (+=) doutᵀ [OC, N] · x [N, IC]; dW of type T, or fp32 (TW) beside bf16 dout and x.
+template <typename T, typename TW>
+inline void matmul_backward_dW(TW* dW, const T* dout, const T* x, int N, int IC, int OC, cudaStream_t stream) {
   if (N == 0 || IC == 0 || OC == 0) return;
   matmul_gemm("matmul_backward.dW", CUBLAS_OP_N, CUBLAS_OP_T, IC, OC, N, x, IC, dout, OC, 1.0f, dW, IC, N, IC, OC,
               stream);

@@ -3,12 +3,21 @@
 // dlogits) and ref/matmul.hpp (the logits GEMM and its gradients).
 //
 // Precision: FP32 in both builds (notes/design.md §3). Only the inputs x, W and the gradients dx, dW are
-// floatX; logits, scores, selection keys, weights, dlogits and the three GEMMs are fp32 (never TF32:
-// ops/matmul.cuh on float operands): bf16 logits change routing decisions, and the router's own
-// roundings should not add to the error its gradient inherits from its bf16 inputs.
+// floatX; logits, scores, selection keys, weights, dlogits and the three GEMMs are fp32 (never TF32):
+// bf16 logits change routing decisions, and the router's own roundings should not add to the error
+// its gradient inherits from its bf16 inputs. How the GEMMs stay fp32:
+//   FP32 build: plain fp32 GEMMs (ops/matmul.cuh on float operands, pedantic).
+//   BF16 build: bf16 tensor-core GEMMs that round no operand. x and W are bf16 already, so each
+//   product x·w is exact in fp32 and the products are summed in fp32. The fp32 dlogits is first
+//   split into three bf16 parts whose sum is exactly the fp32 value (hi = bf16(d), mid = bf16(d − hi),
+//   lo = d − hi − mid, which fits bf16's 8 bits), laid side by side as a K = 3E operand:
+//     dx = [hi mid lo] · [W; W; W]               one GEMM, K = 3E, rounded once to bf16
+//     ΔW = hiᵀx + midᵀx + loᵀx                   one GEMM → [3E, H] fp32 parts, folded in that order
+//   The only difference from a SIMT fp32 GEMM is the order and rounding of the fp32 additions inside
+//   the tensor cores (tests/gpu_router.cu holds logits to 1e-5 and dx, dW to one rounding in both builds).
 //
 // Per token n (N tokens, H hidden, E experts, k top-k):
-//   logits[n] = x[n] · Wᵀ (router_logits_forward: x and W converted exactly to fp32, fp32 GEMM)
+//   logits[n] = x[n] · Wᵀ (router_logits_forward, an fp32 GEMM: see Precision)
 //   s = softmax(logits[n]) over E (score_fn ROUTER_SOFTMAX) or sigmoid(logits[n]) (ROUTER_SIGMOID)
 //   topk_idx[n,:] = the k experts with the largest s_e + bias_e, in descending order of s + bias;
 //                   equal keys go to the LOWER expert index first (same rule as the reference)
@@ -34,11 +43,11 @@
 // Limits of the selection and its backward: E ≤ ROUTER_MAX_E (256), k ≤ ROUTER_MAX_K (8), k ≤ E;
 // larger sizes are refused.
 // Memory: router_forward, router_backward, router_weights, router_count_loads, router_add_loads allocate nothing.
-// router_logits_forward / router_logits_backward take fp32 copies from the pool (Workspace), at
-// most router_logits_workspace_bytes(N,H,E) = 4·H·(N + E) bytes live at once (forward: x and W;
-// backward: W and dx, then x and ΔW), all freed before they return (stream-ordered: later work on
-// the same stream may reuse them); cuBLAS's own workspace is the pool's (cublas_on). The FP32 build
-// runs the same code: its conversions are plain copies.
+// router_logits_forward allocates nothing. router_logits_backward (BF16 build) takes from the pool
+// (Workspace) the split dlogits [N, 3E] bf16 and, one after the other, [W; W; W] [3E, H] bf16 and
+// the fp32 parts of ΔW [3E, H]: at most router_logits_workspace_bytes(N,H,E) = 6·N·E + 12·E·H bytes
+// live at once, all freed before it returns (stream-ordered). The FP32 build's backward allocates
+// nothing. cuBLAS's own workspace is the pool's (cublas_on).
 // Kernels: one warp per token; every reduction is a fixed xor-butterfly over the warp (all lanes end
 // with the same bits), so results are deterministic. Loads use integer atomics (exact).
 #pragma once
@@ -211,6 +220,35 @@ static __global__ void router_weights_kernel(float* topk_w, const float* scores,
   }
 }
 
+#if defined(FLATMOE_BF16)
+// One thread per element of dlogits [N,E]: its three bf16 parts, hi + mid + lo == d exactly (d − hi
+// and d − hi − mid are exact in fp32, and the last remainder has at most 8 significant bits; values
+// below 2^-100 in magnitude would lose bits to bf16's subnormals). Row n of parts [N, 3E] is
+// (hi[0..E), mid[0..E), lo[0..E)).
+static __global__ void router_split_dlogits_kernel(__nv_bfloat16* parts, const float* dlogits, int N, int E) {
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)N * E) return;
+  const size_t n = i / E, e = i % E;
+  const float d = dlogits[i];
+  const __nv_bfloat16 hi = __float2bfloat16_rn(d);
+  const float after_hi = d - __bfloat162float(hi);
+  const __nv_bfloat16 mid = __float2bfloat16_rn(after_hi);
+  const __nv_bfloat16 lo = __float2bfloat16_rn(after_hi - __bfloat162float(mid));
+  __nv_bfloat16* row = parts + n * 3 * E;
+  row[e] = hi;
+  row[E + e] = mid;
+  row[2 * E + e] = lo;
+}
+
+// dW [E,H] (+=): dW = bf16(float(dW) + ((ΔW_hi + ΔW_mid) + ΔW_lo)), one rounding; parts [3E,H] fp32.
+static __global__ void router_fold_weight_grad_kernel(__nv_bfloat16* dW, const float* parts, size_t EH) {
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= EH) return;
+  const float update = (parts[i] + parts[EH + i]) + parts[2 * EH + i];
+  dW[i] = __float2bfloat16_rn(__bfloat162float(dW[i]) + update);
+}
+#endif
+
 // Histogram in shared memory (E ints), then one integer atomic per expert per block.
 static __global__ void router_count_loads_kernel(int* loads, const int* topk_idx, size_t routes, int E) {
   extern __shared__ int block_loads[];
@@ -239,24 +277,24 @@ inline void router_check_logits_sizes(const char* op, int N, int H, int E) {
   if (N < 0 || H < 1 || E < 1) fm_fail(op, "need N >= 0, H >= 1, E >= 1", "N=%d H=%d E=%d", N, H, E);
 }
 
-// Workspace bytes that router_logits_forward / router_logits_backward hold at most at once: fp32
-// copies of x [N,H] and W [E,H] (forward); of W and dx [N,H], then of x and ΔW [E,H] (backward).
+// Workspace bytes that router_logits_backward holds at most at once (the forward holds none): in the
+// BF16 build the split dlogits [N,3E] bf16 beside the larger of [W; W; W] [3E,H] bf16 and the fp32
+// parts of ΔW [3E,H]; none in the FP32 build.
 inline size_t router_logits_workspace_bytes(int N, int H, int E) {
-  return sizeof(float) * (size_t)H * ((size_t)N + (size_t)E);
+#if defined(FLATMOE_BF16)
+  return 2 * 3 * (size_t)N * E + 4 * 3 * (size_t)E * H;
+#else
+  (void)N, (void)H, (void)E;
+  return 0;
+#endif
 }
 
-// logits [N,E] (=, fp32) = x [N,H] · W [E,H]ᵀ in FP32 (no TF32): x and W are converted (exactly) to
-// fp32 Workspace copies, freed before return.
+// logits [N,E] (=, fp32) = x [N,H] · W [E,H]ᵀ: an fp32 GEMM on the floatX operands (see Precision).
 inline void router_logits_forward(float* logits, const floatX* x, const floatX* W, int N, int H, int E,
                                   cudaStream_t stream) {
   router_check_logits_sizes("router_logits_forward", N, H, E);
   if (N == 0) return;
-  const size_t NH = (size_t)N * H, EH = (size_t)E * H;
-  DeviceBuffer<float> x_fp32(NH, Mem::Workspace, "router_logits_forward.x_fp32");
-  DeviceBuffer<float> W_fp32(EH, Mem::Workspace, "router_logits_forward.W_fp32");
-  convert(x_fp32.ptr, x, NH, stream);
-  convert(W_fp32.ptr, W, EH, stream);
-  matmul_forward(logits, x_fp32.ptr, W_fp32.ptr, N, H, E, stream);
+  matmul_forward(logits, x, W, N, H, E, stream);
 }
 
 // topk_idx [N,k] (=), topk_w [N,k] (=), scores [N,E] (=, saved for backward) from logits [N,E], bias [E].
@@ -281,28 +319,34 @@ inline void router_backward(float* dlogits, const float* dtopk_w, const float* s
 
 // dx [N,H] (=) = dlogits [N,E] · W [E,H], in fp32, rounded once to floatX;
 // dW [E,H] (+=) dlogitsᵀ · x: ΔW summed in fp32, then added to dW with one rounding.
-// The fp32 copies are Workspace, freed before return (see router_logits_workspace_bytes).
+// BF16 build: through dlogits' three bf16 parts (see Precision), Workspace freed before return.
 inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits, const floatX* x, const floatX* W,
                                    int N, int H, int E, cudaStream_t stream) {
   const char* op = "router_logits_backward";
   router_check_logits_sizes(op, N, H, E);
   if (N == 0) return;  // dx has no rows, ΔW = 0
-  const size_t NH = (size_t)N * H, EH = (size_t)E * H;
-  {  // dx: fp32 copies of W and dx live
-    DeviceBuffer<float> W_fp32(EH, Mem::Workspace, "router_logits_backward.W_fp32");
-    DeviceBuffer<float> dx_fp32(NH, Mem::Workspace, "router_logits_backward.dx_fp32");
-    convert(W_fp32.ptr, W, EH, stream);
-    matmul_backward_dx(dx_fp32.ptr, dlogits, W_fp32.ptr, N, H, E, stream);
-    convert(dx, dx_fp32.ptr, NH, stream);
+#if defined(FLATMOE_BF16)
+  const size_t NE = (size_t)N * E, EH = (size_t)E * H;
+  DeviceBuffer<floatX> dlogits_parts(3 * NE, Mem::Workspace, "router_logits_backward.dlogits_parts");
+  router_split_dlogits_kernel<<<ceil_div(NE, 256), 256, 0, stream>>>(dlogits_parts.ptr, dlogits, N, E);
+  launchCheck(op, "split N=%d E=%d", N, E);
+  {  // dx = [hi mid lo] · [W; W; W]
+    DeviceBuffer<floatX> W_thrice(3 * EH, Mem::Workspace, "router_logits_backward.W_thrice");
+    for (int part = 0; part < 3; part++)
+      cudaCheck(cudaMemcpyAsync(W_thrice.ptr + part * EH, W, EH * sizeof(floatX), cudaMemcpyDeviceToDevice, stream), op,
+                "N=%d H=%d E=%d", N, H, E);
+    matmul_backward_dx(dx, dlogits_parts.ptr, W_thrice.ptr, N, H, 3 * E, stream);
   }
-  {  // dW: fp32 copies of x and ΔW live
-    DeviceBuffer<float> x_fp32(NH, Mem::Workspace, "router_logits_backward.x_fp32");
-    DeviceBuffer<float> dW_fp32(EH, Mem::Workspace, "router_logits_backward.dW_fp32");
-    convert(x_fp32.ptr, x, NH, stream);
-    cudaCheck(cudaMemsetAsync(dW_fp32.ptr, 0, EH * sizeof(float), stream), op, "N=%d H=%d E=%d", N, H, E);
-    matmul_backward_dW(dW_fp32.ptr, dlogits, x_fp32.ptr, N, H, E, stream);  // ΔW = 0 + dlogitsᵀ · x
-    add_inplace_or_out(dW, dW, dW_fp32.ptr, EH, stream);  // dW = floatX(float(dW) + ΔW): one rounding
+  {  // ΔW's parts [3E,H] = [hi mid lo]ᵀ · x, folded into dW
+    DeviceBuffer<float> dW_parts(3 * EH, Mem::Workspace, "router_logits_backward.dW_parts");
+    cudaCheck(cudaMemsetAsync(dW_parts.ptr, 0, 3 * EH * sizeof(float), stream), op, "N=%d H=%d E=%d", N, H, E);
+    matmul_backward_dW(dW_parts.ptr, dlogits_parts.ptr, x, N, H, 3 * E, stream);
+    router_fold_weight_grad_kernel<<<ceil_div(EH, 256), 256, 0, stream>>>(dW, dW_parts.ptr, EH);
+    launchCheck(op, "fold E=%d H=%d", E, H);
   }
+#else
+  matmul_backward(dx, dW, dlogits, x, W, N, H, E, stream);  // fp32 throughout; dW += in one rounding
+#endif
 }
 
 // topk_w [N,k] (=) for a choice topk_idx [N,k] made elsewhere (a routing profile): the selected
