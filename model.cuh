@@ -125,7 +125,8 @@ struct Model {
   // [num_params] fp32 gradients summed over a step's passes (the "main grads"): in the BF16 build
   // every pass ends by folding its bf16 grads into them (model_fold_grads), so that a step's sum, its
   // reduction over the ranks, its norm and the optimizer are fp32 (Grads, 4 B per parameter); the
-  // FP32 build's grads are already fp32 and main_grads is the same buffer.
+  // FP32 build's grads are already fp32 and main_grads is the same buffer. A step of one pass on one
+  // rank skips the fold: main_grads would be an exact copy, and the optimizer reads grads instead.
   float* main_grads = nullptr;
   ModelTensors p, g;         // views into params / grads
 
@@ -233,10 +234,15 @@ inline void model_set_master(Model& m, const std::vector<float>& global) {
 }
 
 // Zeroes a step's gradients (both buffers in the BF16 build) and per-expert loads.
-// main_grads_too = false: the step's first pass will set main_grads (=) (PassOptions.first_of_step).
+// main_grads_too = false (a training step): only what the step's passes add into. In the BF16 build
+// that is nothing: the step's first pass sets main_grads (=) (PassOptions.first_of_step), and the
+// floatX grads are zero already (zeroed here once, then by every pass's fold). In the FP32 build the
+// two are one buffer, which the passes add into.
 inline void model_zero_grads(Model& m, bool main_grads_too = true) {
-  cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "zero_grads", "P=%zu", m.num_params);
-  if (main_grads_too && (void*)m.main_grads != (void*)m.grads)
+  const bool grads_are_main = (void*)m.main_grads == (void*)m.grads;
+  if (main_grads_too || grads_are_main)
+    cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "zero_grads", "P=%zu", m.num_params);
+  if (main_grads_too && !grads_are_main)
     cudaCheck(cudaMemsetAsync(m.main_grads, 0, m.num_params * sizeof(float), m.stream), "zero_grads", "main P=%zu",
               m.num_params);
   if (m.step_loads_dev)
@@ -745,7 +751,7 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   };
   // layer_backward's buffers beside the activations: d_norm_out, d_branch, d_qkv; in the FFN's backward
   // d_topk_w and the largest of the routed experts' backward, the shared expert's (beside d_ln2_part and
-  // d_shared_w) and the router's (d_ln2_part, d_router_logits, its fp32 copies)
+  // d_shared_w) and the router's (d_ln2_part, d_router_logits, its workspace)
   const size_t backward_buffers = 5 * NH * b;
   auto operator_term = [&](int l) {
     if (!c.is_moe_layer(l)) return 4 * N + dense.peak - dense.saved;
@@ -807,6 +813,9 @@ struct PassOptions {
   float dloss = 0.f;          // d(objective)/d(loss of one token), e.g. 1/(B·T·accum)
   bool recompute = false;     // layer-level activation checkpointing
   bool first_of_step = false; // BF16 build: the fp32 gradient sum main_grads (=) this pass's, not +=
+  // BF16 build: end with the fold of this pass's gradients into main_grads (model_fold_grads); false
+  // leaves them in grads, for a step that has one pass and reads them there (model_train_step)
+  bool fold = true;
 };
 
 // Embedding and the L layers on device tokens [B·T]: fills boundaries.input[0..L]. With keep_acts
@@ -936,8 +945,10 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     embedding_backward(m.g.wte, d_x, bucket_dev[0], bucket_dev[1], bucket_dev[2], buckets_used, V, H, s);
     pool().free(d_x);
     for (int* p : bucket_dev) pool().free(p);
-    prof_mark(s, "fold grads (bf16 into fp32)", (double)m.num_params * ((o.first_of_step ? 4 : 8) + 2 * sizeof(floatX)));
-    model_fold_grads(m, o.first_of_step);  // this pass's gradients into the step's fp32 sum
+    if (o.fold) {
+      prof_mark(s, "fold grads (bf16 into fp32)", (double)m.num_params * ((o.first_of_step ? 4 : 8) + 2 * sizeof(floatX)));
+      model_fold_grads(m, o.first_of_step);  // this pass's gradients into the step's fp32 sum
+    }
   }
   prof_mark(s, "pass end: loss download (host wait)");
   if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream, as the loss's download does
@@ -1019,10 +1030,15 @@ inline void all_gather_weights(Model& m) {
       all_gather(region_group(m, r), m.params + r.shard_offset, m.params + r.offset, r.shard, m.stream);
 }
 
-// Global gradient norm: every element of the model lies in exactly one rank's shard.
-inline float model_grad_norm(Model& m) {
+// Global gradient norm: every element of the model lies in exactly one rank's shard. Of main_grads, or
+// of the pass's grads where the step skipped the fold: the same float (common.cuh's sumsq sums bf16
+// values in the order of their fp32 copies).
+inline float model_grad_norm(Model& m, bool pass_grads) {
   cudaCheck(cudaMemsetAsync(m.sumsq_partials, 0, SUMSQ_BLOCKS * sizeof(float), m.stream), "grad_norm", "P=%zu", m.num_params);
-  for (const ParamRegion& r : m.regions) sumsq_accumulate(m.sumsq_partials, m.main_grads + r.shard_offset, r.shard, m.stream);
+  for (const ParamRegion& r : m.regions) {
+    if (pass_grads) sumsq_accumulate(m.sumsq_partials, m.grads + r.shard_offset, r.shard, m.stream);
+    else sumsq_accumulate(m.sumsq_partials, m.main_grads + r.shard_offset, r.shard, m.stream);
+  }
   sumsq_finish(m.scalar_dev, m.sumsq_partials, m.stream);
   if (m.par.world.size > 1) all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
   float sumsq = 0.f;
@@ -1044,16 +1060,29 @@ inline void all_reduce_loads(Model& m) {
 // One optimizer step on this rank's shards: reduce-scatter the gradients, clip by the global norm,
 // the optimizer on the shards, weights all-gathered, then the router bias update from the global
 // batch's loads (m.step_loads holds the global loads afterwards). Returns the norm before clipping.
-inline float model_update(Model& m, const TrainConfig& t, float lr) {
+// pass_grads: the step's one pass was not folded (PassOptions.fold, on one rank): the norm and the
+// optimizer read its floatX grads, which are then zeroed (the fold's other half).
+inline float model_update(Model& m, const TrainConfig& t, float lr, bool pass_grads = false) {
+  if (pass_grads && (m.par.world.size != 1 || !m.opt->reads_pass_grads()))
+    fm_fail("model_update", "unfolded gradients need one rank and an optimizer that reads them", "W=%d",
+            m.par.world.size);
   prof_mark(m.stream, "grad reduce-scatter");
   reduce_scatter_grads(m);
   prof_mark(m.stream, "grad norm (host wait)");
-  float norm = model_grad_norm(m);
+  float norm = model_grad_norm(m, pass_grads);
+  const AdamWSettings settings{t.beta1, t.beta2, t.adam_eps, t.weight_decay};
   // bytes for the device optimizer only: master, m, v, grad read, master, m, v, weight written
   const bool device_opt = dynamic_cast<DeviceAdamW*>(m.opt.get()) != nullptr;
-  prof_mark(m.stream, "optimizer", device_opt ? (double)m.opt->state_count * (28 + sizeof(floatX)) : 0.0);
-  m.opt->step(m.params, m.main_grads, lr, AdamWSettings{t.beta1, t.beta2, t.adam_eps, t.weight_decay},
-              clip_scale(norm, t.grad_clip), m.stream);
+  const size_t grad_bytes = pass_grads ? sizeof(floatX) : sizeof(float);
+  prof_mark(m.stream, "optimizer", device_opt ? (double)m.opt->state_count * (24 + grad_bytes + sizeof(floatX)) : 0.0);
+  if (pass_grads) {
+    m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, clip_scale(norm, t.grad_clip), m.stream);
+    prof_mark(m.stream, "zero pass grads");
+    cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "model_update", "P=%zu",
+              m.num_params);
+  } else {
+    m.opt->step(m.params, m.main_grads, lr, settings, clip_scale(norm, t.grad_clip), m.stream);
+  }
   prof_mark(m.stream, "weight all-gather");
   all_gather_weights(m);
   prof_mark(m.stream, "loads all-reduce + download (host wait)");
@@ -1074,10 +1103,15 @@ float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, i
                        float* grad_norm) {
   std::vector<int> x((size_t)B * T), y((size_t)B * T);
   prof_mark(m.stream, "zero grads");
-  model_zero_grads(m, false);  // the first pass sets main_grads
+  model_zero_grads(m, false);  // the loads (and the FP32 build's grads); the first pass sets main_grads
   PassOptions o;
   o.dloss = 1.f / ((float)B * T * accum * m.par.world.size);  // the mean over the global batch
   o.recompute = t.recompute != 0;
+  // One pass on one rank: main_grads would be an exact fp32 copy of its grads, so the optimizer reads
+  // those and the fold's pass over every gradient is skipped (bit-identical; notes/speed.md M).
+  const bool pass_grads = accum == 1 && m.par.world.size == 1 && m.opt->reads_pass_grads() &&
+                          (void*)m.grads != (void*)m.main_grads;
+  o.fold = !pass_grads;
   double loss = 0;
   for (int micro = 0; micro < accum; micro++) {
     prof_mark(m.stream, "data: next batch (host)");
@@ -1089,7 +1123,7 @@ float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, i
   }
   m.training_pass = -1;
   pool().mark("optimizer");
-  float norm = model_update(m, t, lr_at(t, step));
+  float norm = model_update(m, t, lr_at(t, step), pass_grads);
   prof_mark(m.stream, "step end: rank sync, loss mean (host wait)");
   comm_sync(m.par.world, m.stream, "train_step");
   if (grad_norm) *grad_norm = norm;

@@ -10,7 +10,9 @@
 // adamw_element, shared with the CPU loop of --optimizer cpu_adamw (bit-identical results).
 //
 // Shapes: master, m, v [n] float; param [n] floatX; grad [n] float (the model's fp32 gradients summed
-// over a step's micro-batches, model.cuh's main_grads). Element-wise, fp32; the bias
+// over a step's micro-batches, model.cuh's main_grads) or, in adamw_multi_update, floatX (the one
+// pass's gradients of a step that has only one, read as fp32: the same values, model.cuh's
+// model_train_step). Element-wise, fp32; the bias
 // corrections are computed on the host in double and passed as fp32.
 // The gradient norm for clipping comes from common.cuh's deterministic sumsq_accumulate /
 // sumsq_finish over all gradient tensors; clip_scale turns it into grad_scale on the host.
@@ -56,8 +58,8 @@ static const int ADAMW_CHUNK = ADAMW_THREADS * ADAMW_PER_THREAD;     // elements
 // any store, 16 independent loads in flight per thread (the compiler cannot move an element's loads
 // above the previous element's stores: it cannot prove that the arrays do not overlap). One block per
 // chunk this way moves 4.0 TB/s on an H200, one element per thread 3.3 TB/s (notes/speed.md, B).
-template <typename T>
-__device__ inline void adamw_chunk(float* master, T* param, float* m, float* v, const float* grad, size_t count,
+template <typename T, typename G>
+__device__ inline void adamw_chunk(float* master, T* param, float* m, float* v, const G* grad, size_t count,
                                    size_t first, const AdamWCoefficients& c) {
   float mi[ADAMW_PER_THREAD], vi[ADAMW_PER_THREAD], wi[ADAMW_PER_THREAD], gi[ADAMW_PER_THREAD];
 #pragma unroll
@@ -67,7 +69,7 @@ __device__ inline void adamw_chunk(float* master, T* param, float* m, float* v, 
       mi[j] = m[i];
       vi[j] = v[i];
       wi[j] = master[i];
-      gi[j] = grad[i];
+      gi[j] = to_float(grad[i]);
     }
   }
 #pragma unroll
@@ -148,8 +150,8 @@ struct AdamWLaunchPlan {
 // first_block <= q. The coefficients are one struct whose weight decay is replaced in a register where
 // the segment has none. (Choosing between two coefficient arguments by reference made every use of a
 // coefficient a load through a generic address: the kernel ran at 57 % of adamw_update's rate.)
-template <typename T>
-__global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, const float* grad,
+template <typename T, typename G>
+__global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, const G* grad,
                                    const AdamWSegmentBatch batch, const AdamWCoefficients decay_c) {
   const unsigned int q = blockIdx.x;
   int lo = 0, hi = batch.count - 1;
@@ -168,7 +170,9 @@ __global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, 
 // One AdamW step over every segment of `plan`: for each segment g, the state master/m/v at
 // [g.state_offset, +g.count) and param/grad at [g.param_offset, +g.count), with weight_decay where
 // g.decay and 0 elsewhere — exactly adamw_update per segment, in plan.batches.size() launches.
-inline void adamw_multi_update(float* master, floatX* param, float* m, float* v, const float* grad,
+// G: float, or floatX (converted exactly when read).
+template <typename G>
+inline void adamw_multi_update(float* master, floatX* param, float* m, float* v, const G* grad,
                                const AdamWLaunchPlan& plan, float lr, float beta1, float beta2, float eps,
                                float weight_decay, int t, float grad_scale, cudaStream_t stream) {
   if (t < 1) fm_fail("adamw_multi_update", "step t must be >= 1", "segments=%d t=%d", plan.segments, t);
@@ -213,6 +217,15 @@ struct Optimizer {
   // one step from the gradients at the segments (× grad_scale); writes master, moments and params there
   virtual void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, float grad_scale,
                     cudaStream_t stream) = 0;
+  // Whether step_from_pass_grads exists: a step of one pass on one rank then reads that pass's floatX
+  // gradients, the values main_grads would hold after the fold that the step can skip (model.cuh).
+  virtual bool reads_pass_grads() const { return false; }
+  // step, from floatX gradients (converted exactly when read): the same update, bit for bit
+  virtual void step_from_pass_grads(floatX* params, const floatX* grads, float lr, const AdamWSettings& s,
+                                    float grad_scale, cudaStream_t stream) {
+    (void)params, (void)grads, (void)lr, (void)s, (void)grad_scale, (void)stream;
+    fm_fail("optimizer", "this optimizer reads fp32 gradients only (reads_pass_grads() is false)", "steps=%lld", steps);
+  }
   virtual StateSections save(cudaStream_t stream) = 0;
   virtual void load(const StateSections& sections, long long steps_taken, cudaStream_t stream) = 0;
   // pinned host memory it holds (the device memory is the pool's, under Mem::Optimizer)
@@ -247,6 +260,15 @@ struct DeviceAdamW : Optimizer {
   }
   void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, float grad_scale,
             cudaStream_t stream) override {
+    step_on(params, grads, lr, s, grad_scale, stream);
+  }
+  bool reads_pass_grads() const override { return true; }
+  void step_from_pass_grads(floatX* params, const floatX* grads, float lr, const AdamWSettings& s, float grad_scale,
+                            cudaStream_t stream) override {
+    step_on(params, grads, lr, s, grad_scale, stream);
+  }
+  template <typename G>
+  void step_on(floatX* params, const G* grads, float lr, const AdamWSettings& s, float grad_scale, cudaStream_t stream) {
     steps++;
     adamw_multi_update(master, params, m, v, grads, plan, lr, s.beta1, s.beta2, s.eps, s.weight_decay, (int)steps,
                        grad_scale, stream);

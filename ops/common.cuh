@@ -128,11 +128,14 @@ inline void convert(Tout* out, const Tin* in, size_t n, cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------------
 // Deterministic sum of squares: fixed grid, fixed per-thread stride, fixed tree; the partial sums
 // land in `partials` (SUMSQ_BLOCKS floats) and one block adds them in order into *out (=).
-// Each thread loads 16 bytes at a time (a piece of 4 floats, or 8 bf16) when n is a multiple of the
-// piece and x is aligned for it, else one element: the order of the sum, and so its low bits, depend
-// on n and on x's alignment only, never on the run.
+// Each thread loads a piece of SUMSQ_PIECE = 4 elements at a time (16 bytes of fp32, 8 of bf16) when n
+// is a multiple of the piece and x is aligned for it, else one element: the order of the sum, and so
+// its low bits, depend on n and on x's alignment only, never on the run or the element type. So the sum
+// over bf16 values and over their fp32 copies is the same float, bit for bit (model.cuh's gradient norm
+// reads either).
 
 static const int SUMSQ_BLOCKS = 264;
+static const int SUMSQ_PIECE = 4;
 
 // Thread k of the grid adds the squares of pieces k, k + grid, k + 2·grid, ... (NV elements each) in
 // that order; its block's warps then reduce by xor butterfly and in warp order into partials[block].
@@ -170,8 +173,8 @@ static __global__ void sum_partials_kernel(float* out, const float* partials, in
 template <typename T>
 inline void sumsq_accumulate(float* partials, const T* x, size_t n, cudaStream_t stream) {
   if (n == 0) return;
-  constexpr int piece = 16 / sizeof(T);
-  if (n % piece == 0 && pack_aligned(x, piece)) sumsq_partial_kernel<piece><<<SUMSQ_BLOCKS, 512, 0, stream>>>(partials, x, n);
+  if (n % SUMSQ_PIECE == 0 && pack_aligned(x, SUMSQ_PIECE))
+    sumsq_partial_kernel<SUMSQ_PIECE><<<SUMSQ_BLOCKS, 512, 0, stream>>>(partials, x, n);
   else sumsq_partial_kernel<1><<<SUMSQ_BLOCKS, 512, 0, stream>>>(partials, x, n);
   launchCheck("sumsq", "n=%zu", n);
 }

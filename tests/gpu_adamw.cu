@@ -199,7 +199,7 @@ TEST(AdamWGpu, MultiTensorLaunchOfOnlyEmptySegmentsDoesNothing) {
   const AdamWLaunchPlan plan({ShardSegment{0, 0, 0, true}, ShardSegment{3, 2, 0, false}});
   EXPECT_EQ(plan.segments, 0);
   EXPECT_TRUE(plan.batches.empty());
-  adamw_multi_update(nullptr, nullptr, nullptr, nullptr, nullptr, plan, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 1.f, 0);
+  adamw_multi_update(nullptr, nullptr, nullptr, nullptr, (const float*)nullptr, plan, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 1.f, 0);
   cudaCheck(cudaDeviceSynchronize(), "test", "empty launch");
 }
 
@@ -251,10 +251,11 @@ TEST(AdamWHost, LaunchPlanCutsTheSegmentsIntoLaunchesOf64) {
 }
 
 // common.cuh's sum of squares (the gradient norm) against a double sum over the same values, within
-// FP32_TOL: in 16-byte pieces (n a multiple of the piece, x aligned) and by element (n not a multiple,
-// or x one element past an aligned address), for fp32 and bf16 inputs; two runs give the same bits;
-// a value of 1000 just outside [x, x + n) would show in the error if it were read; and several
-// tensors on both paths accumulate into the same partials.
+// FP32_TOL: in pieces of SUMSQ_PIECE elements (n a multiple of the piece, x aligned) and by element (n
+// not a multiple, or x one element past an aligned address), for fp32 and bf16 inputs; two runs give
+// the same bits; a value of 1000 just outside [x, x + n) would show in the error if it were read;
+// several tensors on both paths accumulate into the same partials; and the sum over bf16 values is
+// the sum over their fp32 copies bit for bit, on both paths (model.cuh's norm reads either).
 namespace {
 
 template <typename T>
@@ -296,7 +297,7 @@ void check_sumsq(const char* name, size_t n, int offset, bool pieces) {
   REQUIRE_GPU();
   Rng rng;
   const SumSqInput<T> in = sumsq_input<T>(rng, n, offset);
-  EXPECT_EQ(n % (16 / sizeof(T)) == 0 && pack_aligned(in.x, 16 / sizeof(T)), pieces) << name << ": not the path meant";
+  EXPECT_EQ(n % SUMSQ_PIECE == 0 && pack_aligned(in.x, SUMSQ_PIECE), pieces) << name << ": not the path meant";
   float runs[2];
   for (float& r : runs) r = gpu_sumsq([&](float* partials) { sumsq_accumulate(partials, in.x, in.n, 0); });
   EXPECT_REL(name, "sumsq", std::abs(runs[0] - in.sumsq) / in.sumsq, FP32_TOL);
@@ -310,6 +311,23 @@ TEST(SumSqGpu, Fp32NotWholePiecesMatchesDoubleSum) { check_sumsq<float>("SumSqGp
 TEST(SumSqGpu, Fp32UnalignedMatchesDoubleSum) { check_sumsq<float>("SumSqGpu.fp32.n2^20+1", 1 << 20, 1, false); }
 TEST(SumSqGpu, Bf16InPiecesMatchesDoubleSum) { check_sumsq<__nv_bfloat16>("SumSqGpu.bf16.n2^20", 1 << 20, 0, true); }
 TEST(SumSqGpu, Bf16UnalignedMatchesDoubleSum) { check_sumsq<__nv_bfloat16>("SumSqGpu.bf16.n2^20+1", 1 << 20, 1, false); }
+
+// The same values as bf16 and as fp32 copies (exact): the same float, bit for bit.
+TEST(SumSqGpu, Bf16SumIsTheSumOverItsFp32CopyBitForBit) {
+  REQUIRE_GPU();
+  Rng rng;
+  for (size_t n : {(size_t)1 << 20, (size_t)1000003}) {
+    const SumSqInput<__nv_bfloat16> x = sumsq_input<__nv_bfloat16>(rng, n, 0);
+    std::vector<float> copy(n);
+    const std::vector<__nv_bfloat16> host = download_vec(x.x, n);
+    for (size_t i = 0; i < n; i++) copy[i] = to_float(host[i]);
+    DeviceBuffer<float> d_copy = upload_vec(copy, Mem::Grads, "test.sumsq_copy");
+    const float from_bf16 = gpu_sumsq([&](float* partials) { sumsq_accumulate(partials, x.x, n, 0); });
+    const float from_fp32 = gpu_sumsq([&](float* partials) { sumsq_accumulate(partials, d_copy.ptr, n, 0); });
+    printf("[err] SumSqGpu.bf16_vs_fp32_copy n=%zu: %.9g and %.9g\n", n, from_bf16, from_fp32);
+    EXPECT_EQ(0, memcmp(&from_bf16, &from_fp32, sizeof(float))) << "n=" << n;
+  }
+}
 
 TEST(SumSqGpu, AccumulatesTensorsOnBothPathsIntoThePartials) {
   REQUIRE_GPU();

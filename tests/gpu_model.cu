@@ -190,6 +190,12 @@ TEST(GpuModel, OptimizersTrainAlikeAndResumeAcrossOptimizers) {
   testutil::optimizers_train_alike(Parallel(), "one GPU");
 }
 
+// One pass per step: adamw reads the pass's gradients without the fold (BF16), the others fold them.
+TEST(GpuModel, OptimizersTrainAlikeOnePassPerStep) {
+  REQUIRE_GPU();
+  testutil::optimizers_train_alike(Parallel(), "one GPU, one pass per step", 1);
+}
+
 // Layer-level recomputation replays the forward exactly: identical gradients, bit for bit, with
 // fewer activation bytes live at the peak; the pool returns to where it started.
 TEST(GpuModel, RecomputeIsBitIdenticalAndLowersPeak) {

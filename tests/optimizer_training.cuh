@@ -7,6 +7,8 @@
 // adamw's kernel on the same values, cpu_adamw the same element arithmetic (ops/adamw_math.hpp).
 // Then a resume across optimizers: adamw's state after five steps, loaded into a fresh model with
 // another optimizer (other initial weights), continues bit-identically to adamw's ten.
+// With accum = 1 on one rank, adamw's steps skip the fold and read the pass's bf16 gradients
+// (model_train_step) while the other two fold them into fp32 and read those: bit-identical still.
 #pragma once
 #include <cstring>
 #include "../model.cuh"
@@ -22,13 +24,13 @@ struct OptimizerTraining {
   std::vector<floatX> params;  // this rank's weight buffer after the last step
 };
 
-inline void optimizers_train_alike(const Parallel& par, const char* what) {
+inline void optimizers_train_alike(const Parallel& par, const char* what, int accum = 2) {
   ModelConfig c;
   c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;
   c.layers = 3; c.experts = 6; c.topk = 2; c.n_dense = 1; c.dense_dim = 48; c.shared_expert = 1;
   TrainConfig t;
   t.lr = 3e-3f; t.warmup = 2; t.steps = 10; t.grad_clip = 0.5f; t.weight_decay = 0.1f; t.bias_update = 1e-2f;
-  const int B = 2, T = c.seq_len, N = B * T, W = par.world.size, rank = par.world.rank, accum = 2, half = t.steps / 2;
+  const int B = 2, T = c.seq_len, N = B * T, W = par.world.size, rank = par.world.rank, half = t.steps / 2;
   Rng rng;  // at W ranks the harness gives every rank the same seed: the same global batches
   std::vector<float> master = random_master(c, rng);
   std::vector<std::vector<int>> xs, ys;
