@@ -469,10 +469,12 @@ struct LayerBoundaries {
 
 // Bytes a memory-bound step moves (runtime/profile.cuh's GB/s column), from its shapes: b = bytes per
 // floatX. RMSNorm forward reads x, writes y and rstd; backward reads dy, x, rstd and writes dx (the
-// gain's gradient is not counted); a residual add reads two [N,H] and writes one; RoPE rotates q and
-// k in place.
+// gain's gradient is not counted), and reads dx too where it adds into it (a layer's residual
+// stream); a residual add reads two [N,H] and writes one; RoPE rotates q and k in place.
 inline double rmsnorm_fwd_bytes(size_t N, size_t H) { return 2.0 * N * H * sizeof(floatX) + 4.0 * N; }
-inline double rmsnorm_bwd_bytes(size_t N, size_t H) { return 3.0 * N * H * sizeof(floatX) + 4.0 * N; }
+inline double rmsnorm_bwd_bytes(size_t N, size_t H, bool accumulate) {
+  return (accumulate ? 4.0 : 3.0) * N * H * sizeof(floatX) + 4.0 * N;
+}
 inline double residual_bytes(size_t N, size_t H) { return 3.0 * N * H * sizeof(floatX); }
 inline double rope_bytes(size_t N, size_t H) { return 4.0 * N * H * sizeof(floatX); }
 
@@ -643,15 +645,12 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
   const size_t NH = (size_t)N * H;
   cudaStream_t s = m.stream;
   floatX* d_norm_out = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_norm_out");
-  floatX* d_branch = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_branch");
   floatX* d_qkv = pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Workspace, "d_qkv");
 
   // FFN branch: d_x_mid = d_x + ln2ᵀ(FFNᵀ(d_x))
   ffn_backward(m, l, a, d_norm_out, d_x, N);
-  prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H));
-  rmsnorm_backward(d_branch, G.ln2, d_norm_out, a.x_mid, P.ln2, a.ln2_rstd, N, H, s);
-  prof_mark(s, "residual add", residual_bytes(N, H));
-  add_inplace_or_out(d_x, d_x, d_branch, NH, s);
+  prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, true));
+  rmsnorm_backward(d_x, G.ln2, d_norm_out, a.x_mid, P.ln2, a.ln2_rstd, N, H, s, /*accumulate=*/true);
 
   // Attention branch: d_x_in = d_x_mid + ln1ᵀ(wqkvᵀ(RoPEᵀ(Attnᵀ(woᵀ d_x_mid))))
   prof_mark(s, "wo matmul bwd");
@@ -662,11 +661,9 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
   rope_backward(d_qkv, d_qkv, B, T, nh, hd, c.rope_theta, s);
   prof_mark(s, "qkv matmul bwd");
   matmul_backward(d_norm_out, G.wqkv, d_qkv, a.ln1, P.wqkv, N, H, 3 * H, s);
-  prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H));
-  rmsnorm_backward(d_branch, G.ln1, d_norm_out, x_in, P.ln1, a.ln1_rstd, N, H, s);
-  prof_mark(s, "residual add", residual_bytes(N, H));
-  add_inplace_or_out(d_x, d_x, d_branch, NH, s);
-  for (void* p : {(void*)d_norm_out, (void*)d_branch, (void*)d_qkv}) pool().free(p);
+  prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, true));
+  rmsnorm_backward(d_x, G.ln1, d_norm_out, x_in, P.ln1, a.ln1_rstd, N, H, s, /*accumulate=*/true);
+  for (void* p : {(void*)d_norm_out, (void*)d_qkv}) pool().free(p);
 }
 
 // =============================================================================================
@@ -749,10 +746,10 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
     if (!c.is_moe_layer(l)) return common + dense.saved;
     return common + 4 * N * E + 8 * N * k + routed.saved + shared.saved;  // scores, top-k indices and weights
   };
-  // layer_backward's buffers beside the activations: d_norm_out, d_branch, d_qkv; in the FFN's backward
-  // d_topk_w and the largest of the routed experts' backward, the shared expert's (beside d_ln2_part and
+  // layer_backward's buffers beside the activations: d_norm_out, d_qkv; in the FFN's backward d_topk_w
+  // and the largest of the routed experts' backward, the shared expert's (beside d_ln2_part and
   // d_shared_w) and the router's (d_ln2_part, d_router_logits, its workspace)
-  const size_t backward_buffers = 5 * NH * b;
+  const size_t backward_buffers = 4 * NH * b;
   auto operator_term = [&](int l) {
     if (!c.is_moe_layer(l)) return 4 * N + dense.peak - dense.saved;
     const size_t shared_step = c.shared_expert ? NH * b + 4 * N + shared.peak - shared.saved : 0;
@@ -918,7 +915,7 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
 
   if (o.backward) {
     floatX* d_x = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_residual");
-    prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H));
+    prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, false));
     rmsnorm_backward(d_x, m.g.lnf, d_lnf, boundaries.input[L], m.p.lnf, lnf_rstd, N, H, s);
     pool().free(d_lnf);
     boundaries.release(L);

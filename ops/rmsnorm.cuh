@@ -3,7 +3,8 @@
 //   forward:  rstd[n] = 1 / sqrt(mean_j x[n,j]² + eps)     (fp32)             rstd (=)
 //             out[n,j] = x[n,j] · rstd[n] · w[j]                              out (=)
 //   backward: dx[n,j] = rstd[n] · (w[j]·dout[n,j] − x[n,j] · rstd[n]² · mean_i(dout[n,i]·w[i]·x[n,i]))
-//                                                                              dx (=)
+//                                                                              dx (=, or += asked:
+//                                                        the residual stream's gradient, one rounding)
 //             dw[j] += Σ_n dout[n,j] · x[n,j] · rstd[n]                       dw (+=)
 //
 // Shapes: x, out, dout, dx [N, H] floatX; w, dw [H] floatX; rstd [N] float. Sums in fp32.
@@ -79,7 +80,8 @@ __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T*
 // is touched by two lanes (no barrier until the block adds its warps' partials).
 template <int NV, typename T>
 __global__ void rmsnorm_backward_kernel(T* dx, float* dw_partials /*G,H*/, const T* dout, const T* x, const T* w,
-                                        const float* rstd, int N, int H, int rows_per_block, int warp_slots) {
+                                        const float* rstd, int N, int H, int rows_per_block, int warp_slots,
+                                        bool accumulate) {
   using P = Pack<T, NV>;
   extern __shared__ float dw_acc[];  // [W, warp_slots]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32, pieces = H / NV;
@@ -105,10 +107,13 @@ __global__ void rmsnorm_backward_kernel(T* dx, float* dw_partials /*G,H*/, const
       const P xv = xr[c], dv = dyr[c], wv = wp[c];
       float* acc = lane_acc + (c / 32) * NV * 32;  // element e of piece c at acc[e·32]
       P o;
+      if (accumulate) o = dxr[c];
 #pragma unroll
       for (int e = 0; e < NV; e++) {
         const float xe = to_float(xv.v[e]), dye = to_float(dv.v[e]);
-        o.v[e] = from_float<T>(r * (to_float(wv.v[e]) * dye - xe * coef));
+        float g = r * (to_float(wv.v[e]) * dye - xe * coef);
+        if (accumulate) g += to_float(o.v[e]);
+        o.v[e] = from_float<T>(g);
         acc[e * 32] += dye * xe * r;
       }
       dxr[c] = o;
@@ -183,7 +188,7 @@ inline RmsNormBackwardPlan rmsnorm_backward_plan(int N, int H, int NV) {
 // The backward kernel on the plan's G blocks of W warps, then the reduction of its partials into dw.
 template <int NV>
 inline void rmsnorm_backward_launch(floatX* dx, floatX* dw, const floatX* dout, const floatX* x, const floatX* w,
-                                    const float* rstd, int N, int H, cudaStream_t stream) {
+                                    const float* rstd, int N, int H, bool accumulate, cudaStream_t stream) {
   const RmsNormBackwardPlan plan = rmsnorm_backward_plan(N, H, NV);
   DeviceBuffer<float> dw_partials((size_t)plan.blocks * H, Mem::Workspace, "rmsnorm.dw_partials");
   const size_t smem = (size_t)plan.warps * plan.warp_slots * sizeof(float);
@@ -191,17 +196,20 @@ inline void rmsnorm_backward_launch(floatX* dx, floatX* dw, const floatX* dout, 
     cudaCheck(cudaFuncSetAttribute(rmsnorm_backward_kernel<NV, floatX>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
               "rmsnorm_backward", "N=%d H=%d shared=%zu bytes", N, H, smem);
   rmsnorm_backward_kernel<NV><<<plan.blocks, 32 * plan.warps, smem, stream>>>(dx, dw_partials.ptr, dout, x, w, rstd, N, H,
-                                                                              plan.rows_per_block, plan.warp_slots);
+                                                                              plan.rows_per_block, plan.warp_slots,
+                                                                              accumulate);
   launchCheck("rmsnorm_backward", "N=%d H=%d G=%d W=%d", N, H, plan.blocks, plan.warps);
   rmsnorm_dw_reduce_kernel<<<ceil_div(H, 32), 32 * RMSNORM_REDUCE_WARPS, 0, stream>>>(dw, dw_partials.ptr, plan.blocks, H);
   launchCheck("rmsnorm_backward.dw_reduce", "N=%d H=%d G=%d", N, H, plan.blocks);
 }
 
-// dx [N, H] (=), dw [H] (+=); rstd [N] from rmsnorm_forward.
+// dx [N, H] (=, or += with accumulate: dx = floatX(float(dx) + the gradient), one rounding), dw [H]
+// (+=); rstd [N] from rmsnorm_forward. dx must not overlap dout or x.
 inline void rmsnorm_backward(floatX* dx, floatX* dw, const floatX* dout, const floatX* x, const floatX* w,
-                             const float* rstd, int N, int H, cudaStream_t stream) {
+                             const float* rstd, int N, int H, cudaStream_t stream, bool accumulate = false) {
   if (N == 0) return;
   if (H <= 0) fm_fail("rmsnorm_backward", "H must be positive", "N=%d H=%d", N, H);
-  if (row_pieces(H, {dx, dout, x, w})) rmsnorm_backward_launch<ROW_PIECE>(dx, dw, dout, x, w, rstd, N, H, stream);
-  else rmsnorm_backward_launch<1>(dx, dw, dout, x, w, rstd, N, H, stream);
+  if (row_pieces(H, {dx, dout, x, w}))
+    rmsnorm_backward_launch<ROW_PIECE>(dx, dw, dout, x, w, rstd, N, H, accumulate, stream);
+  else rmsnorm_backward_launch<1>(dx, dw, dout, x, w, rstd, N, H, accumulate, stream);
 }

@@ -2,7 +2,9 @@
 // that are not multiples of the warp/block sizes: backward blocks of 8 warps with idle warps in the
 // last block, G near its bound 1024 (rows_per_block = ceil(N / 1024), not a multiple of the warps),
 // fewer warps per block (5) for wide rows, one warp per block past the 48 KiB default shared memory
-// (H 16000), H in 16-byte pieces and not; bitwise reproducibility; and the backward's plan (host only).
+// (H 16000), H in 16-byte pieces and not; dx both as = and as += (the residual stream's gradient:
+// its update read back as dx_after − dx_before); bitwise reproducibility; and the backward's plan
+// (host only).
 #include <cstring>
 #include "gpu_util.cuh"
 #include "../ops/rmsnorm.cuh"
@@ -17,12 +19,14 @@ const float kEps = 1e-5f;
 struct RmsNormCase {
   int N, H;
   ref::Mat<double> x, w, dout, dw_initial;  // w and dw_initial are H x 1
+  ref::Mat<double> dx_initial;              // N x H: what dx holds before a backward that adds (+=)
 };
 
 RmsNormCase make_case(int N, int H) {
   Rng rng;
   RmsNormCase c{N, H, round_to_floatX(rng.mat<double>(N, H)), round_to_floatX(rng.mat<double>(H, 1)),
-                round_to_floatX(rng.mat<double>(N, H)), round_to_floatX(rng.mat<double>(H, 1))};
+                round_to_floatX(rng.mat<double>(N, H)), round_to_floatX(rng.mat<double>(H, 1)),
+                round_to_floatX(rng.mat<double>(N, H))};
   return c;
 }
 
@@ -45,15 +49,19 @@ void check_rmsnorm(const char* name, int N, int H) {
   EXPECT_REL(name, "rstd", rel_err(download(d_rstd.ptr, N, 1), rstd_ref), OP_TOL);
 
   DeviceBuffer<floatX> d_dout = upload<floatX>(c.dout, Mem::Activations);
-  DeviceBuffer<floatX> d_dx((size_t)N * H, Mem::Activations, "test.dx");
-  DeviceBuffer<floatX> d_dw = upload<floatX>(c.dw_initial, Mem::Grads);
-  poison(d_dx.ptr, d_dx.count);
-  size_t workspace_before = pool().live(Mem::Workspace);
-  rmsnorm_backward(d_dx.ptr, d_dw.ptr, d_dout.ptr, d_x.ptr, d_w.ptr, d_rstd.ptr, N, H, 0);
-  EXPECT_REL(name, "dx", rel_err(download(d_dx.ptr, N, H), dx_ref), OP_TOL);
-  ref::Vec<double> dw_expected = c.dw_initial.col(0) + dw_ref;
-  EXPECT_REL(name, "dw(+=)", rel_err(download(d_dw.ptr, H, 1), dw_expected), OP_TOL);
-  EXPECT_EQ(pool().live(Mem::Workspace), workspace_before) << "backward must return its workspace";
+  for (bool accumulate : {false, true}) {
+    DeviceBuffer<floatX> d_dx = upload<floatX>(c.dx_initial, Mem::Activations);
+    DeviceBuffer<floatX> d_dw = upload<floatX>(c.dw_initial, Mem::Grads);
+    if (!accumulate) poison(d_dx.ptr, d_dx.count);
+    size_t workspace_before = pool().live(Mem::Workspace);
+    rmsnorm_backward(d_dx.ptr, d_dw.ptr, d_dout.ptr, d_x.ptr, d_w.ptr, d_rstd.ptr, N, H, 0, accumulate);
+    const ref::Mat<double> dx = download(d_dx.ptr, N, H);
+    if (accumulate) EXPECT_REL(name, "dx(+=) update", rel_err(ref::Mat<double>(dx - c.dx_initial), dx_ref), OP_TOL);
+    else EXPECT_REL(name, "dx", rel_err(dx, dx_ref), OP_TOL);
+    ref::Vec<double> dw_expected = c.dw_initial.col(0) + dw_ref;
+    EXPECT_REL(name, "dw(+=)", rel_err(download(d_dw.ptr, H, 1), dw_expected), OP_TOL);
+    EXPECT_EQ(pool().live(Mem::Workspace), workspace_before) << "backward must return its workspace";
+  }
 }
 
 }  // namespace
