@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [speed] [multi] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   train2: the default model on every GPU of the machine
 #   speed: issue 13's speed work (notes/speed.md): the whole test_gpu in both precisions (with 2 GPUs or more
@@ -13,6 +13,9 @@
 #     with 2 GPUs or more also bench_train.sh's multi part (the default model on every GPU against one, with and without
 #     expert parallelism: the speed-up in tokens/s)
 #   multi: bench_train.sh's multi part alone (2 GPUs or more): the default model on every GPU against one
+#   ab: bench_train.sh's ab part: this tree's BF16 trainer against the one built from ab-base/, a copy of an
+#     older commit (`mkdir ab-base && git archive REV | tar -x -C ab-base`; git-ignored, so name it in the
+#     device's carry): both alternating on the default model and B1, and B1's operators side by side
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, relay expert/token/auto, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   bench-opt: the optimizer step (notes/offload_adamw.md): the CPU AdamW loop alone (scalar vs vectorised, 1 thread to
@@ -349,6 +352,23 @@ if [[ " $want " == *" multi "* ]] || { [[ " $want " == *" speed "* ]] && [ "$(nv
   tools/bench_train.sh build/bf16/train data/fortunes build/bench-multi multi > "$OUT/speed_multi.md" 2> build/bench-multi.err ||
     status=1
   cat "$OUT/speed_multi.md"
+fi
+
+# ab: the same runs of this tree's trainer and ab-base/'s, alternating (bench_train.sh ab)
+if [[ " $want " == *" ab "* ]]; then
+  if [ ! -f ab-base/train.cu ]; then
+    echo "ab: ab-base/ holds no tree (mkdir ab-base && git archive REV | tar -x -C ab-base)"
+    status=1
+  elif ! make -C ab-base -j"$(nproc)" $(echo "$vars" | sed "s|=\.deps|=$PWD/.deps|g") build/bf16/train > "$OUT/ab_build.log" 2>&1; then
+    tail -20 "$OUT/ab_build.log"
+    echo "ab: the build of ab-base/ failed"
+    status=1
+  else
+    BASE_TRAIN=ab-base/build/bf16/train CUDA_VISIBLE_DEVICES=0 tools/bench_train.sh build/bf16/train data/fortunes \
+      build/bench-ab ab > "$OUT/ab.md" 2> build/bench-ab.err || status=1
+    cat "$OUT/ab.md"
+    summary+=("ab (new − base): default $(sed -n 's/^| default | .* | \([^|]*\) |$/\1/p' "$OUT/ab.md"), B1 $(sed -n 's/^| B1 | .* | \([^|]*\) |$/\1/p' "$OUT/ab.md")")
+  fi
 fi
 
 # sanitize NAME COMMAND...: compute-sanitizer memcheck with leak check; log in $OUT/sanitize_NAME.log,

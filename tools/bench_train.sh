@@ -9,18 +9,27 @@
 #           per-rank batch (--gpus W keeps B x T per rank: W times the tokens per step): median step time,
 #           tokens/s of all ranks, and the speed-up in tokens/s over one GPU, with expert parallelism over
 #           all ranks (the default) and without it (--ep 1: experts replicated, no dispatch exchange);
+#   ab:     BASE_TRAIN (another build's trainer, e.g. of the commit before a change) against TRAIN on one
+#           GPU, alternating base, new, base, new on the default model and B1: each run's median step
+#           time, and B1's per-operator breakdown of the last two runs side by side (what moved). Runs
+#           on different machines, and even device calls, differ by more than many changes gain, so a
+#           change is measured against its predecessor in one call (notes/speed.md, M);
 #   limits: one stated larger model: the longest context (B = 1) and the largest batch (T = 1024) that
 #           fit, without and with layer recomputation, and with its best combination (recomputation, SCO
 #           on every boundary, the chunked head), found by doubling then bisecting on the trainer's memory
 #           prediction (--dry_run 1, exact on one GPU), then one real step at the value found (contexts up
 #           to 262144).
 # Usage: tools/bench_train.sh TRAIN_BIN DATA_DIR [OUT_DIR] [PARTS] (PARTS: "speed limits", the default,
-# or any of speed, multi, limits). Prints markdown tables.
+# or any of speed, multi, ab, limits; ab needs BASE_TRAIN=path in the environment). Prints markdown tables.
 set -uo pipefail
 train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed limits}
 for p in $parts; do
-  case $p in speed|multi|limits) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, limits)"; exit 2 ;; esac
+  case $p in speed|multi|ab|limits) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, limits)"; exit 2 ;; esac
 done
+if [[ " $parts " == *" ab "* ]] && [ ! -x "${BASE_TRAIN:-}" ]; then
+  echo "bench_train.sh ab: BASE_TRAIN must name the trainer to compare against (got '${BASE_TRAIN:-}', not an executable)"
+  exit 2
+fi
 mkdir -p "$out"
 quiet="--val_every 0 --sample_every 0 --ckpt_every 0 --log_every 1"
 
@@ -79,6 +88,41 @@ if [[ " $parts " == *" multi "* ]]; then
     [ "$name" = gpus1 ] && one=$tok
     echo "| $name | $row | $(awk -v a="$tok" -v b="$one" 'BEGIN { if (b == "") print "n/a (the 1-GPU run failed)"; else printf "%.2fx", a / b }') |"
   done
+fi
+if [[ " $parts " == *" ab "* ]]; then
+  echo "## A/B on one GPU: $BASE_TRAIN (base) against $train (new), alternating"
+  echo "| config | base: step ms (median), two runs | new: step ms (median), two runs | new − base (means) |"
+  echo "|---|---|---|---|"
+  for config in "default:" "B1:$b1"; do
+    name=${config%%:*}
+    declare -A ms=()
+    for round in 1 2; do
+      for side in base new; do
+        bin=$train
+        [ "$side" = base ] && bin=$BASE_TRAIN
+        run="ab_${name}_${side}"
+        "$bin" --data "$data" --steps 60 --profile_step $profile_step ${config#*:} $quiet --out "$out/$run" > "$out/$run.log" 2>&1 ||
+          { echo "$run run failed (see $out/$run.log)"; tail -5 "$out/$run.log"; }
+        ms[$side$round]=$(summarise "$out/$run/log.csv" | awk -F' [|] ' '{ print $1 }')
+        cp "$out/$run/profile_step$profile_step.md" "$out/$run.profile.md" 2>/dev/null
+      done
+    done
+    echo "| $name | ${ms[base1]} / ${ms[base2]} | ${ms[new1]} / ${ms[new2]} | $(awk -v a="${ms[base1]}" -v b="${ms[base2]}" \
+      -v c="${ms[new1]}" -v d="${ms[new2]}" 'BEGIN { printf "%+.2f ms (%+.1f %%)", (c + d - a - b) / 2, 100 * (c + d - a - b) / (a + b) }') |"
+    unset ms
+  done
+  echo
+  echo "### B1's step $profile_step, operator by operator (the second base and new runs), largest change first"
+  step_gpu() { grep -o '[0-9.]* ms on the GPU' "$1" 2>/dev/null | head -1; }
+  echo "The profiled steps: base $(step_gpu "$out/ab_B1_base.profile.md"), new $(step_gpu "$out/ab_B1_new.profile.md")"
+  echo "(against the medians above: a profiled step slower than its run's median stretches every row)."
+  echo
+  echo "| operator (summed over layers) | base ms | new ms | new − base ms |"
+  echo "|---|---|---|---|"
+  profile_ms() { awk -F'|' 'NF >= 6 && $4 ~ /^ *[0-9.]+ *$/ { gsub(/^ +| +$/, "", $2); printf "%s\t%s\n", $2, $4 + 0 }' "$1"; }
+  join -t $'\t' -a 1 -a 2 -e 0 -o 0,1.2,2.2 <(profile_ms "$out/ab_B1_base.profile.md" | sort) \
+    <(profile_ms "$out/ab_B1_new.profile.md" | sort) |
+    awk -F'\t' '{ d = $3 - $2; printf "%s\t| %s | %.3f | %.3f | %+.3f |\n", (d < 0 ? -d : d), $1, $2, $3, d }' | sort -g -r | cut -f2-
 fi
 [[ " $parts " == *" limits "* ]] || exit 0
 
