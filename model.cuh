@@ -236,8 +236,9 @@ inline void model_set_master(Model& m, const std::vector<float>& global) {
 // Zeroes a step's gradients (both buffers in the BF16 build) and per-expert loads.
 // main_grads_too = false (a training step): only what the step's passes add into. In the BF16 build
 // that is nothing: the step's first pass sets main_grads (=) (PassOptions.first_of_step), and the
-// floatX grads are zero already (zeroed here once, then by every pass's fold). In the FP32 build the
-// two are one buffer, which the passes add into.
+// floatX grads are zero already (zeroed here once, then after every pass by its fold, or by
+// model_update where the step skipped the fold). In the FP32 build the two are one buffer, which the
+// passes add into.
 inline void model_zero_grads(Model& m, bool main_grads_too = true) {
   const bool grads_are_main = (void*)m.main_grads == (void*)m.grads;
   if (main_grads_too || grads_are_main)
