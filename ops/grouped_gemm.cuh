@@ -71,15 +71,25 @@
 // before the block barrier that publishes it, and no slot is refilled before a later barrier that
 // every warpgroup reaches after waiting for the MMAs that read it.
 //
-// Two tile shapes in the wgmma form (grouped_gemm_tiles picks per call; notes/speed.md L):
+// Two tile shapes in the wgmma form (grouped_gemm_tiles picks per call; notes/speed.md L, N):
 //   narrow, 128 × 128 (as above): 3 stages, 96 KiB, 2 blocks per SM of one tile each; a warpgroup
 //     waits for its MMAs at the end of each k-tile. The weight gradients, and launches of fewer
 //     than 4 waves of wide tiles.
 //   wide, 128 × 256: each warpgroup 64 × 256 (wgmma m64n256k16, 128 accumulators per thread);
-//     4 stages, 192 KiB, one block per SM, one k-tile of MMAs left running across each barrier (so
-//     the ring is copied 2 k-tiles ahead). The grid is one block per SM, each looping over the
-//     launch's tiles (blockIdx.x, + gridDim.x, …); the next tile's first k-tiles are copied while
-//     this tile's C is stored. B1's forward and input-gradient GEMMs.
+//     4 stages, 192 KiB, one block per SM. The grid is one block per SM, each looping over the
+//     launch's tiles (blockIdx.x, + gridDim.x, …). B1's forward and input-gradient GEMMs. Fed one
+//     of two ways:
+//     - by the TMA (grouped_gemm_tma_kernel), when A's problems are row slices of one matrix and
+//       the experts' B one stack (grouped_gemm_tma_layout: the MoE layers' expert GEMMs). A ninth
+//       warp, one thread of it, issues each k-tile as 2 or 5 tensor copies and the ring runs on
+//       mbarriers (full / empty per slot), up to 4 k-tiles ahead and across tiles: the two
+//       warpgroups multiply with no block barrier, and the next tile's copies run while this
+//       tile's C is stored.
+//     - by every thread's cp.async copies otherwise (grouped_gemm_wgmma_kernel, block barriers
+//       per k-tile, one k-tile of MMAs left running across each barrier, the next tile's first
+//       k-tiles copied while this tile's C is stored).
+//     A warp of cp.async copies in place of the TMA was measured and not kept (speed.md N): the
+//     copies' instructions, 96 per lane and k-tile, bound it at a third of the rate.
 //
 // Parts of a tile past M, N or K are copied as zeros (cp.async with 0 source bytes), so the edges
 // need no branch in the MMA loop; C is written (or read and written) only inside [M, N].
@@ -113,14 +123,17 @@
 // The two forms (wgmma, mma.sync) add the same products in the same order of k-steps; the tensor
 // cores' rounding inside a step may differ, and the tests hold each form to the same tolerance.
 // It differs from cuBLAS's (another summation order) by fp32 rounding before the one bf16 rounding.
-// Memory: none besides its operands (the problems travel as kernel arguments; the cuBLAS path keeps a
-// pointer table of 3 per problem in the Workspace for the call).
+// Memory: none besides its operands (the problems, and the TMA form's two tensor maps, travel as kernel
+// arguments; the cuBLAS path keeps a pointer table of 3 per problem in the Workspace for the call).
 #pragma once
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include <cuda.h>          // CUtensorMap (the TMA form)
+#include <cudaTypedefs.h>  // cuTensorMapEncodeTiled's type, found through the runtime
 #include "common.cuh"
 #include "mma.cuh"
 #include "../runtime/pool.cuh"
@@ -212,6 +225,17 @@ struct GroupedGemmProblems {
   int routes = 0;                      // routed: the buffers' rows (route_offsets[list.size()] at most)
   GroupedGemmProblems() = default;
   GroupedGemmProblems(std::vector<GroupedGemmProblem> problems) : list(std::move(problems)) {}
+};
+
+// The operands of the wide tiles' TMA form (header) as the two tensors its copies read, encoded on
+// the host (grouped_gemm_tensors): A's rows [rows][K] from a_first; the experts' B, a stack
+// [experts][N][K] (transB) or [experts][K][N] from b_first, b_expert elements apart. A problem's rows
+// of A are found as (its A − a_first) / lda, its expert as (its B − b_first) / b_expert.
+struct GroupedGemmTensors {
+  CUtensorMap a, b;
+  const ggemm::bf16* a_first;
+  const ggemm::bf16* b_first;
+  long long b_expert;
 };
 
 namespace ggemm {
@@ -572,6 +596,101 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
   }
   cp_async_wait_all();
 }
+
+// The wide tiles fed by the TMA (header): warps 0–7 are the two consumer warpgroups, 64 rows × 256
+// columns of the tile each, as in the kernel above; lane 0 of warp 8 is the producer. For k-tile
+// number `it` of this block (counted across its tiles) the producer waits until ring slot
+// s = it % STAGES is empty, announces the k-tile's bytes on full[s] and issues its copies: A's 128
+// rows × 64 k as one box, B's 256 × 64 as one box (transB) or four of 64 n × 64 k. Each consumer
+// warpgroup waits for full[s], runs the k-tile's MMAs, and once the MMAs of k-tile it − 1 are done
+// each of its warps arrives on empty[(it − 1) % STAGES] (8 arrivals free a slot). Phases alternate
+// every STAGES k-tiles: a wait on full[s] for k-tile it is for parity (it / STAGES) & 1; the producer's
+// wait on empty[s], one phase behind, passes at once for the first STAGES. So the producer runs up
+// to STAGES k-tiles ahead, into the next tile while this one's C is stored, and no barrier of the
+// whole block is in the k loop. Rows past a problem's M come from the next problem's rows (or are
+// zeros past the tensor) and only feed C rows that are not stored; K and N stop at the tensor's
+// edge, past which the TMA fills zeros, so the sums are those of the kernel above: the same bits.
+constexpr int TMA_THREADS = 9 * 32;
+template <bool TRANS_B>
+__global__ void __launch_bounds__(TMA_THREADS, 1)
+    grouped_gemm_tma_kernel(const GroupedGemmBatch batch, const __grid_constant__ GroupedGemmTensors tensors, int lda,
+                            int ldb, int ldc, float beta) {
+  constexpr int TILE_N = WideTiles::BN, STAGES = WideTiles::STAGES, CONSUMER_WARPS = 8;
+  constexpr int A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = TILE_N * BK * 2;
+  extern __shared__ __align__(16) uint8_t shared_bytes[];
+  __shared__ uint64_t full[STAGES], empty[STAGES];
+  const uint32_t shared_start = smem_addr(shared_bytes);
+  const uint32_t aligned = (shared_start + 1023) & ~1023u;  // the swizzle needs 1024-byte aligned tiles
+  uint8_t* a_ring = shared_bytes + (aligned - shared_start);  // STAGES tiles of A
+  uint8_t* b_ring = a_ring + STAGES * A_TILE_BYTES;           // STAGES tiles of op(B)
+  const RoutedTiles& routed = routed_tiles<false>(batch);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; s++) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], CONSUMER_WARPS);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  Problem p;
+  int tile;
+  uint32_t it = 0;  // k-tiles this thread has copied or multiplied
+
+  if (warp == CONSUMER_WARPS) {  // the producer
+    if (lane != 0) return;
+    for (unsigned int index = blockIdx.x; tile_problem<false>(batch, routed, index, lda, ldb, ldc, p, tile);
+         index += gridDim.x) {
+      const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * TILE_N;
+      const int a_row = (int)((p.A - tensors.a_first) / lda) + m0;
+      const int expert = (int)((p.B - tensors.b_first) / tensors.b_expert);
+      const int k_tiles = (p.K + BK - 1) / BK;
+      for (int kt = 0; kt < k_tiles; kt++, it++) {
+        const int slot = it % STAGES, k0 = kt * BK;
+        mbarrier_wait(&empty[slot], ((it / STAGES) & 1) ^ 1);
+        mbarrier_arrive_expect_tx(&full[slot], A_TILE_BYTES + B_TILE_BYTES);
+        tma_load_2d(a_ring + slot * A_TILE_BYTES, &tensors.a, k0, a_row, &full[slot]);
+        uint8_t* b_tile = b_ring + slot * B_TILE_BYTES;
+        if (TRANS_B) {
+          tma_load_3d(b_tile, &tensors.b, k0, n0, expert, &full[slot]);
+        } else {
+#pragma unroll
+          for (int piece = 0; piece < TILE_N / 64; piece++)  // 64 n wide, BK·128 bytes apart (swizzled_piece)
+            tma_load_3d(b_tile + piece * (BK * 128), &tensors.b, n0 + 64 * piece, k0, expert, &full[slot]);
+        }
+      }
+    }
+    return;
+  }
+
+  const int rows = 64 * (warp / 4);  // this warpgroup's rows of the tile
+  for (unsigned int index = blockIdx.x; tile_problem<false>(batch, routed, index, lda, ldb, ldc, p, tile);
+       index += gridDim.x) {
+    const int k_tiles = (p.K + BK - 1) / BK;
+    float acc[TILE_N / 2] = {};  // this warpgroup's 64 × TILE_N piece of C (ops/mma.cuh: the fragment)
+    for (int kt = 0; kt < k_tiles; kt++, it++) {
+      const int slot = it % STAGES;
+      mbarrier_wait(&full[slot], (it / STAGES) & 1);
+      const uint32_t a_tile = smem_addr(a_ring + slot * A_TILE_BYTES);
+      const uint32_t b_tile = smem_addr(b_ring + slot * B_TILE_BYTES);
+      wgmma_fence();
+      wgmma_fence_operands(acc);
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ks++)
+        wgmma_m64n256k16<false, !TRANS_B>(acc, tile_descriptor<true>(a_tile, rows, ks),
+                                          tile_descriptor<TRANS_B>(b_tile, 0, ks), 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // the MMAs of k-tile it − 1 are done: its slot may be refilled
+      wgmma_fence_operands(acc);
+      if (kt > 0 && lane == 0) mbarrier_arrive(&empty[(it - 1) % STAGES]);
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+    if (k_tiles > 0 && lane == 0) mbarrier_arrive(&empty[(it - 1) % STAGES]);
+    const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * TILE_N;
+    store_c_fragments<TILE_N / 8>(p, m0 + rows + 16 * (warp % 4) + lane / 4, n0 + 2 * (lane % 4), acc, ldc, beta);
+  }
+}
 #endif
 
 }  // namespace ggemm
@@ -604,14 +723,60 @@ inline int grouped_gemm_sms(const char* op) {
   return sms;
 }
 
-// The tile shape of the wgmma form (header): wide tiles (128 × 256, one persistent block per SM) for
-// the forward and input-gradient forms when a launch has at least GGEMM_WIDE_MIN_WAVES waves of them;
-// 128 × 128 otherwise, for the weight gradients always (measured, notes/speed.md L: the wide tiles
-// gain 8–18 % on B1's h13, y, da and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the default
-// model's smaller layers). The mma.sync form has only 128 × 128.
-enum class GroupedGemmTiles { Narrow, Wide };
+// Where the wide tiles' TMA form (header) finds its two tensors, or false (grouped_gemm_tma_layout)
+// when the problems are not laid out as two tensors: A's problems consecutive row slices of one
+// [rows][K] matrix in list order (routed problems: all at its row 0, `routes` rows), the experts' B
+// matrices in one stack [experts][N][K] (transB) or [experts][K][N] (whole matrices apart), one N and
+// one K for all. The MoE layers' expert GEMMs are laid out so; B lent by another rank (ops/llep.cuh) is not.
+struct GroupedGemmTmaLayout {
+  const floatX* a_first = nullptr;  // A's row 0
+  long long a_rows = 0;
+  const floatX* b_first = nullptr;  // the stack's expert 0
+  long long b_expert = 0, experts = 0;  // elements from one expert's B to the next; experts in the stack
+  int N = 0, K = 0;
+};
+inline bool grouped_gemm_tma_layout(const GroupedGemmProblems& problems, bool transA, bool transB, int lda, int ldb,
+                                    GroupedGemmTmaLayout& layout) {
+  const std::vector<GroupedGemmProblem>& list = problems.list;
+  if (transA || list.empty()) return false;
+  GroupedGemmTmaLayout l;
+  l.a_first = list[0].A;
+  l.b_first = list[0].B;
+  l.N = list[0].N;
+  l.K = list[0].K;
+  auto elements_apart = [](const floatX* from, const floatX* to) {
+    return ((long long)(uintptr_t)to - (long long)(uintptr_t)from) / (long long)sizeof(floatX);
+  };
+  for (const GroupedGemmProblem& q : list) {
+    if (q.N != l.N || q.K != l.K) return false;
+    if (elements_apart(l.b_first, q.B) < 0) l.b_first = q.B;
+    const long long row = problems.route_offsets ? 0 : l.a_rows;  // where this problem's A must start
+    if (elements_apart(l.a_first, q.A) != row * lda) return false;
+    if (!problems.route_offsets) l.a_rows += q.M;
+  }
+  if (problems.route_offsets) l.a_rows = problems.routes;
+  l.b_expert = (long long)(transB ? l.N : l.K) * ldb;
+  for (const GroupedGemmProblem& q : list) {
+    const long long apart = elements_apart(l.b_first, q.B);
+    if (apart % l.b_expert) return false;
+    l.experts = std::max(l.experts, apart / l.b_expert + 1);
+  }
+  if (l.a_rows <= 0 || l.a_rows > INT_MAX || l.experts > INT_MAX) return false;  // the TMA's coordinates: int32
+  layout = l;
+  return true;
+}
+
+// The wgmma form's tiles and how they are fed (header): wide tiles (128 × 256, one persistent block
+// per SM) for the forward and input-gradient forms when a launch has at least GGEMM_WIDE_MIN_WAVES
+// waves of them, fed by the TMA (WideTma) when the operands are laid out as two tensors
+// (grouped_gemm_tma_layout), else by every thread's copies (Wide); 128 × 128 otherwise, for the
+// weight gradients always (measured, notes/speed.md L: the wide tiles gain 8–18 % on B1's h13, y, da
+// and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the default model's smaller layers). The
+// mma.sync form has only 128 × 128.
+enum class GroupedGemmTiles { Narrow, Wide, WideTma };
 static const int GGEMM_WIDE_MIN_WAVES = 4;
-inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, bool transA, int sms) {
+inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, bool transA, bool transB, int lda,
+                                           int ldb, int sms) {
 #if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
   if (transA) return GroupedGemmTiles::Narrow;
   long long wide_tiles = 0;  // routed (M unknown here): the most any split of the routes can need
@@ -623,12 +788,86 @@ inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, 
   }
   if (problems.route_offsets)
     wide_tiles = (long long)(ceil_div(problems.routes, ggemm::BM) + (int)problems.list.size()) * most_tiles_n;
-  return wide_tiles >= (long long)GGEMM_WIDE_MIN_WAVES * sms ? GroupedGemmTiles::Wide : GroupedGemmTiles::Narrow;
+  if (wide_tiles < (long long)GGEMM_WIDE_MIN_WAVES * sms) return GroupedGemmTiles::Narrow;
+  GroupedGemmTmaLayout layout;
+  return grouped_gemm_tma_layout(problems, transA, transB, lda, ldb, layout) ? GroupedGemmTiles::WideTma
+                                                                            : GroupedGemmTiles::Wide;
 #else
-  (void)problems, (void)transA, (void)sms;
+  (void)problems, (void)transA, (void)transB, (void)lda, (void)ldb, (void)sms;
   return GroupedGemmTiles::Narrow;
 #endif
 }
+
+#if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
+// cuTensorMapEncodeTiled, a driver function, found once through the runtime (no link to the driver).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(const char* op) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found), op,
+              "grouped_gemm: looking up cuTensorMapEncodeTiled");
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+      fm_fail(op, "the driver has no cuTensorMapEncodeTiled (the TMA form of grouped_gemm)", "query result %d", (int)found);
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  return encode;
+}
+
+// A bf16 tensor of `rank` dims (innermost first; strides in bytes, of dims 1 …) read in boxes of
+// `box`, 128-byte swizzled as the wgmma tiles are stored (ops/mma.cuh), zeros past its edges.
+inline CUtensorMap encode_tensor_map(const char* op, const char* what, const floatX* first, int rank, const cuuint64_t* dims,
+                                     const cuuint64_t* strides, const cuuint32_t* box) {
+  CUtensorMap map;
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult result = tensor_map_encoder(op)(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<floatX*>(first), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS)
+    fm_fail(op, "cuTensorMapEncodeTiled refused a tensor of grouped_gemm's TMA form",
+            "%s: CUresult %d, dims %llu x %llu x %llu, box %u x %u", what, (int)result, (unsigned long long)dims[0],
+            (unsigned long long)dims[1], rank > 2 ? (unsigned long long)dims[2] : 1ull, box[0], box[1]);
+  return map;
+}
+
+// The two tensors of the TMA form (GroupedGemmTensors) from their layout: A in boxes of BK × BM, B in
+// boxes of BK × 256 (transB: k contiguous) or of 64 n × BK (n contiguous, four per k-tile).
+inline GroupedGemmTensors grouped_gemm_tensors(const char* op, const GroupedGemmTmaLayout& l, bool transB, int lda,
+                                               int ldb) {
+  GroupedGemmTensors t;
+  const cuuint64_t a_dims[2] = {(cuuint64_t)l.K, (cuuint64_t)l.a_rows}, a_strides[1] = {(cuuint64_t)lda * 2};
+  const cuuint32_t a_box[2] = {ggemm::BK, ggemm::BM};
+  t.a = encode_tensor_map(op, "A", l.a_first, 2, a_dims, a_strides, a_box);
+  const cuuint64_t b_strides[2] = {(cuuint64_t)ldb * 2, (cuuint64_t)l.b_expert * 2};
+  if (transB) {
+    const cuuint64_t b_dims[3] = {(cuuint64_t)l.K, (cuuint64_t)l.N, (cuuint64_t)l.experts};
+    const cuuint32_t b_box[3] = {ggemm::BK, ggemm::WideTiles::BN, 1};
+    t.b = encode_tensor_map(op, "B", l.b_first, 3, b_dims, b_strides, b_box);
+  } else {
+    const cuuint64_t b_dims[3] = {(cuuint64_t)l.N, (cuuint64_t)l.K, (cuuint64_t)l.experts};
+    const cuuint32_t b_box[3] = {64, ggemm::BK, 1};
+    t.b = encode_tensor_map(op, "B", l.b_first, 3, b_dims, b_strides, b_box);
+  }
+  t.a_first = l.a_first;
+  t.b_first = l.b_first;
+  t.b_expert = l.b_expert;
+  return t;
+}
+
+template <bool TRANS_B>
+inline void grouped_gemm_tma_launch(const char* op, const GroupedGemmBatch& batch, const GroupedGemmTensors& tensors,
+                                    int lda, int ldb, int ldc, float beta, int sms, cudaStream_t stream) {
+  const auto kernel = ggemm::grouped_gemm_tma_kernel<TRANS_B>;
+  const size_t shared = ggemm::wgmma_shared_bytes<ggemm::WideTiles>();
+  const unsigned int blocks = std::min(batch.tiles, (unsigned)sms);
+  cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared), op,
+            "grouped_gemm (TMA) shared=%zu bytes", shared);
+  kernel<<<blocks, ggemm::TMA_THREADS, shared, stream>>>(batch, tensors, lda, ldb, ldc, beta);
+  launchCheck(op, "grouped_gemm (TMA) problems=%d tiles=%u blocks=%u transB=%d", batch.count, batch.tiles, blocks,
+              (int)TRANS_B);
+}
+#endif
 
 #if defined(FLATMOE_BF16)
 template <bool TRANS_A, bool TRANS_B, class Tiles>
@@ -666,9 +905,10 @@ inline void grouped_gemm_mma_launch(const char* op, const GroupedGemmBatch& batc
 }
 #endif
 
-// The problems on the tensor-core kernel in tiles of the given shape (grouped_gemm_tiles; Wide: the
-// wgmma form only): one launch per GGEMM_PROBLEMS_PER_LAUNCH problems, on `stream`, nothing waits.
-// Callers check grouped_gemm_mma_fits first.
+// The problems on the tensor-core kernel in tiles of the given shape (grouped_gemm_tiles; Wide and
+// WideTma: the wgmma form only; WideTma: problems laid out as grouped_gemm_tma_layout asks): one launch
+// per GGEMM_PROBLEMS_PER_LAUNCH problems, on `stream`, nothing waits. Callers check
+// grouped_gemm_mma_fits first.
 inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems, bool transA, bool transB, int lda,
                              int ldb, int ldc, float beta, GroupedGemmTiles tiles, cudaStream_t stream) {
 #if defined(FLATMOE_BF16)
@@ -676,8 +916,18 @@ inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems
   if (tiles != GroupedGemmTiles::Narrow)
     fm_fail(op, "grouped_gemm: wide tiles are the wgmma form's (GPU_ARCH=90a)", "problems=%zu", problems.list.size());
 #endif
-  const int tile_n = tiles == GroupedGemmTiles::Wide ? ggemm::WideTiles::BN : ggemm::NarrowTiles::BN;
+  const int tile_n = tiles == GroupedGemmTiles::Narrow ? ggemm::NarrowTiles::BN : ggemm::WideTiles::BN;
   const int sms = grouped_gemm_sms(op);
+#if defined(FLATMOE_WGMMA)
+  GroupedGemmTensors tensors;
+  if (tiles == GroupedGemmTiles::WideTma) {
+    GroupedGemmTmaLayout layout;
+    if (!grouped_gemm_tma_layout(problems, transA, transB, lda, ldb, layout))
+      fm_fail(op, "grouped_gemm: the TMA form needs A's problems in one matrix and B's in one stack, without transA",
+              "problems=%zu transA=%d transB=%d", problems.list.size(), (int)transA, (int)transB);
+    tensors = grouped_gemm_tensors(op, layout, transB, lda, ldb);
+  }
+#endif
   const std::vector<GroupedGemmProblem>& list = problems.list;
   const bool tiles_from_routes = problems.route_offsets != nullptr && !transA;
   for (size_t first = 0; first < list.size(); first += GGEMM_PROBLEMS_PER_LAUNCH) {
@@ -695,7 +945,11 @@ inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems
       batch.tiles = (unsigned)(ceil_div(problems.routes, ggemm::BM) + batch.count) * most_tiles_n;
     if (batch.tiles == 0) continue;
 #if defined(FLATMOE_WGMMA)
-    if (tiles == GroupedGemmTiles::Wide)
+    if (tiles == GroupedGemmTiles::WideTma && transB)
+      grouped_gemm_tma_launch<true>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+    else if (tiles == GroupedGemmTiles::WideTma)
+      grouped_gemm_tma_launch<false>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+    else if (tiles == GroupedGemmTiles::Wide)
       grouped_gemm_mma_launch<ggemm::WideTiles>(op, batch, transA, transB, lda, ldb, ldc, beta, sms, stream);
     else
 #endif
@@ -826,7 +1080,7 @@ inline void grouped_gemm(const char* op, const GroupedGemmProblems& problems, bo
   if (problems.list.empty()) return;
   if (grouped_gemm_takes_kernel(problems, transA, transB, lda, ldb, ldc))
     grouped_gemm_mma(op, problems, transA, transB, lda, ldb, ldc, beta,
-                     grouped_gemm_tiles(problems, transA, grouped_gemm_sms(op)), stream);
+                     grouped_gemm_tiles(problems, transA, transB, lda, ldb, grouped_gemm_sms(op)), stream);
   else if (problems.route_offsets)
     grouped_gemm(op, grouped_gemm_routes_on_host(op, problems, transA, lda, ldb, ldc, stream), transA, transB, lda, ldb,
                  ldc, beta, stream);

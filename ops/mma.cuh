@@ -1,7 +1,8 @@
 // mma.cuh — the PTX that flatmoe's tensor-core kernels share (ops/attention_mma.cuh,
 // ops/grouped_gemm.cuh): asynchronous 16-byte copies into shared memory, ldmatrix, and the bf16
-// mma.sync m16n8k16 with fp32 accumulation (sm_80 and later); and Hopper's warpgroup MMA (wgmma,
-// sm_90a builds only: FLATMOE_WGMMA, GPU_ARCH=90a). Not an operator: no twin of its own;
+// mma.sync m16n8k16 with fp32 accumulation (sm_80 and later); and Hopper's warpgroup MMA (wgmma),
+// mbarriers and the tensor memory accelerator's copies (TMA) (sm_90a builds only: FLATMOE_WGMMA,
+// GPU_ARCH=90a). Not an operator: no twin of its own;
 // its users' twins (ref/attention.hpp, ref/moe.hpp) check what is built from it.
 //
 // MMA fragments relied on (PTX ISA, mma.m16n8k16 .bf16, lane l, g = l/4, t = l%4):
@@ -90,6 +91,45 @@ __device__ __forceinline__ uint64_t wgmma_descriptor(uint32_t shared_address, ui
 // Orders this thread's earlier generic-proxy writes to shared memory (st.shared, cp.async) before the
 // async proxy's reads (wgmma's operands).
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// mbarriers in shared memory (a block's producer/consumer pipeline): init with the arrivals that
+// complete a phase; arrive; wait until the phase of the given parity has completed (a fresh barrier
+// is in phase 0, so a wait on parity 1 returns at once).
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+}
+// makes the barriers' initialisation visible to the other threads and to the tensor copies' arrivals
+__device__ __forceinline__ void fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// one arrival that also makes the phase wait for `bytes` more of asynchronous copies (tma_load_*)
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "\tWAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "\t@!done bra WAIT;\n\t}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// The tensor memory accelerator (TMA): one thread copies a box of a tensor (described by a CUtensorMap
+// the host encoded: global address, sizes, strides, the box, the 128-byte swizzle) into shared memory
+// at `dst`; the box's bytes complete on `bar` (its expected transactions, mbarrier_arrive_expect_tx).
+// Parts of the box outside the tensor land as zeros. Coordinates in elements, innermost first.
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const void* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+          "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits until at most `pending` of this warpgroup's committed MMA groups are still running.

@@ -5,13 +5,16 @@
 // one launch takes; more tiles than the GPU has SMs; bytes of C outside the problems untouched; a
 // replay bit-identical (memcmp). In the BF16 build the shapes here take flatmoe's tensor-core kernel
 // (asserted), except one that its requirements send to cuBLAS; in the wgmma form every check runs
-// through grouped_gemm and in each tile shape forced (narrow 128 × 128, wide 128 × 256). In the FP32
-// build every call is cuBLAS's. On the host (runs in CI): which calls grouped_gemm gives to which
-// implementation, and which tile shape.
+// through grouped_gemm and in each tile shape forced (narrow 128 × 128, wide 128 × 256 fed by every
+// thread's copies, and fed by the TMA where the problems are laid out for it: the same bits as the
+// thread-fed wide tiles, memcmp). In the FP32 build every call is cuBLAS's. On the host (runs in CI):
+// which calls grouped_gemm gives to which implementation, which tile shape and feed, and where the
+// TMA form finds its two tensors.
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 #include "gpu_util.cuh"
 #include "../ops/grouped_gemm.cuh"
@@ -21,32 +24,44 @@ using namespace testutil;
 namespace {
 
 // The ways a test runs a grouped call: grouped_gemm as the layers call it, and in the wgmma build, when
-// the kernel takes the call, each tile shape forced (ops/grouped_gemm.cuh, grouped_gemm_tiles).
+// the kernel takes the call, each tile shape forced (ops/grouped_gemm.cuh, grouped_gemm_tiles): narrow
+// 128 × 128, wide 128 × 256 fed by every thread's copies, and wide fed by the TMA when the problems are
+// laid out as its two tensors (`tma`).
 struct Way {
   const char* name;
   std::function<void(const GroupedGemmProblems&, bool transA, bool transB, int lda, int ldb, int ldc, float beta)> run;
 };
-std::vector<Way> ways_to_run(const char* op, bool kernel_expected) {
+std::vector<Way> ways_to_run(const char* op, bool kernel_expected, bool tma) {
   std::vector<Way> ways = {{"grouped_gemm", [op](const GroupedGemmProblems& p, bool ta, bool tb, int lda, int ldb, int ldc,
                                                  float beta) { grouped_gemm(op, p, ta, tb, lda, ldb, ldc, beta, 0); }}};
+  std::vector<std::pair<GroupedGemmTiles, const char*>> forced = {{GroupedGemmTiles::Narrow, "narrow tiles"},
+                                                                  {GroupedGemmTiles::Wide, "wide tiles"}};
+  if (tma) forced.push_back({GroupedGemmTiles::WideTma, "wide tiles, TMA"});
   if (BUILD_WGMMA && kernel_expected)
-    for (GroupedGemmTiles tiles : {GroupedGemmTiles::Narrow, GroupedGemmTiles::Wide})
-      ways.push_back({tiles == GroupedGemmTiles::Wide ? "wide tiles" : "narrow tiles",
-                      [op, tiles](const GroupedGemmProblems& p, bool ta, bool tb, int lda, int ldb, int ldc, float beta) {
-                        grouped_gemm_mma(op, p, ta, tb, lda, ldb, ldc, beta, tiles, 0);
-                      }});
+    for (auto [tiles, name] : forced)
+      ways.push_back({name, [op, tiles = tiles](const GroupedGemmProblems& p, bool ta, bool tb, int lda, int ldb, int ldc,
+                                                float beta) { grouped_gemm_mma(op, p, ta, tb, lda, ldb, ldc, beta, tiles, 0); }});
   return ways;
+}
+
+// true when the problems are laid out as the TMA form's two tensors (grouped_gemm_tma_layout)
+bool tma_layout(const GroupedGemmProblems& problems, bool transA, bool transB, int lda, int ldb) {
+  GroupedGemmTmaLayout layout;
+  return grouped_gemm_tma_layout(problems, transA, transB, lda, ldb, layout);
 }
 
 // Problems as the MoE layer stacks them: each operand's per-problem matrices one after another in
 // one buffer, all with the same row width. Stored shapes (rows × width): A [M,K], or [K,M] with
-// transA; B [K,N], or [N,K] with transB; C [M,N]. `sizes` gives each problem's (M, N, K).
+// transA; B [K,N], or [N,K] with transB; C [M,N]. `sizes` gives each problem's (M, N, K). So laid
+// out, problems of one N and K without transA are the TMA form's two tensors; `reversed` lists them
+// last to first, which they are not.
 struct Case {
   const char* name;
   bool transA, transB;
   float beta;
   std::vector<std::array<int, 3>> sizes;
   bool kernel_expected;  // BF16 build: the tensor-core kernel takes it
+  bool reversed = false;
 };
 
 void check_grouped_gemm(const Case& c) {
@@ -82,14 +97,24 @@ void check_grouped_gemm(const Case& c) {
   std::vector<GroupedGemmProblem> problems;
   for (int g = 0; g < G; g++)
     problems.push_back({d_A.ptr + a_off[g], d_B.ptr + b_off[g], d_C.ptr + c_off[g], c.sizes[g][0], c.sizes[g][1], c.sizes[g][2]});
+  if (c.reversed) std::reverse(problems.begin(), problems.end());
 #if defined(FLATMOE_BF16)
   ASSERT_EQ(grouped_gemm_takes_kernel(problems, c.transA, c.transB, lda, ldb, ldc), c.kernel_expected) << c.name;
 #endif
+  bool same_n_k = true;
+  for (const auto& size : c.sizes) same_n_k = same_n_k && size[1] == c.sizes[0][1] && size[2] == c.sizes[0][2];
+  const bool tma = tma_layout(problems, c.transA, c.transB, lda, ldb);
+  EXPECT_EQ(tma, !c.transA && !c.reversed && same_n_k) << c.name << ": grouped_gemm_tma_layout";
 
-  for (const Way& way : ways_to_run(c.name, c.kernel_expected)) {
+  std::vector<floatX> wide_result;  // the wide tiles fed by every thread's copies
+  for (const Way& way : ways_to_run(c.name, c.kernel_expected, tma)) {
     cudaCheck(cudaMemcpy(d_C.ptr, c_host.data(), c_host.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
     way.run(problems, c.transA, c.transB, lda, ldb, ldc, c.beta);
     const std::vector<floatX> first = download_vec(d_C.ptr, d_C.count);
+    if (std::string(way.name) == "wide tiles") wide_result = first;
+    if (std::string(way.name) == "wide tiles, TMA")  // the same tiles and k order, only fed otherwise
+      EXPECT_EQ(memcmp(first.data(), wide_result.data(), first.size() * sizeof(floatX)), 0)
+          << c.name << ": the TMA-fed wide tiles differ from the thread-fed ones";
     double worst = 0;
     for (int g = 0; g < G; g++) {
       auto [M, N, K] = c.sizes[g];
@@ -174,7 +199,10 @@ void check_routed(const char* name, bool transA, bool transB, float beta, const 
   (void)kernel_expected;
 #endif
 
-  for (const Way& way : ways_to_run(name, kernel_expected)) {
+  const bool tma = tma_layout(routed, transA, transB, lda, ldb);
+  EXPECT_EQ(tma, !transA) << name << ": grouped_gemm_tma_layout (routed)";
+  EXPECT_EQ(tma_layout(on_host, transA, transB, lda, ldb), !transA) << name << ": grouped_gemm_tma_layout (host's list)";
+  for (const Way& way : ways_to_run(name, kernel_expected, tma)) {
     cudaCheck(cudaMemcpy(d_C.ptr, c_start.data(), c_start.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
     way.run(on_host, transA, transB, lda, ldb, ldc, beta);
     const std::vector<floatX> host_result = download_vec(d_C.ptr, d_C.count);
@@ -233,6 +261,12 @@ TEST(GroupedGemmGpu, BothTransposed) {
 TEST(GroupedGemmGpu, MoreProblemsThanOneLaunchTakes) {
   Rng rng;
   check_grouped_gemm({"GroupedGemmGpu.NT.70", false, true, 0.f, rows_vary(rng, 70, 40, 136, 72), true});
+}
+
+// The forward form's problems not one after another (listed last to first): the wide tiles fed by
+// every thread's copies, not by the TMA.
+TEST(GroupedGemmGpu, ForwardFormProblemsOutOfOrder) {
+  check_grouped_gemm({"GroupedGemmGpu.NT.reversed", false, true, 0.f, {{1, 272, 200}, {37, 272, 200}, {129, 272, 200}, {300, 272, 200}, {8, 272, 200}}, true, true});
 }
 
 // More tiles than the GPU has SMs (H200: 132) in wide tiles (128 × 256): a wide launch's persistent
@@ -317,10 +351,16 @@ TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
 // tiles); narrow tiles (128 × 128) for every weight gradient and for the default model's smaller
 // layers; narrow always without wgmma.
 TEST(GroupedGemmHost, TileShapeByFormAndSize) {
-  const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 20);
-  floatX* C = reinterpret_cast<floatX*>(uintptr_t(1) << 24);
+  const int sms_h200 = 132;
+  const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 32);
+  const floatX* B = reinterpret_cast<const floatX*>(uintptr_t(1) << 36);
+  floatX* C = reinterpret_cast<floatX*>(uintptr_t(1) << 40);
+  // `groups` problems as the MoE layer lays them out: A's rows one after another, B's experts stacked
   auto call = [&](int groups, int M, int N, int K) {
-    return GroupedGemmProblems(std::vector<GroupedGemmProblem>(groups, {A, A, C, M, N, K}));
+    GroupedGemmProblems p;
+    for (int g = 0; g < groups; g++)
+      p.list.push_back({A + (size_t)g * M * K, B + (size_t)g * N * K, C + (size_t)g * M * N, M, N, K});
+    return p;
   };
   auto routed = [&](int groups, int N, int K, int routes) {
     GroupedGemmProblems p = call(groups, 0, N, K);
@@ -328,19 +368,80 @@ TEST(GroupedGemmHost, TileShapeByFormAndSize) {
     p.routes = routes;
     return p;
   };
-  const int sms = 132;
+  // the tile shape of the forward form (transB, ldb = K), of the input-gradient form (ldb = N), of the
+  // weight-gradient form
+  auto forward = [&](const GroupedGemmProblems& p) {
+    return grouped_gemm_tiles(p, false, true, p.list[0].K, p.list[0].K, sms_h200);
+  };
+  auto input_gradient = [&](const GroupedGemmProblems& p) {
+    return grouped_gemm_tiles(p, false, false, p.list[0].K, p.list[0].N, sms_h200);
+  };
+  auto weight_gradient = [&](const GroupedGemmProblems& p) {
+    return grouped_gemm_tiles(p, true, false, p.list[0].M, p.list[0].N, sms_h200);
+  };
+  const GroupedGemmTiles tma = BUILD_WGMMA ? GroupedGemmTiles::WideTma : GroupedGemmTiles::Narrow;
   const GroupedGemmTiles wide = BUILD_WGMMA ? GroupedGemmTiles::Wide : GroupedGemmTiles::Narrow;
-  EXPECT_EQ(grouped_gemm_tiles(call(32, 2048, 1024, 1024), false, sms), wide) << "B1 h13 (2048 wide tiles)";
-  EXPECT_EQ(grouped_gemm_tiles(call(32, 2048, 512, 1024), false, sms), wide) << "B1 da (1024 wide tiles)";
-  EXPECT_EQ(grouped_gemm_tiles(routed(32, 1024, 1024, 65536), false, sms), wide) << "B1 y, routed";
-  EXPECT_EQ(grouped_gemm_tiles(routed(32, 512, 512, 65536), false, sms), wide) << "B1 da, routed";
-  EXPECT_EQ(grouped_gemm_tiles(call(32, 1024, 1024, 2048), true, sms), GroupedGemmTiles::Narrow) << "B1 dW13";
-  EXPECT_EQ(grouped_gemm_tiles(routed(32, 512, 0, 65536), true, sms), GroupedGemmTiles::Narrow) << "B1 dW2, routed";
-  EXPECT_EQ(grouped_gemm_tiles(routed(8, 768, 384, 8192), false, sms), GroupedGemmTiles::Narrow)
-      << "default model h13, routed (216 wide tiles)";
-  EXPECT_EQ(grouped_gemm_tiles(call(8, 1024, 384, 768), false, sms), GroupedGemmTiles::Narrow) << "default model dxp";
+  EXPECT_EQ(forward(call(32, 2048, 1024, 1024)), tma) << "B1 h13 (2048 wide tiles)";
+  EXPECT_EQ(input_gradient(call(32, 2048, 512, 1024)), tma) << "B1 da (1024 wide tiles)";
+  EXPECT_EQ(forward(routed(32, 1024, 512, 65536)), tma) << "B1 y, routed";
+  EXPECT_EQ(input_gradient(routed(32, 512, 1024, 65536)), tma) << "B1 da, routed";
+  GroupedGemmProblems lent = call(32, 2048, 1024, 1024);
+  lent.list[5].B = B - (size_t)1024 * 1024 - 8;  // an expert whose weights another rank lent (ops/llep.cuh)
+  EXPECT_EQ(forward(lent), wide) << "B1 h13 with one expert's weights outside the stack";
+  EXPECT_EQ(weight_gradient(call(32, 1024, 1024, 2048)), GroupedGemmTiles::Narrow) << "B1 dW13";
+  EXPECT_EQ(weight_gradient(routed(32, 512, 0, 65536)), GroupedGemmTiles::Narrow) << "B1 dW2, routed";
+  EXPECT_EQ(forward(routed(8, 768, 384, 8192)), GroupedGemmTiles::Narrow) << "default model h13, routed (216 wide tiles)";
+  EXPECT_EQ(input_gradient(call(8, 1024, 384, 768)), GroupedGemmTiles::Narrow) << "default model dxp";
   // the threshold: 4 waves of wide tiles
-  EXPECT_EQ(grouped_gemm_tiles(call(1, 128 * 4 * sms, 256, 64), false, sms), wide) << "4 waves";
-  EXPECT_EQ(grouped_gemm_tiles(call(1, 128 * 4 * sms - 128, 256, 64), false, sms), GroupedGemmTiles::Narrow)
-      << "one tile short of 4 waves";
+  EXPECT_EQ(forward(call(1, 128 * 4 * sms_h200, 256, 64)), tma) << "4 waves";
+  EXPECT_EQ(forward(call(1, 128 * 4 * sms_h200 - 128, 256, 64)), GroupedGemmTiles::Narrow) << "one tile short of 4 waves";
+}
+
+// The TMA form's two tensors (ops/grouped_gemm.cuh, grouped_gemm_tma_layout): found where the problems
+// are laid out as one A matrix and one stack of B (an expert without routes may be left out of a
+// host's list), refused otherwise.
+TEST(GroupedGemmHost, TmaLayoutFindsTheTwoTensors) {
+  const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 32);
+  const floatX* B = reinterpret_cast<const floatX*>(uintptr_t(1) << 36);
+  floatX* C = reinterpret_cast<floatX*>(uintptr_t(1) << 40);
+  const int N = 512, K = 1024;  // the forward form: B [N,K] per expert, ldb = K
+  // experts 1, 2, 4 with 300, 7, 129 routes (0 and 3 without routes, left out)
+  const std::vector<std::pair<int, int>> experts = {{1, 300}, {2, 7}, {4, 129}};
+  auto host_list = [&] {
+    GroupedGemmProblems p;
+    size_t row = 0;
+    for (auto [e, rows] : experts) {
+      p.list.push_back({A + row * K, B + (size_t)e * N * K, C + row * N, rows, N, K});
+      row += rows;
+    }
+    return p;
+  };
+  GroupedGemmTmaLayout l;
+  ASSERT_TRUE(grouped_gemm_tma_layout(host_list(), false, true, K, K, l));
+  EXPECT_EQ(l.a_first, A);
+  EXPECT_EQ(l.a_rows, 436);
+  EXPECT_EQ(l.b_first, B + (size_t)N * K) << "the stack starts at the first expert listed";
+  EXPECT_EQ(l.b_expert, (long long)N * K);
+  EXPECT_EQ(l.experts, 4) << "experts 1 … 4 of the stack";
+  EXPECT_FALSE(grouped_gemm_tma_layout(host_list(), true, false, K, N, l)) << "transA";
+
+  GroupedGemmProblems gap = host_list();
+  gap.list[1].A += K;  // one row between the first problem's rows and the second's
+  EXPECT_FALSE(grouped_gemm_tma_layout(gap, false, true, K, K, l)) << "A's rows not one after another";
+  GroupedGemmProblems lent = host_list();
+  lent.list[2].B = B + (size_t)4 * N * K + 8;  // not whole matrices from the others
+  EXPECT_FALSE(grouped_gemm_tma_layout(lent, false, true, K, K, l)) << "B outside the stack";
+  GroupedGemmProblems two_k = host_list();
+  two_k.list[2].K = K / 2;
+  EXPECT_FALSE(grouped_gemm_tma_layout(two_k, false, true, K, K, l)) << "two values of K";
+
+  GroupedGemmProblems routed;
+  for (int e = 0; e < 5; e++) routed.list.push_back({A, B + (size_t)e * N * K, C, 0, N, K});
+  routed.route_offsets = reinterpret_cast<const int*>(uintptr_t(1) << 28);
+  routed.routes = 436;
+  ASSERT_TRUE(grouped_gemm_tma_layout(routed, false, true, K, K, l));
+  EXPECT_EQ(l.a_rows, 436);
+  EXPECT_EQ(l.experts, 5);
+  routed.list[3].A = A + K;
+  EXPECT_FALSE(grouped_gemm_tma_layout(routed, false, true, K, K, l)) << "a routed problem's A not at row 0";
 }
