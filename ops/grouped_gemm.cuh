@@ -597,6 +597,56 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
   cp_async_wait_all();
 }
 
+// store_c_fragments's values (the same fp32 sum, beta · C added, one rounding) for one warp's 16-row
+// strip, written through shared memory so that each store is 16 bytes and a strip's row is written
+// 64 contiguous bytes at a time (the fragments' own stores are 4 bytes, 8 rows apart). 32 columns at a
+// time: the warp puts its fragments into `staging` (16 rows × STAGED_ROW floats, this warp's), then
+// each lane takes 8 columns of one row. Needs N % 8 == 0 and 16-byte aligned rows of C.
+constexpr int STAGED_ROW = 40;  // floats: a half-warp's 8-byte fragment writes fall in 32 distinct banks
+constexpr int STAGED_FLOATS = 16 * STAGED_ROW;  // per warp
+template <int BLOCKS>
+__device__ __forceinline__ void store_c_staged(const Problem& p, int row0, int col0, const float* acc, int ldc, float beta,
+                                               float* staging, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int part = 0; part < BLOCKS / 4; part++) {  // columns 32·part … +31: blocks 4·part … +3
+#pragma unroll
+    for (int jj = 0; jj < 4; jj++) {
+      const float* a = acc + 4 * (4 * part + jj);
+      *reinterpret_cast<float2*>(staging + g * STAGED_ROW + 8 * jj + 2 * t) = make_float2(a[0], a[1]);
+      *reinterpret_cast<float2*>(staging + (g + 8) * STAGED_ROW + 8 * jj + 2 * t) = make_float2(a[2], a[3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int r = 8 * i + lane / 4, c = 8 * (lane % 4);  // the strip's row, the first of 8 columns
+      const int row = row0 + r, col = col0 + 32 * part + c;
+      if (row < p.M && col < p.N) {
+        const float4 lo = *reinterpret_cast<const float4*>(staging + r * STAGED_ROW + c);
+        const float4 hi = *reinterpret_cast<const float4*>(staging + r * STAGED_ROW + c + 4);
+        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        uint4* dst = reinterpret_cast<uint4*>(p.C + (size_t)row * ldc + col);
+        if (beta != 0.f) {
+          const uint4 old = *dst;
+          const __nv_bfloat162* old2 = reinterpret_cast<const __nv_bfloat162*>(&old);
+#pragma unroll
+          for (int q = 0; q < 4; q++) {
+            const float2 o = __bfloat1622float2(old2[q]);
+            v[2 * q] += beta * o.x;
+            v[2 * q + 1] += beta * o.y;
+          }
+        }
+        uint4 out;
+        __nv_bfloat162* out2 = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+        for (int q = 0; q < 4; q++) out2[q] = __floats2bfloat162_rn(v[2 * q], v[2 * q + 1]);
+        *dst = out;
+      }
+    }
+    __syncwarp();  // the strip's next 32 columns reuse `staging`
+  }
+}
+
 // The wide tiles fed by the TMA (header): warps 0–7 are the two consumer warpgroups, 64 rows × 256
 // columns of the tile each, as in the kernel above; lane 0 of warp 8 is the producer. For k-tile
 // number `it` of this block (counted across its tiles) the producer waits until ring slot
@@ -610,7 +660,11 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
 // whole block is in the k loop. Rows past a problem's M come from the next problem's rows (or are
 // zeros past the tensor) and only feed C rows that are not stored; K and N stop at the tensor's
 // edge, past which the TMA fills zeros, so the sums are those of the kernel above: the same bits.
+// C is written through shared memory in 16-byte stores (store_c_staged; 20 KiB besides the ring).
 constexpr int TMA_THREADS = 9 * 32;
+constexpr size_t tma_shared_bytes() {  // the ring, then the consumer warps' staging of C
+  return wgmma_shared_bytes<WideTiles>() + 8 * STAGED_FLOATS * sizeof(float);
+}
 template <bool TRANS_B>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     grouped_gemm_tma_kernel(const GroupedGemmBatch batch, const __grid_constant__ GroupedGemmTensors tensors, int lda,
@@ -623,6 +677,8 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   const uint32_t aligned = (shared_start + 1023) & ~1023u;  // the swizzle needs 1024-byte aligned tiles
   uint8_t* a_ring = shared_bytes + (aligned - shared_start);  // STAGES tiles of A
   uint8_t* b_ring = a_ring + STAGES * A_TILE_BYTES;           // STAGES tiles of op(B)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* staging = reinterpret_cast<float*>(b_ring + STAGES * B_TILE_BYTES) + warp * STAGED_FLOATS;  // consumers'
   const RoutedTiles& routed = routed_tiles<false>(batch);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; s++) {
@@ -632,7 +688,6 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     fence_mbarrier_init();
   }
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   Problem p;
   int tile;
   uint32_t it = 0;  // k-tiles this thread has copied or multiplied
@@ -688,7 +743,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     wgmma_fence_operands(acc);
     if (k_tiles > 0 && lane == 0) mbarrier_arrive(&empty[(it - 1) % STAGES]);
     const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * TILE_N;
-    store_c_fragments<TILE_N / 8>(p, m0 + rows + 16 * (warp % 4) + lane / 4, n0 + 2 * (lane % 4), acc, ldc, beta);
+    store_c_staged<TILE_N / 8>(p, m0 + rows + 16 * (warp % 4), n0, acc, ldc, beta, staging, lane);
   }
 }
 #endif
@@ -727,7 +782,8 @@ inline int grouped_gemm_sms(const char* op) {
 // when the problems are not laid out as two tensors: A's problems consecutive row slices of one
 // [rows][K] matrix in list order (routed problems: all at its row 0, `routes` rows), the experts' B
 // matrices in one stack [experts][N][K] (transB) or [experts][K][N] (whole matrices apart), one N and
-// one K for all. The MoE layers' expert GEMMs are laid out so; B lent by another rank (ops/llep.cuh) is not.
+// one K for all; and, for its stores of 16 bytes (store_c_staged), N % 8 == 0 and C 16-byte aligned.
+// The MoE layers' expert GEMMs are laid out so; B lent by another rank (ops/llep.cuh) is not.
 struct GroupedGemmTmaLayout {
   const floatX* a_first = nullptr;  // A's row 0
   long long a_rows = 0;
@@ -748,7 +804,7 @@ inline bool grouped_gemm_tma_layout(const GroupedGemmProblems& problems, bool tr
     return ((long long)(uintptr_t)to - (long long)(uintptr_t)from) / (long long)sizeof(floatX);
   };
   for (const GroupedGemmProblem& q : list) {
-    if (q.N != l.N || q.K != l.K) return false;
+    if (q.N != l.N || q.K != l.K || q.N % 8 || (uintptr_t)q.C % 16) return false;
     if (elements_apart(l.b_first, q.B) < 0) l.b_first = q.B;
     const long long row = problems.route_offsets ? 0 : l.a_rows;  // where this problem's A must start
     if (elements_apart(l.a_first, q.A) != row * lda) return false;
@@ -859,7 +915,7 @@ template <bool TRANS_B>
 inline void grouped_gemm_tma_launch(const char* op, const GroupedGemmBatch& batch, const GroupedGemmTensors& tensors,
                                     int lda, int ldb, int ldc, float beta, int sms, cudaStream_t stream) {
   const auto kernel = ggemm::grouped_gemm_tma_kernel<TRANS_B>;
-  const size_t shared = ggemm::wgmma_shared_bytes<ggemm::WideTiles>();
+  const size_t shared = ggemm::tma_shared_bytes();
   const unsigned int blocks = std::min(batch.tiles, (unsigned)sms);
   cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared), op,
             "grouped_gemm (TMA) shared=%zu bytes", shared);

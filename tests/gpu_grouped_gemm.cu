@@ -263,6 +263,11 @@ TEST(GroupedGemmGpu, MoreProblemsThanOneLaunchTakes) {
   check_grouped_gemm({"GroupedGemmGpu.NT.70", false, true, 0.f, rows_vary(rng, 70, 40, 136, 72), true});
 }
 
+// The forward form adding into C (beta 1): the TMA form's stores of 16 bytes read C too.
+TEST(GroupedGemmGpu, ForwardFormAddsIntoC) {
+  check_grouped_gemm({"GroupedGemmGpu.NT+=", false, true, 1.f, {{37, 264, 200}, {129, 264, 200}, {300, 264, 200}}, true});
+}
+
 // The forward form's problems not one after another (listed last to first): the wide tiles fed by
 // every thread's copies, not by the TMA.
 TEST(GroupedGemmGpu, ForwardFormProblemsOutOfOrder) {
@@ -434,6 +439,12 @@ TEST(GroupedGemmHost, TmaLayoutFindsTheTwoTensors) {
   GroupedGemmProblems two_k = host_list();
   two_k.list[2].K = K / 2;
   EXPECT_FALSE(grouped_gemm_tma_layout(two_k, false, true, K, K, l)) << "two values of K";
+  GroupedGemmProblems n_516 = host_list();
+  for (GroupedGemmProblem& q : n_516.list) q.N = 516;
+  EXPECT_FALSE(grouped_gemm_tma_layout(n_516, false, true, K, K, l)) << "N % 8 != 0 (16-byte stores of C)";
+  GroupedGemmProblems c_off = host_list();
+  c_off.list[1].C += 4;
+  EXPECT_FALSE(grouped_gemm_tma_layout(c_off, false, true, K, K, l)) << "a C not 16-byte aligned";
 
   GroupedGemmProblems routed;
   for (int e = 0; e < 5; e++) routed.list.push_back({A, B + (size_t)e * N * K, C, 0, N, K});
