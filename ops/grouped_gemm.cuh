@@ -73,8 +73,9 @@
 //
 // Two tile shapes in the wgmma form (grouped_gemm_tiles picks per call; notes/speed.md L, N):
 //   narrow, 128 × 128 (as above): 3 stages, 96 KiB, 2 blocks per SM of one tile each; a warpgroup
-//     waits for its MMAs at the end of each k-tile. The weight gradients, and launches of fewer
-//     than 4 waves of wide tiles.
+//     waits for its MMAs at the end of each k-tile; C is stored through the ring, free by then, in
+//     16-byte pieces (store_c_staged) where N % 8 == 0 and C's rows are 16-byte aligned. The weight
+//     gradients, and launches of fewer than 4 waves of wide tiles.
 //   wide, 128 × 256: each warpgroup 64 × 256 (wgmma m64n256k16, 128 accumulators per thread);
 //     4 stages, 192 KiB, one block per SM. The grid is one block per SM, each looping over the
 //     launch's tiles (blockIdx.x, + gridDim.x, …). B1's forward and input-gradient GEMMs. Fed one
@@ -406,6 +407,58 @@ __device__ __forceinline__ void store_c_fragments(const Problem& p, int row, int
   }
 }
 
+// store_c_fragments's values (the same fp32 sum, beta · C added, one rounding) for one warp's 16-row
+// strip, written through shared memory so that each store is 16 bytes and a strip's row is written
+// 64 contiguous bytes at a time (the fragments' own stores are 4 bytes, 8 rows apart). 32 columns at a
+// time: the warp puts its fragments into `staging` (16 rows × STAGED_ROW floats, this warp's), then
+// each lane takes 8 columns of one row. Needs N % 8 == 0 and 16-byte aligned rows of C. The narrow
+// tiles and the TMA form store C so; the thread-fed wide tiles, whose ring already holds the next
+// tile's k-tiles, and the mma.sync form store the fragments as they are.
+constexpr int STAGED_ROW = 40;  // floats: a half-warp's 8-byte fragment writes fall in 32 distinct banks
+constexpr int STAGED_FLOATS = 16 * STAGED_ROW;  // per warp
+template <int BLOCKS>
+__device__ __forceinline__ void store_c_staged(const Problem& p, int row0, int col0, const float* acc, int ldc, float beta,
+                                               float* staging, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int part = 0; part < BLOCKS / 4; part++) {  // columns 32·part … +31: blocks 4·part … +3
+#pragma unroll
+    for (int jj = 0; jj < 4; jj++) {
+      const float* a = acc + 4 * (4 * part + jj);
+      *reinterpret_cast<float2*>(staging + g * STAGED_ROW + 8 * jj + 2 * t) = make_float2(a[0], a[1]);
+      *reinterpret_cast<float2*>(staging + (g + 8) * STAGED_ROW + 8 * jj + 2 * t) = make_float2(a[2], a[3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int r = 8 * i + lane / 4, c = 8 * (lane % 4);  // the strip's row, the first of 8 columns
+      const int row = row0 + r, col = col0 + 32 * part + c;
+      if (row < p.M && col < p.N) {
+        const float4 lo = *reinterpret_cast<const float4*>(staging + r * STAGED_ROW + c);
+        const float4 hi = *reinterpret_cast<const float4*>(staging + r * STAGED_ROW + c + 4);
+        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        uint4* dst = reinterpret_cast<uint4*>(p.C + (size_t)row * ldc + col);
+        if (beta != 0.f) {
+          const uint4 old = *dst;
+          const __nv_bfloat162* old2 = reinterpret_cast<const __nv_bfloat162*>(&old);
+#pragma unroll
+          for (int q = 0; q < 4; q++) {
+            const float2 o = __bfloat1622float2(old2[q]);
+            v[2 * q] += beta * o.x;
+            v[2 * q + 1] += beta * o.y;
+          }
+        }
+        uint4 out;
+        __nv_bfloat162* out2 = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+        for (int q = 0; q < 4; q++) out2[q] = __floats2bfloat162_rn(v[2 * q], v[2 * q + 1]);
+        *dst = out;
+      }
+    }
+    __syncwarp();  // the strip's next 32 columns reuse `staging`
+  }
+}
+
 // One block = one 128 × 128 tile of C of one problem (header).
 template <bool TRANS_A, bool TRANS_B>
 __global__ void __launch_bounds__(THREADS) grouped_gemm_kernel(const GroupedGemmBatch batch, int lda, int ldb, int ldc,
@@ -586,65 +639,22 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
       __syncthreads();  // both warpgroups are done reading the ring
       load_first_stages(next_p, (next_tile / next_p.tiles_n) * BM, (next_tile % next_p.tiles_n) * TILE_N);
     }
-    const int lane = threadIdx.x % 32;
-    store_c_fragments<TILE_N / 8>(p, m0 + 64 * warpgroup + 16 * ((threadIdx.x / 32) % 4) + lane / 4,
-                                  n0 + 2 * (lane % 4), acc, ldc, beta);
+    const int lane = threadIdx.x % 32, strip = m0 + 64 * warpgroup + 16 * ((threadIdx.x / 32) % 4);
+    if (!Tiles::PERSISTENT && p.N % 8 == 0 && ldc % 8 == 0 && (uintptr_t)p.C % 16 == 0) {
+      // one tile per block: the ring is free once both warpgroups are done with it, and holds C's staging
+      cp_async_wait_all();
+      __syncthreads();
+      float* staging = reinterpret_cast<float*>(a_ring) + (threadIdx.x / 32) * STAGED_FLOATS;
+      store_c_staged<TILE_N / 8>(p, strip, n0, acc, ldc, beta, staging, lane);
+      break;
+    }
+    store_c_fragments<TILE_N / 8>(p, strip + lane / 4, n0 + 2 * (lane % 4), acc, ldc, beta);
     if (!more) break;
     p = next_p;
     m0 = (next_tile / p.tiles_n) * BM;
     n0 = (next_tile % p.tiles_n) * TILE_N;
   }
   cp_async_wait_all();
-}
-
-// store_c_fragments's values (the same fp32 sum, beta · C added, one rounding) for one warp's 16-row
-// strip, written through shared memory so that each store is 16 bytes and a strip's row is written
-// 64 contiguous bytes at a time (the fragments' own stores are 4 bytes, 8 rows apart). 32 columns at a
-// time: the warp puts its fragments into `staging` (16 rows × STAGED_ROW floats, this warp's), then
-// each lane takes 8 columns of one row. Needs N % 8 == 0 and 16-byte aligned rows of C.
-constexpr int STAGED_ROW = 40;  // floats: a half-warp's 8-byte fragment writes fall in 32 distinct banks
-constexpr int STAGED_FLOATS = 16 * STAGED_ROW;  // per warp
-template <int BLOCKS>
-__device__ __forceinline__ void store_c_staged(const Problem& p, int row0, int col0, const float* acc, int ldc, float beta,
-                                               float* staging, int lane) {
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int part = 0; part < BLOCKS / 4; part++) {  // columns 32·part … +31: blocks 4·part … +3
-#pragma unroll
-    for (int jj = 0; jj < 4; jj++) {
-      const float* a = acc + 4 * (4 * part + jj);
-      *reinterpret_cast<float2*>(staging + g * STAGED_ROW + 8 * jj + 2 * t) = make_float2(a[0], a[1]);
-      *reinterpret_cast<float2*>(staging + (g + 8) * STAGED_ROW + 8 * jj + 2 * t) = make_float2(a[2], a[3]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-      const int r = 8 * i + lane / 4, c = 8 * (lane % 4);  // the strip's row, the first of 8 columns
-      const int row = row0 + r, col = col0 + 32 * part + c;
-      if (row < p.M && col < p.N) {
-        const float4 lo = *reinterpret_cast<const float4*>(staging + r * STAGED_ROW + c);
-        const float4 hi = *reinterpret_cast<const float4*>(staging + r * STAGED_ROW + c + 4);
-        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        uint4* dst = reinterpret_cast<uint4*>(p.C + (size_t)row * ldc + col);
-        if (beta != 0.f) {
-          const uint4 old = *dst;
-          const __nv_bfloat162* old2 = reinterpret_cast<const __nv_bfloat162*>(&old);
-#pragma unroll
-          for (int q = 0; q < 4; q++) {
-            const float2 o = __bfloat1622float2(old2[q]);
-            v[2 * q] += beta * o.x;
-            v[2 * q + 1] += beta * o.y;
-          }
-        }
-        uint4 out;
-        __nv_bfloat162* out2 = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-        for (int q = 0; q < 4; q++) out2[q] = __floats2bfloat162_rn(v[2 * q], v[2 * q + 1]);
-        *dst = out;
-      }
-    }
-    __syncwarp();  // the strip's next 32 columns reuse `staging`
-  }
 }
 
 // The wide tiles fed by the TMA (header): warps 0–7 are the two consumer warpgroups, 64 rows × 256
