@@ -15,7 +15,9 @@
 #   multi: bench_train.sh's multi part alone (2 GPUs or more): the default model on every GPU against one
 #   ab: bench_train.sh's ab part: this tree's BF16 trainer against the one built from ab-base/, a copy of an
 #     older commit (`mkdir ab-base && git archive REV | tar -x -C ab-base`; git-ignored, so name it in the
-#     device's carry): both alternating on the default model and B1, and B1's operators side by side
+#     device's carry): both alternating on the default model and B1, and B1's operators side by side; then
+#     both trees' bench_expert_gemm, alternating base, new, base, new: the grouped_gemm TFLOP/s of each
+#     expert GEMM of the default model's and B1's layers, side by side (ab_expert_gemm.md)
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, relay expert/token/auto, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   bench-opt: the optimizer step (notes/offload_adamw.md): the CPU AdamW loop alone (scalar vs vectorised, 1 thread to
@@ -359,7 +361,8 @@ if [[ " $want " == *" ab "* ]]; then
   if [ ! -f ab-base/train.cu ]; then
     echo "ab: ab-base/ holds no tree (mkdir ab-base && git archive REV | tar -x -C ab-base)"
     status=1
-  elif ! make -C ab-base -j"$(nproc)" $(echo "$vars" | sed "s|=\.deps|=$PWD/.deps|g") build/bf16/train > "$OUT/ab_build.log" 2>&1; then
+  elif ! make -C ab-base -j"$(nproc)" $(echo "$vars" | sed "s|=\.deps|=$PWD/.deps|g") build/bf16/train build/bf16/bench_expert_gemm \
+      > "$OUT/ab_build.log" 2>&1; then
     tail -20 "$OUT/ab_build.log"
     echo "ab: the build of ab-base/ failed"
     status=1
@@ -368,6 +371,25 @@ if [[ " $want " == *" ab "* ]]; then
       build/bench-ab ab > "$OUT/ab.md" 2> build/bench-ab.err || status=1
     cat "$OUT/ab.md"
     summary+=("ab (new − base): default $(sed -n 's/^| default | .* | \([^|]*\) |$/\1/p' "$OUT/ab.md"), B1 $(sed -n 's/^| B1 | .* | \([^|]*\) |$/\1/p' "$OUT/ab.md")")
+    # each expert GEMM's grouped_gemm TFLOP/s (column 5 of bench_expert_gemm's rows), one line per GEMM and layer
+    expert_tflops() { awk -F'|' '/^### /{ layer = $0; sub(/^### /, "", layer); sub(/ \(.*/, "", layer) }
+                                 /^\| [a-zA-Z]/ && $3 ~ /[0-9]/ { gsub(/^ +| +$/, "", $2); gsub(/ /, "", $6); print layer " | " $2 "\t" $6 }' "$1"; }
+    for round in 1 2; do
+      for side in base new; do
+        bin=build/bf16/bench_expert_gemm
+        [ "$side" = base ] && bin=ab-base/build/bf16/bench_expert_gemm
+        CUDA_VISIBLE_DEVICES=0 "$bin" > "build/bench-ab/expert_gemm_$side$round.md" 2>> build/bench-ab.err || status=1
+      done
+    done
+    {
+      echo "## bench_expert_gemm: grouped_gemm TFLOP/s, ab-base (base) against this tree (new), alternating"
+      echo "| layer | GEMM | base, two runs | new, two runs |"
+      echo "|---|---|---|---|"
+      paste <(expert_tflops build/bench-ab/expert_gemm_base1.md) <(expert_tflops build/bench-ab/expert_gemm_base2.md | cut -f2) \
+        <(expert_tflops build/bench-ab/expert_gemm_new1.md | cut -f2) <(expert_tflops build/bench-ab/expert_gemm_new2.md | cut -f2) |
+        awk -F'\t' '{ printf "| %s | %s / %s | %s / %s |\n", $1, $2, $3, $4, $5 }'
+    } > "$OUT/ab_expert_gemm.md"
+    cat "$OUT/ab_expert_gemm.md"
   fi
 fi
 
