@@ -31,7 +31,8 @@
 #     model tests, both precisions) and 30 training steps on every GPU with --head ring_dtp and --head chunked
 #   attention: the attention kernels alone (notes/attention.md): GpuAttention* in both precisions, compute-sanitizer
 #     racecheck and memcheck over the BF16 determinism test and every kernel form against the reference
-#     (SIMT, mma.sync, wgmma), and bench_attention (BF16: every form, T 1024/2048/4096, hd 64/128)
+#     (SIMT, mma.sync, wgmma), and bench_attention (BF16: every form, T 1024/2048/4096, hd 64/128; then hd 64 at
+#     T 1024/2048 with B1's 128 sequence-heads)
 #   memory: the whole device beside the pool (the device ledger, runtime/pool.cuh) on the 334M-parameter MoE of
 #     issue 11 (H 768, L 8, E 32, top-4, I 512, T 1024, batch 16), 3 steps on 1 GPU, on 2 with expert
 #     parallelism and on 2 without (--ep 1): the first step's "memory after the first step" line
@@ -215,6 +216,10 @@ if [[ " $want " == *" attention "* ]]; then
   done
   build/bf16/bench_attention > "$OUT/bench_attention.md" 2> build/bench_attention.err || { status=1; tail -20 build/bench_attention.err; }
   cat "$OUT/bench_attention.md"
+  # at B1's own attention (B 8, nh 16: 128 sequence-heads), where the issue's targets are read
+  build/bf16/bench_attention --seqs 1024,2048 --hds 64 --pairs 128 > "$OUT/bench_attention_b1.md" \
+    2> build/bench_attention.err || { status=1; tail -20 build/bench_attention.err; }
+  cat "$OUT/bench_attention_b1.md"
 fi
 
 if [[ " $want " == *" memory "* ]]; then
