@@ -7,6 +7,9 @@
 //   backward: dlogits[n,j] = dloss · (exp(logits[n,j] − lse[n]) − [j == targets[n]])             dlogits (=)
 //             dloss = d(total loss)/d(losses[n]), the same for every row (e.g. 1/(N·grad_accum)).
 //             dlogits may alias logits (each element is read, then written, by the same thread).
+//   forward_backward: both in one kernel, each row read from HBM once (the backward re-reads the
+//             row its block has just read, from L1/L2): the same losses, lse and dlogits bits as the
+//             two kernels (the same lse reduction, the same per-element formula).
 //   loss_sum: *out = Σ_n losses[n]                              (fp32, fixed order)              out (=)
 //
 // Shapes: logits, dlogits [N, V] floatX; targets [N] int32; losses, lse [N] float.
@@ -17,7 +20,7 @@
 // the pairs are combined by a fixed warp xor butterfly (the combine is commutative, so every lane gets
 // the same value), then the warps' pairs by the same butterfly in warp 0.
 //
-// Memory: none of its own in the three launchers. The output head at the end of this file (the
+// Memory: none of its own in the launchers. The output head at the end of this file (the
 // seam of notes/design.md §1.1, --head full) owns its logits: N·V·b (Logits) + 2·N·4 B (losses, lse).
 #pragma once
 #include "common.cuh"
@@ -133,18 +136,17 @@ static __global__ void cross_entropy_stats_finish_kernel(float* losses, float* l
   }
 }
 
-// One block per row; the row holds vocabulary columns [col0, col0 + width) of V, taken in pieces of
-// NV (ROW_PIECE or 1). No __restrict__: dlogits may alias logits.
+// dlogits of one row (called by every thread of its block): the row holds vocabulary columns [col0,
+// col0 + width) of V, taken in pieces of NV (ROW_PIECE or 1), each thread its strided pieces; t is
+// the row's target (outside [0, V): a NaN row). No __restrict__: dz may alias z (each piece is read,
+// then written, by the same thread).
 template <int NV, typename T>
-__global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const float* lse, const int* targets,
-                                              float dloss, int width, int col0, int V) {
+__device__ inline void cross_entropy_row_backward(T* dz_row, const T* z_row, float row_lse, int t, float dloss,
+                                                  int width, int col0, int V) {
   using P = Pack<T, NV>;
-  const int row = blockIdx.x;
-  const int t = targets[row];
   const bool valid = t >= 0 && t < V;
-  const float row_lse = lse[row];
-  const P* z = reinterpret_cast<const P*>(logits + (size_t)row * width);
-  P* dz = reinterpret_cast<P*>(dlogits + (size_t)row * width);
+  const P* z = reinterpret_cast<const P*>(z_row);
+  P* dz = reinterpret_cast<P*>(dz_row);
   for (int c = threadIdx.x; c < width / NV; c += blockDim.x) {
     const P v = z[c];
     P d;
@@ -155,6 +157,35 @@ __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const
     }
     dz[c] = d;
   }
+}
+
+// One block per row.
+template <int NV, typename T>
+__global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const float* lse, const int* targets,
+                                              float dloss, int width, int col0, int V) {
+  const int row = blockIdx.x;
+  cross_entropy_row_backward<NV>(dlogits + (size_t)row * width, logits + (size_t)row * width, lse[row], targets[row],
+                                 dloss, width, col0, V);
+}
+
+// One block per row: the forward kernel's lse and loss, then the backward kernel's dlogits from them.
+// Thread 0 reads the target's logit before the barrier after which the row may be overwritten
+// (dlogits may alias logits).
+template <int NV, typename T>
+__global__ void cross_entropy_forward_backward_kernel(T* dlogits, float* losses, float* lse, const T* logits,
+                                                      const int* targets, float dloss, int V) {
+  __shared__ float row_lse_shared;
+  const int row = blockIdx.x, t = targets[row];
+  const T* z = logits + (size_t)row * V;
+  CrossEntropyOnlineLse total = row_online_lse<NV>(z, V);
+  if (threadIdx.x == 0) {
+    const float row_lse = total.m + logf(total.s);
+    lse[row] = row_lse;
+    losses[row] = (t >= 0 && t < V) ? row_lse - to_float(z[t]) : NAN;
+    row_lse_shared = row_lse;
+  }
+  __syncthreads();
+  cross_entropy_row_backward<NV>(dlogits + (size_t)row * V, z, row_lse_shared, t, dloss, V, 0, V);
 }
 
 // One block: strided per-thread sums, xor butterfly per warp, warps added in order.
@@ -238,6 +269,28 @@ inline void cross_entropy_backward(floatX* dlogits, const floatX* logits, const 
   cross_entropy_block_backward(dlogits, logits, lse, targets, dloss, N, V, 0, V, stream);
 }
 
+// losses, lse [N] (=) as cross_entropy_forward and dlogits [N, V] (=) as cross_entropy_backward, the
+// same bits, in one pass over the logits when the two would take the rows in the same pieces (else
+// the two kernels); dlogits may alias logits.
+inline void cross_entropy_forward_backward(floatX* dlogits, float* losses, float* lse, const floatX* logits,
+                                           const int* targets, float dloss, int N, int V, cudaStream_t stream) {
+  if (N == 0) return;
+  if (V <= 0) fm_fail("cross_entropy_forward_backward", "V must be positive", "N=%d V=%d", N, V);
+  const bool forward_pieces = row_pieces(V, {logits}), backward_pieces = row_pieces(V, {dlogits, logits});
+  if (forward_pieces != backward_pieces) {
+    cross_entropy_forward(losses, lse, logits, targets, N, V, stream);
+    cross_entropy_backward(dlogits, logits, lse, targets, dloss, N, V, stream);
+    return;
+  }
+  if (forward_pieces)
+    cross_entropy_forward_backward_kernel<ROW_PIECE><<<N, CROSS_ENTROPY_THREADS, 0, stream>>>(dlogits, losses, lse, logits,
+                                                                                              targets, dloss, V);
+  else
+    cross_entropy_forward_backward_kernel<1><<<N, CROSS_ENTROPY_THREADS, 0, stream>>>(dlogits, losses, lse, logits,
+                                                                                      targets, dloss, V);
+  launchCheck("cross_entropy_forward_backward", "N=%d V=%d", N, V);
+}
+
 // *out (=) = Σ losses[0..N), fixed order (N = 0 writes 0).
 inline void loss_sum(float* out, const float* losses, int N, cudaStream_t stream) {
   loss_sum_kernel<<<1, LOSS_SUM_THREADS, 0, stream>>>(out, losses, N);
@@ -269,16 +322,19 @@ struct FullHead : OutputHead {
     floatX* logits = pool().alloc_t<floatX>((size_t)N * V, Mem::Logits, "logits");
     float* losses = pool().alloc_t<float>(N, Mem::Logits, "losses");
     float* lse = pool().alloc_t<float>(N, Mem::Logits, "lse");
-    // profiling (runtime/profile.cuh): sub-ranges of the caller's; the cross-entropy kernels read
-    // the [N,V] logits (forward) and read and overwrite them (backward)
+    // profiling (runtime/profile.cuh): sub-ranges of the caller's; the cross-entropy kernel reads the
+    // [N,V] logits (forward), or reads them and overwrites them with their gradient (fwd+bwd)
     prof_sub(stream, "logits matmul");
     matmul_forward(logits, x, W, N, H, V, stream);
-    prof_sub(stream, "cross-entropy fwd", (double)N * V * sizeof(floatX) + 12.0 * N);
-    cross_entropy_forward(losses, lse, logits, targets, N, V, stream);
+    if (dx == nullptr) {
+      prof_sub(stream, "cross-entropy fwd", (double)N * V * sizeof(floatX) + 12.0 * N);
+      cross_entropy_forward(losses, lse, logits, targets, N, V, stream);
+    } else {  // the logits read once and overwritten by their gradient
+      prof_sub(stream, "cross-entropy fwd+bwd", 2.0 * N * V * sizeof(floatX) + 12.0 * N);
+      cross_entropy_forward_backward(logits, losses, lse, logits, targets, dloss, N, V, stream);
+    }
     ::loss_sum(loss_sum, losses, N, stream);
     if (dx != nullptr) {
-      prof_sub(stream, "cross-entropy bwd", 2.0 * N * V * sizeof(floatX) + 8.0 * N);
-      cross_entropy_backward(logits, logits, lse, targets, dloss, N, V, stream);
       prof_sub(stream, "logits matmul bwd");
       matmul_backward(dx, dW, logits, x, W, N, H, V, stream);
     }

@@ -1,6 +1,7 @@
 // GPU tests of ops/cross_entropy.cuh against ref/cross_entropy.hpp: losses, lse, dlogits (also
-// in place over the logits) and loss_sum, at vocabulary sizes that are not multiples of the
-// block size (including GPT-2's 50257); out-of-range targets; bitwise reproducibility.
+// in place over the logits, and from the one-kernel forward_backward) and loss_sum, at vocabulary
+// sizes that are not multiples of the block size (including GPT-2's 50257); out-of-range targets;
+// bitwise reproducibility; forward_backward the two kernels' bits.
 #include <cstring>
 #include "gpu_util.cuh"
 #include "../ops/cross_entropy.cuh"
@@ -53,6 +54,55 @@ void check_cross_entropy(const char* name, int N, int V) {
 
   cross_entropy_backward(d_logits.ptr, d_logits.ptr, d_lse.ptr, d_targets.ptr, dloss, N, V, 0);
   EXPECT_REL(name, "dlogits(in place)", rel_err(download(d_logits.ptr, N, V), dlogits_ref), OP_TOL);
+
+  // the head's form: one kernel, in place over a fresh copy of the logits
+  DeviceBuffer<floatX> d_fused = upload<floatX>(logits, Mem::Logits);
+  poison(d_losses.ptr, N);
+  poison(d_lse.ptr, N);
+  cross_entropy_forward_backward(d_fused.ptr, d_losses.ptr, d_lse.ptr, d_fused.ptr, d_targets.ptr, dloss, N, V, 0);
+  EXPECT_REL(name, "losses(fwd+bwd)", rel_err(download(d_losses.ptr, N, 1), losses_ref), OP_TOL);
+  EXPECT_REL(name, "lse(fwd+bwd)", rel_err(download(d_lse.ptr, N, 1), lse_ref), OP_TOL);
+  EXPECT_REL(name, "dlogits(fwd+bwd)", rel_err(download(d_fused.ptr, N, V), dlogits_ref), OP_TOL);
+}
+
+// forward_backward against cross_entropy_forward then cross_entropy_backward on the same logits:
+// losses, lse and dlogits compared with memcmp. dlogits_offset 1 puts dlogits one element off 16-byte
+// alignment (the two kernels would take the rows in different pieces: forward_backward runs them).
+void check_forward_backward_bits(const char* name, int N, int V, bool in_place, int dlogits_offset) {
+  REQUIRE_GPU();
+  Rng rng;
+  const ref::Mat<double> logits = rng.mat<double>(N, V, 3.0);
+  std::vector<int> targets = random_targets(rng, N, V);
+  targets[N / 2] = V;  // a NaN row
+  const float dloss = float(rng.uniform(0.5, 2.0) / N);
+  DeviceBuffer<int> d_targets = upload_vec(targets);
+  struct Outputs {
+    std::vector<float> losses, lse;
+    std::vector<floatX> dlogits;
+  } out[2];
+  for (int fused = 0; fused < 2; fused++) {
+    DeviceBuffer<floatX> d_logits = upload<floatX>(logits, Mem::Logits);
+    DeviceBuffer<floatX> d_grad((size_t)N * V + dlogits_offset, Mem::Logits, "test.dlogits");
+    DeviceBuffer<float> d_losses(N, Mem::Logits, "test.losses"), d_lse(N, Mem::Logits, "test.lse");
+    floatX* dlogits = in_place ? d_logits.ptr : d_grad.ptr + dlogits_offset;
+    poison(d_grad.ptr, d_grad.count);
+    poison(d_losses.ptr, N);
+    poison(d_lse.ptr, N);
+    if (fused) {
+      cross_entropy_forward_backward(dlogits, d_losses.ptr, d_lse.ptr, d_logits.ptr, d_targets.ptr, dloss, N, V, 0);
+    } else {
+      cross_entropy_forward(d_losses.ptr, d_lse.ptr, d_logits.ptr, d_targets.ptr, N, V, 0);
+      cross_entropy_backward(dlogits, d_logits.ptr, d_lse.ptr, d_targets.ptr, dloss, N, V, 0);
+    }
+    out[fused].losses = download_vec(d_losses.ptr, N);
+    out[fused].lse = download_vec(d_lse.ptr, N);
+    out[fused].dlogits = download_vec(dlogits, (size_t)N * V);
+  }
+  EXPECT_TRUE(std::isnan(out[1].losses[N / 2])) << name;
+  EXPECT_EQ(0, memcmp(out[0].losses.data(), out[1].losses.data(), N * sizeof(float))) << name << ": losses";
+  EXPECT_EQ(0, memcmp(out[0].lse.data(), out[1].lse.data(), N * sizeof(float))) << name << ": lse";
+  EXPECT_EQ(0, memcmp(out[0].dlogits.data(), out[1].dlogits.data(), out[0].dlogits.size() * sizeof(floatX)))
+      << name << ": dlogits";
 }
 
 }  // namespace
@@ -102,4 +152,11 @@ TEST(CrossEntropyGpu, ForwardAndLossSumAreBitwiseReproducible) {
     runs[run].push_back(download_vec(d_sum.ptr, 1)[0]);
   }
   EXPECT_EQ(0, memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)));
+}
+
+TEST(CrossEntropyGpu, ForwardBackwardInOneKernelIsTheTwoKernelsBitForBit) {
+  check_forward_backward_bits("pieces, in place", 37, 1000, true, 0);
+  check_forward_backward_bits("pieces, own buffer", 64, 16384, false, 0);
+  check_forward_backward_bits("single elements (V odd)", 16, 5003, true, 0);
+  check_forward_backward_bits("dlogits off 16-byte alignment", 9, 1000, false, 1);
 }
