@@ -110,6 +110,45 @@ inline Seams seams_from(const TrainConfig& t, const ModelConfig& c) {
                moe_dispatcher(t) == "relay" ? relay_choice(t, c).mode : RelayMode::Expert};
 }
 
+// Host ints to the device in stream order without a host wait (a pass's tokens and targets, the
+// embedding backward's buckets): the parts are copied into pinned host memory, then one
+// cudaMemcpyAsync into a pool buffer, which CUDA queues without staging or synchronising (from
+// pageable memory, copy_to_device must wait for the stream before and after). The pinned memory is
+// rewritten only after the copy that last read it has run: host_wait on its stream point, which
+// returns at once in a training step (a pass ends with its loss's download).
+struct PinnedUpload {
+  int* host = nullptr;
+  size_t capacity = 0;  // ints
+  StreamPoint copied;   // after the last copy that read `host`
+  PinnedUpload() = default;
+  PinnedUpload(const PinnedUpload&) = delete;
+  PinnedUpload& operator=(const PinnedUpload&) = delete;
+  ~PinnedUpload() {
+    if (host != nullptr) cudaCheck(cudaFreeHost(host), "PinnedUpload", "cudaFreeHost of %zu ints", capacity);
+  }
+  // A pool buffer (category cat) holding the parts one after another, filled in stream order.
+  int* upload(std::initializer_list<std::pair<const int*, size_t>> parts, Mem cat, const char* tag, cudaStream_t s) {
+    size_t n = 0;
+    for (const auto& part : parts) n += part.second;
+    host_wait(copied, tag);
+    if (n > capacity) {
+      if (host != nullptr) cudaCheck(cudaFreeHost(host), tag, "cudaFreeHost of %zu ints", capacity);
+      host = nullptr;
+      cudaCheck(cudaHostAlloc(&host, n * sizeof(int), cudaHostAllocDefault), tag, "cudaHostAlloc of %zu ints", n);
+      capacity = n;
+    }
+    size_t at = 0;
+    for (const auto& part : parts) {
+      std::copy(part.first, part.first + part.second, host + at);
+      at += part.second;
+    }
+    int* dev = pool().alloc_t<int>(n, cat, tag);
+    cudaCheck(cudaMemcpyAsync(dev, host, n * sizeof(int), cudaMemcpyHostToDevice, s), tag, "copy of %zu ints", n);
+    copied.record(s, tag);
+    return dev;
+  }
+};
+
 struct Model {
   ModelConfig cfg;
   Parallel par;
@@ -152,6 +191,9 @@ struct Model {
   float* sumsq_partials = nullptr;  // [SUMSQ_BLOCKS]                          (Workspace)
   float* scalar_dev = nullptr;      // [1]                                      (Workspace)
   cudaStream_t stream = 0;
+  // a pass's uploads (model_pass): tokens and targets; the embedding backward's buckets
+  std::unique_ptr<PinnedUpload> tokens_upload = std::make_unique<PinnedUpload>();
+  std::unique_ptr<PinnedUpload> buckets_upload = std::make_unique<PinnedUpload>();
 
   // --routing: a profile (paper appendix B.2) that replaces the router's expert choice
   bool routing_override = false;
@@ -876,19 +918,10 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
   const size_t NH = (size_t)N * H;
   cudaStream_t s = m.stream;
   check_seq_len(m, T);
-  prof_mark(s, "pass start: token uploads (host wait)");
-  int* tokens_dev = upload_ints(inputs, N, Mem::Activations, "tokens", s);
-  int* targets_dev = upload_ints(targets, N, Mem::Activations, "targets", s);
-  // the embedding backward's per-token buckets, uploaded while the stream is idle (runtime/stream.cuh:
-  // later in the pass a copy from the host could wait behind a collective)
-  std::vector<int*> bucket_dev;
-  int buckets_used = 0;
-  if (o.backward) {
-    TokenBuckets buckets = build_token_buckets(inputs, N, V);
-    buckets_used = (int)buckets.used_ids.size();
-    for (const std::vector<int>* v : {&buckets.offsets, &buckets.positions, &buckets.used_ids})
-      bucket_dev.push_back(upload_ints(v->data(), (int)v->size(), Mem::Workspace, "token_buckets", s));
-  }
+  prof_mark(s, "pass start: token uploads");
+  int* tokens_dev = m.tokens_upload->upload({{inputs, (size_t)N}, {targets, (size_t)N}}, Mem::Activations,
+                                            "tokens_targets", s);  // tokens [N], then targets [N]
+  const int* targets_dev = tokens_dev + N;
   LayerBoundaries boundaries(L, NH, s, o.backward && o.recompute ? m.sco.get() : nullptr);  // SCO: --offload_budget
   std::vector<LayerActs> acts(L);
   const bool record = m.record_routing && m.training_pass >= 0;  // --record_routing
@@ -903,6 +936,17 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
   const SarPlan* attention_kept = o.backward && o.recompute && m.attention_kept.tokens == N ? &m.attention_kept : nullptr;
   forward_layers(m, tokens_dev, B, T, boundaries, acts, o.backward && !o.recompute, o.count_loads, record_layer,
                  attention_kept);
+  // the embedding backward's per-token buckets, built on the host while the GPU runs the forward:
+  // offsets [V + 1], positions [N], used ids [U] (ops/embedding.cuh)
+  int* buckets_dev = nullptr;
+  int buckets_used = 0;
+  if (o.backward) {
+    const TokenBuckets b = build_token_buckets(inputs, N, V);
+    buckets_used = (int)b.used_ids.size();
+    buckets_dev = m.buckets_upload->upload({{b.offsets.data(), b.offsets.size()}, {b.positions.data(), b.positions.size()},
+                                            {b.used_ids.data(), b.used_ids.size()}},
+                                           Mem::Workspace, "token_buckets", s);
+  }
 
   floatX* lnf = pool().alloc_t<floatX>(NH, Mem::Activations, "lnf");
   float* lnf_rstd = pool().alloc_t<float>(N, Mem::Activations, "lnf_rstd");
@@ -940,9 +984,9 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     }
     // embedding: deterministic per-token sums over the host-built buckets
     prof_mark(s, "embedding bwd", 2.0 * NH * sizeof(floatX));
-    embedding_backward(m.g.wte, d_x, bucket_dev[0], bucket_dev[1], bucket_dev[2], buckets_used, V, H, s);
+    embedding_backward(m.g.wte, d_x, buckets_dev, buckets_dev + V + 1, buckets_dev + V + 1 + N, buckets_used, V, H, s);
     pool().free(d_x);
-    for (int* p : bucket_dev) pool().free(p);
+    pool().free(buckets_dev);
     if (o.fold) {
       prof_mark(s, "fold grads (bf16 into fp32)", (double)m.num_params * ((o.first_of_step ? 4 : 8) + 2 * sizeof(floatX)));
       model_fold_grads(m, o.first_of_step);  // this pass's gradients into the step's fp32 sum
@@ -952,7 +996,7 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
   if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream, as the loss's download does
   float loss_total = 0.f;
   copy_to_host(&loss_total, loss_total_dev, sizeof(float), s, "model_pass.loss");
-  for (void* p : {(void*)tokens_dev, (void*)targets_dev, (void*)lnf, (void*)lnf_rstd, (void*)loss_total_dev, (void*)recorded})
+  for (void* p : {(void*)tokens_dev, (void*)lnf, (void*)lnf_rstd, (void*)loss_total_dev, (void*)recorded})
     pool().free(p);
   return loss_total / N;
 }

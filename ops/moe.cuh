@@ -554,7 +554,7 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
   floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
   prof_sub(stream, "swiglu (a again)", 3.0 * R * I * sizeof(floatX));
   swiglu_forward(a, h13, R, I, stream);
-  prof_sub(stream, "grouped gemms da, dW2");
+  prof_sub(stream, "grouped gemm da");
   // da_e [R_e,I] = dy_e [R_e,H] · W2_e [H,I]
   floatX* da = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".da");
   grouped_gemm((op + ".da").c_str(), expert_problems(groups, [&](int e, size_t first, int rows) {
@@ -562,6 +562,7 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
                }),
                false, false, H, I, I, 0.f, stream);
   // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
+  prof_sub(stream, "grouped gemm dW2");
   grouped_gemm((op + ".dW2").c_str(), expert_problems(groups, [&](int e, size_t first, int rows) {
                  return GroupedGemmProblem{dy + first * H, a + first * I, dW2[e], H, I, rows};
                }),

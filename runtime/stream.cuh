@@ -10,14 +10,16 @@
 //   * Memory crosses streams through the pool's two frees (runtime/pool.cuh): free() when every user
 //     ran on, or was joined into, the stream that allocates next; free_after(p, stream) when the last
 //     user is work still queued on another stream.
-//   * Every host wait is stream_wait (or copy_to_host / copy_to_device, which wait before and after
-//     their copy: CUDA may synchronise with the stream inside a copy from or to pageable memory): it
+//   * Every host wait is stream_wait, host_wait (a stream point) or copy_to_host / copy_to_device
+//     (which wait before and after their copy: CUDA may synchronise with the stream inside a copy from
+//     or to pageable memory): it
 //     gives up after FLATMOE_COMM_TIMEOUT_S (runtime/check.cuh) and, while it waits, asks the wait
 //     watcher (runtime/comm.cuh installs one that polls every live NCCL communicator's asynchronous
 //     error). A timeout, a CUDA error on the stream or an NCCL error ends the process through fm_fail,
 //     whose failure hook aborts every communicator first, so that the other ranks stop too.
 //   * No synchronous copy (cudaMemcpy, or cudaMemcpyAsync from or to pageable memory while the
-//     stream is busy) and no legacy-default-stream work while communicators overlap: either can wait
+//     stream is busy; from pinned memory it is queued: model.cuh's PinnedUpload) and no
+//     legacy-default-stream work while communicators overlap: either can wait
 //     without a bound, or serialise streams that were meant to overlap.
 #pragma once
 #include <atomic>
@@ -138,41 +140,52 @@ struct WatchedWait {
   WatchedWait& operator=(const WatchedWait&) = delete;
 };
 
-// How many times this process's host has waited for a stream (stream_wait_why, which every wait
-// here goes through: stream_wait, copy_to_host, copy_to_device). While the host waits nothing new is
+// How many times this process's host has waited for the GPU (wait_why, which every wait here goes
+// through: stream_wait, copy_to_host, copy_to_device, host_wait). While the host waits nothing new is
 // queued, so the GPU runs dry; --profile_step prints a step's count, and GpuModel.* counts a pass's.
 inline std::atomic<long long>& host_waits() {
   static std::atomic<long long> count{0};
   return count;
 }
 
-// Polls until `stream` has finished its work. Returns "" then, or why it gave up: a CUDA error on the
-// stream, what the wait watcher reports, or the timeout. Spins (yielding the CPU) for the first
-// millisecond, then sleeps 20 µs between polls.
-inline std::string stream_wait_why(cudaStream_t stream) {
+// Polls query() (a cudaStreamQuery or cudaEventQuery) until the work it asks about has finished.
+// Returns "" then, or why it gave up: a CUDA error, what the wait watcher reports, or the timeout (both
+// asked once per millisecond of waiting). Spins, yielding the CPU between polls, however long the wait:
+// a sleep between polls returns tens of µs after the work is done (the kernel's timer slack), and the
+// GPU idles until the host wakes and queues more — after every long wait of a step (notes/speed.md, P).
+template <typename Query>
+inline std::string wait_why(const char* what, Query query) {
   host_waits()++;
-  WatchedWait watched("a wait for a stream");
+  WatchedWait watched(what);
   const auto start = std::chrono::steady_clock::now();
-  for (long polls = 0;; polls++) {
-    cudaError_t q = cudaStreamQuery(stream);
+  double next_check = 0;  // seconds waited when the watcher and the timeout are asked next
+  for (;;) {
+    cudaError_t q = query();
     if (q == cudaSuccess) return "";
     if (q != cudaErrorNotReady) return std::string("CUDA error on the stream: ") + cudaGetErrorString(q);
-    if (wait_watcher() != nullptr) {
-      std::string why = wait_watcher()();
-      if (!why.empty()) return why;
-    }
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (waited > comm_timeout_s()) {
-      char why[256];
-      snprintf(why, sizeof why,
-               "timed out: the stream did not finish within %.0f s (FLATMOE_COMM_TIMEOUT_S); a rank stopped, or the "
-               "ranks called collectives in different orders",
-               waited);
-      return why;
+    if (waited >= next_check) {
+      if (wait_watcher() != nullptr) {
+        std::string why = wait_watcher()();
+        if (!why.empty()) return why;
+      }
+      if (waited > comm_timeout_s()) {
+        char why[256];
+        snprintf(why, sizeof why,
+                 "timed out: the stream did not finish within %.0f s (FLATMOE_COMM_TIMEOUT_S); a rank stopped, or the "
+                 "ranks called collectives in different orders",
+                 waited);
+        return why;
+      }
+      next_check = waited + 1e-3;
     }
-    if (waited < 1e-3) std::this_thread::yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(20));
+    std::this_thread::yield();
   }
+}
+
+// Polls until `stream` has finished its work (wait_why).
+inline std::string stream_wait_why(cudaStream_t stream) {
+  return wait_why("a wait for a stream", [stream] { return cudaStreamQuery(stream); });
 }
 
 // Waits for `stream` (stream_wait_why); on failure fm_fail names `op` and the sizes (printf format).
@@ -184,6 +197,13 @@ __attribute__((format(printf, 3, 4))) inline void stream_wait(cudaStream_t strea
   std::string sizes = fm_format(fmt, ap);
   va_end(ap);
   fm_fail(op, why.c_str(), "%s", sizes.c_str());
+}
+
+// The host waits until a stream point's work has run (wait_why); a point never recorded has none.
+inline void host_wait(const StreamPoint& point, const char* op) {
+  if (point.event == nullptr) return;
+  const std::string why = wait_why("a wait for a stream point", [&point] { return cudaEventQuery(point.event); });
+  if (!why.empty()) fm_fail(op, why.c_str(), "waiting for a stream point");
 }
 
 // host [bytes] = device [bytes] after the work queued on `stream`. Waits for the stream first (a copy

@@ -152,7 +152,8 @@ TEST(ProfileGpu, TrainingStepBreakdownNamesEveryOperatorAndChangesNoBits) {
   EXPECT_EQ(calls_of(rows, "shared expert fwd: route plan (host wait)"), 0);
   EXPECT_EQ(calls_of(rows, "dense ffn fwd: route plan"), passes * c.n_dense);
   EXPECT_EQ(calls_of(rows, "dense ffn bwd"), passes * c.n_dense);
-  EXPECT_EQ(calls_of(rows, "head (fwd+bwd): cross-entropy fwd"), passes);
+  EXPECT_EQ(calls_of(rows, "head (fwd+bwd): cross-entropy fwd+bwd"), passes) << "one kernel: the loss and its gradient";
+  EXPECT_EQ(calls_of(rows, "pass start: token uploads"), passes);
   EXPECT_EQ(calls_of(rows, "data: next batch (host)"), passes);
   for (const char* op : {"zero grads", "grad norm (host wait)", "optimizer", "loads all-reduce + download (host wait)",
                          "router bias update (host wait)", "step end: rank sync, loss mean (host wait)"})
