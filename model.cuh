@@ -190,6 +190,7 @@ struct Model {
 
   float* sumsq_partials = nullptr;  // [SUMSQ_BLOCKS]                          (Workspace)
   float* scalar_dev = nullptr;      // [1]                                      (Workspace)
+  float* grad_scale_dev = nullptr;  // [1] the step's clip factor, read by the optimizer (Workspace)
   cudaStream_t stream = 0;
   // a pass's uploads (model_pass): tokens and targets; the embedding backward's buckets
   std::unique_ptr<PinnedUpload> tokens_upload = std::make_unique<PinnedUpload>();
@@ -402,6 +403,7 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   model_upload_router_bias(m);
   m.sumsq_partials = pool().alloc_t<float>(SUMSQ_BLOCKS, Mem::Workspace, "sumsq_partials");
   m.scalar_dev = pool().alloc_t<float>(1, Mem::Workspace, "scalar");
+  m.grad_scale_dev = pool().alloc_t<float>(1, Mem::Workspace, "grad_scale");
   // each rank draws only what it holds; the same seed gives the same model at any W
   model_set_local_master(m, init_local_weights(cfg, m.specs, model_param_layout(m), par.ep.rank, seed));
   return m;
@@ -410,7 +412,7 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
 inline void model_destroy(Model& m) {
   if ((void*)m.main_grads != (void*)m.grads) pool().free(m.main_grads);
   for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.step_loads_dev, (void*)m.sumsq_partials,
-                  (void*)m.scalar_dev, (void*)m.dense_idx, (void*)m.dense_w})
+                  (void*)m.scalar_dev, (void*)m.grad_scale_dev, (void*)m.dense_idx, (void*)m.dense_w})
     pool().free(p);
   m = Model();
 }
@@ -771,9 +773,10 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   const size_t grads = P * b + (fp32_sum ? P * 4 : 0);
   const size_t optimizer = optimizer_device_bytes(seams, S);
   const bool dense_routes = c.n_dense > 0 || c.shared_expert;
-  // + the step's per-expert loads on the device [L·E] ints (step_loads_dev)
+  // + the sum of squares' partials and its two floats (scalar_dev, grad_scale_dev), the step's
+  // per-expert loads on the device [L·E] ints (step_loads_dev)
   const size_t runtime =
-      CublasRuntime::workspace_bytes + 4 * (size_t)SUMSQ_BLOCKS + 4 + (dense_routes ? 8 * N : 0) + 4 * L * E;
+      CublasRuntime::workspace_bytes + 4 * (size_t)SUMSQ_BLOCKS + 8 + (dense_routes ? 8 * N : 0) + 4 * L * E;
   // the pass: tokens, targets, the embedding backward's buckets (offsets V + 1, positions N, used ids <= min(N, V)),
   // the loss; the final norm's output and rstd live from the head to the end of the backward
   const size_t inputs = 8 * N + 4 * ((size_t)c.vocab + 1 + N + std::min(N, (size_t)c.vocab)) + 4;
@@ -1074,8 +1077,10 @@ inline void all_gather_weights(Model& m) {
 
 // Global gradient norm: every element of the model lies in exactly one rank's shard. Of main_grads, or
 // of the pass's grads where the step skipped the fold: the same float (common.cuh's sumsq sums bf16
-// values in the order of their fp32 copies).
-inline float model_grad_norm(Model& m, bool pass_grads) {
+// values in the order of their fp32 copies). Stays on the device: its square in m.scalar_dev, the
+// clip factor clip_scale(norm, max_norm) in m.grad_scale_dev, which the optimizer reads there — the
+// host queues the update without waiting (model_update downloads the norm after it).
+inline void model_grad_norm_on_device(Model& m, bool pass_grads, float max_norm) {
   cudaCheck(cudaMemsetAsync(m.sumsq_partials, 0, SUMSQ_BLOCKS * sizeof(float), m.stream), "grad_norm", "P=%zu", m.num_params);
   for (const ParamRegion& r : m.regions) {
     if (pass_grads) sumsq_accumulate(m.sumsq_partials, m.grads + r.shard_offset, r.shard, m.stream);
@@ -1083,9 +1088,7 @@ inline float model_grad_norm(Model& m, bool pass_grads) {
   }
   sumsq_finish(m.scalar_dev, m.sumsq_partials, m.stream);
   if (m.par.world.size > 1) all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
-  float sumsq = 0.f;
-  copy_to_host(&sumsq, m.scalar_dev, sizeof(float), m.stream, "grad_norm");
-  return std::sqrt(sumsq);
+  clip_scale_on_device(m.grad_scale_dev, m.scalar_dev, max_norm, m.stream);
 }
 
 // The step's per-expert loads into m.step_loads, summed over every rank (the router bias sees the
@@ -1110,24 +1113,27 @@ inline float model_update(Model& m, const TrainConfig& t, float lr, bool pass_gr
             m.par.world.size);
   prof_mark(m.stream, "grad reduce-scatter");
   reduce_scatter_grads(m);
-  prof_mark(m.stream, "grad norm (host wait)");
-  float norm = model_grad_norm(m, pass_grads);
+  prof_mark(m.stream, "grad norm");
+  model_grad_norm_on_device(m, pass_grads, t.grad_clip);
   const AdamWSettings settings{t.beta1, t.beta2, t.adam_eps, t.weight_decay};
   // bytes for the device optimizer only: master, m, v, grad read, master, m, v, weight written
   const bool device_opt = dynamic_cast<DeviceAdamW*>(m.opt.get()) != nullptr;
   const size_t grad_bytes = pass_grads ? sizeof(floatX) : sizeof(float);
   prof_mark(m.stream, "optimizer", device_opt ? (double)m.opt->state_count * (24 + grad_bytes + sizeof(floatX)) : 0.0);
   if (pass_grads) {
-    m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, clip_scale(norm, t.grad_clip), m.stream);
+    m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, m.grad_scale_dev, m.stream);
     prof_mark(m.stream, "zero pass grads");
     cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "model_update", "P=%zu",
               m.num_params);
   } else {
-    m.opt->step(m.params, m.main_grads, lr, settings, clip_scale(norm, t.grad_clip), m.stream);
+    m.opt->step(m.params, m.main_grads, lr, settings, m.grad_scale_dev, m.stream);
   }
   prof_mark(m.stream, "weight all-gather");
   all_gather_weights(m);
-  prof_mark(m.stream, "loads all-reduce + download (host wait)");
+  prof_mark(m.stream, "norm download, loads all-reduce + download (host wait)");
+  float sumsq = 0.f;  // the gradient norm's square, still in m.scalar_dev (model_grad_norm_on_device)
+  copy_to_host(&sumsq, m.scalar_dev, sizeof(float), m.stream, "grad_norm");
+  const float norm = std::sqrt(sumsq);
   all_reduce_loads(m);
   if (t.bias_update > 0) {  // aux-loss-free balancing from the step's loads over the whole global batch (config.hpp)
     prof_mark(m.stream, "router bias update (host wait)");

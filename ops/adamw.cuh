@@ -1,6 +1,7 @@
 // adamw.cuh — AdamW with decoupled weight decay on fp32 master weights (twin: ref/adamw.hpp).
 //
-//   g  = grad · grad_scale                       (grad_scale: the clip factor, see clip_scale)
+//   g  = grad · grad_scale                       (grad_scale: the clip factor, see clip_scale; read on
+//                                                 the device, where clip_scale_on_device wrote it)
 //   m  = β1·m + (1 − β1)·g                       m (in place)
 //   v  = β2·v + (1 − β2)·g²                      v (in place)
 //   m̂ = m / (1 − β1ᵗ),  v̂ = v / (1 − β2ᵗ)        t = 1-based step
@@ -15,7 +16,9 @@
 // model_train_step). Element-wise, fp32; the bias
 // corrections are computed on the host in double and passed as fp32.
 // The gradient norm for clipping comes from common.cuh's deterministic sumsq_accumulate /
-// sumsq_finish over all gradient tensors; clip_scale turns it into grad_scale on the host.
+// sumsq_finish over all gradient tensors; clip_scale_on_device turns it into grad_scale on the GPU
+// (the host's clip_scale, the same bits), so that the host queues the update without waiting for the
+// norm.
 //
 // Launches: adamw_update is one launch over one tensor; adamw_multi_update is one launch per 64
 // segments of a rank's shard (the multi-tensor form that --optimizer adamw steps with, instead of a
@@ -42,9 +45,19 @@
 
 // grad_scale for clipping the global gradient norm to max_norm: min(1, max_norm / (norm + 1e-6));
 // max_norm <= 0 disables clipping (1).
-inline float clip_scale(float grad_norm, float max_norm) {
+FM_HOST_DEVICE inline float clip_scale(float grad_norm, float max_norm) {
   if (max_norm <= 0.f) return 1.f;
   return fminf(1.f, max_norm / (grad_norm + 1e-6f));
+}
+
+static __global__ void clip_scale_kernel(float* grad_scale, const float* sumsq, float max_norm) {
+  *grad_scale = clip_scale(sqrtf(*sumsq), max_norm);  // sqrtf and the division round as the host's (IEEE)
+}
+
+// *grad_scale (=, device) = clip_scale(√*sumsq, max_norm), sumsq on the device (sumsq_finish's).
+inline void clip_scale_on_device(float* grad_scale, const float* sumsq, float max_norm, cudaStream_t stream) {
+  clip_scale_kernel<<<1, 1, 0, stream>>>(grad_scale, sumsq, max_norm);
+  launchCheck("clip_scale_on_device", "max_norm=%g", max_norm);
 }
 
 // One launch's unit of work: a chunk of ADAMW_CHUNK consecutive elements, ADAMW_PER_THREAD per thread,
@@ -85,21 +98,22 @@ __device__ inline void adamw_chunk(float* master, T* param, float* m, float* v, 
   }
 }
 
-// One tensor: block b takes chunk b.
+// One tensor: block b takes chunk b. c's grad_scale is the device's *grad_scale.
 template <typename T>
 __global__ void adamw_kernel(float* master, T* param, float* m, float* v, const float* grad, size_t n,
-                             const AdamWCoefficients c) {
+                             AdamWCoefficients c, const float* grad_scale) {
+  c.grad_scale = *grad_scale;
   adamw_chunk(master, param, m, v, grad, n, (size_t)blockIdx.x * ADAMW_CHUNK, c);
 }
 
-// One AdamW step over n parameters (see the header comment).
+// One AdamW step over n parameters (see the header comment); grad_scale: device [1].
 inline void adamw_update(float* master, floatX* param, float* m, float* v, const float* grad, size_t n, float lr,
-                         float beta1, float beta2, float eps, float weight_decay, int t, float grad_scale,
+                         float beta1, float beta2, float eps, float weight_decay, int t, const float* grad_scale,
                          cudaStream_t stream) {
   if (t < 1) fm_fail("adamw_update", "step t must be >= 1", "n=%zu t=%d", n, t);
   if (n == 0) return;
   adamw_kernel<<<ceil_div((long long)n, ADAMW_CHUNK), ADAMW_THREADS, 0, stream>>>(
-      master, param, m, v, grad, n, adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, grad_scale));
+      master, param, m, v, grad, n, adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, 1.f), grad_scale);
   launchCheck("adamw_update", "n=%zu t=%d", n, t);
 }
 
@@ -148,11 +162,12 @@ struct AdamWLaunchPlan {
 
 // Block q does chunk q (ADAMW_CHUNK elements) of the launch, which belongs to the last segment whose
 // first_block <= q. The coefficients are one struct whose weight decay is replaced in a register where
-// the segment has none. (Choosing between two coefficient arguments by reference made every use of a
+// the segment has none, and whose grad_scale is the device's *grad_scale. (Choosing between two coefficient arguments by reference made every use of a
 // coefficient a load through a generic address: the kernel ran at 57 % of adamw_update's rate.)
 template <typename T, typename G>
 __global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, const G* grad,
-                                   const AdamWSegmentBatch batch, const AdamWCoefficients decay_c) {
+                                   const AdamWSegmentBatch batch, const AdamWCoefficients decay_c,
+                                   const float* grad_scale) {
   const unsigned int q = blockIdx.x;
   int lo = 0, hi = batch.count - 1;
   while (lo < hi) {
@@ -163,6 +178,7 @@ __global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, 
   const AdamWSegmentArg g = batch.seg[lo];
   AdamWCoefficients c = decay_c;
   if (!g.decay) c.weight_decay = 0.f;
+  c.grad_scale = *grad_scale;
   adamw_chunk(master + g.state_offset, param + g.param_offset, m + g.state_offset, v + g.state_offset,
               grad + g.param_offset, g.count, (size_t)(q - g.first_block) * ADAMW_CHUNK, c);
 }
@@ -170,15 +186,15 @@ __global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, 
 // One AdamW step over every segment of `plan`: for each segment g, the state master/m/v at
 // [g.state_offset, +g.count) and param/grad at [g.param_offset, +g.count), with weight_decay where
 // g.decay and 0 elsewhere — exactly adamw_update per segment, in plan.batches.size() launches.
-// G: float, or floatX (converted exactly when read).
+// G: float, or floatX (converted exactly when read). grad_scale: device [1].
 template <typename G>
 inline void adamw_multi_update(float* master, floatX* param, float* m, float* v, const G* grad,
                                const AdamWLaunchPlan& plan, float lr, float beta1, float beta2, float eps,
-                               float weight_decay, int t, float grad_scale, cudaStream_t stream) {
+                               float weight_decay, int t, const float* grad_scale, cudaStream_t stream) {
   if (t < 1) fm_fail("adamw_multi_update", "step t must be >= 1", "segments=%d t=%d", plan.segments, t);
-  const AdamWCoefficients c = adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, grad_scale);
+  const AdamWCoefficients c = adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, 1.f);
   for (const AdamWSegmentBatch& b : plan.batches) {
-    adamw_multi_kernel<<<b.blocks, ADAMW_THREADS, 0, stream>>>(master, param, m, v, grad, b, c);
+    adamw_multi_kernel<<<b.blocks, ADAMW_THREADS, 0, stream>>>(master, param, m, v, grad, b, c, grad_scale);
     launchCheck("adamw_multi_update", "segments=%d blocks=%u t=%d", b.count, b.blocks, t);
   }
 }
@@ -214,15 +230,16 @@ struct Optimizer {
   virtual void set_master(const float* local_weights, cudaStream_t stream) = 0;
   // params (=) floatX(master) at the segments
   virtual void write_weights(floatX* params, cudaStream_t stream) = 0;
-  // one step from the gradients at the segments (× grad_scale); writes master, moments and params there
-  virtual void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, float grad_scale,
+  // one step from the gradients at the segments (× *grad_scale, a device float: the clip factor);
+  // writes master, moments and params there
+  virtual void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, const float* grad_scale,
                     cudaStream_t stream) = 0;
   // Whether step_from_pass_grads exists: a step of one pass on one rank then reads that pass's floatX
   // gradients, the values main_grads would hold after the fold that the step can skip (model.cuh).
   virtual bool reads_pass_grads() const { return false; }
   // step, from floatX gradients (converted exactly when read): the same update, bit for bit
   virtual void step_from_pass_grads(floatX* params, const floatX* grads, float lr, const AdamWSettings& s,
-                                    float grad_scale, cudaStream_t stream) {
+                                    const float* grad_scale, cudaStream_t stream) {
     (void)params, (void)grads, (void)lr, (void)s, (void)grad_scale, (void)stream;
     fm_fail("optimizer", "this optimizer reads fp32 gradients only (reads_pass_grads() is false)", "steps=%lld", steps);
   }
@@ -258,17 +275,18 @@ struct DeviceAdamW : Optimizer {
   void write_weights(floatX* params, cudaStream_t stream) override {
     for (const ShardSegment& g : segments) convert(params + g.param_offset, master + g.state_offset, g.count, stream);
   }
-  void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, float grad_scale,
+  void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, const float* grad_scale,
             cudaStream_t stream) override {
     step_on(params, grads, lr, s, grad_scale, stream);
   }
   bool reads_pass_grads() const override { return true; }
-  void step_from_pass_grads(floatX* params, const floatX* grads, float lr, const AdamWSettings& s, float grad_scale,
-                            cudaStream_t stream) override {
+  void step_from_pass_grads(floatX* params, const floatX* grads, float lr, const AdamWSettings& s,
+                            const float* grad_scale, cudaStream_t stream) override {
     step_on(params, grads, lr, s, grad_scale, stream);
   }
   template <typename G>
-  void step_on(floatX* params, const G* grads, float lr, const AdamWSettings& s, float grad_scale, cudaStream_t stream) {
+  void step_on(floatX* params, const G* grads, float lr, const AdamWSettings& s, const float* grad_scale,
+               cudaStream_t stream) {
     steps++;
     adamw_multi_update(master, params, m, v, grads, plan, lr, s.beta1, s.beta2, s.eps, s.weight_decay, (int)steps,
                        grad_scale, stream);

@@ -124,14 +124,16 @@ struct CpuAdamW : HostAdamW {
     cpu_params_from_master(master, param, segments);
     upload_weights(params, stream);
   }
-  void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, float grad_scale,
+  void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, const float* grad_scale,
             cudaStream_t stream) override {
     steps++;
     for (const ShardSegment& g : segments)
       cudaCheck(cudaMemcpyAsync(grad + g.state_offset, grads + g.param_offset, g.count * sizeof(float),
                                 cudaMemcpyDeviceToHost, stream), name, "gradients D2H count=%zu", g.count);
     stream_wait(stream, name, "for the gradients, S=%zu", state_count);
-    cpu_adamw_step(master, m, v, grad, param, segments, lr, s, (int)steps, grad_scale, threads);
+    float scale = 1.f;  // the clip factor, computed on the GPU
+    copy_to_host(&scale, grad_scale, sizeof(float), stream, name);
+    cpu_adamw_step(master, m, v, grad, param, segments, lr, s, (int)steps, scale, threads);
     upload_weights(params, stream);
   }
   size_t host_bytes() const override { return HostAdamW::host_bytes() + state_count * (sizeof(float) + sizeof(HostParam)); }
@@ -199,7 +201,7 @@ struct OffloadAdamW : HostAdamW {
     }
   }
 
-  void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, float grad_scale,
+  void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, const float* grad_scale,
             cudaStream_t stream) override {
     steps++;
     stream_after(h2d, stream, name);  // after the previous step's copies home (joined into `stream`)

@@ -49,6 +49,7 @@ void check_adamw(const char* name, int n1, int n2) {
   ParamTensor tensors[2] = {make_tensor(rng, n1), make_tensor(rng, n2)};
   DeviceBuffer<float> d_partials(SUMSQ_BLOCKS, Mem::Workspace, "test.sumsq_partials");
   DeviceBuffer<float> d_sumsq(1, Mem::Workspace, "test.sumsq");
+  DeviceBuffer<float> d_scale(1, Mem::Workspace, "test.grad_scale");
 
   for (int t = first_step; t < first_step + steps; t++) {
     std::vector<ref::Vec<double>> grads;
@@ -67,12 +68,15 @@ void check_adamw(const char* name, int n1, int n2) {
     double max_norm = (t % 2 == 0) ? 0.5 * norm_ref : 0.0;  // clipping on even steps only
     float scale = clip_scale(norm, (float)max_norm);
     double scale_ref = ref::clip_scale(norm_ref, max_norm);
+    poison(d_scale.ptr, 1);
+    clip_scale_on_device(d_scale.ptr, d_sumsq.ptr, (float)max_norm, 0);
+    EXPECT_EQ(download_vec(d_scale.ptr, 1)[0], scale) << name << ": the device's clip factor is the host's, bit for bit";
     for (int i = 0; i < 2; i++) {
       ParamTensor& p = tensors[i];
       const ref::Mat<double> master_old = download(p.d_master.ptr, p.n, 1);  // [n, 1]
       const ref::Vec<double> master_old_ref = p.master;                      // [n]
       adamw_update(p.d_master.ptr, p.d_param.ptr, p.d_m.ptr, p.d_v.ptr, p.d_grad.ptr, p.n, lr, beta1, beta2, eps, wd,
-                   t, scale, 0);
+                   t, d_scale.ptr, 0);
       ref::adamw_update<double>(p.master, p.m, p.v, p.grad, lr, beta1, beta2, eps, wd, t, scale_ref);
       const ref::Mat<double> update = download(p.d_master.ptr, p.n, 1) - master_old;
       const ref::Vec<double> update_ref = p.master - master_old_ref;
@@ -140,16 +144,17 @@ void check_multi_tensor(int t, float grad_scale) {
   };
   State multi = make_state(), per_segment = make_state();
   DeviceBuffer<float> d_grad = upload_vec(grad, Mem::Grads);
+  DeviceBuffer<float> d_scale = upload_vec(std::vector<float>{grad_scale}, Mem::Workspace, "test.grad_scale");
   const AdamWLaunchPlan plan(segs);
   EXPECT_LT(plan.segments, (int)segs.size()) << "empty segments are left out of the launches";
   EXPECT_EQ(plan.batches.size(), (size_t)(plan.segments + ADAMW_SEGMENTS_PER_LAUNCH - 1) / ADAMW_SEGMENTS_PER_LAUNCH);
   EXPECT_GE(plan.batches.size(), 2u) << "the segments must span more than one launch";
   adamw_multi_update(multi.master.ptr, multi.param.ptr, multi.m.ptr, multi.v.ptr, d_grad.ptr, plan, lr, beta1, beta2,
-                     eps, wd, t, grad_scale, 0);
+                     eps, wd, t, d_scale.ptr, 0);
   for (const ShardSegment& g : segs)
     adamw_update(per_segment.master.ptr + g.state_offset, per_segment.param.ptr + g.param_offset,
                  per_segment.m.ptr + g.state_offset, per_segment.v.ptr + g.state_offset, d_grad.ptr + g.param_offset,
-                 g.count, lr, beta1, beta2, eps, g.decay ? wd : 0.f, t, grad_scale, 0);
+                 g.count, lr, beta1, beta2, eps, g.decay ? wd : 0.f, t, d_scale.ptr, 0);
   const char* name = "adamw_multi_update";
   std::vector<float> got[3], want[3];
   int i = 0;
@@ -199,7 +204,8 @@ TEST(AdamWGpu, MultiTensorLaunchOfOnlyEmptySegmentsDoesNothing) {
   const AdamWLaunchPlan plan({ShardSegment{0, 0, 0, true}, ShardSegment{3, 2, 0, false}});
   EXPECT_EQ(plan.segments, 0);
   EXPECT_TRUE(plan.batches.empty());
-  adamw_multi_update(nullptr, nullptr, nullptr, nullptr, (const float*)nullptr, plan, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 1.f, 0);
+  adamw_multi_update(nullptr, nullptr, nullptr, nullptr, (const float*)nullptr, plan, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1,
+                     nullptr, 0);
   cudaCheck(cudaDeviceSynchronize(), "test", "empty launch");
 }
 

@@ -85,6 +85,7 @@ OptimizerRun run(const Problem& p, const MakeOptimizer& make, const StateSection
   OptimizerRun r;
   DeviceBuffer<floatX> params(p.P, Mem::Weights, "test.params");
   DeviceBuffer<float> grads(p.P, Mem::Grads, "test.grads");
+  DeviceBuffer<float> scale(1, Mem::Workspace, "test.grad_scale");  // the clip factor, read on the device
   poison(params.ptr, p.P);
   {
     std::unique_ptr<Optimizer> opt = make(p);
@@ -92,7 +93,8 @@ OptimizerRun run(const Problem& p, const MakeOptimizer& make, const StateSection
     opt->write_weights(params.ptr, 0);
     for (int s = from; s < kSteps; s++) {
       cudaCheck(cudaMemcpy(grads.ptr, p.grads[s].data(), p.P * sizeof(float), cudaMemcpyHostToDevice), "test", "grads");
-      opt->step(params.ptr, grads.ptr, kLr, kSettings, p.scales[s], 0);
+      cudaCheck(cudaMemcpy(scale.ptr, &p.scales[s], sizeof(float), cudaMemcpyHostToDevice), "test", "grad_scale");
+      opt->step(params.ptr, grads.ptr, kLr, kSettings, scale.ptr, 0);
       r.steps.push_back(AfterStep{opt->save(0), download_vec(params.ptr, p.P)});
     }
     r.optimizer_peak = pool().peak(Mem::Optimizer) - live_before;

@@ -155,7 +155,7 @@ TEST(ProfileGpu, TrainingStepBreakdownNamesEveryOperatorAndChangesNoBits) {
   EXPECT_EQ(calls_of(rows, "head (fwd+bwd): cross-entropy fwd+bwd"), passes) << "one kernel: the loss and its gradient";
   EXPECT_EQ(calls_of(rows, "pass start: token uploads"), passes);
   EXPECT_EQ(calls_of(rows, "data: next batch (host)"), passes);
-  for (const char* op : {"zero grads", "grad norm (host wait)", "optimizer", "loads all-reduce + download (host wait)",
+  for (const char* op : {"zero grads", "grad norm", "optimizer", "norm download, loads all-reduce + download (host wait)",
                          "router bias update (host wait)", "step end: rank sync, loss mean (host wait)"})
     EXPECT_EQ(calls_of(rows, op), 1) << op;
   ASSERT_NE(find_row(rows, "optimizer"), nullptr);
