@@ -162,8 +162,9 @@ struct AdamWLaunchPlan {
 
 // Block q does chunk q (ADAMW_CHUNK elements) of the launch, which belongs to the last segment whose
 // first_block <= q. The coefficients are one struct whose weight decay is replaced in a register where
-// the segment has none, and whose grad_scale is the device's *grad_scale. (Choosing between two coefficient arguments by reference made every use of a
-// coefficient a load through a generic address: the kernel ran at 57 % of adamw_update's rate.)
+// the segment has none, and whose grad_scale is the device's *grad_scale. (Choosing between two
+// coefficient arguments by reference made every use of a coefficient a load through a generic
+// address: the kernel ran at 57 % of adamw_update's rate.)
 template <typename T, typename G>
 __global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, const G* grad,
                                    const AdamWSegmentBatch batch, const AdamWCoefficients decay_c,
