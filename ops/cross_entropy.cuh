@@ -83,18 +83,24 @@ __device__ CrossEntropyOnlineLse row_online_lse(const T* z, int width) {
   return total;
 }
 
+// Row `row`'s lse and loss (lse[row], losses[row]) from its online max and sum over the row z [V] and
+// its target t (NaN outside [0, V)); returns the lse. One thread of the row's block.
+template <typename T>
+__device__ __forceinline__ float cross_entropy_row_loss(float* losses, float* lse, const CrossEntropyOnlineLse& total,
+                                                        const T* z, int row, int t, int V) {
+  const float row_lse = total.m + logf(total.s);
+  lse[row] = row_lse;
+  losses[row] = (t >= 0 && t < V) ? row_lse - to_float(z[t]) : NAN;
+  return row_lse;
+}
+
 // One block per row.
 template <int NV, typename T>
 __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const T* logits, const int* targets, int V) {
   const int row = blockIdx.x;
   const T* z = logits + (size_t)row * V;
   CrossEntropyOnlineLse total = row_online_lse<NV>(z, V);
-  if (threadIdx.x == 0) {
-    float row_lse = total.m + logf(total.s);
-    int t = targets[row];
-    lse[row] = row_lse;
-    losses[row] = (t >= 0 && t < V) ? row_lse - to_float(z[t]) : NAN;
-  }
+  if (threadIdx.x == 0) cross_entropy_row_loss(losses, lse, total, z, row, targets[row], V);
 }
 
 // A block of columns [col0, col0 + width) of the vocabulary (logits [N, width]) folded into each
@@ -178,12 +184,7 @@ __global__ void cross_entropy_forward_backward_kernel(T* dlogits, float* losses,
   const int row = blockIdx.x, t = targets[row];
   const T* z = logits + (size_t)row * V;
   CrossEntropyOnlineLse total = row_online_lse<NV>(z, V);
-  if (threadIdx.x == 0) {
-    const float row_lse = total.m + logf(total.s);
-    lse[row] = row_lse;
-    losses[row] = (t >= 0 && t < V) ? row_lse - to_float(z[t]) : NAN;
-    row_lse_shared = row_lse;
-  }
+  if (threadIdx.x == 0) row_lse_shared = cross_entropy_row_loss(losses, lse, total, z, row, t, V);
   __syncthreads();
   cross_entropy_row_backward<NV>(dlogits + (size_t)row * V, z, row_lse_shared, t, dloss, V, 0, V);
 }
