@@ -11,29 +11,8 @@
 
 namespace {
 
-// Waits until *release != 0 (the host sets it), then writes `value` into out[0]. Gives up after about
-// 20 s of GPU time so that a failing test cannot hang the machine.
-__global__ void wait_for_host_kernel(int* out, const volatile int* release, int value) {
-  const long long start = clock64();
-  while (*release == 0 && clock64() - start < 20LL * 2000000000LL) __nanosleep(1000);
-  out[0] = value;
-}
-
-// A host flag the GPU can read while a kernel runs.
-struct HostFlag {
-  int* host = nullptr;
-  int* device = nullptr;
-  HostFlag() {
-    cudaCheck(cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped), "test.flag", "cudaHostAlloc");
-    *host = 0;
-    cudaCheck(cudaHostGetDevicePointer(&device, host, 0), "test.flag", "device pointer");
-  }
-  ~HostFlag() { cudaFreeHost(host); }
-  void set() {
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    *(volatile int*)host = 1;
-  }
-};
+using testutil::HostFlag;
+using testutil::wait_for_host_kernel;
 
 TEST(Streams, FreeAfterKeepsTheBlockUntilTheStreamHasFinished) {
   REQUIRE_GPU();

@@ -3,6 +3,7 @@
 // last, moving reference matrices to and from floatX device buffers (through the pool), and the
 // tolerance of notes/design.md §3 for the build.
 #pragma once
+#include <atomic>
 #include <string>
 #include "test_util.hpp"
 #include "../ops/common.cuh"
@@ -137,5 +138,32 @@ template <typename T>
 void poison(T* dev, size_t n) {
   cudaCheck(cudaMemset(dev, 0xFF, n * sizeof(T)), "test.poison", "n=%zu", n);
 }
+
+// A stream held until the host says so: wait_for_host_kernel waits until *release != 0 (HostFlag.set,
+// from the host), then writes `value` into out[0] (when out is not nullptr). It gives up after about
+// 20 s of GPU time so that a failing test cannot hang the machine.
+static __global__ void wait_for_host_kernel(int* out, const volatile int* release, int value) {
+  const long long start = clock64();
+  while (*release == 0 && clock64() - start < 20LL * 2000000000LL) __nanosleep(1000);
+  if (out) out[0] = value;
+}
+
+// A host flag the GPU can read while a kernel runs.
+struct HostFlag {
+  int* host = nullptr;
+  int* device = nullptr;
+  HostFlag() {
+    cudaCheck(cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped), "test.flag", "cudaHostAlloc");
+    *host = 0;
+    cudaCheck(cudaHostGetDevicePointer(&device, host, 0), "test.flag", "device pointer");
+  }
+  ~HostFlag() { cudaFreeHost(host); }
+  HostFlag(const HostFlag&) = delete;
+  HostFlag& operator=(const HostFlag&) = delete;
+  void set() {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    *(volatile int*)host = 1;
+  }
+};
 
 }  // namespace testutil
