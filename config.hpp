@@ -59,6 +59,7 @@ struct TrainConfig {
   float grad_clip = 1.0f;                  // global-norm clip; 0 = off
   float bias_update = 1e-3f;               // u of the aux-loss-free router bias update; 0 = off
   int recompute = 0;                       // 1: layer-level activation checkpointing
+  int overlap_update = 1;                  // 1: the optimizer beside the next forward where it can (model.cuh)
   int val_every = 100;
   int val_batches = 10;                    // at most; capped at the windows the validation shards hold
   int sample_every = 400;
@@ -105,6 +106,9 @@ struct ParamSpec {
   bool decay;
   bool expert;        // a routed-expert stack: split over the E_p ranks of the expert-parallel group
   bool vocab = false; // rows are vocabulary entries: split over the P ranks of a vocabulary group (Ring-DTP)
+  // where the forward first reads it: 0 = the embedding and layer 0, l = layer l, L = the final norm
+  // and the head (the order in which the optimizer's update can release the next forward: model.cuh)
+  int forward_group = 0;
   size_t numel() const { return rows * cols; }
 };
 
@@ -114,28 +118,28 @@ struct ParamSpec {
 inline std::vector<ParamSpec> param_specs(const ModelConfig& c) {
   const size_t V = c.vocab, H = c.hidden, E = c.experts, I = c.expert_dim, Id = c.dense_dim;
   std::vector<ParamSpec> specs, experts;
-  specs.push_back({"wte", V, H, true, false});
+  specs.push_back({"wte", V, H, true, false, false, 0});
   for (int l = 0; l < c.layers; l++) {
     std::string p = "layer" + std::to_string(l) + ".";
-    specs.push_back({p + "ln1", 1, H, false, false});
-    specs.push_back({p + "wqkv", 3 * H, H, true, false});
-    specs.push_back({p + "wo", H, H, true, false});
-    specs.push_back({p + "ln2", 1, H, false, false});
+    specs.push_back({p + "ln1", 1, H, false, false, false, l});
+    specs.push_back({p + "wqkv", 3 * H, H, true, false, false, l});
+    specs.push_back({p + "wo", H, H, true, false, false, l});
+    specs.push_back({p + "ln2", 1, H, false, false, false, l});
     if (!c.is_moe_layer(l)) {
-      specs.push_back({p + "dense_w13", 2 * Id, H, true, false});
-      specs.push_back({p + "dense_w2", H, Id, true, false});
+      specs.push_back({p + "dense_w13", 2 * Id, H, true, false, false, l});
+      specs.push_back({p + "dense_w2", H, Id, true, false, false, l});
       continue;
     }
-    specs.push_back({p + "router", E, H, true, false});
+    specs.push_back({p + "router", E, H, true, false, false, l});
     if (c.shared_expert) {
-      specs.push_back({p + "shared_w13", 2 * I, H, true, false});
-      specs.push_back({p + "shared_w2", H, I, true, false});
+      specs.push_back({p + "shared_w13", 2 * I, H, true, false, false, l});
+      specs.push_back({p + "shared_w2", H, I, true, false, false, l});
     }
-    experts.push_back({p + "w13", E * 2 * I, H, true, true});
-    experts.push_back({p + "w2", E * H, I, true, true});
+    experts.push_back({p + "w13", E * 2 * I, H, true, true, false, l});
+    experts.push_back({p + "w2", E * H, I, true, true, false, l});
   }
-  specs.push_back({"lnf", 1, H, false, false});
-  specs.push_back({"lm_head", V, H, true, false, true});
+  specs.push_back({"lnf", 1, H, false, false, false, c.layers});
+  specs.push_back({"lm_head", V, H, true, false, true, c.layers});
   specs.insert(specs.end(), experts.begin(), experts.end());
   return specs;
 }
@@ -263,6 +267,7 @@ struct ShardSegment {
   size_t state_offset;  // first element in the optimizer state [S]
   size_t count;
   bool decay;           // weight decay applies (not norm gains)
+  int group = 0;        // its tensor's ParamSpec.forward_group
 };
 
 inline std::vector<ShardSegment> shard_segments(const std::vector<ParamSpec>& specs, const ParamLayout& layout,
@@ -273,7 +278,8 @@ inline std::vector<ShardSegment> shard_segments(const std::vector<ParamSpec>& sp
     for (size_t i = 0; i < specs.size(); i++) {
       const size_t lo = std::max(r.shard_offset, layout.offsets[i]);
       const size_t hi = std::min(r.shard_offset + r.shard, layout.offsets[i] + layout.local_numel[i]);
-      if (lo < hi) segments.push_back(ShardSegment{lo, state + (lo - r.shard_offset), hi - lo, specs[i].decay});
+      if (lo < hi) segments.push_back(ShardSegment{lo, state + (lo - r.shard_offset), hi - lo, specs[i].decay,
+                                                   specs[i].forward_group});
     }
     state += r.shard;
   }
@@ -431,6 +437,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.adam_eps > 0 && t.weight_decay >= 0 && t.grad_clip >= 0 && t.bias_update >= 0,
        "adam_eps must be > 0; weight_decay, grad_clip, bias_update >= 0");
   need(t.recompute == 0 || t.recompute == 1, "recompute must be 0 or 1");
+  need(t.overlap_update == 0 || t.overlap_update == 1, "overlap_update must be 0 or 1");
   need(t.dry_run == 0 || t.dry_run == 1, "dry_run must be 0 or 1");
   need(t.gpus >= 1, "gpus must be >= 1");
   const int ep = t.ep ? t.ep : t.gpus;
@@ -537,6 +544,8 @@ inline std::string usage() {
          "        --recompute 1) --device_budget BYTES|FRACTION (the pool's bytes per rank, or a fraction of the\n"
          "        GPU: what the predicted peak leaves keeps attention tensors; needs --recompute 1) --seed S\n"
          "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing)\n"
+         "        --overlap_update 0|1 (1, the default: one rank's --optimizer adamw steps layer by layer beside the\n"
+         "        next step's forward, BF16 build; 0: after the backward, on the compute stream)\n"
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
@@ -678,6 +687,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       float_flag("--grad_clip", &T::grad_clip),
       float_flag("--bias_update", &T::bias_update),
       int_flag("--recompute", &T::recompute),
+      int_flag("--overlap_update", &T::overlap_update),
       int_flag("--val_every", &T::val_every),
       int_flag("--val_batches", &T::val_batches),
       int_flag("--sample_every", &T::sample_every),

@@ -115,7 +115,9 @@ inline Seams seams_from(const TrainConfig& t, const ModelConfig& c) {
 // cudaMemcpyAsync into a pool buffer, which CUDA queues without staging or synchronising (from
 // pageable memory, copy_to_device must wait for the stream before and after). The pinned memory is
 // rewritten only after the copy that last read it has run: host_wait on its stream point, which
-// returns at once in a training step (a pass ends with its loss's download).
+// returns at once in a training step (a pass ends with its loss's download). It grows to the parts'
+// size, or to `reserve` ints where the caller knows their bound, so that it grows once: cudaFreeHost
+// synchronises the device, which would also wait for the optimizer beside the pass (UpdateStream).
 struct PinnedUpload {
   int* host = nullptr;
   size_t capacity = 0;  // ints
@@ -127,15 +129,17 @@ struct PinnedUpload {
     if (host != nullptr) cudaCheck(cudaFreeHost(host), "PinnedUpload", "cudaFreeHost of %zu ints", capacity);
   }
   // A pool buffer (category cat) holding the parts one after another, filled in stream order.
-  int* upload(std::initializer_list<std::pair<const int*, size_t>> parts, Mem cat, const char* tag, cudaStream_t s) {
+  int* upload(std::initializer_list<std::pair<const int*, size_t>> parts, Mem cat, const char* tag, cudaStream_t s,
+              size_t reserve = 0) {
     size_t n = 0;
     for (const auto& part : parts) n += part.second;
     host_wait(copied, tag);
     if (n > capacity) {
       if (host != nullptr) cudaCheck(cudaFreeHost(host), tag, "cudaFreeHost of %zu ints", capacity);
       host = nullptr;
-      cudaCheck(cudaHostAlloc(&host, n * sizeof(int), cudaHostAllocDefault), tag, "cudaHostAlloc of %zu ints", n);
-      capacity = n;
+      const size_t ints = std::max(n, reserve);
+      cudaCheck(cudaHostAlloc(&host, ints * sizeof(int), cudaHostAllocDefault), tag, "cudaHostAlloc of %zu ints", ints);
+      capacity = ints;
     }
     size_t at = 0;
     for (const auto& part : parts) {
@@ -147,6 +151,23 @@ struct PinnedUpload {
     copied.record(s, tag);
     return dev;
   }
+};
+
+// The optimizer beside the next forward (--overlap_update 1; notes/speed.md R). A step's update is
+// memory-bound (AdamW: 28 bytes per parameter) and the next step's forward mostly compute-bound, and
+// layer l's forward needs only the weights of its own group (ParamSpec.forward_group: the embedding
+// with layer 0, each layer, the final norm with the head). So on one rank the update runs on a stream
+// of its own, group by group in the forward's order, an event after each; the next pass waits for
+// group g just before it reads it (model_wait_update) and everything else that reads the weights, the
+// moments or the pass's gradients waits for all of them (model_join_update). The same launches with
+// the same arguments: the weights are bit-identical to the update on the compute stream.
+struct UpdateStream {
+  cudaStream_t stream = nullptr;  // created on the first overlapped update
+  std::vector<cudaEvent_t> done;  // [L + 1]: group g's weights written (and its pass grads zeroed)
+  // [L + 1]: the pass's gradient ranges of each group (merged segments), zeroed after its update
+  std::vector<std::vector<std::pair<size_t, size_t>>> grad_ranges;
+  int next_wait = 0;  // groups [0, next_wait) the compute stream waits for already
+  int groups = 0;     // L + 1 (0: no update queued yet)
 };
 
 struct Model {
@@ -192,6 +213,7 @@ struct Model {
   float* scalar_dev = nullptr;      // [1]                                      (Workspace)
   float* grad_scale_dev = nullptr;  // [1] the step's clip factor, read by the optimizer (Workspace)
   cudaStream_t stream = 0;
+  UpdateStream update;              // --overlap_update: the optimizer's stream and its events
   // a pass's uploads (model_pass): tokens and targets; the embedding backward's buckets
   std::unique_ptr<PinnedUpload> tokens_upload = std::make_unique<PinnedUpload>();
   std::unique_ptr<PinnedUpload> buckets_upload = std::make_unique<PinnedUpload>();
@@ -256,11 +278,24 @@ inline std::vector<float> local_from_global(const Model& m, const std::vector<fl
   return local_from_global(m.specs, model_param_layout(m), m.par.ep.rank, global);
 }
 
+// The compute stream waits for the update's group g (and every group before it), once per update.
+inline void model_wait_update(Model& m, int g) {
+  UpdateStream& u = m.update;
+  for (; u.next_wait < u.groups && u.next_wait <= g; u.next_wait++)
+    cudaCheck(cudaStreamWaitEvent(m.stream, u.done[u.next_wait], 0), "model_wait_update", "group=%d of %d",
+              u.next_wait, u.groups);
+}
+
+// The compute stream waits for the whole update: before anything but a pass reads the weights, the
+// optimizer's state or the gradients.
+inline void model_join_update(Model& m) { model_wait_update(m, m.update.groups - 1); }
+
 // Sets the weights from this rank's host fp32 weights in its local flat layout: the floatX copy of
 // everything it holds, and the optimizer's fp32 master weights of its shards.
 inline void model_set_local_master(Model& m, const std::vector<float>& local) {
   if (local.size() != m.num_params)
     fm_fail("model_set_local_master", "wrong number of parameters", "got=%zu expected=%zu", local.size(), m.num_params);
+  model_join_update(m);
   float* staging = pool().alloc_t<float>(m.num_params, Mem::Workspace, "set_master");
   copy_to_device(staging, local.data(), m.num_params * sizeof(float), m.stream, "model_set_local_master");
   convert(m.params, staging, m.num_params, m.stream);
@@ -283,6 +318,7 @@ inline void model_set_master(Model& m, const std::vector<float>& global) {
 // model_update where the step skipped the fold). In the FP32 build the two are one buffer, which the
 // passes add into.
 inline void model_zero_grads(Model& m, bool main_grads_too = true) {
+  if (main_grads_too) model_join_update(m);  // (a step's start zeroes none that the update reads)
   const bool grads_are_main = (void*)m.main_grads == (void*)m.grads;
   if (main_grads_too || grads_are_main)
     cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "zero_grads", "P=%zu", m.num_params);
@@ -410,6 +446,9 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
 }
 
 inline void model_destroy(Model& m) {
+  model_join_update(m);  // the pool reuses the blocks in the compute stream's order
+  for (cudaEvent_t e : m.update.done) cudaCheck(cudaEventDestroy(e), "model_destroy", "update events");
+  if (m.update.stream) cudaCheck(cudaStreamDestroy(m.update.stream), "model_destroy", "update stream");
   if ((void*)m.main_grads != (void*)m.grads) pool().free(m.main_grads);
   for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.step_loads_dev, (void*)m.sumsq_partials,
                   (void*)m.scalar_dev, (void*)m.grad_scale_dev, (void*)m.dense_idx, (void*)m.dense_w})
@@ -872,8 +911,10 @@ inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, LayerB
   const ModelConfig& c = m.cfg;
   const int N = B * T;
   prof_mark(m.stream, "embedding fwd", 2.0 * N * c.hidden * sizeof(floatX) + 4.0 * N);
+  model_wait_update(m, 0);  // the embedding and layer 0's weights (--overlap_update)
   embedding_forward(boundaries.allocate(0), tokens_dev, m.p.wte, N, c.hidden, c.vocab, m.stream);
   for (int l = 0; l < c.layers; l++) {
+    model_wait_update(m, l);
     layer_forward(m, l, boundaries.input[l], boundaries.allocate(l + 1), acts[l], B, T, count_loads);
     boundaries.after_forward(l);
     if (after_layer) after_layer(l, acts[l]);
@@ -948,12 +989,14 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     buckets_used = (int)b.used_ids.size();
     buckets_dev = m.buckets_upload->upload({{b.offsets.data(), b.offsets.size()}, {b.positions.data(), b.positions.size()},
                                             {b.used_ids.data(), b.used_ids.size()}},
-                                           Mem::Workspace, "token_buckets", s);
+                                           Mem::Workspace, "token_buckets", s,
+                                           (size_t)V + 1 + N + std::min(N, V));  // used ids: at most min(N, V)
   }
 
   floatX* lnf = pool().alloc_t<floatX>(NH, Mem::Activations, "lnf");
   float* lnf_rstd = pool().alloc_t<float>(N, Mem::Activations, "lnf_rstd");
   prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
+  model_wait_update(m, L);  // the final norm and the head, and with them the whole update
   rmsnorm_forward(lnf, lnf_rstd, boundaries.input[L], m.p.lnf, N, H, c.norm_eps, s);
   floatX* d_lnf = o.backward ? pool().alloc_t<floatX>(NH, Mem::Workspace, "d_lnf") : nullptr;
   prof_mark(s, "head (fwd+bwd)");
@@ -1018,6 +1061,7 @@ inline std::vector<float> model_logits_row(Model& m, const int* inputs, int T, i
   floatX* lnf = pool().alloc_t<floatX>(H, Mem::Activations, "lnf_row");
   float* lnf_rstd = pool().alloc_t<float>(1, Mem::Activations, "lnf_row_rstd");
   floatX* logits = pool().alloc_t<floatX>(V, Mem::Logits, "logits_row");
+  model_wait_update(m, c.layers);
   rmsnorm_forward(lnf, lnf_rstd, boundaries.input[c.layers] + (size_t)row * H, m.p.lnf, 1, H, c.norm_eps, s);
   m.head->logits_rows(logits, lnf, m.p.lm_head, 1, H, V, s);
   std::vector<floatX> host(V);
@@ -1102,15 +1146,58 @@ inline void all_reduce_loads(Model& m) {
   std::copy(loads.begin(), loads.end(), m.step_loads.begin());
 }
 
+// Whether a step's update runs beside the next forward (UpdateStream): --overlap_update 1 on one rank
+// (no collective follows the update), an optimizer whose step is launches only, and the BF16 build's
+// own buffer for a pass's gradients (the FP32 build's passes add into the buffer the update reads).
+inline bool update_beside_next_forward(const Model& m, const TrainConfig& t) {
+  return t.overlap_update && m.par.world.size == 1 && m.opt->steps_by_group() && (void*)m.grads != (void*)m.main_grads;
+}
+
+// The update stream, ready for this step's update: created with its events on the first call; the
+// pass's gradient ranges of each group, which together must be every gradient (one rank's shard is
+// the whole buffer); and it waits for the compute stream's work so far (the norm, the clip factor).
+inline cudaStream_t update_stream_begin(Model& m) {
+  UpdateStream& u = m.update;
+  const int G = m.cfg.layers + 1;
+  if (!u.stream) {
+    // a blocking stream (work on the legacy default stream, a test's model or a cudaMemcpy, waits for
+    // it) of the background priority (runtime/stream.cuh: the trainer's forward takes the SMs first)
+    const int priority = stream_priority(StreamPriority::Background, "update_stream");
+    cudaCheck(cudaStreamCreateWithPriority(&u.stream, cudaStreamDefault, priority), "update_stream", "L=%d", m.cfg.layers);
+    u.done.resize(G + 1);  // [G]: the compute stream's work before the update
+    for (cudaEvent_t& e : u.done) cudaCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "update_stream", "events");
+    u.grad_ranges.assign(G, {});
+    std::vector<ShardSegment> segs = m.opt->segments;
+    std::sort(segs.begin(), segs.end(), [](const ShardSegment& a, const ShardSegment& b) { return a.param_offset < b.param_offset; });
+    size_t covered = 0;
+    for (const ShardSegment& g : segs) {
+      auto& ranges = u.grad_ranges.at(g.group);
+      if (!ranges.empty() && ranges.back().first + ranges.back().second == g.param_offset) ranges.back().second += g.count;
+      else if (g.count > 0) ranges.emplace_back(g.param_offset, g.count);
+      covered += g.count;
+    }
+    if (covered != m.num_params)
+      fm_fail("update_stream", "the optimizer's segments must cover every gradient", "covered=%zu P=%zu", covered, m.num_params);
+  }
+  u.groups = G;
+  u.next_wait = 0;
+  cudaCheck(cudaEventRecord(u.done[G], m.stream), "update_stream", "norm");
+  cudaCheck(cudaStreamWaitEvent(u.stream, u.done[G], 0), "update_stream", "norm");
+  return u.stream;
+}
+
 // One optimizer step on this rank's shards: reduce-scatter the gradients, clip by the global norm,
 // the optimizer on the shards, weights all-gathered, then the router bias update from the global
 // batch's loads (m.step_loads holds the global loads afterwards). Returns the norm before clipping.
 // pass_grads: the step's one pass was not folded (PassOptions.fold, on one rank): the norm and the
 // optimizer read its floatX grads, which are then zeroed (the fold's other half).
+// With --overlap_update 1 where it can (update_beside_next_forward) the optimizer and the zeroing of
+// the pass's gradients run on the update stream, group by group, and the next pass waits for them.
 inline float model_update(Model& m, const TrainConfig& t, float lr, bool pass_grads = false) {
   if (pass_grads && (m.par.world.size != 1 || !m.opt->reads_pass_grads()))
     fm_fail("model_update", "unfolded gradients need one rank and an optimizer that reads them", "W=%d",
             m.par.world.size);
+  model_join_update(m);  // the last update, where no pass came between
   prof_mark(m.stream, "grad reduce-scatter");
   reduce_scatter_grads(m);
   prof_mark(m.stream, "grad norm");
@@ -1119,14 +1206,35 @@ inline float model_update(Model& m, const TrainConfig& t, float lr, bool pass_gr
   // bytes for the device optimizer only: master, m, v, grad read, master, m, v, weight written
   const bool device_opt = dynamic_cast<DeviceAdamW*>(m.opt.get()) != nullptr;
   const size_t grad_bytes = pass_grads ? sizeof(floatX) : sizeof(float);
-  prof_mark(m.stream, "optimizer", device_opt ? (double)m.opt->state_count * (24 + grad_bytes + sizeof(floatX)) : 0.0);
-  if (pass_grads) {
-    m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, m.grad_scale_dev, m.stream);
-    prof_mark(m.stream, "zero pass grads");
-    cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "model_update", "P=%zu",
-              m.num_params);
+  const bool beside = update_beside_next_forward(m, t);
+  if (beside) {  // queued on the update stream: its time is not on the compute stream's profile
+    prof_mark(m.stream, "optimizer: queued on the update stream");
+    cudaStream_t us = update_stream_begin(m);
+    int finished = 0;  // groups whose event is recorded
+    auto finish_through = [&](int g) {
+      for (; finished <= g; finished++) {
+        if (pass_grads)  // the fold's other half, as below
+          for (auto [offset, count] : m.update.grad_ranges[finished])
+            cudaCheck(cudaMemsetAsync(m.grads + offset, 0, count * sizeof(floatX), us), "model_update",
+                      "group=%d count=%zu", finished, count);
+        cudaCheck(cudaEventRecord(m.update.done[finished], us), "model_update", "group=%d", finished);
+      }
+    };
+    m.opt->group_done = finish_through;
+    if (pass_grads) m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, m.grad_scale_dev, us);
+    else m.opt->step(m.params, m.main_grads, lr, settings, m.grad_scale_dev, us);
+    m.opt->group_done = nullptr;
+    finish_through(m.update.groups - 1);  // groups without segments
   } else {
-    m.opt->step(m.params, m.main_grads, lr, settings, m.grad_scale_dev, m.stream);
+    prof_mark(m.stream, "optimizer", device_opt ? (double)m.opt->state_count * (24 + grad_bytes + sizeof(floatX)) : 0.0);
+    if (pass_grads) {
+      m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, m.grad_scale_dev, m.stream);
+      prof_mark(m.stream, "zero pass grads");
+      cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "model_update", "P=%zu",
+                m.num_params);
+    } else {
+      m.opt->step(m.params, m.main_grads, lr, settings, m.grad_scale_dev, m.stream);
+    }
   }
   prof_mark(m.stream, "weight all-gather");
   all_gather_weights(m);

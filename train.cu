@@ -64,6 +64,7 @@ void checkpoint_save(const std::string& dir, Model& m, const TrainConfig& tc, co
   f.sample_rng_draws = st.sample_rng_draws;
   f.model = m.cfg;
   f.train = tc;
+  model_join_update(m);  // --overlap_update: the last step's update may still run beside
   f.sections = m.opt->save(m.stream);
   f.sections.emplace_back("router_bias", m.router_bias);
   const std::string tmp_dir = dir + ".tmp";
@@ -200,6 +201,9 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   snprintf(buf, sizeof buf, "%.3g", t.bias_update);
   row("router bias u", buf);
   row("recompute", t.recompute ? "layer-level" : "off");
+  row("optimizer step", update_beside_next_forward(m, t) ? "beside the next forward (--overlap_update 1)"
+                        : t.overlap_update ? "after the backward (--overlap_update 1 needs one rank, adamw, BF16)"
+                                           : "after the backward (--overlap_update 0)");
   // SCO (ops/sco.cuh): the boundaries of one training micro-batch that the budget sends to pinned host memory
   const ScoPlan sco = sco_plan(c.layers, (size_t)t.batch * c.seq_len * c.hidden * sizeof(floatX), t.offload_budget);
   if (t.offload_budget > 0) {
@@ -437,7 +441,7 @@ int train_main(int argc, char** argv) {
 
     const int B = tc.batch, T = mc.seq_len;
     const int accum = tc.total_batch ? tc.total_batch / (B * T) : 1;
-    cudaStream_t stream = stream_create("train");  // the compute stream; each communicator has its own
+    cudaStream_t stream = stream_create("train", StreamPriority::Compute);  // each communicator has its own
     const RankMemoryPlan memory_plan = plan_rank_memory(mc, tc, par, B, T);  // before the model allocates
     if (tc.dry_run) {  // the prediction is the whole answer: nothing is allocated or trained
       if (main_rank) print_memory_plan(memory_plan, mc);

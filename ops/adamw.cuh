@@ -20,9 +20,10 @@
 // (the host's clip_scale, the same bits), so that the host queues the update without waiting for the
 // norm.
 //
-// Launches: adamw_update is one launch over one tensor; adamw_multi_update is one launch per 64
-// segments of a rank's shard (the multi-tensor form that --optimizer adamw steps with, instead of a
-// launch per segment: 2 launches instead of ~118 on a 334M MoE). Both run adamw_chunk, one block per
+// Launches: adamw_update is one launch over one tensor; adamw_multi_update is one launch per layer's
+// segments of a rank's shard (up to 64 per launch; the multi-tensor form that --optimizer adamw steps
+// with, instead of a launch per segment: L + 1 launches instead of ~118 on a 334M MoE, so that the
+// next forward can start on a layer once its weights are written: model.cuh). Both run adamw_chunk, one block per
 // chunk of ADAMW_CHUNK elements, with the same coefficients per element, so their results are
 // bit-identical (tests/gpu_adamw.cu asserts it with memcmp). Memory-bound: 30 bytes per element
 // (master, m, v, grad read; master, m, v, param written) at HBM speed.
@@ -33,6 +34,7 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -138,17 +140,24 @@ struct AdamWSegmentBatch {
   unsigned int blocks = 0;  // the launch's blocks: chunks of ADAMW_CHUNK elements over its segments
 };
 
-// The launches of adamw_multi_update: the non-empty segments in order, ADAMW_SEGMENTS_PER_LAUNCH per
-// launch (one launch for up to 64 tensors' parts of a shard; ~2 on a 334M MoE). Empty segments are
-// left out (they update nothing). Host memory only; built once.
+// The launches of adamw_multi_update: the non-empty segments by group (ShardSegment.group: the layer
+// whose forward reads them first), in order within a group, ADAMW_SEGMENTS_PER_LAUNCH per launch and a
+// new launch for each group (one launch per layer of a shard, ~L + 1 in all), so that the update can
+// release the next forward layer by layer (model.cuh). Each element's arithmetic does not depend on
+// the launch it is in. Empty segments are left out (they update nothing). Host memory only; built once.
 struct AdamWLaunchPlan {
   std::vector<AdamWSegmentBatch> batches;
+  std::vector<int> batch_group;  // [batch]: the group its segments belong to (ascending)
   int segments = 0;  // non-empty
   AdamWLaunchPlan() = default;
-  explicit AdamWLaunchPlan(const std::vector<ShardSegment>& segs) {
+  explicit AdamWLaunchPlan(std::vector<ShardSegment> segs) {
+    std::stable_sort(segs.begin(), segs.end(), [](const ShardSegment& a, const ShardSegment& b) { return a.group < b.group; });
     for (const ShardSegment& g : segs) {
       if (g.count == 0) continue;
-      if (batches.empty() || batches.back().count == ADAMW_SEGMENTS_PER_LAUNCH) batches.emplace_back();
+      if (batches.empty() || batches.back().count == ADAMW_SEGMENTS_PER_LAUNCH || batch_group.back() != g.group) {
+        batches.emplace_back();
+        batch_group.push_back(g.group);
+      }
       AdamWSegmentBatch& b = batches.back();
       const unsigned long long blocks = b.blocks + (g.count + ADAMW_CHUNK - 1) / ADAMW_CHUNK;
       if (blocks > 0x7fffffffULL)
@@ -184,6 +193,10 @@ __global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, 
               grad + g.param_offset, g.count, (size_t)(q - g.first_block) * ADAMW_CHUNK, c);
 }
 
+// Called on the host once a group's launches are queued, with the group (ascending; groups without
+// segments are skipped): what is recorded on the stream then follows that group's writes.
+using GroupDone = std::function<void(int group)>;
+
 // One AdamW step over every segment of `plan`: for each segment g, the state master/m/v at
 // [g.state_offset, +g.count) and param/grad at [g.param_offset, +g.count), with weight_decay where
 // g.decay and 0 elsewhere — exactly adamw_update per segment, in plan.batches.size() launches.
@@ -191,12 +204,16 @@ __global__ void adamw_multi_kernel(float* master, T* param, float* m, float* v, 
 template <typename G>
 inline void adamw_multi_update(float* master, floatX* param, float* m, float* v, const G* grad,
                                const AdamWLaunchPlan& plan, float lr, float beta1, float beta2, float eps,
-                               float weight_decay, int t, const float* grad_scale, cudaStream_t stream) {
+                               float weight_decay, int t, const float* grad_scale, cudaStream_t stream,
+                               const GroupDone& group_done = nullptr) {
   if (t < 1) fm_fail("adamw_multi_update", "step t must be >= 1", "segments=%d t=%d", plan.segments, t);
   const AdamWCoefficients c = adamw_coefficients(lr, beta1, beta2, eps, weight_decay, t, 1.f);
-  for (const AdamWSegmentBatch& b : plan.batches) {
+  for (size_t i = 0; i < plan.batches.size(); i++) {
+    const AdamWSegmentBatch& b = plan.batches[i];
     adamw_multi_kernel<<<b.blocks, ADAMW_THREADS, 0, stream>>>(master, param, m, v, grad, b, c, grad_scale);
     launchCheck("adamw_multi_update", "segments=%d blocks=%u t=%d", b.count, b.blocks, t);
+    const bool group_ends = i + 1 == plan.batches.size() || plan.batch_group[i + 1] != plan.batch_group[i];
+    if (group_done && group_ends) group_done(plan.batch_group[i]);
   }
 }
 
@@ -244,13 +261,18 @@ struct Optimizer {
     (void)params, (void)grads, (void)lr, (void)s, (void)grad_scale, (void)stream;
     fm_fail("optimizer", "this optimizer reads fp32 gradients only (reads_pass_grads() is false)", "steps=%lld", steps);
   }
+  // Whether the step is launches on `stream` only, group by group (ShardSegment.group), calling
+  // group_done after each group's: the model then runs it beside the next forward (model.cuh,
+  // model_update). Only such an optimizer calls group_done; the model sets it only for one.
+  virtual bool steps_by_group() const { return false; }
+  GroupDone group_done;
   virtual StateSections save(cudaStream_t stream) = 0;
   virtual void load(const StateSections& sections, long long steps_taken, cudaStream_t stream) = 0;
   // pinned host memory it holds (the device memory is the pool's, under Mem::Optimizer)
   virtual size_t host_bytes() const { return 0; }
 };
 
-// --optimizer adamw: the state on the GPU, stepped by one adamw_multi_update launch over all segments.
+// --optimizer adamw: the state on the GPU, stepped by adamw_multi_update: one launch per group of segments.
 struct DeviceAdamW : Optimizer {
   float *master = nullptr, *m = nullptr, *v = nullptr;  // [S] each (Optimizer)
   AdamWLaunchPlan plan;                                  // the segments as a few launches' arguments
@@ -281,6 +303,7 @@ struct DeviceAdamW : Optimizer {
     step_on(params, grads, lr, s, grad_scale, stream);
   }
   bool reads_pass_grads() const override { return true; }
+  bool steps_by_group() const override { return true; }
   void step_from_pass_grads(floatX* params, const floatX* grads, float lr, const AdamWSettings& s,
                             const float* grad_scale, cudaStream_t stream) override {
     step_on(params, grads, lr, s, grad_scale, stream);
@@ -290,7 +313,7 @@ struct DeviceAdamW : Optimizer {
                cudaStream_t stream) {
     steps++;
     adamw_multi_update(master, params, m, v, grads, plan, lr, s.beta1, s.beta2, s.eps, s.weight_decay, (int)steps,
-                       grad_scale, stream);
+                       grad_scale, stream, group_done);
   }
   StateSections save(cudaStream_t stream) override {
     StateSections out;

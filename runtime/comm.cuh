@@ -372,7 +372,7 @@ inline void comm_warm_up(const Comm& c) {
 // makes its stream and warms it up.
 inline void comm_finish_init(Comm& c, const char* op) {
   comm_register(c);
-  c.stream = stream_create(op, true);
+  c.stream = stream_create(op, StreamPriority::Comm);
   comm_warm_up(c);
   device_memory_mark("NCCL " + c.name);  // its buffers, connected by the warm-up (the device ledger, runtime/pool.cuh)
 }

@@ -22,6 +22,7 @@
 //     legacy-default-stream work while communicators overlap: either can wait
 //     without a bound, or serialise streams that were meant to overlap.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -36,16 +37,28 @@ inline std::string (*&wait_watcher())() {
   return watcher;
 }
 
-// A stream that never synchronises with the legacy default stream (cudaStreamNonBlocking).
-// high_priority: the GPU's highest stream priority, for a communicator's stream — its kernels are
-// small and latency-bound, and a block scheduler that picks them before the next wave of a GEMM's
-// blocks keeps an exchange from waiting out a whole GEMM it was meant to overlap.
-inline cudaStream_t stream_create(const char* op, bool high_priority = false) {
-  cudaStream_t s = nullptr;
+// Stream priorities, lowest first. Background: the least (copies, a side stream's bulk work such as
+// the optimizer beside the next forward, model.cuh). Compute: one above it, for the trainer's compute
+// stream, so that the block scheduler gives a forward's kernels the SMs before a background kernel's
+// next blocks. Comm: the greatest, for a communicator's stream — its kernels are small and
+// latency-bound, and a block scheduler that picks them before the next wave of a GEMM's blocks keeps
+// an exchange from waiting out a whole GEMM it was meant to overlap.
+enum class StreamPriority { Background, Compute, Comm };
+
+inline int stream_priority(StreamPriority p, const char* op) {
   int least = 0, greatest = 0;
-  if (high_priority) cudaCheck(cudaDeviceGetStreamPriorityRange(&least, &greatest), op, "cudaDeviceGetStreamPriorityRange");
-  cudaCheck(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high_priority ? greatest : 0), op,
-            "cudaStreamCreateWithPriority(non-blocking, priority %d)", high_priority ? greatest : 0);
+  cudaCheck(cudaDeviceGetStreamPriorityRange(&least, &greatest), op, "cudaDeviceGetStreamPriorityRange");
+  if (p == StreamPriority::Comm) return greatest;
+  if (p == StreamPriority::Compute) return std::max(greatest, least - 1);  // numerically lower = higher priority
+  return least;
+}
+
+// A stream that never synchronises with the legacy default stream (cudaStreamNonBlocking).
+inline cudaStream_t stream_create(const char* op, StreamPriority priority = StreamPriority::Background) {
+  cudaStream_t s = nullptr;
+  const int value = stream_priority(priority, op);
+  cudaCheck(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, value), op,
+            "cudaStreamCreateWithPriority(non-blocking, priority %d)", value);
   return s;
 }
 

@@ -59,7 +59,7 @@ const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_patte
                                                    &T::moe,      &T::head,          &T::optimizer,   &T::ring_dtp,
                                                    &T::relay_mode, &T::device_budget};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
-                                          &T::recompute,  &T::val_every,    &T::val_batches, &T::sample_every,
+                                          &T::recompute,  &T::overlap_update, &T::val_every, &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
                                           &T::gpus,       &T::ep,           &T::llep_min_rows, &T::token_budget,
                                           &T::kmax,       &T::offload_bucket, &T::offload_slots, &T::vocab_group,
@@ -410,6 +410,20 @@ TEST(ConfigTrain, ProfileStepMustBeAStepOfTheRun) {
   EXPECT_EQ(parse_error({"--profile_step", "x"}), "flag --profile_step expects an integer, got 'x'");
 }
 
+// --overlap_update: on by default, 0 or 1.
+TEST(ConfigTrain, OverlapUpdateIsZeroOrOne) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  EXPECT_EQ(t.overlap_update, 1) << "the optimizer beside the next forward by default";
+  for (int ok : {0, 1}) {
+    t.overlap_update = ok;
+    EXPECT_EQ(validate_error(t, m), "") << ok;
+  }
+  t.overlap_update = 2;
+  EXPECT_EQ(validate_error(t, m), "overlap_update must be 0 or 1");
+  EXPECT_EQ(parse_error({"--overlap_update", "yes"}), "flag --overlap_update expects an integer, got 'yes'");
+}
+
 // --offload_budget (SCO): bytes, past 2^31 too; refused when negative, and without --recompute 1 unless 0.
 TEST(ConfigSeams, OffloadBudgetNeedsRecomputeAndIsNotNegative) {
   const ModelConfig m = valid_model();
@@ -530,6 +544,31 @@ TEST(ConfigLayout, ExpertStacksComeLastAndAreMarked) {
     EXPECT_EQ(specs[i].rows % m.experts, 0u) << specs[i].name;
   }
   EXPECT_EQ(specs.size() - first_expert, 2u * (m.layers - m.n_dense));
+}
+
+// Each tensor's forward group (the optimizer releases the next forward by them, model.cuh): the
+// embedding with layer 0, a layer's tensors (attention, norms, router, dense FFN, shared and routed
+// experts) with their layer, the final norm and the head last; and the shard segments carry them.
+TEST(ConfigLayout, EveryTensorIsInTheGroupOfItsFirstReader) {
+  ModelConfig m = valid_model();
+  m.layers = 3; m.n_dense = 1; m.shared_expert = 1;
+  const std::vector<ParamSpec> specs = param_specs(m);
+  for (const ParamSpec& s : specs) {
+    int want = -1;
+    if (s.name == "wte") want = 0;
+    else if (s.name == "lnf" || s.name == "lm_head") want = m.layers;
+    else if (s.name.rfind("layer", 0) == 0) want = std::stoi(s.name.substr(5));
+    EXPECT_EQ(s.forward_group, want) << s.name;
+  }
+  size_t S = 0;
+  const ParamLayout layout = param_layout(specs, 1, RegionGroup{2, 1}, RegionGroup{1, 0}, VocabSplit{});
+  for (const ShardSegment& g : shard_segments(specs, layout, &S)) {
+    int tensor = -1;
+    for (size_t i = 0; i < specs.size(); i++)
+      if (g.param_offset >= layout.offsets[i] && g.param_offset < layout.offsets[i] + layout.local_numel[i]) tensor = (int)i;
+    ASSERT_GE(tensor, 0);
+    EXPECT_EQ(g.group, specs[tensor].forward_group) << specs[tensor].name;
+  }
 }
 
 TEST(ConfigLayout, ParamCountMatchesClosedForm) {

@@ -99,10 +99,12 @@ void check_adamw(const char* name, int n1, int n2) {
   }
 }
 
-// Segments {param_offset, state_offset, count, decay} with gaps in both layouts: empty segments
+// Segments {param_offset, state_offset, count, decay, group} with gaps in both layouts: empty segments
 // (first, between, last), one element, odd counts, exactly one block's chunk and one more, several
-// chunks, and enough segments that they take two launches and the kernel's binary search has depth.
-std::vector<ShardSegment> odd_segments(Rng& rng, size_t* S, size_t* P) {
+// chunks, and enough segments that they take two launches and the kernel's binary search has depth;
+// with groups > 1 their groups descend and repeat (groups − 1 − i mod groups), so that the plan must
+// reorder them.
+std::vector<ShardSegment> odd_segments(Rng& rng, size_t* S, size_t* P, int groups) {
   std::vector<size_t> counts = {0, 1, 3, 0, 37, (size_t)ADAMW_CHUNK, (size_t)ADAMW_CHUNK + 1, 0, 255, 257,
                                 5 * (size_t)ADAMW_CHUNK - 3, 1, 0, 100003};
   for (int i = 0; i < 100; i++) counts.push_back(i % 7 == 0 ? 0 : (size_t)rng.integer(1, 3000));
@@ -110,7 +112,7 @@ std::vector<ShardSegment> odd_segments(Rng& rng, size_t* S, size_t* P) {
   std::vector<ShardSegment> segs;
   size_t p = 5, st = 2;  // gaps before the first segment too
   for (size_t i = 0; i < counts.size(); i++) {
-    segs.push_back(ShardSegment{p, st, counts[i], i % 3 != 1});
+    segs.push_back(ShardSegment{p, st, counts[i], i % 3 != 1, groups - 1 - (int)(i % groups)});
     p += counts[i] + (size_t)rng.integer(0, 9);
     st += counts[i] + (size_t)rng.integer(0, 3);
   }
@@ -119,12 +121,12 @@ std::vector<ShardSegment> odd_segments(Rng& rng, size_t* S, size_t* P) {
   return segs;
 }
 
-void check_multi_tensor(int t, float grad_scale) {
+void check_multi_tensor(int t, float grad_scale, int groups) {
   REQUIRE_GPU();
   Rng rng;
   const float lr = 3e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, wd = 0.1f;
   size_t S = 0, P = 0;
-  const std::vector<ShardSegment> segs = odd_segments(rng, &S, &P);
+  const std::vector<ShardSegment> segs = odd_segments(rng, &S, &P, groups);
   std::vector<float> master(S), m(S), v(S), grad(P);
   for (size_t i = 0; i < S; i++) {
     master[i] = (float)rng.normal();
@@ -147,10 +149,20 @@ void check_multi_tensor(int t, float grad_scale) {
   DeviceBuffer<float> d_scale = upload_vec(std::vector<float>{grad_scale}, Mem::Workspace, "test.grad_scale");
   const AdamWLaunchPlan plan(segs);
   EXPECT_LT(plan.segments, (int)segs.size()) << "empty segments are left out of the launches";
-  EXPECT_EQ(plan.batches.size(), (size_t)(plan.segments + ADAMW_SEGMENTS_PER_LAUNCH - 1) / ADAMW_SEGMENTS_PER_LAUNCH);
+  std::vector<int> in_group(groups, 0);  // non-empty segments per group
+  for (const ShardSegment& g : segs) in_group[g.group] += g.count > 0;
+  size_t launches = 0;
+  std::vector<int> groups_with_segments;
+  for (int g = 0; g < groups; g++) {
+    launches += (in_group[g] + ADAMW_SEGMENTS_PER_LAUNCH - 1) / ADAMW_SEGMENTS_PER_LAUNCH;
+    if (in_group[g] > 0) groups_with_segments.push_back(g);
+  }
+  EXPECT_EQ(plan.batches.size(), launches) << "64 segments per launch, a new launch for each group";
   EXPECT_GE(plan.batches.size(), 2u) << "the segments must span more than one launch";
+  std::vector<int> done;  // the groups whose launches were queued, in the order the host heard of them
   adamw_multi_update(multi.master.ptr, multi.param.ptr, multi.m.ptr, multi.v.ptr, d_grad.ptr, plan, lr, beta1, beta2,
-                     eps, wd, t, d_scale.ptr, 0);
+                     eps, wd, t, d_scale.ptr, 0, [&](int g) { done.push_back(g); });
+  EXPECT_EQ(done, groups_with_segments) << "group_done: once per group with segments, ascending";
   for (const ShardSegment& g : segs)
     adamw_update(per_segment.master.ptr + g.state_offset, per_segment.param.ptr + g.param_offset,
                  per_segment.m.ptr + g.state_offset, per_segment.v.ptr + g.state_offset, d_grad.ptr + g.param_offset,
@@ -190,14 +202,15 @@ void check_multi_tensor(int t, float grad_scale) {
   for (size_t e = 0; e < P; e++)
     if (!in_segment_p[e]) touched += memcmp(&param[e], poisoned, sizeof(floatX)) != 0;
   EXPECT_EQ(touched, 0u) << name << " wrote outside its segments";
-  printf("[adamw] multi-tensor: %zu segments (%d non-empty) in %zu launches (one block per chunk), S=%zu\n",
-         segs.size(), plan.segments, plan.batches.size(), S);
+  printf("[adamw] multi-tensor: %zu segments (%d non-empty) in %d groups, %zu launches (one block per chunk), S=%zu\n",
+         segs.size(), plan.segments, groups, plan.batches.size(), S);
 }
 
 }  // namespace
 
-TEST(AdamWGpu, MultiTensorLaunchMatchesPerSegmentLaunchesBitForBit) { check_multi_tensor(7, 1.f); }
-TEST(AdamWGpu, MultiTensorLaunchFirstStepClipped) { check_multi_tensor(1, 0.37f); }
+TEST(AdamWGpu, MultiTensorLaunchMatchesPerSegmentLaunchesBitForBit) { check_multi_tensor(7, 1.f, 1); }
+TEST(AdamWGpu, MultiTensorLaunchFirstStepClipped) { check_multi_tensor(1, 0.37f, 1); }
+TEST(AdamWGpu, MultiTensorLaunchesInGroupsMatchPerSegmentLaunchesBitForBit) { check_multi_tensor(3, 0.61f, 5); }
 
 TEST(AdamWGpu, MultiTensorLaunchOfOnlyEmptySegmentsDoesNothing) {
   REQUIRE_GPU();
@@ -254,6 +267,30 @@ TEST(AdamWHost, LaunchPlanCutsTheSegmentsIntoLaunchesOf64) {
   }
   while (next < segs.size() && segs[next].count == 0) next++;
   EXPECT_EQ(next, segs.size()) << "every non-empty segment is in a launch";
+}
+
+// Groups (host only): the segments of each group in their order, the groups ascending whatever the
+// segments' order, and a launch never holds two groups.
+TEST(AdamWHost, LaunchPlanStartsALaunchForEachGroupInGroupOrder) {
+  std::vector<ShardSegment> segs;
+  for (int i = 0; i < 200; i++) segs.push_back(ShardSegment{(size_t)i * 10, (size_t)i * 10, (size_t)(i % 5 == 0 ? 0 : 7), true, (i * 7) % 4});
+  const AdamWLaunchPlan plan(segs);
+  ASSERT_EQ(plan.batch_group.size(), plan.batches.size());
+  std::vector<size_t> order;  // param offsets in the plan's order
+  for (size_t b = 0; b < plan.batches.size(); b++) {
+    if (b > 0) EXPECT_LE(plan.batch_group[b - 1], plan.batch_group[b]) << "groups ascend";
+    for (int j = 0; j < plan.batches[b].count; j++) {
+      const size_t i = plan.batches[b].seg[j].param_offset / 10;
+      EXPECT_EQ(segs[i].group, plan.batch_group[b]) << "segment " << i << " in launch " << b;
+      order.push_back(i);
+    }
+  }
+  std::vector<size_t> want;
+  for (int g = 0; g < 4; g++)
+    for (size_t i = 0; i < segs.size(); i++)
+      if (segs[i].group == g && segs[i].count > 0) want.push_back(i);
+  EXPECT_EQ(order, want);
+  EXPECT_EQ(plan.batches.size(), 4u) << "40 non-empty segments in each group: one launch per group";
 }
 
 // common.cuh's sum of squares (the gradient norm) against a double sum over the same values, within

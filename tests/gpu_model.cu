@@ -1,9 +1,12 @@
 // The whole GPU model (model.cuh) against the CPU reference model (ref/model.hpp) on identical
 // weights and tokens: first-step loss and every parameter gradient, ten training steps,
-// recomputation, pool accounting, the model's state saved and restored bit for bit, and the trainer
+// recomputation, pool accounting, the model's state saved and restored bit for bit, the optimizer
+// beside the next forward (--overlap_update) bit for bit, and the trainer
 // binary resuming from a checkpoint folder bit for bit, and recording and replaying its routing, at
 // W = 1 and W = 2.
 #include <sys/stat.h>
+#include <chrono>
+#include <thread>
 #include "../model.cuh"
 #include "../checkpoint.hpp"
 #include "../data/dataloader.hpp"
@@ -379,6 +382,84 @@ TEST(GpuModel, StateSavedAndRestoredContinuesBitIdentically) {
   EXPECT_EQ(r.opt->steps, 6);
   EXPECT_EQ(0, memcmp(r.router_bias.data(), straight_bias.data(), straight_bias.size() * sizeof(float)));
   model_destroy(r);
+}
+
+// --overlap_update 1: the optimizer on its own stream, group by group beside the next step's forward,
+// gives the losses, the optimizer's state, the weights and the router biases of the update on the
+// compute stream (--overlap_update 0) bit for bit, with one pass per step (the update reads the
+// pass's bf16 gradients and zeroes them group by group) and with two (it reads their fp32 sum). So
+// that the next forward is certainly queued before the update has run, a kernel that waits for a host
+// flag holds the update stream ahead of each update from step 4 on: the step returns with its update
+// not started (asserted), and the flag is set 20 ms into the next step, so that only the events keep
+// that step's forward from reading the old weights. (Not before step 4: the first steps allocate the
+// pool's blocks and the pinned upload buffers, and a device-wide synchronisation there would wait for
+// the held update. The flags are allocated before the first step and freed after the last, since
+// cudaFreeHost synchronises the device too.) The compute stream is non-blocking, as the trainer's.
+// The FP32 build updates on the compute stream (its passes add into the buffer the update reads):
+// skipped there.
+TEST(GpuModel, UpdateBesideTheNextForwardIsBitIdentical) {
+  REQUIRE_GPU();
+  if (!BUILD_BF16) GTEST_SKIP() << "the FP32 build updates on the compute stream (update_beside_next_forward)";
+  const ModelConfig c = config_variant(1);
+  const int B = 2, T = c.seq_len, N = B * T, steps = 7, first_held = 3;
+  testutil::Rng rng;
+  struct Run {
+    std::vector<float> losses, bias;
+    StateSections state;
+    std::vector<floatX> params;
+  };
+  for (int accum : {1, 2}) {
+    std::vector<std::vector<int>> xs(steps * accum), ys(steps * accum);
+    for (size_t i = 0; i < xs.size(); i++) random_tokens(N, c.vocab, rng, xs[i], ys[i]);
+    auto train = [&](int overlap) {
+      TrainConfig t;
+      t.lr = 2e-3f; t.warmup = 1; t.steps = steps; t.bias_update = 1e-2f; t.overlap_update = overlap;
+      cudaStream_t stream = stream_create("test.compute", StreamPriority::Compute);
+      Model m = model_create(c, 11, Parallel(), stream);
+      EXPECT_EQ(update_beside_next_forward(m, t), overlap == 1);
+      Run r;
+      std::vector<testutil::HostFlag> flags(steps);  // flags[s] holds step s's update
+      for (int step = 0; step < steps; step++) {
+        std::thread release;
+        if (overlap && step > first_held) release = std::thread([flag = &flags[step - 1]] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          flag->set();
+        });
+        const bool hold = overlap && step >= first_held;
+        if (hold) {
+          testutil::wait_for_host_kernel<<<1, 1, 0, m.update.stream>>>(nullptr, flags[step].device, 0);
+          launchCheck("test.hold_update", "step=%d", step);
+        }
+        int micro = step * accum;
+        r.losses.push_back(model_train_step(m, t, step, B, T, accum, [&](int* xb, int* yb) {
+          std::copy(xs[micro].begin(), xs[micro].end(), xb);
+          std::copy(ys[micro].begin(), ys[micro].end(), yb);
+          micro++;
+        }, nullptr));
+        if (release.joinable()) release.join();
+        if (hold) EXPECT_EQ(cudaEventQuery(m.update.done[0]), cudaErrorNotReady) << "step " << step << " waited for its update";
+      }
+      if (overlap) flags[steps - 1].set();
+      model_join_update(m);
+      r.state = m.opt->save(m.stream);
+      r.params = testutil::download_vec(m.params, m.num_params);
+      r.bias = m.router_bias;
+      EXPECT_EQ(overlap == 1, m.update.stream != nullptr);
+      model_destroy(m);
+      cudaCheck(cudaStreamDestroy(stream), "test", "stream");
+      return r;
+    };
+    const Run beside = train(1), after = train(0);
+    EXPECT_EQ(beside.losses, after.losses) << "accum " << accum;
+    ASSERT_EQ(beside.state.size(), after.state.size());
+    for (size_t i = 0; i < after.state.size(); i++)
+      EXPECT_EQ(0, memcmp(beside.state[i].second.data(), after.state[i].second.data(), after.state[i].second.size() * sizeof(float)))
+          << "accum " << accum << ": optimizer section " << after.state[i].first;
+    EXPECT_EQ(0, memcmp(beside.params.data(), after.params.data(), after.params.size() * sizeof(floatX))) << "accum " << accum << ": weights";
+    EXPECT_EQ(beside.bias, after.bias) << "accum " << accum;
+    printf("[overlap] accum %d: %d steps, step %d loss %.7f beside the next forward, %.7f after the backward\n", accum, steps,
+           steps, beside.losses.back(), after.losses.back());
+  }
 }
 
 // The trainer as a user runs it (FLATMOE_TRAIN, the FP32 build's binary, on the prepared corpus):

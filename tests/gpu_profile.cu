@@ -84,6 +84,7 @@ TEST(ProfileGpu, TrainingStepBreakdownNamesEveryOperatorAndChangesNoBits) {
   TrainConfig t;
   t.recompute = 1;
   t.bias_update = 1e-2f;
+  t.overlap_update = 0;  // the optimizer's range on the compute stream, with its bytes (not on the update stream)
   const int B = 2, T = c.seq_len, accum = 2, L = c.layers, L_moe = c.layers - c.n_dense;
   struct Result {
     float loss, norm;
