@@ -163,7 +163,7 @@ struct PinnedUpload {
 // the same arguments: the weights are bit-identical to the update on the compute stream.
 struct UpdateStream {
   cudaStream_t stream = nullptr;  // created on the first overlapped update
-  std::vector<cudaEvent_t> done;  // [L + 1]: group g's weights written (and its pass grads zeroed)
+  std::vector<StreamPoint> done;  // [L + 1]: group g's weights written (and its pass grads zeroed)
   // [L + 1]: the pass's gradient ranges of each group (merged segments), zeroed after its update
   std::vector<std::vector<std::pair<size_t, size_t>>> grad_ranges;
   int next_wait = 0;  // groups [0, next_wait) the compute stream waits for already
@@ -282,8 +282,7 @@ inline std::vector<float> local_from_global(const Model& m, const std::vector<fl
 inline void model_wait_update(Model& m, int g) {
   UpdateStream& u = m.update;
   for (; u.next_wait < u.groups && u.next_wait <= g; u.next_wait++)
-    cudaCheck(cudaStreamWaitEvent(m.stream, u.done[u.next_wait], 0), "model_wait_update", "group=%d of %d",
-              u.next_wait, u.groups);
+    u.done[u.next_wait].wait_on(m.stream, "model_wait_update");
 }
 
 // The compute stream waits for the whole update: before anything but a pass reads the weights, the
@@ -447,7 +446,6 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
 
 inline void model_destroy(Model& m) {
   model_join_update(m);  // the pool reuses the blocks in the compute stream's order
-  for (cudaEvent_t e : m.update.done) cudaCheck(cudaEventDestroy(e), "model_destroy", "update events");
   if (m.update.stream) cudaCheck(cudaStreamDestroy(m.update.stream), "model_destroy", "update stream");
   if ((void*)m.main_grads != (void*)m.grads) pool().free(m.main_grads);
   for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.step_loads_dev, (void*)m.sumsq_partials,
@@ -1164,8 +1162,7 @@ inline cudaStream_t update_stream_begin(Model& m) {
     // it) of the background priority (runtime/stream.cuh: the trainer's forward takes the SMs first)
     const int priority = stream_priority(StreamPriority::Background, "update_stream");
     cudaCheck(cudaStreamCreateWithPriority(&u.stream, cudaStreamDefault, priority), "update_stream", "L=%d", m.cfg.layers);
-    u.done.resize(G + 1);  // [G]: the compute stream's work before the update
-    for (cudaEvent_t& e : u.done) cudaCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "update_stream", "events");
+    u.done = std::vector<StreamPoint>(G);
     u.grad_ranges.assign(G, {});
     std::vector<ShardSegment> segs = m.opt->segments;
     std::sort(segs.begin(), segs.end(), [](const ShardSegment& a, const ShardSegment& b) { return a.param_offset < b.param_offset; });
@@ -1181,8 +1178,7 @@ inline cudaStream_t update_stream_begin(Model& m) {
   }
   u.groups = G;
   u.next_wait = 0;
-  cudaCheck(cudaEventRecord(u.done[G], m.stream), "update_stream", "norm");
-  cudaCheck(cudaStreamWaitEvent(u.stream, u.done[G], 0), "update_stream", "norm");
+  stream_after(u.stream, m.stream, "update_stream");
   return u.stream;
 }
 
@@ -1217,7 +1213,7 @@ inline float model_update(Model& m, const TrainConfig& t, float lr, bool pass_gr
           for (auto [offset, count] : m.update.grad_ranges[finished])
             cudaCheck(cudaMemsetAsync(m.grads + offset, 0, count * sizeof(floatX), us), "model_update",
                       "group=%d count=%zu", finished, count);
-        cudaCheck(cudaEventRecord(m.update.done[finished], us), "model_update", "group=%d", finished);
+        m.update.done[finished].record(us, "model_update");
       }
     };
     m.opt->group_done = finish_through;

@@ -437,7 +437,7 @@ TEST(GpuModel, UpdateBesideTheNextForwardIsBitIdentical) {
           micro++;
         }, nullptr));
         if (release.joinable()) release.join();
-        if (hold) EXPECT_EQ(cudaEventQuery(m.update.done[0]), cudaErrorNotReady) << "step " << step << " waited for its update";
+        if (hold) EXPECT_EQ(cudaEventQuery(m.update.done[0].event), cudaErrorNotReady) << "step " << step << " waited for its update";
       }
       if (overlap) flags[steps - 1].set();
       model_join_update(m);
