@@ -1202,35 +1202,31 @@ inline float model_update(Model& m, const TrainConfig& t, float lr, bool pass_gr
   // bytes for the device optimizer only: master, m, v, grad read, master, m, v, weight written
   const bool device_opt = dynamic_cast<DeviceAdamW*>(m.opt.get()) != nullptr;
   const size_t grad_bytes = pass_grads ? sizeof(floatX) : sizeof(float);
+  // beside the next forward: queued on the update stream, where the compute stream's profile does not see it
   const bool beside = update_beside_next_forward(m, t);
-  if (beside) {  // queued on the update stream: its time is not on the compute stream's profile
-    prof_mark(m.stream, "optimizer: queued on the update stream");
-    cudaStream_t us = update_stream_begin(m);
-    int finished = 0;  // groups whose event is recorded
-    auto finish_through = [&](int g) {
-      for (; finished <= g; finished++) {
-        if (pass_grads)  // the fold's other half, as below
-          for (auto [offset, count] : m.update.grad_ranges[finished])
-            cudaCheck(cudaMemsetAsync(m.grads + offset, 0, count * sizeof(floatX), us), "model_update",
-                      "group=%d count=%zu", finished, count);
-        m.update.done[finished].record(us, "model_update");
-      }
-    };
-    m.opt->group_done = finish_through;
-    if (pass_grads) m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, m.grad_scale_dev, us);
-    else m.opt->step(m.params, m.main_grads, lr, settings, m.grad_scale_dev, us);
+  prof_mark(m.stream, beside ? "optimizer: queued on the update stream" : "optimizer",
+            device_opt && !beside ? (double)m.opt->state_count * (24 + grad_bytes + sizeof(floatX)) : 0.0);
+  cudaStream_t us = beside ? update_stream_begin(m) : m.stream;
+  int finished = 0;  // groups whose stream point is recorded (beside)
+  auto finish_through = [&](int g) {
+    for (; finished <= g; finished++) {
+      if (pass_grads)  // the fold's other half, group by group
+        for (auto [offset, count] : m.update.grad_ranges[finished])
+          cudaCheck(cudaMemsetAsync(m.grads + offset, 0, count * sizeof(floatX), us), "model_update",
+                    "group=%d count=%zu", finished, count);
+      m.update.done[finished].record(us, "model_update");
+    }
+  };
+  if (beside) m.opt->group_done = finish_through;
+  if (pass_grads) m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, m.grad_scale_dev, us);
+  else m.opt->step(m.params, m.main_grads, lr, settings, m.grad_scale_dev, us);
+  if (beside) {
     m.opt->group_done = nullptr;
     finish_through(m.update.groups - 1);  // groups without segments
-  } else {
-    prof_mark(m.stream, "optimizer", device_opt ? (double)m.opt->state_count * (24 + grad_bytes + sizeof(floatX)) : 0.0);
-    if (pass_grads) {
-      m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, m.grad_scale_dev, m.stream);
-      prof_mark(m.stream, "zero pass grads");
-      cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "model_update", "P=%zu",
-                m.num_params);
-    } else {
-      m.opt->step(m.params, m.main_grads, lr, settings, m.grad_scale_dev, m.stream);
-    }
+  } else if (pass_grads) {  // the fold's other half
+    prof_mark(m.stream, "zero pass grads");
+    cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "model_update", "P=%zu",
+              m.num_params);
   }
   prof_mark(m.stream, "weight all-gather");
   all_gather_weights(m);
