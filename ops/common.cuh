@@ -43,6 +43,19 @@ template <> __device__ __host__ inline __nv_bfloat16 from_float<__nv_bfloat16>(f
 
 inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
 
+// The inclusive prefix sum of v over the 32 lanes of a warp (lane = threadIdx.x % 32), by shuffles:
+// lane l gets v_0 + ... + v_l. Every lane of the warp must call it.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const T below = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += below;
+  }
+  return v;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Rows moved in 16-byte pieces. A memory-bound kernel reaches HBM bandwidth only when each thread
 // moves 16 bytes per access (one 2-byte access per thread keeps too few bytes in flight); so a

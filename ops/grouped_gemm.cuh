@@ -331,12 +331,7 @@ __device__ __forceinline__ void lay_out_routed_tiles(const GroupedGemmBatch& bat
     const int rows = TRANS_A ? batch.p[g].M : routes;  // routes: rows of C, or k
     mine[j] = g < batch.count && routes > 0 ? (unsigned)((rows + BM - 1) / BM) * batch.p[g].tiles_n : 0;
   }
-  unsigned int through = mine[0] + mine[1];  // inclusive prefix over lanes
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const unsigned int below = __shfl_up_sync(0xffffffffu, through, d);
-    if ((int)threadIdx.x >= d) through += below;
-  }
+  const unsigned int through = warp_inclusive_scan(mine[0] + mine[1]);  // inclusive prefix over lanes
   const unsigned int before = through - mine[0] - mine[1];
   routed.first_tile[2 * threadIdx.x] = before;
   routed.first_tile[2 * threadIdx.x + 1] = before + mine[0];

@@ -70,26 +70,60 @@ static __global__ void moe_plan_count_kernel(int* tile_counts, const int* topk_i
   for (int e = threadIdx.x; e <= E; e += blockDim.x) tile_counts[(size_t)blockIdx.x * (E + 1) + e] = tile_hist[e];
 }
 
-// One block, over B = E + 1 bins. tile_counts becomes, in place, the exclusive prefix over tiles per
-// bin (routes of bin e in the tiles before this one); bin_counts [B] (=) the totals; bin_offsets [B]
-// (=) their exclusive prefix over bins (first sorted slot of each bin).
-static __global__ void moe_plan_scan_kernel(int* tile_counts, int* bin_counts, int* bin_offsets, int tiles, int B) {
-  for (int e = threadIdx.x; e < B; e += blockDim.x) {
-    int running = 0;
-    for (int t = 0; t < tiles; t++) {
-      int c = tile_counts[(size_t)t * B + e];
-      tile_counts[(size_t)t * B + e] = running;
-      running += c;
+// One block of MOE_SCAN_THREADS, over B = E + 1 bins. tile_counts becomes, in place, the exclusive
+// prefix over tiles per bin (routes of bin e in the tiles before this one); bin_counts [B] (=) the
+// totals; bin_offsets [B] (=) their exclusive prefix over bins (first sorted slot of each bin).
+// Warp w takes bins w, w + W, ...; in a bin, lane l takes the tiles [l·P, l·P + P) (P = ceil(tiles /
+// 32)): it sums their counts (independent loads), a shuffle scan over the lanes gives the counts of
+// the tiles before its own, and it writes its tiles' prefixes in chunks (the chunk's loads first). So
+// a bin costs a few memory round trips, not one per tile: the plan sits between a layer's router and
+// its expert GEMMs, where a chain of loads waits out every trip (notes/speed.md, S). Warp 0 then scans
+// the bins' totals the same way, 32 at a time.
+static const int MOE_SCAN_THREADS = 256;
+static const int MOE_SCAN_CHUNK = 8;
+
+// Exclusive prefix over the warp's lanes of v (common.cuh's warp_inclusive_scan); *total (=) the sum
+// over all 32.
+__device__ __forceinline__ int warp_exclusive_scan(int v, int* total) {
+  const int inclusive = warp_inclusive_scan(v);
+  *total = __shfl_sync(0xffffffff, inclusive, 31);
+  return inclusive - v;
+}
+
+static __global__ void __launch_bounds__(MOE_SCAN_THREADS)
+moe_plan_scan_kernel(int* tile_counts, int* bin_counts, int* bin_offsets, int tiles, int B) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = MOE_SCAN_THREADS / 32;
+  const int per_lane = (tiles + 31) / 32;
+  const int first = min(tiles, lane * per_lane), last = min(tiles, first + per_lane);  // this lane's tiles
+  for (int e = warp; e < B; e += warps) {
+    int* bin = tile_counts + e;  // tile t's count of bin e at bin[t·B]
+    int lane_sum = 0;
+#pragma unroll MOE_SCAN_CHUNK
+    for (int t = first; t < last; t++) lane_sum += bin[(size_t)t * B];
+    int total;
+    int running = warp_exclusive_scan(lane_sum, &total);
+    for (int t = first; t < last; t += MOE_SCAN_CHUNK) {
+      int count[MOE_SCAN_CHUNK];
+#pragma unroll
+      for (int j = 0; j < MOE_SCAN_CHUNK; j++) count[j] = t + j < last ? bin[(size_t)(t + j) * B] : 0;
+#pragma unroll
+      for (int j = 0; j < MOE_SCAN_CHUNK; j++)
+        if (t + j < last) {
+          bin[(size_t)(t + j) * B] = running;
+          running += count[j];
+        }
     }
-    bin_counts[e] = running;
+    if (lane == 0) bin_counts[e] = total;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int offset = 0;
-    for (int e = 0; e < B; e++) {
-      bin_offsets[e] = offset;
-      offset += bin_counts[e];
-    }
+  if (warp != 0) return;
+  int carry = 0;
+  for (int base = 0; base < B; base += 32) {
+    const int count = base + lane < B ? bin_counts[base + lane] : 0;
+    int total;
+    const int before = warp_exclusive_scan(count, &total);
+    if (base + lane < B) bin_offsets[base + lane] = carry + before;
+    carry += total;
   }
 }
 
@@ -280,7 +314,7 @@ inline void moe_route_sort(int* route_of_slot, int* slot_of_route, int* expert_o
   int* offsets = expert_offsets ? expert_offsets : plan_ints + bins;
   moe_plan_count_kernel<<<tiles, MOE_PLAN_TILE, (size_t)bins * sizeof(int), stream>>>(tile_counts, topk_idx, R, E);
   launchCheck("moe_route_sort.count", "R=%d E=%d", R, E);
-  moe_plan_scan_kernel<<<1, 256, 0, stream>>>(tile_counts, counts, offsets, tiles, bins);
+  moe_plan_scan_kernel<<<1, MOE_SCAN_THREADS, 0, stream>>>(tile_counts, counts, offsets, tiles, bins);
   launchCheck("moe_route_sort.scan", "R=%d E=%d", R, E);
   if (host_counts) {
     host_counts->resize(bins);

@@ -236,18 +236,11 @@ TEST(MoEGpu, ReplaysBitForBit) {
   expect_same_results(run_device(c), run_device(c));
 }
 
-// moe_route_plan is the stable sort of the routes by expert (std::stable_sort on the host), across
-// many tiles, under skew, with empty experts; slot_of_route is its inverse.
-TEST(MoEGpu, RoutePlanIsStableSortByExpert) {
-  REQUIRE_GPU();
-  Rng rng;
-  const int N = 2001, k = 4, E = 16, R = N * k;
-  RouteChooser choose = skewed_routes({1, 2, 3, 5, 8, 9, 13}, k);  // experts 4, 6, 7, 10.. get nothing
-  ref::MatI topk_idx(N, k);
-  for (int n = 0; n < N; n++) {
-    std::vector<int> experts = choose(rng, n);
-    for (int j = 0; j < k; j++) topk_idx(n, j) = experts[j];
-  }
+// moe_route_plan is the stable sort of the routes by expert (std::stable_sort on the host); slot_of_route
+// is its inverse and the counts come back.
+namespace {
+void check_route_plan(const ref::MatI& topk_idx, int E) {
+  const int R = (int)topk_idx.size();
   std::vector<int> idx = flat(topk_idx);
   std::vector<int> expected(R);
   for (int r = 0; r < R; r++) expected[r] = r;
@@ -266,6 +259,31 @@ TEST(MoEGpu, RoutePlanIsStableSortByExpert) {
   int not_inverse = 0;
   for (int s = 0; s < R; s++) not_inverse += slot_of_route[route_of_slot[s]] != s;
   EXPECT_EQ(not_inverse, 0);
+}
+
+ref::MatI chosen_routes(const RouteChooser& choose, int N, int k) {
+  Rng rng;
+  ref::MatI topk_idx(N, k);
+  for (int n = 0; n < N; n++) {
+    std::vector<int> experts = choose(rng, n);
+    for (int j = 0; j < k; j++) topk_idx(n, j) = experts[j];
+  }
+  return topk_idx;
+}
+}  // namespace
+
+// Across 32 tiles, under skew, with empty experts (4, 6, 7, 10, ... get nothing).
+TEST(MoEGpu, RoutePlanIsStableSortByExpert) {
+  REQUIRE_GPU();
+  check_route_plan(chosen_routes(skewed_routes({1, 2, 3, 5, 8, 9, 13}, 4), 2001, 4), 16);
+}
+
+// Where the plan's scan has more than one chunk of tiles per lane and the last lane fewer (1172 tiles:
+// 37 a lane, 25 for lane 31), more bins than its warps and than one round of warp 0's scan of the
+// totals (71), under skew (expert 0 and four others).
+TEST(MoEGpu, RoutePlanIsStableSortByExpertOverManyTilesAndBins) {
+  REQUIRE_GPU();
+  check_route_plan(chosen_routes(skewed_routes({33, 34, 50, 69}, 2), 150001, 2), 70);
 }
 
 // With the offsets kept on the device (what moe_forward does in the BF16 build, where nothing refuses
