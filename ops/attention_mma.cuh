@@ -165,15 +165,6 @@ __device__ __forceinline__ void c_strip_times_tile(float (*acc)[HD / 8][4], cons
 
 // ---- one strip's softmax and gradient steps (the mma.sync and the wgmma kernels) -----------
 
-// 2^x in one MUFU.EX2 (ex2.approx.ftz: results below 2^-126 flush to 0, exp2(−inf) = 0). exp2f
-// compiles to the non-ftz form, which adds the denormal scaling around it; at hd 64 these kernels
-// issue one exponential per 256 (forward) tensor-core FLOPs, so the instruction count matters.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // One key tile's online-softmax step for a 16-row strip (rows row0, row0 + 8): s, the scores of keys
 // k0 … k0 + 8NB − 1 (C fragments, unscaled), becomes P (unnormalised, fp32); m (log2 units), l and O
 // are rescaled to the new row maxima. Only tiles from the block's first query on (`diagonal`) have

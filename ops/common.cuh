@@ -43,6 +43,20 @@ template <> __device__ __host__ inline __nv_bfloat16 from_float<__nv_bfloat16>(f
 
 inline int ceil_div(long long a, long long b) { return (int)((a + b - 1) / b); }
 
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: relative error below 2^-22, results below 2^-126 flush to 0,
+// exp2(−inf) = 0). exp2f compiles to the non-ftz form, which adds the denormal scaling around it,
+// and expf to a range reduction before it. The attention kernels issue one exponential per 256
+// (forward, hd 64) tensor-core FLOPs and the cross-entropy two per logit, so the instruction count
+// matters there.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// e^x as 2^(x·log2 e): one multiply and fast_exp2 (its range and error, and the product's rounding).
+__device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * 1.4426950408889634f); }
+
 // The inclusive prefix sum of v over the 32 lanes of a warp (lane = threadIdx.x % 32), by shuffles:
 // lane l gets v_0 + ... + v_l. Every lane of the warp must call it.
 template <typename T>

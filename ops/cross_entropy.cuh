@@ -15,6 +15,11 @@
 // Shapes: logits, dlogits [N, V] floatX; targets [N] int32; losses, lse [N] float.
 // A target outside [0, V) gives a NaN loss and a NaN gradient row (no read outside the row).
 //
+// Exponentials (cross_entropy_exp), two per logit (the sum, then the gradient): in the BF16 build
+// common.cuh's fast_exp, one multiply and one MUFU.EX2 (relative error ~2^-22, far below the bf16
+// rounding of the logits and of dlogits), which took the fused kernel from 2.7 to 3.5 TB/s at B1's
+// shape (notes/speed.md, T); in the FP32 build expf, the pedantic reference path.
+//
 // Determinism: one block per row; each thread folds its strided columns (in 16-byte pieces when the
 // rows are whole pieces and aligned, common.cuh's ROW_PIECE) into a running (max, sum-exp) pair, and
 // the pairs are combined by a fixed warp xor butterfly (the combine is commutative, so every lane gets
@@ -33,6 +38,15 @@ static const int LOSS_SUM_THREADS = 1024;
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
+// e^x: fast_exp in the BF16 build, expf in the FP32 build (header comment).
+__device__ __forceinline__ float cross_entropy_exp(float x) {
+#ifdef FLATMOE_BF16
+  return fast_exp(x);
+#else
+  return expf(x);
+#endif
+}
+
 // (m, s) represents s · exp(m): a running max and the sum of exp(z − m) over the columns seen;
 // m = −inf, s = 0 is the empty set.
 struct CrossEntropyOnlineLse {
@@ -41,8 +55,8 @@ struct CrossEntropyOnlineLse {
 
 __device__ inline CrossEntropyOnlineLse cross_entropy_combine(CrossEntropyOnlineLse a, CrossEntropyOnlineLse b) {
   float m = fmaxf(a.m, b.m);
-  float sa = a.m == -INFINITY ? 0.f : a.s * expf(a.m - m);
-  float sb = b.m == -INFINITY ? 0.f : b.s * expf(b.m - m);
+  float sa = a.m == -INFINITY ? 0.f : a.s * cross_entropy_exp(a.m - m);
+  float sb = b.m == -INFINITY ? 0.f : b.s * cross_entropy_exp(b.m - m);
   return CrossEntropyOnlineLse{m, sa + sb};
 }
 
@@ -64,9 +78,9 @@ __device__ CrossEntropyOnlineLse row_online_lse(const T* z, int width) {
     float m = acc.m;
 #pragma unroll
     for (int e = 0; e < NV; e++) m = fmaxf(m, to_float(v.v[e]));
-    float s = acc.m == -INFINITY ? 0.f : acc.s * expf(acc.m - m);
+    float s = acc.m == -INFINITY ? 0.f : acc.s * cross_entropy_exp(acc.m - m);
 #pragma unroll
-    for (int e = 0; e < NV; e++) s += expf(to_float(v.v[e]) - m);
+    for (int e = 0; e < NV; e++) s += cross_entropy_exp(to_float(v.v[e]) - m);
     acc = CrossEntropyOnlineLse{m, s};
   }
   auto butterfly = [](CrossEntropyOnlineLse a) {
@@ -158,7 +172,7 @@ __device__ inline void cross_entropy_row_backward(T* dz_row, const T* z_row, flo
     P d;
 #pragma unroll
     for (int e = 0; e < NV; e++) {
-      const float p = expf(to_float(v.v[e]) - row_lse);
+      const float p = cross_entropy_exp(to_float(v.v[e]) - row_lse);
       d.v[e] = from_float<T>(valid ? dloss * (p - (col0 + c * NV + e == t ? 1.f : 0.f)) : NAN);
     }
     dz[c] = d;
