@@ -155,14 +155,14 @@ inline void convert(Tout* out, const Tin* in, size_t n, cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------------
 // Deterministic sum of squares: fixed grid, fixed per-thread stride, fixed tree; the partial sums
 // land in `partials` (SUMSQ_BLOCKS floats) and one block adds them in order into *out (=).
-// Each thread loads a piece of SUMSQ_PIECE = 4 elements at a time (16 bytes of fp32, 8 of bf16) when n
-// is a multiple of the piece and x is aligned for it, else one element: the order of the sum, and so
-// its low bits, depend on n and on x's alignment only, never on the run or the element type. So the sum
-// over bf16 values and over their fp32 copies is the same float, bit for bit (model.cuh's gradient norm
-// reads either).
+// Each thread loads a piece of SUMSQ_PIECE = 8 elements at a time (16 bytes of bf16, two 16-byte loads
+// of fp32) when n is a multiple of the piece and x is aligned for it, else one element: the order of
+// the sum, and so its low bits, depend on n and on x's alignment only, never on the run or the element
+// type. So the sum over bf16 values and over their fp32 copies is the same float, bit for bit
+// (model.cuh's gradient norm reads either).
 
 static const int SUMSQ_BLOCKS = 264;
-static const int SUMSQ_PIECE = 4;
+static const int SUMSQ_PIECE = 8;
 
 // Thread k of the grid adds the squares of pieces k, k + grid, k + 2·grid, ... (NV elements each) in
 // that order; its block's warps then reduce by xor butterfly and in warp order into partials[block].
