@@ -48,7 +48,7 @@ NVFLAGS  := -std=c++17 -O3 $(ARCH_FLAGS) -lineinfo -I. -isystem $(EIGEN_DIR) -DE
 # attention at head dim 64 (ops/attention_mma.cuh); other GPU_ARCH values (80 for A100, 90 without it)
 # build the same kernels' mma.sync form.
 GTEST_INC := -isystem $(GTEST_DIR)/include -isystem $(GTEST_DIR)
-CUDA_LIBS := -lcublas -lnccl -lcudart
+CUDA_LIBS := -lcublas -lcublasLt -lnccl -lcudart
 
 # precision lower-case: fp32 | bf16
 prec = $(if $(filter BF16,$(1)),bf16,$(if $(filter FP32,$(1)),fp32,$(error PRECISION must be BF16 or FP32, got '$(1)')))

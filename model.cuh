@@ -661,12 +661,8 @@ inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, La
   a.x_mid = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "x_mid");
   a.ln2 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln2");
   a.ln2_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln2_rstd");
-  floatX* att_proj = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att_proj");
-  prof_mark(s, "wo matmul fwd");
-  matmul_forward(att_proj, a.att, P.wo, N, H, H, s);
-  prof_mark(s, "residual add", residual_bytes(N, H));
-  add_inplace_or_out(a.x_mid, x_in, att_proj, (size_t)N * H, s);
-  pool().free(att_proj);
+  prof_mark(s, "wo matmul fwd + residual add");
+  matmul_forward_residual(a.x_mid, x_in, a.att, P.wo, N, H, H, s);
 
   prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
   rmsnorm_forward(a.ln2, a.ln2_rstd, a.x_mid, P.ln2, N, H, c.norm_eps, s);

@@ -1,6 +1,7 @@
 // matmul.cuh — bias-free linear layer through cuBLAS (twin: ref/matmul.hpp).
 //
 //   forward:  out = x · Wᵀ                    out [N, OC] (=)                 matmul_forward
+//             out = residual + x · Wᵀ         out [N, OC] (=; not residual)   matmul_forward_residual
 //   backward: dx  = dout · W                  dx  [N, IC] (=, or += asked;    matmul_backward_dx
 //                                                          fp32 dx allowed)
 //             dW += doutᵀ · x                 dW  [OC, IC] (+=)               matmul_backward_dW
@@ -21,9 +22,17 @@
 // cases of tests/gpu_matmul.cu hold both builds to 1e-5, which a TF32 GEMM misses).
 // alpha/beta are fp32 on the host. cuBLAS GEMMs are bit-reproducible run to run on the same GPU
 // model and toolkit.
+// matmul_forward_residual is one cuBLASLt GEMM whose epilogue adds the residual (its C) while it
+// writes out (its D, a separate buffer: in place, C = D, the BF16 build's bits differ from those into a
+// separate buffer on the H200, so it is refused): the product never goes to memory, and the sum is
+// taken in fp32 and rounded once. Against matmul_forward and a separate add it saves the add's kernel and N·OC
+// elements read and written twice (model.cuh: x_mid = x + att·woᵀ, 3·N·H·2 bytes per layer read and
+// written instead of 5).
 //
 // Memory: none of its own (cuBLAS's workspace is the pool's, set by cublas_on).
 #pragma once
+#include <map>
+#include <tuple>
 #include "common.cuh"
 #include "../runtime/pool.cuh"
 
@@ -71,6 +80,93 @@ inline void matmul_forward(TO* out, const T* x, const T* W, int N, int IC, int O
   if (N == 0 || OC == 0) return;
   if (IC <= 0) fm_fail("matmul_forward", "IC must be positive", "N=%d IC=%d OC=%d", N, IC, OC);
   matmul_gemm("matmul_forward", CUBLAS_OP_T, CUBLAS_OP_N, OC, N, IC, W, IC, x, IC, 0.0f, out, OC, N, IC, OC, stream);
+}
+
+// cuBLASLt's choice of algorithm for one GEMM shape, asked once (the heuristic query costs more host
+// time than a launch of the small models' GEMMs) and reused: the same shape, types and pointer
+// alignment always run the same algorithm, so the bits do not depend on the call.
+struct LtGemmKey {
+  int m, n, k, align;
+  cudaDataType_t type;
+  bool operator<(const LtGemmKey& o) const {
+    return std::tie(m, n, k, align, type) < std::tie(o.m, o.n, o.k, o.align, o.type);
+  }
+};
+
+// The descriptors of one cuBLASLt GEMM, destroyed with it (host memory only).
+struct LtGemmDescs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtGemmDescs() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    for (cublasLtMatrixLayout_t l : {a, b, c})
+      if (l) cublasLtMatrixLayoutDestroy(l);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// out [N, OC] (=) = residual [N, OC] + x [N, IC] · W [OC, IC]ᵀ, all of type T; out is not residual.
+// Column-major, as matmul_forward: outᵀ [OC, N] = op_T(W as [IC, OC]) · xᵀ [IC, N] + residualᵀ.
+template <typename T>
+inline void matmul_forward_residual(T* out, const T* residual, const T* x, const T* W, int N, int IC, int OC,
+                                    cudaStream_t stream) {
+  const char* op_name = "matmul_forward_residual";
+  if (N == 0 || OC == 0) return;
+  if (IC <= 0) fm_fail(op_name, "IC must be positive", "N=%d IC=%d OC=%d", N, IC, OC);
+  if (out == residual) fm_fail(op_name, "out must be another buffer than residual", "N=%d IC=%d OC=%d", N, IC, OC);
+  runtime_prepare();
+  const CublasRuntime& rt = cublas_runtime();
+  const cudaDataType_t type = MatmulTypes<T>::data;
+#if defined(FLATMOE_BF16)
+  const cublasComputeType_t compute = MatmulTypes<T>::compute;
+#else
+  const cublasComputeType_t compute = CUBLAS_COMPUTE_32F_PEDANTIC;  // the handle's pedantic math mode
+#endif
+  // the largest power of two, up to 256, that divides every operand's address
+  uintptr_t any = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(residual) |
+                  reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(W) | 256;
+  const uint32_t align = (uint32_t)(any & (~any + 1));
+
+  LtGemmDescs d;
+  const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+  const size_t workspace = CublasRuntime::workspace_bytes;
+  const char* sizes = "N=%d IC=%d OC=%d type=%s";
+  cublasCheck(cublasLtMatmulDescCreate(&d.op, compute, CUDA_R_32F), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
+  cublasCheck(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t), op_name, sizes, N,
+              IC, OC, MatmulTypes<T>::name);
+  cublasCheck(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n), op_name, sizes, N,
+              IC, OC, MatmulTypes<T>::name);
+  cublasCheck(cublasLtMatrixLayoutCreate(&d.a, type, IC, OC, IC), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
+  cublasCheck(cublasLtMatrixLayoutCreate(&d.b, type, IC, N, IC), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
+  cublasCheck(cublasLtMatrixLayoutCreate(&d.c, type, OC, N, OC), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
+
+  static std::map<LtGemmKey, cublasLtMatmulAlgo_t> chosen;
+  const LtGemmKey key{OC, N, IC, (int)align, type};
+  auto found = chosen.find(key);
+  if (found == chosen.end()) {
+    cublasCheck(cublasLtMatmulPreferenceCreate(&d.pref), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
+    cublasCheck(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                     sizeof workspace),
+                op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
+    for (cublasLtMatmulPreferenceAttributes_t a :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      cublasCheck(cublasLtMatmulPreferenceSetAttribute(d.pref, a, &align, sizeof align), op_name, sizes, N, IC, OC,
+                  MatmulTypes<T>::name);
+    cublasLtMatmulHeuristicResult_t result = {};
+    int returned = 0;
+    cublasCheck(cublasLtMatmulAlgoGetHeuristic(rt.lt, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result, &returned), op_name,
+                sizes, N, IC, OC, MatmulTypes<T>::name);
+    if (returned == 0)
+      fm_fail(op_name, "cuBLASLt offers no algorithm for this GEMM", "N=%d IC=%d OC=%d type=%s align=%u", N, IC, OC,
+              MatmulTypes<T>::name, align);
+    found = chosen.emplace(key, result.algo).first;
+  }
+  const float alpha = 1.0f, beta = 1.0f;
+  cublasCheck(cublasLtMatmul(rt.lt, d.op, &alpha, W, d.a, x, d.b, &beta, residual, d.c, out, d.c, &found->second,
+                             rt.workspace, workspace, stream),
+              op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
 }
 
 // dx [N, IC] (=, or += with accumulate) = dout [N, OC] · W [OC, IC]; dx of type T, or fp32 (TD).

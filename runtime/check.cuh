@@ -9,6 +9,7 @@
 #include <string>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <cublasLt.h>
 
 // ---------------------------------------------------------------------------------------------
 // Errors: every failure names the operator and its sizes, then exits non-zero.

@@ -431,13 +431,14 @@ inline std::string device_memory_report() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The runtime of the process (one process per GPU): the cuBLAS handle and its workspace, taken from
-// the pool (category Workspace). The FP32 build runs pedantic FP32.
+// The runtime of the process (one process per GPU): the cuBLAS and cuBLASLt handles and their one
+// workspace, taken from the pool (category Workspace). The FP32 build runs pedantic FP32.
 
 struct CublasRuntime {
   static constexpr size_t workspace_bytes = 32u << 20;  // cuBLAS's recommendation for Hopper
   cublasHandle_t handle = nullptr;
-  void* workspace = nullptr;  // [workspace_bytes], from the pool
+  cublasLtHandle_t lt = nullptr;  // the GEMMs with an epilogue (ops/matmul.cuh)
+  void* workspace = nullptr;      // [workspace_bytes], from the pool
 };
 
 inline CublasRuntime& cublas_runtime() {
@@ -453,6 +454,7 @@ inline void runtime_prepare() {
   if (rt.handle != nullptr) return;
   if (device_memory().items.empty()) device_memory_mark("CUDA context");  // no communicator marked it first
   cublasCheck(cublasCreate(&rt.handle), "runtime_prepare", "cublasCreate");
+  cublasCheck(cublasLtCreate(&rt.lt), "runtime_prepare", "cublasLtCreate");
 #if defined(FLATMOE_BF16)
   cublasCheck(cublasSetMathMode(rt.handle, CUBLAS_DEFAULT_MATH), "runtime_prepare", "math mode default");
 #else
@@ -472,7 +474,9 @@ inline void runtime_release() {
   pool().free(rt.workspace);
   rt.workspace = nullptr;
   if (rt.handle != nullptr) cublasCheck(cublasDestroy(rt.handle), "runtime_release", "cublasDestroy");
+  if (rt.lt != nullptr) cublasCheck(cublasLtDestroy(rt.lt), "runtime_release", "cublasLtDestroy");
   rt.handle = nullptr;
+  rt.lt = nullptr;
   if (pool().blocks_live() != 0)
     fm_fail("runtime_release", ("device memory still live at exit (a leak): " + pool().describe_live()).c_str(),
             "live blocks=%zu bytes=%zu", pool().blocks_live(), pool().live_total());

@@ -1,7 +1,10 @@
-// GPU tests of ops/matmul.cuh against ref/matmul.hpp: out, dx and the += dW at shapes that
-// are not multiples of any GEMM tile, and the dx == nullptr path (only dW accumulates); for floatX
-// operands (OP_TOL) and for float operands, which run FP32 (no TF32) in both builds and are held to
-// the FP32 tolerance 1e-5 in both (TF32's 10-bit mantissa would miss it by over an order of magnitude).
+// GPU tests of ops/matmul.cuh against ref/matmul.hpp: out, out with the residual added in the GEMM's
+// epilogue (into a poisoned buffer, the same bits run to run), dx and the
+// += dW at shapes that are not multiples of any GEMM tile, and the dx == nullptr path (only dW
+// accumulates); for floatX operands (OP_TOL) and for float operands, which run FP32 (no TF32) in both
+// builds and are held to the FP32 tolerance 1e-5 in both (TF32's 10-bit mantissa would miss it by over
+// an order of magnitude).
+#include <cstring>
 #include <type_traits>
 #include "gpu_util.cuh"
 #include "../ops/matmul.cuh"
@@ -34,6 +37,19 @@ void check_matmul(const char* name, int N, int IC, int OC, bool with_dx) {
   poison(d_out.ptr, d_out.count);
   matmul_forward(d_out.ptr, d_x.ptr, d_W.ptr, N, IC, OC, 0);
   EXPECT_REL(name, "out", rel_err(download(d_out.ptr, N, OC), ref::matmul_forward(x, W)), tol);
+
+  // out = residual + x Wᵀ: into a poisoned buffer, then again into it (the same bits)
+  ref::Mat<double> residual = held(rng.mat<double>(N, OC));
+  DeviceBuffer<T> d_residual = upload<T>(residual, Mem::Activations);
+  poison(d_out.ptr, d_out.count);
+  matmul_forward_residual(d_out.ptr, d_residual.ptr, d_x.ptr, d_W.ptr, N, IC, OC, 0);
+  const std::vector<T> with_residual = download_vec(d_out.ptr, d_out.count);
+  EXPECT_REL(name, "out(residual +)", rel_err(download(d_out.ptr, N, OC), ref::matmul_forward_residual(residual, x, W)),
+             tol);
+  matmul_forward_residual(d_out.ptr, d_residual.ptr, d_x.ptr, d_W.ptr, N, IC, OC, 0);
+  EXPECT_EQ(0, memcmp(with_residual.data(), download_vec(d_out.ptr, d_out.count).data(), d_out.bytes()))
+      << name << ": two runs differ";
+  EXPECT_REL(name, "residual unchanged", rel_err(download(d_residual.ptr, N, OC), residual), 0.0);
 
   DeviceBuffer<T> d_dout = upload<T>(dout, Mem::Activations);
   DeviceBuffer<T> d_dW = upload<T>(dW_initial, Mem::Grads);

@@ -134,7 +134,7 @@ TEST(ProfileGpu, TrainingStepBreakdownNamesEveryOperatorAndChangesNoBits) {
   EXPECT_EQ(calls_of(rows, "rmsnorm fwd"), passes * (2 * L + 1));
   EXPECT_EQ(calls_of(rows, "recompute rmsnorm fwd"), passes * 2 * L);
   EXPECT_EQ(calls_of(rows, "rmsnorm bwd"), passes * (2 * L + 1));
-  for (const char* op : {"qkv matmul fwd", "rope fwd", "attention fwd", "wo matmul fwd"}) {
+  for (const char* op : {"qkv matmul fwd", "rope fwd", "attention fwd", "wo matmul fwd + residual add"}) {
     EXPECT_EQ(calls_of(rows, op), passes * L) << op;
     EXPECT_EQ(calls_of(rows, std::string("recompute ") + op), passes * L) << op;
   }
