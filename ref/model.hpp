@@ -37,7 +37,9 @@ struct Model {
   T min_route_margin = std::numeric_limits<T>::infinity();
   // Optional: take each MoE layer's top-k choices from outside ([L][N·k], e.g. the GPU's), so
   // that a reduced-precision model can be compared at all; the weights are still computed here.
-  // Choices that differ from this model's own where its margin exceeds 1e-3 are counted.
+  // A token's choices (in order) that differ from this model's own are counted when every gap
+  // between its k + 1 largest keys exceeds 1e-3: a near-tie anywhere in them (also between two
+  // chosen experts, which only reorders the choice) excuses a difference.
   const std::vector<std::vector<int>>* forced_routes = nullptr;
   long long route_disagreements = 0;
 
@@ -118,8 +120,10 @@ Mat<T> ref_ffn_forward(Model<T>& m, int l, RefLayerActs<T>& a, bool count_loads)
     std::vector<T> key(E);
     for (int e = 0; e < E; e++) key[e] = a.route.scores(n, e) + bias(e);
     std::sort(key.begin(), key.end(), [](T x, T y) { return x > y; });
-    const T margin = key[k - 1] - key[k];
+    const T margin = key[k - 1] - key[k];  // what decides the set of chosen experts
     m.min_route_margin = std::min(m.min_route_margin, margin);
+    T order_margin = margin;  // what decides the choice in order
+    for (int j = 0; j < k - 1; j++) order_margin = std::min(order_margin, key[j] - key[j + 1]);
     if (!m.forced_routes) continue;
     const std::vector<int>& forced = (*m.forced_routes)[l];
     bool same = true;
@@ -127,7 +131,7 @@ Mat<T> ref_ffn_forward(Model<T>& m, int l, RefLayerActs<T>& a, bool count_loads)
       same = same && forced[(size_t)n * k + j] == a.route.topk_idx(n, j);
       a.route.topk_idx(n, j) = forced[(size_t)n * k + j];
     }
-    if (!same && margin > T(1e-3)) m.route_disagreements++;
+    if (!same && order_margin > T(1e-3)) m.route_disagreements++;
   }
   if (m.forced_routes) a.route.topk_w = router_weights(a.route.scores, a.route.topk_idx, c.renorm != 0);
   if (count_loads) {
