@@ -23,13 +23,13 @@
 // alpha/beta are fp32 on the host. cuBLAS GEMMs are bit-reproducible run to run on the same GPU
 // model and toolkit.
 // matmul_forward_residual is one cuBLASLt GEMM whose epilogue adds the residual (its C) while it
-// writes out (its D, a separate buffer: in place, C = D, the BF16 build's bits differ from those into a
-// separate buffer on the H200, so it is refused): the product never goes to memory, and the sum is
-// taken in fp32 and rounded once. Against matmul_forward and a separate add it saves the add's kernel and N·OC
-// elements read and written twice (model.cuh: x_mid = x + att·woᵀ, 3·N·H·2 bytes per layer read and
-// written instead of 5).
+// writes out (its D, a separate buffer; in place, C = D, the BF16 build's bits differ from those into
+// a separate buffer on the H200, so it is refused): the sum is taken in fp32 and rounded once, and
+// the product never goes to memory. Against matmul_forward and a separate add, that saves the add's
+// launch and N·OC elements written and read (model.cuh's x_mid = x + att·woᵀ: 2·N·H elements moved
+// beside the GEMM's operands instead of 4).
 //
-// Memory: none of its own (cuBLAS's workspace is the pool's, set by cublas_on).
+// Memory: none of its own (the cuBLAS and cuBLASLt workspace is the pool's, CublasRuntime).
 #pragma once
 #include <map>
 #include <tuple>
@@ -124,49 +124,45 @@ inline void matmul_forward_residual(T* out, const T* residual, const T* x, const
   const cublasComputeType_t compute = CUBLAS_COMPUTE_32F_PEDANTIC;  // the handle's pedantic math mode
 #endif
   // the largest power of two, up to 256, that divides every operand's address
-  uintptr_t any = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(residual) |
-                  reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(W) | 256;
+  const uintptr_t any = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(residual) |
+                        reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(W) | 256;
   const uint32_t align = (uint32_t)(any & (~any + 1));
 
+  auto check = [&](cublasStatus_t status) {
+    cublasCheck(status, op_name, "N=%d IC=%d OC=%d type=%s align=%u", N, IC, OC, MatmulTypes<T>::name, align);
+  };
   LtGemmDescs d;
   const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
   const size_t workspace = CublasRuntime::workspace_bytes;
-  const char* sizes = "N=%d IC=%d OC=%d type=%s";
-  cublasCheck(cublasLtMatmulDescCreate(&d.op, compute, CUDA_R_32F), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
-  cublasCheck(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t), op_name, sizes, N,
-              IC, OC, MatmulTypes<T>::name);
-  cublasCheck(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n), op_name, sizes, N,
-              IC, OC, MatmulTypes<T>::name);
-  cublasCheck(cublasLtMatrixLayoutCreate(&d.a, type, IC, OC, IC), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
-  cublasCheck(cublasLtMatrixLayoutCreate(&d.b, type, IC, N, IC), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
-  cublasCheck(cublasLtMatrixLayoutCreate(&d.c, type, OC, N, OC), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
+  check(cublasLtMatmulDescCreate(&d.op, compute, CUDA_R_32F));
+  check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t));
+  check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n));
+  check(cublasLtMatrixLayoutCreate(&d.a, type, IC, OC, IC));
+  check(cublasLtMatrixLayoutCreate(&d.b, type, IC, N, IC));
+  check(cublasLtMatrixLayoutCreate(&d.c, type, OC, N, OC));  // C and D
 
   static std::map<LtGemmKey, cublasLtMatmulAlgo_t> chosen;
   const LtGemmKey key{OC, N, IC, (int)align, type};
   auto found = chosen.find(key);
   if (found == chosen.end()) {
-    cublasCheck(cublasLtMatmulPreferenceCreate(&d.pref), op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
-    cublasCheck(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
-                                                     sizeof workspace),
-                op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
+    check(cublasLtMatmulPreferenceCreate(&d.pref));
+    check(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                               sizeof workspace));
     for (cublasLtMatmulPreferenceAttributes_t a :
          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
           CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      cublasCheck(cublasLtMatmulPreferenceSetAttribute(d.pref, a, &align, sizeof align), op_name, sizes, N, IC, OC,
-                  MatmulTypes<T>::name);
+      check(cublasLtMatmulPreferenceSetAttribute(d.pref, a, &align, sizeof align));
     cublasLtMatmulHeuristicResult_t result = {};
     int returned = 0;
-    cublasCheck(cublasLtMatmulAlgoGetHeuristic(rt.lt, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result, &returned), op_name,
-                sizes, N, IC, OC, MatmulTypes<T>::name);
+    check(cublasLtMatmulAlgoGetHeuristic(rt.lt, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result, &returned));
     if (returned == 0)
       fm_fail(op_name, "cuBLASLt offers no algorithm for this GEMM", "N=%d IC=%d OC=%d type=%s align=%u", N, IC, OC,
               MatmulTypes<T>::name, align);
     found = chosen.emplace(key, result.algo).first;
   }
   const float alpha = 1.0f, beta = 1.0f;
-  cublasCheck(cublasLtMatmul(rt.lt, d.op, &alpha, W, d.a, x, d.b, &beta, residual, d.c, out, d.c, &found->second,
-                             rt.workspace, workspace, stream),
-              op_name, sizes, N, IC, OC, MatmulTypes<T>::name);
+  check(cublasLtMatmul(rt.lt, d.op, &alpha, W, d.a, x, d.b, &beta, residual, d.c, out, d.c, &found->second,
+                       rt.workspace, workspace, stream));
 }
 
 // dx [N, IC] (=, or += with accumulate) = dout [N, OC] · W [OC, IC]; dx of type T, or fp32 (TD).
