@@ -106,7 +106,8 @@ void first_step_matches_reference(int variant) {
   // The router computes in FP32 in both builds, but in BF16 its input (ln2) carries the bf16
   // activations' error (~1e-2 relative after a few layers), so choices whose margin is below about
   // that may differ from the double reference's; they are counted and reported. In FP32 a choice that
-  // differs where the reference's margin is clear (> 1e-3) is a bug.
+  // differs (in its set or its order) where no two of the reference's k + 1 largest keys are within
+  // 1e-3 of each other is a bug.
   printf("[route] %s: %lld top-k choices differ from the reference's (no gap under 1e-3 in its k + 1 largest keys)\n",
          what, r.route_disagreements);
 #if !defined(FLATMOE_BF16)
