@@ -1,9 +1,8 @@
 // GPU tests of ops/matmul.cuh against ref/matmul.hpp: out, out with the residual added in the GEMM's
-// epilogue (into a poisoned buffer, the same bits run to run), dx and the
-// += dW at shapes that are not multiples of any GEMM tile, and the dx == nullptr path (only dW
-// accumulates); for floatX operands (OP_TOL) and for float operands, which run FP32 (no TF32) in both
-// builds and are held to the FP32 tolerance 1e-5 in both (TF32's 10-bit mantissa would miss it by over
-// an order of magnitude).
+// epilogue (into a poisoned buffer, the same bits run to run), dx and the += dW at shapes that are not
+// multiples of any GEMM tile, and the dx == nullptr path (only dW accumulates); for floatX operands
+// (OP_TOL) and for float operands, which run FP32 (no TF32) in both builds and are held to the FP32
+// tolerance 1e-5 in both (TF32's 10-bit mantissa would miss it by over an order of magnitude).
 #include <cstring>
 #include <type_traits>
 #include "gpu_util.cuh"
