@@ -41,7 +41,7 @@
 //
 // Shared memory: bf16 tiles of 64 rows with row stride LD = HD + 8 (HD + 8 bf16 = 144 / 272
 // bytes: the 8 row addresses of one ldmatrix phase fall on 8 distinct 16-byte bank groups, so
-// ldmatrix is conflict-free; cp.async writes 16-byte chunks). Tiles per block: forward one Q tile
+// ldmatrix is conflict-free; cp.async writes 16-byte chunks, CopiedTiles). Tiles per block: forward one Q tile
 // per strip + 2 K + 2 V (6 at hd 64, 5 at hd 128), dK/dV K + V + 2 Q + 2 dO (6, + 2·2·64 floats of
 // lse/delta), dQ Q + dO + 2 K + 2 V (6): hd = 64: 55 / 55 / 54 KiB, hd = 128: 85 / 103 / 102 KiB (two
 // blocks per SM fit the 227 KiB of sm_90). Registers per lane: O (or dQ, dK + dV) HD/8·4 fp32 per
@@ -77,32 +77,51 @@ constexpr int FORWARD_STRIPS = HD == 64 ? 2 : 1;
 
 // ---- tile helpers (lane = threadIdx.x % 32) -----------------------------------------------
 
-// Element offset of (row r, column c) in a shared-memory tile of 64 rows: padded rows of LD bf16,
-// or (SWIZZLED, hd 64 only: the wgmma kernels) unpadded 128-byte rows in the 128-byte swizzle.
-template <int HD, bool SWIZZLED>
-__device__ __forceinline__ int tile_offset(int r, int c) {
-  static_assert(!SWIZZLED || HD == 64, "a swizzled row is 64 bf16");
-  if (SWIZZLED) return swizzle_128b(r, c / 8) / 2 + c % 8;
-  return r * ld<HD>() + c;
-}
-
-// Rows [0, rows_valid) of a 64 × HD tile (global row stride `stride` elements) into shared
-// memory with cp.async; rows past rows_valid become zeros. src must be readable even when
-// rows_valid ≤ 0 (every row zeros).
-template <int HD, bool SWIZZLED = false>
+// Rows [0, rows_valid) of a 64 × HD tile (global row stride `stride` elements) into a padded
+// shared-memory tile (rows of ld<HD>() bf16) with cp.async; rows past rows_valid become zeros. src
+// must be readable even when rows_valid ≤ 0 (every row zeros).
+template <int HD>
 __device__ __forceinline__ void load_tile_async(bf16* dst, const bf16* src, size_t stride, int rows_valid) {
   constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
   for (int idx = threadIdx.x; idx < TILE * CHUNKS; idx += THREADS) {
     const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
     const bool valid = r < rows_valid;
-    cp_async_16(dst + tile_offset<HD, SWIZZLED>(r, c), src + (size_t)(valid ? r : 0) * stride + c, valid ? 16 : 0);
+    cp_async_16(dst + r * ld<HD>() + c, src + (size_t)(valid ? r : 0) * stride + c, valid ? 16 : 0);
   }
 }
+
+// The operands the kernels copy into shared memory, as 64-row tiles of one (sequence, head): Q, K and V
+// from qkv [B, T, 3H] (columns 0, H, 2H on, then the head's HD), dO from dout [B, T, H].
+enum class Operand { Q = 0, K = 1, V = 2, dO = 3 };
+struct TilePointers {
+  const bf16* qkv;
+  const bf16* dout;
+};
+
+// Tiles copied by every thread (cp.async, 16-byte chunks): the mma.sync kernels. A stage of tiles
+// (`tile` calls, then `commit`) is in once every thread has waited for its own copies (`wait`) and the
+// block has met at a barrier. The buffer and parity arguments are the TMA form's (TmaTiles).
+template <int HD>
+struct CopiedTiles {
+  const TilePointers& tensors;
+  int b, h, T, H;
+  __device__ void init() const {}  // nothing to set up: each thread waits for its own copies
+  // rows row0 … row0 + 63 of operand x into dst; rows past T become zeros
+  __device__ void tile(bf16* dst, Operand x, int row0, int /*buffer*/) const {
+    const bool is_dout = x == Operand::dO;
+    const size_t stride = is_dout ? (size_t)H : 3 * (size_t)H;
+    const bf16* first = is_dout ? tensors.dout + (size_t)b * T * H + (size_t)h * HD
+                                : tensors.qkv + (size_t)b * T * stride + (size_t)x * H + (size_t)h * HD;
+    load_tile_async<HD>(dst, row0 < T ? first + (size_t)row0 * stride : first, stride, T - row0);
+  }
+  __device__ void commit(int /*buffer*/) const { cp_async_commit(); }
+  __device__ void wait(int /*buffer*/, int /*parity*/) const { cp_async_wait_all(); }
+};
 
 // A fragment of k-step ks (columns 16ks … 16ks+15) of the 16-row strip starting at `rows`.
 template <int HD>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* rows, int ks, int lane) {
-  ldmatrix_x4(a, rows + tile_offset<HD, false>((lane % 8) + 8 * ((lane / 8) % 2), ks * 16 + 8 * (lane / 16)));
+  ldmatrix_x4(a, rows + ((lane % 8) + 8 * ((lane / 8) % 2)) * ld<HD>() + ks * 16 + 8 * (lane / 16));
 }
 
 // Columns 16j … 16j+15 of a 16 × 8NB strip held as C fragments (n-blocks 2j, 2j+1), rounded to bf16,
@@ -313,18 +332,15 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse,
   const int q0 = qt * TILE * MB;
   const int last_kt = (min(q0 + TILE * MB, T) - 1) / TILE;  // the key tile of the last query
   const int H = nh * HD;
-  const size_t stride = 3 * (size_t)H;
-  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;  // q of (b, t = 0, h)
   const float scale_log2 = LOG2E / sqrtf((float)HD);
+  const TilePointers tensors{qkv, nullptr};
+  const CopiedTiles<HD> tiles{tensors, b, h, T, H};
 
 #pragma unroll
-  for (int i = 0; i < MB; i++) {  // 64 query rows at a time; none past T (zeros)
-    const int first = q0 + i * TILE;
-    load_tile_async<HD>(Q_s + i * TE, first < T ? q_base + (size_t)first * stride : q_base, stride, min(TILE, T - first));
-  }
-  load_tile_async<HD>(K_s, q_base + H, stride, min(TILE, T));
-  load_tile_async<HD>(V_s, q_base + 2 * H, stride, min(TILE, T));
-  cp_async_commit();
+  for (int i = 0; i < MB; i++) tiles.tile(Q_s + i * TE, Operand::Q, q0 + i * TILE, 0);  // 64 queries at a time
+  tiles.tile(K_s, Operand::K, 0, 0);
+  tiles.tile(V_s, Operand::V, 0, 0);
+  tiles.commit(0);
 
   uint32_t qf[MB][HD / 16][4];  // the warp's query strips as A fragments, loaded once
   float o[MB][HD / 8][4];       // O strips 16 × HD (C fragments), unnormalised
@@ -342,7 +358,7 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse,
   }
 
   for (int kt = 0; kt <= last_kt; kt++) {
-    cp_async_wait_all();
+    tiles.wait(kt & 1, 0);
     __syncthreads();  // tile kt is in; every warp is done with the buffer of tile kt − 1
     if (kt == 0) {
 #pragma unroll
@@ -351,10 +367,10 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse,
         for (int ks = 0; ks < HD / 16; ks++) load_a<HD>(qf[i][ks], Q_s + (warp * MB + i) * 16 * ld<HD>(), ks, lane);
     }
     if (kt < last_kt) {  // prefetch tile kt + 1 into the other buffer
-      const int k1 = (kt + 1) * TILE;
-      load_tile_async<HD>(K_s + ((kt + 1) & 1) * TE, q_base + H + (size_t)k1 * stride, stride, min(TILE, T - k1));
-      load_tile_async<HD>(V_s + ((kt + 1) & 1) * TE, q_base + 2 * H + (size_t)k1 * stride, stride, min(TILE, T - k1));
-      cp_async_commit();
+      const int next = (kt + 1) & 1;
+      tiles.tile(K_s + next * TE, Operand::K, (kt + 1) * TILE, next);
+      tiles.tile(V_s + next * TE, Operand::V, (kt + 1) * TILE, next);
+      tiles.commit(next);
     }
     const bf16* Kt = K_s + (kt & 1) * TE;
     const bf16* Vt = V_s + (kt & 1) * TE;
@@ -409,15 +425,18 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(bf16* out, float* lse,
 //   - The accumulating products (O += P V, dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K) take P or dS from
 //     registers (c_to_a: C fragments rounded to bf16), as the mma.sync kernels do; they replace
 //     every ldmatrix B load.
-//   - Shared-memory tiles are unpadded, in the 128-byte swizzle (tile_offset), and one tile X
+//   - The tiles are copied by the tensor memory accelerator (TMA, TmaTiles): thread 0 issues one copy
+//     per 64-row tile, whose bytes complete on the buffer's mbarrier; the other threads issue no
+//     load instruction at all, and a stage is in when the mbarrier's phase completes.
+//   - Shared-memory tiles are unpadded, in the 128-byte swizzle (swizzle_128b), and one tile X
 //     (64 rows × 64, row = a query or key) serves three ways: as A (rows = m, K-major) and as Xᵀ
 //     (B[k = column][n = row], K-major), k-step ks at +32·ks bytes; as X (B[k = row][n = column],
 //     MN-major), k-step ks at +2048·ks bytes.
 //   - The forward's key tiles are 128 keys (two 64-row tiles, one after the other): one 64 × 128
 //     score tile per softmax step, half the waits and barriers per key of 64-key tiles.
 // Each product runs its k in ascending steps of 16. Shared memory per block: forward 73 KiB, dK/dV
-// 50 KiB, dQ 49 KiB; registers (ptxas, sm_90a, 128 threads, no spills): forward 143, dK/dV 164,
-// dQ 139. Q, K, V and dO are not held as register A fragments across the loop: with fragments loaded
+// 50 KiB, dQ 49 KiB (+ two 8-byte mbarriers); registers (ptxas, sm_90a, 128 threads, no spills):
+// forward 128, dK/dV 165, dQ 122. Q, K, V and dO are not held as register A fragments across the loop: with fragments loaded
 // once before it, ptxas (CUDA 13.0) handed their registers to P inside the loop, and every key tile
 // after the first read P for Q (notes/attention.md).
 
@@ -437,6 +456,56 @@ __device__ __forceinline__ bf16* aligned_tiles(unsigned char* smem) {
   return reinterpret_cast<bf16*>(smem + (((start + 1023) & ~1023u) - start));
 }
 
+// The tensor maps of the TMA form: qkv as [B][T][3H] and dout as [B][T][H] (innermost last), read in
+// boxes of 64 columns (one head) × 64 rows of one sequence, in the 128-byte swizzle the wgmma
+// descriptors read. Rows past T are outside the map and land as zeros, as CopiedTiles writes them.
+struct TmaMaps {
+  CUtensorMap qkv, dout;
+};
+
+inline TmaMaps tma_maps(const char* op, const bf16* qkv, const bf16* dout, int B, int T, int nh) {
+  const size_t H = (size_t)nh * WG_HD;
+  const cuuint32_t box[3] = {WG_HD, TILE, 1};
+  TmaMaps maps;
+  const cuuint64_t qkv_dims[3] = {3 * H, (cuuint64_t)T, (cuuint64_t)B}, qkv_strides[2] = {3 * H * 2, 3 * H * 2 * T};
+  maps.qkv = encode_tensor_map(op, "qkv", qkv, 3, qkv_dims, qkv_strides, box);
+  if (dout != nullptr) {
+    const cuuint64_t dout_dims[3] = {H, (cuuint64_t)T, (cuuint64_t)B}, dout_strides[2] = {H * 2, H * 2 * T};
+    maps.dout = encode_tensor_map(op, "dout", dout, 3, dout_dims, dout_strides, box);
+  }
+  return maps;
+}
+
+// Tiles copied by the TMA (the wgmma kernels): the same contract as CopiedTiles. Buffer i of a stage
+// is mbarrier full[i] (one arrival: thread 0's commit, and the bytes of its tiles); a stage's wait
+// takes the phase's parity, 0 for the first stage in that buffer, then 1, 0, ...
+struct TmaTiles {
+  const TmaMaps& tensors;
+  int b, h, T, H;
+  uint64_t* full;  // [2] in shared memory
+
+  // before any tile: the barriers, visible to every thread and to the copies
+  __device__ void init() const {
+    if (threadIdx.x == 0) {
+      mbarrier_init(&full[0], 1);
+      mbarrier_init(&full[1], 1);
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+  }
+  __device__ void tile(bf16* dst, Operand x, int row0, int buffer) const {
+    if (threadIdx.x != 0) return;
+    mbarrier_expect_tx(&full[buffer], WG_TILE_BYTES);
+    const bool is_dout = x == Operand::dO;
+    tma_load_3d(dst, is_dout ? &tensors.dout : &tensors.qkv, (is_dout ? 0 : (int)x * H) + h * WG_HD, row0, b,
+                &full[buffer]);
+  }
+  __device__ void commit(int buffer) const {
+    if (threadIdx.x == 0) mbarrier_arrive(&full[buffer]);
+  }
+  __device__ void wait(int buffer, int parity) const { mbarrier_wait(&full[buffer], parity); }
+};
+
 // acc = A · Xᵀ over one 64-wide k: A and X tiles (A's 64 rows are the warpgroup's rows).
 __device__ __forceinline__ void wgmma_tile_times_tile_t(float (&acc)[8][4], const bf16* A, const bf16* X) {
 #pragma unroll
@@ -453,10 +522,12 @@ constexpr int WG_KEYS = 2 * TILE;
 
 // forward_kernel<64, 1> on wgmma, with key tiles of 128: grid (nh, B, ceil(T/64)); block 128.
 template <int HD>
-__global__ void __launch_bounds__(THREADS) forward_wgmma_kernel(bf16* out, float* lse, const bf16* qkv, int T, int nh) {
+__global__ void __launch_bounds__(THREADS)
+    forward_wgmma_kernel(bf16* out, float* lse, const __grid_constant__ TmaMaps tensors, int T, int nh) {
   static_assert(HD == WG_HD, "the wgmma kernels take hd 64");
   constexpr int TE = TILE * HD;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ uint64_t full[2];
   bf16* Q_s = aligned_tiles(smem_raw);  // [64][64]
   bf16* K_s = Q_s + TE;                 // [2][128][64]
   bf16* V_s = K_s + 4 * TE;             // [2][128][64]
@@ -466,36 +537,30 @@ __global__ void __launch_bounds__(THREADS) forward_wgmma_kernel(bf16* out, float
   const int q0 = qt * TILE;
   const int last_kt = (min(q0 + TILE, T) - 1) / WG_KEYS;  // the key tile of the last query
   const int H = nh * HD;
-  const size_t stride = 3 * (size_t)H;
-  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
   const float scale_log2 = LOG2E / sqrtf((float)HD);
+  const TmaTiles tiles{tensors, b, h, T, H, full};
 
   auto load_key_tile = [&](int kt) {  // keys and values of key tile kt into buffer kt & 1, as two 64-row tiles
+    const int buffer = kt & 1;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
-      const int k1 = kt * WG_KEYS + half * TILE;
-      const bf16* k_rows = k1 < T ? q_base + H + (size_t)k1 * stride : q_base;
-      const bf16* v_rows = k1 < T ? q_base + 2 * H + (size_t)k1 * stride : q_base;
-      load_tile_async<HD, true>(K_s + ((kt & 1) * 2 + half) * TE, k_rows, stride, min(TILE, T - k1));
-      load_tile_async<HD, true>(V_s + ((kt & 1) * 2 + half) * TE, v_rows, stride, min(TILE, T - k1));
+      tiles.tile(K_s + (buffer * 2 + half) * TE, Operand::K, kt * WG_KEYS + half * TILE, buffer);
+      tiles.tile(V_s + (buffer * 2 + half) * TE, Operand::V, kt * WG_KEYS + half * TILE, buffer);
     }
+    tiles.commit(buffer);
   };
-  load_tile_async<HD, true>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
+  tiles.init();
+  tiles.tile(Q_s, Operand::Q, q0, 0);
   load_key_tile(0);
-  cp_async_commit();
 
   float o[8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int row0 = q0 + warp * 16 + g;
 
   for (int kt = 0; kt <= last_kt; kt++) {
-    cp_async_wait_all();
-    fence_proxy_async_shared();  // the copies are visible to the MMAs' reads …
-    __syncthreads();             // … everyone's; every MMA of tile kt − 1 has been waited for
-    if (kt < last_kt) {
-      load_key_tile(kt + 1);
-      cp_async_commit();
-    }
+    tiles.wait(kt & 1, (kt >> 1) & 1);
+    __syncthreads();  // every warp has waited for its MMAs of tile kt − 1, whose buffer the next copies take
+    if (kt < last_kt) load_key_tile(kt + 1);
     const bf16* Kt = K_s + (kt & 1) * 2 * TE;
     const bf16* Vt = V_s + (kt & 1) * 2 * TE;
 
@@ -548,12 +613,17 @@ struct FragmentsTimesTile {
 
 template <int HD>
 struct MmaSyncProducts {
-  static constexpr bool SWIZZLED = false;
+  static constexpr const char* FORM = "tensor-core";
   static constexpr int ROW = ld<HD>();         // elements per shared-memory tile row (padded)
   static constexpr size_t ALIGN_BYTES = 0;     // shared memory the launch adds to align the tiles
   __device__ static bf16* tiles(unsigned char* smem) { return reinterpret_cast<bf16*>(smem); }
-  // after cp_async_wait_all: every thread's copies are visible to every warp
-  __device__ static void publish() { __syncthreads(); }
+  // how the tiles come in: every thread's cp.async copies, from the tensors' pointers
+  using Tensors = TilePointers;
+  using Tiles = CopiedTiles<HD>;
+  __device__ static Tiles tiles_of(const Tensors& t, int b, int h, int T, int H, uint64_t* /*the TMA form's barriers*/) {
+    return {t, b, h, T, H};
+  }
+  static Tensors tensors(const char*, const bf16* qkv, const bf16* dout, int, int, int) { return {qkv, dout}; }
   // s1 = A1 · X1ᵀ, s2 = A2 · X2ᵀ for this warp's 16-row strip of the 64-row tiles A1, A2 (8NB rows of X)
   template <int NB>
   __device__ static void scores_t(float (&s1)[NB][4], const bf16* A1, const bf16* X1, float (&s2)[NB][4],
@@ -570,14 +640,18 @@ struct MmaSyncProducts {
 
 #if defined(FLATMOE_WGMMA)
 struct WgmmaProducts {
-  static constexpr bool SWIZZLED = true;
+  static constexpr const char* FORM = "wgmma";
   static constexpr int ROW = WG_HD;          // unpadded 128-byte rows in the 128-byte swizzle
   static constexpr size_t ALIGN_BYTES = 1024;
   __device__ static bf16* tiles(unsigned char* smem) { return aligned_tiles(smem); }
-  // the copies are visible to the MMAs' reads (async proxy), then to everyone
-  __device__ static void publish() {
-    fence_proxy_async_shared();
-    __syncthreads();
+  // how the tiles come in: the TMA's copies, through the tensors' maps
+  using Tensors = TmaMaps;
+  using Tiles = TmaTiles;
+  __device__ static Tiles tiles_of(const Tensors& t, int b, int h, int T, int H, uint64_t* full) {
+    return {t, b, h, T, H, full};
+  }
+  static Tensors tensors(const char* op, const bf16* qkv, const bf16* dout, int B, int T, int nh) {
+    return tma_maps(op, qkv, dout, B, T, nh);
   }
   // s1 = A1 · X1ᵀ, s2 = A2 · X2ᵀ for the warpgroup's 64 rows: one group of MMAs, waited for
   template <int NB>
@@ -621,10 +695,10 @@ struct WgmmaProducts {
 // grid (nh, B, ceil(T/64)); block 128. dK and dV of one 64-key tile of one head; warp w owns
 // keys k0 + 16w … k0 + 16w + 15.
 template <int HD, class Products>
-__global__ void __launch_bounds__(THREADS) backward_dkdv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
-                                                                const float* lse, const float* delta, int T, int nh) {
+__global__ void __launch_bounds__(THREADS)
+    backward_dkdv_kernel(bf16* dqkv, const __grid_constant__ typename Products::Tensors tensors, const float* lse,
+                         const float* delta, int T, int nh) {
   constexpr int ROW = Products::ROW, TE = TILE * ROW;
-  constexpr bool SWIZZLED = Products::SWIZZLED;
   constexpr int QC = HD == 128 ? 32 : 64;  // query columns per Sᵀ chunk
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* K_s = Products::tiles(smem_raw);                    // [64][ROW]
@@ -633,44 +707,41 @@ __global__ void __launch_bounds__(THREADS) backward_dkdv_kernel(bf16* dqkv, cons
   bf16* dO_s = Q_s + 2 * TE;                                // [2][64][ROW]
   float* lse_s = reinterpret_cast<float*>(dO_s + 2 * TE);  // [2][64]  lse·log2(e) of the query tile
   float* delta_s = lse_s + 2 * TILE;                        // [2][64]
+  __shared__ uint64_t full[2];                              // the TMA form's stage barriers
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.x, b = blockIdx.y;
   const int kt = blockIdx.z;  // key tile 0 (most query tiles) first
   const int q_tiles = gridDim.z;
   const int k0 = kt * TILE;
   const int H = nh * HD;
-  const size_t stride = 3 * (size_t)H;
-  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
-  const bf16* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
   const float* lse_bh = lse + ((size_t)b * nh + h) * T;
   const float* delta_bh = delta + ((size_t)b * nh + h) * T;
   const float scale_log2 = LOG2E / sqrtf((float)HD);
+  const typename Products::Tiles tiles = Products::tiles_of(tensors, b, h, T, H, full);
 
-  // Stages query tile qt (Q, dO by cp.async; lse, delta by plain loads) into buffer qt & 1.
+  // Stages query tile qt (Q, dO as tiles; lse, delta by plain loads) into buffer qt & 1.
   auto stage = [&](int qt) {
     const int q0 = qt * TILE, valid = min(TILE, T - q0), buf = qt & 1;
-    load_tile_async<HD, SWIZZLED>(Q_s + buf * TE, q_base + (size_t)q0 * stride, stride, valid);
-    load_tile_async<HD, SWIZZLED>(dO_s + buf * TE, dout_base + (size_t)q0 * H, H, valid);
+    tiles.tile(Q_s + buf * TE, Operand::Q, q0, buf);
+    tiles.tile(dO_s + buf * TE, Operand::dO, q0, buf);
+    tiles.commit(buf);
     for (int i = threadIdx.x; i < TILE; i += THREADS) {
       lse_s[buf * TILE + i] = i < valid ? lse_bh[q0 + i] * LOG2E : 0.f;
       delta_s[buf * TILE + i] = i < valid ? delta_bh[q0 + i] : 0.f;
     }
   };
-  load_tile_async<HD, SWIZZLED>(K_s, q_base + H + (size_t)k0 * stride, stride, min(TILE, T - k0));
-  load_tile_async<HD, SWIZZLED>(V_s, q_base + 2 * H + (size_t)k0 * stride, stride, min(TILE, T - k0));
+  tiles.init();
+  tiles.tile(K_s, Operand::K, k0, kt & 1);
+  tiles.tile(V_s, Operand::V, k0, kt & 1);
   stage(kt);
-  cp_async_commit();
 
   float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};  // keys (rows) key0, key0 + 8; columns 8nb + 2t, +1
   const int key0 = k0 + warp * 16 + g;
 
   for (int qt = kt; qt < q_tiles; qt++) {
-    cp_async_wait_all();
-    Products::publish();  // query tile qt is in; every warp is done with the buffer of qt − 1
-    if (qt + 1 < q_tiles) {
-      stage(qt + 1);
-      cp_async_commit();
-    }
+    tiles.wait(qt & 1, ((qt - kt) >> 1) & 1);
+    __syncthreads();  // query tile qt is in, its lse and delta too; every warp is done with the buffer of qt − 1
+    if (qt + 1 < q_tiles) stage(qt + 1);
     const int buf = qt & 1, q0 = qt * TILE;
     const bf16* Qt = Q_s + buf * TE;
     const bf16* dOt = dO_s + buf * TE;
@@ -689,6 +760,7 @@ __global__ void __launch_bounds__(THREADS) backward_dkdv_kernel(bf16* dqkv, cons
     }
   }
 
+  const size_t stride = 3 * (size_t)H;                                 // of dqkv, laid out as qkv
   bf16* dk_rows = dqkv + (size_t)b * T * stride + H + (size_t)h * HD;  // dk of (b, t = 0, h)
   store_strip<HD>(dk_rows, stride, dk, key0, T, 1.f / sqrtf((float)HD), t);
   store_strip<HD>(dk_rows + H, stride, dv, key0, T, 1.f, t);
@@ -696,11 +768,12 @@ __global__ void __launch_bounds__(THREADS) backward_dkdv_kernel(bf16* dqkv, cons
 
 // grid (nh, B, ceil(T/64)); block 128. dQ of one 64-query tile of one head.
 template <int HD, class Products>
-__global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
-                                                              const float* lse, const float* delta, int T, int nh) {
+__global__ void __launch_bounds__(THREADS)
+    backward_dq_kernel(bf16* dqkv, const __grid_constant__ typename Products::Tensors tensors, const float* lse,
+                       const float* delta, int T, int nh) {
   constexpr int TE = TILE * Products::ROW;
-  constexpr bool SWIZZLED = Products::SWIZZLED;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ uint64_t full[2];  // the TMA form's stage barriers
   bf16* Q_s = Products::tiles(smem_raw);  // [64][ROW]
   bf16* dO_s = Q_s + TE;                  // [64][ROW]
   bf16* K_s = dO_s + TE;                  // [2][64][ROW]
@@ -710,16 +783,15 @@ __global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const 
   const int qt = gridDim.z - 1 - blockIdx.z;  // last query tile (most key tiles) first
   const int q0 = qt * TILE;
   const int H = nh * HD;
-  const size_t stride = 3 * (size_t)H;
-  const bf16* q_base = qkv + (size_t)b * T * stride + (size_t)h * HD;
-  const bf16* dout_base = dout + (size_t)b * T * H + (size_t)h * HD;
   const float scale_log2 = LOG2E / sqrtf((float)HD);
+  const typename Products::Tiles tiles = Products::tiles_of(tensors, b, h, T, H, full);
 
-  load_tile_async<HD, SWIZZLED>(Q_s, q_base + (size_t)q0 * stride, stride, min(TILE, T - q0));
-  load_tile_async<HD, SWIZZLED>(dO_s, dout_base + (size_t)q0 * H, H, min(TILE, T - q0));
-  load_tile_async<HD, SWIZZLED>(K_s, q_base + H, stride, min(TILE, T));
-  load_tile_async<HD, SWIZZLED>(V_s, q_base + 2 * H, stride, min(TILE, T));
-  cp_async_commit();
+  tiles.init();
+  tiles.tile(Q_s, Operand::Q, q0, 0);
+  tiles.tile(dO_s, Operand::dO, q0, 0);
+  tiles.tile(K_s, Operand::K, 0, 0);
+  tiles.tile(V_s, Operand::V, 0, 0);
+  tiles.commit(0);
 
   const int row0 = q0 + warp * 16 + g;  // rows row0, row0 + 8
   float lse2[2], dlt[2];
@@ -727,15 +799,13 @@ __global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const 
   float dq[HD / 8][4] = {};
 
   for (int kt = 0; kt <= qt; kt++) {
-    cp_async_wait_all();
-    Products::publish();  // key tile kt is in; every warp is done with the buffer of kt − 1
+    tiles.wait(kt & 1, (kt >> 1) & 1);
+    __syncthreads();  // key tile kt is in; every warp is done with the buffer of kt − 1
     if (kt < qt) {
-      const int k1 = (kt + 1) * TILE;
-      load_tile_async<HD, SWIZZLED>(K_s + ((kt + 1) & 1) * TE, q_base + H + (size_t)k1 * stride, stride,
-                                    min(TILE, T - k1));
-      load_tile_async<HD, SWIZZLED>(V_s + ((kt + 1) & 1) * TE, q_base + 2 * H + (size_t)k1 * stride, stride,
-                                    min(TILE, T - k1));
-      cp_async_commit();
+      const int next = (kt + 1) & 1;
+      tiles.tile(K_s + next * TE, Operand::K, (kt + 1) * TILE, next);
+      tiles.tile(V_s + next * TE, Operand::V, (kt + 1) * TILE, next);
+      tiles.commit(next);
     }
     const bf16* Kt = K_s + (kt & 1) * TE;
     const bf16* Vt = V_s + (kt & 1) * TE;
@@ -747,6 +817,7 @@ __global__ void __launch_bounds__(THREADS) backward_dq_kernel(bf16* dqkv, const 
     Products::accumulate(FragmentsTimesTile<HD, 8>{dq, dp, Kt});  // dQ += dS K
   }
 
+  const size_t stride = 3 * (size_t)H;  // of dqkv, laid out as qkv
   store_strip<HD>(dqkv + (size_t)b * T * stride + (size_t)h * HD, stride, dq, row0, T, 1.f / sqrtf((float)HD), t);
 }
 
@@ -796,14 +867,15 @@ template <int HD, class Products>
 inline void backward_hd(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B,
                         int T, int nh, cudaStream_t stream) {
   const dim3 grid(nh, B, ceil_div(T, TILE));
-  const char* form = Products::SWIZZLED ? "wgmma" : "tensor-core";
+  const char* form = Products::FORM;
+  const typename Products::Tensors tensors = Products::tensors("attention_backward", qkv, dout, B, T, nh);
   const size_t smem_dkdv = dkdv_smem<HD, Products>();
   allow_smem("attention_backward", backward_dkdv_kernel<HD, Products>, smem_dkdv, B, T, nh, HD);
-  backward_dkdv_kernel<HD, Products><<<grid, THREADS, smem_dkdv, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  backward_dkdv_kernel<HD, Products><<<grid, THREADS, smem_dkdv, stream>>>(dqkv, tensors, lse, delta, T, nh);
   launchCheck("attention_backward", "%s dK/dV kernel: B=%d T=%d nh=%d hd=%d", form, B, T, nh, HD);
   const size_t smem_dq = dq_smem<HD, Products>();
   allow_smem("attention_backward", backward_dq_kernel<HD, Products>, smem_dq, B, T, nh, HD);
-  backward_dq_kernel<HD, Products><<<grid, THREADS, smem_dq, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  backward_dq_kernel<HD, Products><<<grid, THREADS, smem_dq, stream>>>(dqkv, tensors, lse, delta, T, nh);
   launchCheck("attention_backward", "%s dQ kernel: B=%d T=%d nh=%d hd=%d", form, B, T, nh, HD);
 }
 
@@ -811,7 +883,8 @@ inline void backward_hd(bf16* dqkv, const bf16* dout, const bf16* qkv, const flo
 inline void forward_wgmma(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh, cudaStream_t stream) {
   allow_smem("attention_forward", forward_wgmma_kernel<WG_HD>, WG_FORWARD_SMEM, B, T, nh, WG_HD);
   const dim3 grid(nh, B, ceil_div(T, TILE));
-  forward_wgmma_kernel<WG_HD><<<grid, THREADS, WG_FORWARD_SMEM, stream>>>(out, lse, qkv, T, nh);
+  const TmaMaps tensors = tma_maps("attention_forward", qkv, nullptr, B, T, nh);
+  forward_wgmma_kernel<WG_HD><<<grid, THREADS, WG_FORWARD_SMEM, stream>>>(out, lse, tensors, T, nh);
   launchCheck("attention_forward", "wgmma kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, WG_HD);
 }
 

@@ -133,8 +133,6 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#include <cuda.h>          // CUtensorMap (the TMA form)
-#include <cudaTypedefs.h>  // cuTensorMapEncodeTiled's type, found through the runtime
 #include "common.cuh"
 #include "mma.cuh"
 #include "../runtime/pool.cuh"
@@ -860,38 +858,6 @@ inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, 
 }
 
 #if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
-// cuTensorMapEncodeTiled, a driver function, found once through the runtime (no link to the driver).
-inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(const char* op) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (encode == nullptr) {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found), op,
-              "grouped_gemm: looking up cuTensorMapEncodeTiled");
-    if (found != cudaDriverEntryPointSuccess || fn == nullptr)
-      fm_fail(op, "the driver has no cuTensorMapEncodeTiled (the TMA form of grouped_gemm)", "query result %d", (int)found);
-    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }
-  return encode;
-}
-
-// A bf16 tensor of `rank` dims (innermost first; strides in bytes, of dims 1 …) read in boxes of
-// `box`, 128-byte swizzled as the wgmma tiles are stored (ops/mma.cuh), zeros past its edges.
-inline CUtensorMap encode_tensor_map(const char* op, const char* what, const floatX* first, int rank, const cuuint64_t* dims,
-                                     const cuuint64_t* strides, const cuuint32_t* box) {
-  CUtensorMap map;
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult result = tensor_map_encoder(op)(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<floatX*>(first), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (result != CUDA_SUCCESS)
-    fm_fail(op, "cuTensorMapEncodeTiled refused a tensor of grouped_gemm's TMA form",
-            "%s: CUresult %d, dims %llu x %llu x %llu, box %u x %u", what, (int)result, (unsigned long long)dims[0],
-            (unsigned long long)dims[1], rank > 2 ? (unsigned long long)dims[2] : 1ull, box[0], box[1]);
-  return map;
-}
-
 // The two tensors of the TMA form (GroupedGemmTensors) from their layout: A in boxes of BK × BM, B in
 // boxes of BK × 256 (transB: k contiguous) or of 64 n × BK (n contiguous, four per k-tile).
 inline GroupedGemmTensors grouped_gemm_tensors(const char* op, const GroupedGemmTmaLayout& l, bool transB, int lda,

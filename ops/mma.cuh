@@ -1,8 +1,8 @@
 // mma.cuh — the PTX that flatmoe's tensor-core kernels share (ops/attention_mma.cuh,
 // ops/grouped_gemm.cuh): asynchronous 16-byte copies into shared memory, ldmatrix, and the bf16
 // mma.sync m16n8k16 with fp32 accumulation (sm_80 and later); and Hopper's warpgroup MMA (wgmma),
-// mbarriers and the tensor memory accelerator's copies (TMA) (sm_90a builds only: FLATMOE_WGMMA,
-// GPU_ARCH=90a). Not an operator: no twin of its own;
+// mbarriers and the tensor memory accelerator's copies (TMA), with the host's encoder of the tensor
+// maps those copies read (sm_90a builds only: FLATMOE_WGMMA, GPU_ARCH=90a). Not an operator: no twin of its own;
 // its users' twins (ref/attention.hpp, ref/moe.hpp) check what is built from it.
 //
 // MMA fragments relied on (PTX ISA, mma.m16n8k16 .bf16, lane l, g = l/4, t = l%4):
@@ -20,7 +20,10 @@
 //     an operand stored [k][n] the transposed one.
 #pragma once
 #include <cstdint>
+#include <cuda.h>          // CUtensorMap (the TMA copies)
+#include <cudaTypedefs.h>  // cuTensorMapEncodeTiled's type, found through the runtime
 #include <cuda_bf16.h>
+#include "../runtime/check.cuh"
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -105,6 +108,10 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 // one arrival that also makes the phase wait for `bytes` more of asynchronous copies (tma_load_*)
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// makes the phase wait for `bytes` more of asynchronous copies, without an arrival
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
@@ -233,5 +240,38 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint3
         "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
         "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(descriptor_b), "r"(accumulate), "n"(MN_MAJOR_B));
+}
+// ---- host: the tensor maps the TMA copies read (encoded once per call, passed as __grid_constant__)
+
+// cuTensorMapEncodeTiled, a driver function, found once through the runtime (no link to the driver).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(const char* op) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found), op,
+              "looking up cuTensorMapEncodeTiled");
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+      fm_fail(op, "the driver has no cuTensorMapEncodeTiled (the TMA copies)", "query result %d", (int)found);
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  return encode;
+}
+
+// A bf16 tensor of `rank` dims (innermost first; strides in bytes, of dims 1 …) read in boxes of
+// `box`, 128-byte swizzled as the wgmma tiles are stored (wgmma_descriptor), zeros past its edges.
+inline CUtensorMap encode_tensor_map(const char* op, const char* what, const void* first, int rank, const cuuint64_t* dims,
+                                     const cuuint64_t* strides, const cuuint32_t* box) {
+  CUtensorMap map;
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult result = tensor_map_encoder(op)(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void*>(first), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS)
+    fm_fail(op, "cuTensorMapEncodeTiled refused a tensor of a TMA copy",
+            "%s: CUresult %d, dims %llu x %llu x %llu, box %u x %u", what, (int)result, (unsigned long long)dims[0],
+            (unsigned long long)dims[1], rank > 2 ? (unsigned long long)dims[2] : 1ull, box[0], box[1]);
+  return map;
 }
 #endif

@@ -30,7 +30,7 @@
 #   head: the output heads' tests alone (test_gpu's ChunkedHeadGpu, test_dist's RingDTPDist and the ring-head
 #     model tests, both precisions) and 30 training steps on every GPU with --head ring_dtp and --head chunked
 #   attention: the attention kernels alone (notes/attention.md): GpuAttention* in both precisions, compute-sanitizer
-#     racecheck and memcheck over the BF16 determinism test and every kernel form against the reference
+#     racecheck, memcheck and synccheck over the BF16 determinism test and every kernel form against the reference
 #     (SIMT, mma.sync, wgmma), and bench_attention (BF16: every form, T 1024/2048/4096, hd 64/128; then hd 64 at
 #     T 1024/2048 with B1's 128 sequence-heads)
 #   memory: the whole device beside the pool (the device ledger, runtime/pool.cuh) on the 334M-parameter MoE of
@@ -206,7 +206,7 @@ if [[ " $want " == *" attention "* ]]; then
     summary+=("attention tests $p: $(grep -h '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$OUT/attention_$p.log" | tr '\n' ' ')")
   done
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  for tool in racecheck memcheck; do
+  for tool in racecheck memcheck synccheck; do
     timeout 120 "$sanitizer" --tool $tool build/bf16/test_gpu \
       --gtest_filter='GpuAttention.IsBitwiseDeterministic:GpuAttention.EveryKernelFormMatchesReference' \
       > "$OUT/attention_$tool.log" 2>&1

@@ -191,6 +191,46 @@ TEST(GpuAttention, IsBitwiseDeterministic) {
   }
 }
 
+// A sequence's tiles end at its own T: rows past it read as zeros, never as the next sequence's rows
+// (the cp.async copies stop at T; the wgmma form's tensor maps give each sequence its own T rows).
+// Sequence 0's out, lse and dq, dk, dv are the same bits whether sequence 1 holds fresh numbers or
+// NaN, in every form the build has; a form that read sequence 1's keys, values or dO into sequence 0's
+// last tile would turn the masked products 0 · NaN into NaN.
+TEST(GpuAttention, ASequenceNeverReadsTheNextOnesRows) {
+  REQUIRE_GPU();
+  for (const AttentionKernels k : {AttentionKernels::Simt, AttentionKernels::MmaSync, AttentionKernels::Wgmma})
+    for (const AttnCase c : {AttnCase{2, 37, 2, 64}, AttnCase{2, 100, 2, 64}, AttnCase{2, 100, 2, 128}}) {
+      if (!attention_has_kernels(k, c.hd, {})) continue;
+      testutil::Rng rng;
+      const int N = c.B * c.T, H = c.nh * c.hd;
+      Mat<double> qkv = rng.mat<double>(N, 3 * H), dout = rng.mat<double>(N, H);
+      std::vector<floatX> out[2], dqkv[2];
+      std::vector<float> lse[2];
+      for (int run = 0; run < 2; run++) {
+        if (run == 1) {  // sequence 1 (rows T … 2T − 1) becomes NaN
+          qkv.bottomRows(c.T).setConstant(NAN);
+          dout.bottomRows(c.T).setConstant(NAN);
+        }
+        DeviceBuffer<floatX> d_qkv = upload<floatX>(qkv), d_dout = upload<floatX>(dout);
+        DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+        DeviceBuffer<float> d_lse((size_t)c.B * c.nh * c.T, Mem::Activations, "test.attention.lse");
+        DeviceBuffer<floatX> d_dqkv((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv");
+        attention_forward_with(k, d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
+        attention_backward_with(k, d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0);
+        out[run] = testutil::download_vec(d_out.ptr, (size_t)c.T * H);          // sequence 0's rows
+        lse[run] = testutil::download_vec(d_lse.ptr, (size_t)c.nh * c.T);       // sequence 0's heads
+        dqkv[run] = testutil::download_vec(d_dqkv.ptr, (size_t)c.T * 3 * H);
+      }
+      const std::string name = case_name("GpuAttention.ASequenceNeverReadsTheNextOnesRows", c) + " " +
+                               attention_kernels_name(k);
+      for (const floatX& x : out[1]) ASSERT_TRUE(std::isfinite(to_float(x))) << name << ": out";
+      for (const floatX& x : dqkv[1]) ASSERT_TRUE(std::isfinite(to_float(x))) << name << ": dqkv";
+      EXPECT_EQ(0, memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(floatX))) << name;
+      EXPECT_EQ(0, memcmp(lse[0].data(), lse[1].data(), lse[0].size() * sizeof(float))) << name;
+      EXPECT_EQ(0, memcmp(dqkv[0].data(), dqkv[1].data(), dqkv[0].size() * sizeof(floatX))) << name;
+    }
+}
+
 #if defined(FLATMOE_BF16)
 // The tensor-core forward at hd 64 runs blocks of 128 queries (two 16-row strips per warp) where it
 // ran blocks of 64: every row sums the same products in the same order, so out and lse are the same
