@@ -664,14 +664,37 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
 // zeros past the tensor) and only feed C rows that are not stored; K and N stop at the tensor's
 // edge, past which the TMA fills zeros, so the sums are those of the kernel above: the same bits.
 // C is written through shared memory in 16-byte stores (store_c_staged; 20 KiB besides the ring).
+// The weight-gradient form (TRANS_A: A [routes][M], B [routes][N], k = the problem's routes) copies
+// A's 64 k-rows × 128 m as two boxes of 64 m and B's as four of 64 n; its k loop ends inside the
+// tensor (the next problem's routes follow), so on a problem's last k-tile, when it is partial, the
+// consumers overwrite the k-rows past K with zeros in both tiles before the MMAs read them (fenced
+// for the async proxy, then a barrier of the 256 consumer threads): the sums are those of the
+// thread-fed kernel, whose copies zero-fill past K.
 constexpr int TMA_THREADS = 9 * 32;
 constexpr size_t tma_shared_bytes() {  // the ring, then the consumer warps' staging of C
   return wgmma_shared_bytes<WideTiles>() + 8 * STAGED_FLOATS * sizeof(float);
 }
-template <bool TRANS_B>
+// Zeros in the k-rows k_left … BK − 1 of a slot's A and B tiles, stored with m or n contiguous (pieces of
+// 64 columns, one 128-byte row per k: the row is zero whatever its swizzle), by the 256 consumer
+// threads; then visible to their MMAs.
+template <int A_PIECES, int B_PIECES>
+__device__ __forceinline__ void zero_k_rows_past(uint8_t* a_tile, uint8_t* b_tile, int k_left) {
+  constexpr int CHUNKS = (A_PIECES + B_PIECES) * BK * 8;  // 16 bytes each
+  for (int i = threadIdx.x; i < CHUNKS; i += 256) {
+    const int piece = i / (BK * 8), k = (i / 8) % BK, chunk = i % 8;
+    if (k < k_left) continue;
+    uint8_t* tile = piece < A_PIECES ? a_tile + piece * (BK * 128) : b_tile + (piece - A_PIECES) * (BK * 128);
+    *reinterpret_cast<int4*>(tile + k * 128 + chunk * 16) = make_int4(0, 0, 0, 0);
+  }
+  fence_proxy_async_shared();
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumer warps 0–7 only
+}
+
+template <bool TRANS_A, bool TRANS_B>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     grouped_gemm_tma_kernel(const GroupedGemmBatch batch, const __grid_constant__ GroupedGemmTensors tensors, int lda,
                             int ldb, int ldc, float beta) {
+  static_assert(!(TRANS_A && TRANS_B), "the TMA form: forward, input-gradient and weight-gradient forms");
   constexpr int TILE_N = WideTiles::BN, STAGES = WideTiles::STAGES, CONSUMER_WARPS = 8;
   constexpr int A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = TILE_N * BK * 2;
   extern __shared__ __align__(16) uint8_t shared_bytes[];
@@ -682,7 +705,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   uint8_t* b_ring = a_ring + STAGES * A_TILE_BYTES;           // STAGES tiles of op(B)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* staging = reinterpret_cast<float*>(b_ring + STAGES * B_TILE_BYTES) + warp * STAGED_FLOATS;  // consumers'
-  const RoutedTiles& routed = routed_tiles<false>(batch);
+  const RoutedTiles& routed = routed_tiles<TRANS_A>(batch);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; s++) {
       mbarrier_init(&full[s], 1);
@@ -697,18 +720,29 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
 
   if (warp == CONSUMER_WARPS) {  // the producer
     if (lane != 0) return;
-    for (unsigned int index = blockIdx.x; tile_problem<false>(batch, routed, index, lda, ldb, ldc, p, tile);
+    for (unsigned int index = blockIdx.x; tile_problem<TRANS_A>(batch, routed, index, lda, ldb, ldc, p, tile);
          index += gridDim.x) {
       const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * TILE_N;
-      const int a_row = (int)((p.A - tensors.a_first) / lda) + m0;
-      const int expert = (int)((p.B - tensors.b_first) / tensors.b_expert);
+      const int a_row = (int)((p.A - tensors.a_first) / lda);  // the problem's first row of A (TRANS_A: its first route)
       const int k_tiles = (p.K + BK - 1) / BK;
       for (int kt = 0; kt < k_tiles; kt++, it++) {
         const int slot = it % STAGES, k0 = kt * BK;
         mbarrier_wait(&empty[slot], ((it / STAGES) & 1) ^ 1);
         mbarrier_arrive_expect_tx(&full[slot], A_TILE_BYTES + B_TILE_BYTES);
-        tma_load_2d(a_ring + slot * A_TILE_BYTES, &tensors.a, k0, a_row, &full[slot]);
+        uint8_t* a_tile = a_ring + slot * A_TILE_BYTES;
         uint8_t* b_tile = b_ring + slot * B_TILE_BYTES;
+        if (TRANS_A) {  // k-rows a_row + k0 … of A and B, in pieces of 64 m or n (swizzled_piece<false>)
+          const int b_row = (int)((p.B - tensors.b_first) / ldb);
+#pragma unroll
+          for (int piece = 0; piece < BM / 64; piece++)
+            tma_load_2d(a_tile + piece * (BK * 128), &tensors.a, m0 + 64 * piece, a_row + k0, &full[slot]);
+#pragma unroll
+          for (int piece = 0; piece < TILE_N / 64; piece++)
+            tma_load_2d(b_tile + piece * (BK * 128), &tensors.b, n0 + 64 * piece, b_row + k0, &full[slot]);
+          continue;
+        }
+        tma_load_2d(a_tile, &tensors.a, k0, a_row + m0, &full[slot]);
+        const int expert = (int)((p.B - tensors.b_first) / tensors.b_expert);
         if (TRANS_B) {
           tma_load_3d(b_tile, &tensors.b, k0, n0, expert, &full[slot]);
         } else {
@@ -722,21 +756,23 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   }
 
   const int rows = 64 * (warp / 4);  // this warpgroup's rows of the tile
-  for (unsigned int index = blockIdx.x; tile_problem<false>(batch, routed, index, lda, ldb, ldc, p, tile);
+  for (unsigned int index = blockIdx.x; tile_problem<TRANS_A>(batch, routed, index, lda, ldb, ldc, p, tile);
        index += gridDim.x) {
     const int k_tiles = (p.K + BK - 1) / BK;
     float acc[TILE_N / 2] = {};  // this warpgroup's 64 × TILE_N piece of C (ops/mma.cuh: the fragment)
     for (int kt = 0; kt < k_tiles; kt++, it++) {
       const int slot = it % STAGES;
       mbarrier_wait(&full[slot], (it / STAGES) & 1);
+      if (TRANS_A && p.K - kt * BK < BK)  // the next problem's routes (or zeros) past K
+        zero_k_rows_past<BM / 64, TILE_N / 64>(a_ring + slot * A_TILE_BYTES, b_ring + slot * B_TILE_BYTES, p.K - kt * BK);
       const uint32_t a_tile = smem_addr(a_ring + slot * A_TILE_BYTES);
       const uint32_t b_tile = smem_addr(b_ring + slot * B_TILE_BYTES);
       wgmma_fence();
       wgmma_fence_operands(acc);
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ks++)
-        wgmma_m64n256k16<false, !TRANS_B>(acc, tile_descriptor<true>(a_tile, rows, ks),
-                                          tile_descriptor<TRANS_B>(b_tile, 0, ks), 1);
+        wgmma_m64n256k16<TRANS_A, !TRANS_B>(acc, tile_descriptor<!TRANS_A>(a_tile, rows, ks),
+                                            tile_descriptor<TRANS_B>(b_tile, 0, ks), 1);
       wgmma_commit();
       wgmma_wait<1>();  // the MMAs of k-tile it − 1 are done: its slot may be refilled
       wgmma_fence_operands(acc);
@@ -782,30 +818,47 @@ inline int grouped_gemm_sms(const char* op) {
 }
 
 // Where the wide tiles' TMA form (header) finds its two tensors, or false (grouped_gemm_tma_layout)
-// when the problems are not laid out as two tensors: A's problems consecutive row slices of one
-// [rows][K] matrix in list order (routed problems: all at its row 0, `routes` rows), the experts' B
-// matrices in one stack [experts][N][K] (transB) or [experts][K][N] (whole matrices apart), one N and
-// one K for all; and, for its stores of 16 bytes (store_c_staged), N % 8 == 0 and C 16-byte aligned.
-// The MoE layers' expert GEMMs are laid out so; B lent by another rank (ops/llep.cuh) is not.
+// when the problems are not laid out as two tensors:
+//   - without transA: A's problems consecutive row slices of one [rows][K] matrix in list order
+//     (routed problems: all at its row 0, `routes` rows), the experts' B matrices in one stack
+//     [experts][N][K] (transB) or [experts][K][N] (whole matrices apart), one N and one K for all;
+//   - with transA (the weight gradients; not with transB): A's and B's problems consecutive row slices
+//     (K rows each: the routes) of one [rows][M] and one [rows][N] matrix, at the same rows, in list
+//     order (routed: all at row 0), one M and one N for all;
+// and, for its stores of 16 bytes (store_c_staged), N % 8 == 0 and C 16-byte aligned. The MoE layers'
+// expert GEMMs are laid out so; B lent by another rank (ops/llep.cuh) is not.
 struct GroupedGemmTmaLayout {
   const floatX* a_first = nullptr;  // A's row 0
-  long long a_rows = 0;
-  const floatX* b_first = nullptr;  // the stack's expert 0
+  long long a_rows = 0;             // A's rows (with transA: B's too)
+  const floatX* b_first = nullptr;  // the stack's expert 0 (with transA: B's row 0)
   long long b_expert = 0, experts = 0;  // elements from one expert's B to the next; experts in the stack
-  int N = 0, K = 0;
+  int M = 0, N = 0, K = 0;          // M: with transA only; K: without
 };
 inline bool grouped_gemm_tma_layout(const GroupedGemmProblems& problems, bool transA, bool transB, int lda, int ldb,
                                     GroupedGemmTmaLayout& layout) {
   const std::vector<GroupedGemmProblem>& list = problems.list;
-  if (transA || list.empty()) return false;
+  if ((transA && transB) || list.empty()) return false;
   GroupedGemmTmaLayout l;
   l.a_first = list[0].A;
   l.b_first = list[0].B;
   l.N = list[0].N;
-  l.K = list[0].K;
   auto elements_apart = [](const floatX* from, const floatX* to) {
     return ((long long)(uintptr_t)to - (long long)(uintptr_t)from) / (long long)sizeof(floatX);
   };
+  if (transA) {
+    l.M = list[0].M;
+    for (const GroupedGemmProblem& q : list) {
+      if (q.M != l.M || q.N != l.N || q.N % 8 || (uintptr_t)q.C % 16) return false;
+      const long long row = problems.route_offsets ? 0 : l.a_rows;  // where this problem's routes must start
+      if (elements_apart(l.a_first, q.A) != row * lda || elements_apart(l.b_first, q.B) != row * ldb) return false;
+      if (!problems.route_offsets) l.a_rows += q.K;
+    }
+    if (problems.route_offsets) l.a_rows = problems.routes;
+    if (l.a_rows <= 0 || l.a_rows > INT_MAX) return false;  // the TMA's coordinates: int32
+    layout = l;
+    return true;
+  }
+  l.K = list[0].K;
   for (const GroupedGemmProblem& q : list) {
     if (q.N != l.N || q.K != l.K || q.N % 8 || (uintptr_t)q.C % 16) return false;
     if (elements_apart(l.b_first, q.B) < 0) l.b_first = q.B;
@@ -826,31 +879,30 @@ inline bool grouped_gemm_tma_layout(const GroupedGemmProblems& problems, bool tr
 }
 
 // The wgmma form's tiles and how they are fed (header): wide tiles (128 × 256, one persistent block
-// per SM) for the forward and input-gradient forms when a launch has at least GGEMM_WIDE_MIN_WAVES
-// waves of them, fed by the TMA (WideTma) when the operands are laid out as two tensors
-// (grouped_gemm_tma_layout), else by every thread's copies (Wide); 128 × 128 otherwise, for the
-// weight gradients always (measured, notes/speed.md L: the wide tiles gain 8–18 % on B1's h13, y, da
-// and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the default model's smaller layers). The
-// mma.sync form has only 128 × 128.
+// per SM) when a launch has at least GGEMM_WIDE_MIN_WAVES waves of them, fed by the TMA (WideTma)
+// when the operands are laid out as two tensors (grouped_gemm_tma_layout), else by every thread's
+// copies (Wide); 128 × 128 otherwise. The weight gradients (transA) take the wide tiles only fed by
+// the TMA (measured, notes/speed.md L: fed by every thread the wide tiles gain 8–18 % on B1's h13, y,
+// da and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the default model's smaller layers; W2:
+// fed by the TMA, ...). The mma.sync form has only 128 × 128.
 enum class GroupedGemmTiles { Narrow, Wide, WideTma };
 static const int GGEMM_WIDE_MIN_WAVES = 4;
 inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, bool transA, bool transB, int lda,
                                            int ldb, int sms) {
 #if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
-  if (transA) return GroupedGemmTiles::Narrow;
-  long long wide_tiles = 0;  // routed (M unknown here): the most any split of the routes can need
+  long long wide_tiles = 0;  // routed without transA (M unknown here): the most any split of the routes can need
   int most_tiles_n = 0;
   for (const GroupedGemmProblem& p : problems.list) {
     const int tiles_n = ceil_div(p.N, ggemm::WideTiles::BN);
     wide_tiles += (long long)ceil_div(p.M, ggemm::BM) * tiles_n;
     most_tiles_n = std::max(most_tiles_n, tiles_n);
   }
-  if (problems.route_offsets)
+  if (problems.route_offsets && !transA)
     wide_tiles = (long long)(ceil_div(problems.routes, ggemm::BM) + (int)problems.list.size()) * most_tiles_n;
   if (wide_tiles < (long long)GGEMM_WIDE_MIN_WAVES * sms) return GroupedGemmTiles::Narrow;
   GroupedGemmTmaLayout layout;
-  return grouped_gemm_tma_layout(problems, transA, transB, lda, ldb, layout) ? GroupedGemmTiles::WideTma
-                                                                            : GroupedGemmTiles::Wide;
+  if (grouped_gemm_tma_layout(problems, transA, transB, lda, ldb, layout)) return GroupedGemmTiles::WideTma;
+  return transA ? GroupedGemmTiles::Narrow : GroupedGemmTiles::Wide;
 #else
   (void)problems, (void)transA, (void)transB, (void)lda, (void)ldb, (void)sms;
   return GroupedGemmTiles::Narrow;
@@ -859,11 +911,24 @@ inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, 
 
 #if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
 // The two tensors of the TMA form (GroupedGemmTensors) from their layout: A in boxes of BK × BM, B in
-// boxes of BK × 256 (transB: k contiguous) or of 64 n × BK (n contiguous, four per k-tile).
-inline GroupedGemmTensors grouped_gemm_tensors(const char* op, const GroupedGemmTmaLayout& l, bool transB, int lda,
-                                               int ldb) {
+// boxes of BK × 256 (transB: k contiguous) or of 64 n × BK (n contiguous, four per k-tile); with
+// transA both in boxes of 64 columns × BK k-rows (two per k-tile of A, four of B).
+inline GroupedGemmTensors grouped_gemm_tensors(const char* op, const GroupedGemmTmaLayout& l, bool transA, bool transB,
+                                               int lda, int ldb) {
   GroupedGemmTensors t;
-  const cuuint64_t a_dims[2] = {(cuuint64_t)l.K, (cuuint64_t)l.a_rows}, a_strides[1] = {(cuuint64_t)lda * 2};
+  const cuuint64_t a_strides[1] = {(cuuint64_t)lda * 2};
+  t.a_first = l.a_first;
+  t.b_first = l.b_first;
+  if (transA) {  // A [rows][M] and B [rows][N] in boxes of 64 columns × BK k-rows
+    const cuuint64_t a_dims[2] = {(cuuint64_t)l.M, (cuuint64_t)l.a_rows}, b_dims[2] = {(cuuint64_t)l.N, (cuuint64_t)l.a_rows};
+    const cuuint64_t b_strides[1] = {(cuuint64_t)ldb * 2};
+    const cuuint32_t box[2] = {64, ggemm::BK};
+    t.a = encode_tensor_map(op, "A", l.a_first, 2, a_dims, a_strides, box);
+    t.b = encode_tensor_map(op, "B", l.b_first, 2, b_dims, b_strides, box);
+    t.b_expert = 0;
+    return t;
+  }
+  const cuuint64_t a_dims[2] = {(cuuint64_t)l.K, (cuuint64_t)l.a_rows};
   const cuuint32_t a_box[2] = {ggemm::BK, ggemm::BM};
   t.a = encode_tensor_map(op, "A", l.a_first, 2, a_dims, a_strides, a_box);
   const cuuint64_t b_strides[2] = {(cuuint64_t)ldb * 2, (cuuint64_t)l.b_expert * 2};
@@ -876,23 +941,21 @@ inline GroupedGemmTensors grouped_gemm_tensors(const char* op, const GroupedGemm
     const cuuint32_t b_box[3] = {64, ggemm::BK, 1};
     t.b = encode_tensor_map(op, "B", l.b_first, 3, b_dims, b_strides, b_box);
   }
-  t.a_first = l.a_first;
-  t.b_first = l.b_first;
   t.b_expert = l.b_expert;
   return t;
 }
 
-template <bool TRANS_B>
+template <bool TRANS_A, bool TRANS_B>
 inline void grouped_gemm_tma_launch(const char* op, const GroupedGemmBatch& batch, const GroupedGemmTensors& tensors,
                                     int lda, int ldb, int ldc, float beta, int sms, cudaStream_t stream) {
-  const auto kernel = ggemm::grouped_gemm_tma_kernel<TRANS_B>;
+  const auto kernel = ggemm::grouped_gemm_tma_kernel<TRANS_A, TRANS_B>;
   const size_t shared = ggemm::tma_shared_bytes();
   const unsigned int blocks = std::min(batch.tiles, (unsigned)sms);
   cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared), op,
             "grouped_gemm (TMA) shared=%zu bytes", shared);
   kernel<<<blocks, ggemm::TMA_THREADS, shared, stream>>>(batch, tensors, lda, ldb, ldc, beta);
-  launchCheck(op, "grouped_gemm (TMA) problems=%d tiles=%u blocks=%u transB=%d", batch.count, batch.tiles, blocks,
-              (int)TRANS_B);
+  launchCheck(op, "grouped_gemm (TMA) problems=%d tiles=%u blocks=%u transA=%d transB=%d", batch.count, batch.tiles,
+              blocks, (int)TRANS_A, (int)TRANS_B);
 }
 #endif
 
@@ -950,9 +1013,9 @@ inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems
   if (tiles == GroupedGemmTiles::WideTma) {
     GroupedGemmTmaLayout layout;
     if (!grouped_gemm_tma_layout(problems, transA, transB, lda, ldb, layout))
-      fm_fail(op, "grouped_gemm: the TMA form needs A's problems in one matrix and B's in one stack, without transA",
+      fm_fail(op, "grouped_gemm: the TMA form needs the problems laid out as two tensors (grouped_gemm_tma_layout)",
               "problems=%zu transA=%d transB=%d", problems.list.size(), (int)transA, (int)transB);
-    tensors = grouped_gemm_tensors(op, layout, transB, lda, ldb);
+    tensors = grouped_gemm_tensors(op, layout, transA, transB, lda, ldb);
   }
 #endif
   const std::vector<GroupedGemmProblem>& list = problems.list;
@@ -972,10 +1035,12 @@ inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems
       batch.tiles = (unsigned)(ceil_div(problems.routes, ggemm::BM) + batch.count) * most_tiles_n;
     if (batch.tiles == 0) continue;
 #if defined(FLATMOE_WGMMA)
-    if (tiles == GroupedGemmTiles::WideTma && transB)
-      grouped_gemm_tma_launch<true>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+    if (tiles == GroupedGemmTiles::WideTma && transA)
+      grouped_gemm_tma_launch<true, false>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+    else if (tiles == GroupedGemmTiles::WideTma && transB)
+      grouped_gemm_tma_launch<false, true>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
     else if (tiles == GroupedGemmTiles::WideTma)
-      grouped_gemm_tma_launch<false>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+      grouped_gemm_tma_launch<false, false>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
     else if (tiles == GroupedGemmTiles::Wide)
       grouped_gemm_mma_launch<ggemm::WideTiles>(op, batch, transA, transB, lda, ldb, ldc, beta, sms, stream);
     else

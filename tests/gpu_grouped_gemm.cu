@@ -101,10 +101,11 @@ void check_grouped_gemm(const Case& c) {
 #if defined(FLATMOE_BF16)
   ASSERT_EQ(grouped_gemm_takes_kernel(problems, c.transA, c.transB, lda, ldb, ldc), c.kernel_expected) << c.name;
 #endif
-  bool same_n_k = true;
-  for (const auto& size : c.sizes) same_n_k = same_n_k && size[1] == c.sizes[0][1] && size[2] == c.sizes[0][2];
+  bool same_widths = true;  // one N, and one K (one M with transA): the TMA form's tensors have one width each
+  for (const auto& size : c.sizes)
+    same_widths = same_widths && size[1] == c.sizes[0][1] && size[c.transA ? 0 : 2] == c.sizes[0][c.transA ? 0 : 2];
   const bool tma = tma_layout(problems, c.transA, c.transB, lda, ldb);
-  EXPECT_EQ(tma, !c.transA && !c.reversed && same_n_k) << c.name << ": grouped_gemm_tma_layout";
+  EXPECT_EQ(tma, !(c.transA && c.transB) && !c.reversed && same_widths) << c.name << ": grouped_gemm_tma_layout";
 
   std::vector<floatX> wide_result;  // the wide tiles fed by every thread's copies
   for (const Way& way : ways_to_run(c.name, c.kernel_expected, tma)) {
@@ -200,8 +201,9 @@ void check_routed(const char* name, bool transA, bool transB, float beta, const 
 #endif
 
   const bool tma = tma_layout(routed, transA, transB, lda, ldb);
-  EXPECT_EQ(tma, !transA) << name << ": grouped_gemm_tma_layout (routed)";
-  EXPECT_EQ(tma_layout(on_host, transA, transB, lda, ldb), !transA) << name << ": grouped_gemm_tma_layout (host's list)";
+  EXPECT_EQ(tma, !(transA && transB)) << name << ": grouped_gemm_tma_layout (routed)";
+  EXPECT_EQ(tma_layout(on_host, transA, transB, lda, ldb), !(transA && transB))
+      << name << ": grouped_gemm_tma_layout (host's list)";
   for (const Way& way : ways_to_run(name, kernel_expected, tma)) {
     cudaCheck(cudaMemcpy(d_C.ptr, c_start.data(), c_start.size() * sizeof(floatX), cudaMemcpyHostToDevice), "test", "reset C");
     way.run(on_host, transA, transB, lda, ldb, ldc, beta);
@@ -353,8 +355,9 @@ TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
 
 // The wgmma form's tile shape (ops/grouped_gemm.cuh, grouped_gemm_tiles) on an H200 (132 SMs): wide
 // tiles (128 × 256) for B1's forward and input-gradient GEMMs, routed or not (≥ 4 waves of wide
-// tiles); narrow tiles (128 × 128) for every weight gradient and for the default model's smaller
-// layers; narrow always without wgmma.
+// tiles), and for a weight gradient of ≥ 4 waves only fed by the TMA (B1's dW13); narrow tiles
+// (128 × 128) for the other weight gradients (B1's dW2: 512 wide tiles) and for the default model's
+// smaller layers; narrow always without wgmma.
 TEST(GroupedGemmHost, TileShapeByFormAndSize) {
   const int sms_h200 = 132;
   const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 32);
@@ -393,8 +396,27 @@ TEST(GroupedGemmHost, TileShapeByFormAndSize) {
   GroupedGemmProblems lent = call(32, 2048, 1024, 1024);
   lent.list[5].B = B - (size_t)1024 * 1024 - 8;  // an expert whose weights another rank lent (ops/llep.cuh)
   EXPECT_EQ(forward(lent), wide) << "B1 h13 with one expert's weights outside the stack";
-  EXPECT_EQ(weight_gradient(call(32, 1024, 1024, 2048)), GroupedGemmTiles::Narrow) << "B1 dW13";
-  EXPECT_EQ(weight_gradient(routed(32, 512, 0, 65536)), GroupedGemmTiles::Narrow) << "B1 dW2, routed";
+  // the weight gradients: A [routes][M] and B [routes][N] row slices (routed: all at row 0), C per expert
+  auto weight_gradients = [&](int groups, int M, int N, int routes_each, bool is_routed) {
+    GroupedGemmProblems p;
+    for (int g = 0; g < groups; g++) {
+      const size_t row = is_routed ? 0 : (size_t)g * routes_each;
+      p.list.push_back({A + row * M, B + row * N, C + (size_t)g * M * N, M, N, is_routed ? 0 : routes_each});
+    }
+    if (is_routed) {
+      p.route_offsets = reinterpret_cast<const int*>(uintptr_t(1) << 28);
+      p.routes = groups * routes_each;
+    }
+    return p;
+  };
+  EXPECT_EQ(weight_gradient(weight_gradients(32, 1024, 1024, 2048, false)), tma) << "B1 dW13 (1024 wide tiles)";
+  EXPECT_EQ(weight_gradient(weight_gradients(32, 1024, 1024, 2048, true)), tma) << "B1 dW13, routed";
+  EXPECT_EQ(weight_gradient(weight_gradients(32, 1024, 512, 2048, true)), GroupedGemmTiles::Narrow)
+      << "B1 dW2, routed (512 wide tiles)";
+  GroupedGemmProblems apart = weight_gradients(32, 1024, 1024, 2048, false);
+  apart.list[7].A += 1024;  // a row between two experts' routes: not one tensor
+  EXPECT_EQ(weight_gradient(apart), GroupedGemmTiles::Narrow) << "B1 dW13 not laid out as two tensors: never thread-fed wide";
+  EXPECT_EQ(weight_gradient(weight_gradients(8, 768, 384, 1024, true)), GroupedGemmTiles::Narrow) << "default model dW13";
   EXPECT_EQ(forward(routed(8, 768, 384, 8192)), GroupedGemmTiles::Narrow) << "default model h13, routed (216 wide tiles)";
   EXPECT_EQ(input_gradient(call(8, 1024, 384, 768)), GroupedGemmTiles::Narrow) << "default model dxp";
   // the threshold: 4 waves of wide tiles
@@ -404,7 +426,8 @@ TEST(GroupedGemmHost, TileShapeByFormAndSize) {
 
 // The TMA form's two tensors (ops/grouped_gemm.cuh, grouped_gemm_tma_layout): found where the problems
 // are laid out as one A matrix and one stack of B (an expert without routes may be left out of a
-// host's list), refused otherwise.
+// host's list), or, for the weight gradients, as the same rows of one A and one B matrix; refused
+// otherwise.
 TEST(GroupedGemmHost, TmaLayoutFindsTheTwoTensors) {
   const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 32);
   const floatX* B = reinterpret_cast<const floatX*>(uintptr_t(1) << 36);
@@ -428,7 +451,7 @@ TEST(GroupedGemmHost, TmaLayoutFindsTheTwoTensors) {
   EXPECT_EQ(l.b_first, B + (size_t)N * K) << "the stack starts at the first expert listed";
   EXPECT_EQ(l.b_expert, (long long)N * K);
   EXPECT_EQ(l.experts, 4) << "experts 1 … 4 of the stack";
-  EXPECT_FALSE(grouped_gemm_tma_layout(host_list(), true, false, K, N, l)) << "transA";
+  EXPECT_FALSE(grouped_gemm_tma_layout(host_list(), true, true, K, K, l)) << "transA and transB";
 
   GroupedGemmProblems gap = host_list();
   gap.list[1].A += K;  // one row between the first problem's rows and the second's
@@ -455,4 +478,37 @@ TEST(GroupedGemmHost, TmaLayoutFindsTheTwoTensors) {
   EXPECT_EQ(l.experts, 5);
   routed.list[3].A = A + K;
   EXPECT_FALSE(grouped_gemm_tma_layout(routed, false, true, K, K, l)) << "a routed problem's A not at row 0";
+
+  // The weight-gradient form (transA): A [routes][M] and B [routes][N], each expert's routes the next
+  // rows of both, C per expert (M × N).
+  const int M = 1024;
+  auto weight_gradients = [&] {
+    GroupedGemmProblems p;
+    size_t row = 0;
+    for (auto [e, rows] : experts) {
+      p.list.push_back({A + row * M, B + row * N, C + (size_t)e * M * N, M, N, rows});
+      row += rows;
+    }
+    return p;
+  };
+  ASSERT_TRUE(grouped_gemm_tma_layout(weight_gradients(), true, false, M, N, l));
+  EXPECT_EQ(l.a_first, A);
+  EXPECT_EQ(l.b_first, B);
+  EXPECT_EQ(l.a_rows, 436);
+  EXPECT_EQ(l.M, M);
+  EXPECT_EQ(l.N, N);
+  GroupedGemmProblems b_gap = weight_gradients();
+  b_gap.list[2].B += N;  // B's routes one row apart from A's
+  EXPECT_FALSE(grouped_gemm_tma_layout(b_gap, true, false, M, N, l)) << "B's routes not at A's rows";
+  GroupedGemmProblems two_m = weight_gradients();
+  two_m.list[1].M = M / 2;
+  EXPECT_FALSE(grouped_gemm_tma_layout(two_m, true, false, M, N, l)) << "two values of M";
+  GroupedGemmProblems routed_wg;
+  for (int e = 0; e < 5; e++) routed_wg.list.push_back({A, B, C + (size_t)e * M * N, M, N, 0});
+  routed_wg.route_offsets = reinterpret_cast<const int*>(uintptr_t(1) << 28);
+  routed_wg.routes = 436;
+  ASSERT_TRUE(grouped_gemm_tma_layout(routed_wg, true, false, M, N, l));
+  EXPECT_EQ(l.a_rows, 436);
+  routed_wg.list[4].B = B + N;
+  EXPECT_FALSE(grouped_gemm_tma_layout(routed_wg, true, false, M, N, l)) << "a routed problem's B not at row 0";
 }
