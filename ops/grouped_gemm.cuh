@@ -71,21 +71,26 @@
 // before the block barrier that publishes it, and no slot is refilled before a later barrier that
 // every warpgroup reaches after waiting for the MMAs that read it.
 //
-// Two tile shapes in the wgmma form (grouped_gemm_tiles picks per call; notes/speed.md L, N):
+// Two tile shapes in the wgmma form (grouped_gemm_tiles picks per call; notes/speed.md L, N, X):
 //   narrow, 128 × 128 (as above): 3 stages, 96 KiB, 2 blocks per SM of one tile each; a warpgroup
 //     waits for its MMAs at the end of each k-tile; C is stored through the ring, free by then, in
-//     16-byte pieces (store_c_staged) where N % 8 == 0 and C's rows are 16-byte aligned. The weight
-//     gradients, and launches of fewer than 4 waves of wide tiles.
+//     16-byte pieces (store_c_staged) where N % 8 == 0 and C's rows are 16-byte aligned. Launches of
+//     fewer than 4 waves of wide tiles (2 for the weight gradients), and weight gradients whose
+//     operands are not laid out for the TMA.
 //   wide, 128 × 256: each warpgroup 64 × 256 (wgmma m64n256k16, 128 accumulators per thread);
 //     4 stages, 192 KiB, one block per SM. The grid is one block per SM, each looping over the
-//     launch's tiles (blockIdx.x, + gridDim.x, …). B1's forward and input-gradient GEMMs. Fed one
-//     of two ways:
-//     - by the TMA (grouped_gemm_tma_kernel), when A's problems are row slices of one matrix and
-//       the experts' B one stack (grouped_gemm_tma_layout: the MoE layers' expert GEMMs). A ninth
-//       warp, one thread of it, issues each k-tile as 2 or 5 tensor copies and the ring runs on
-//       mbarriers (full / empty per slot), up to 4 k-tiles ahead and across tiles: the two
-//       warpgroups multiply with no block barrier, and the next tile's copies run while this
-//       tile's C is stored.
+//     launch's tiles (blockIdx.x, + gridDim.x, …), except for the weight gradients (below). B1's
+//     expert GEMMs. Fed one of two ways:
+//     - by the TMA (grouped_gemm_tma_kernel), when the operands are laid out as two tensors
+//       (grouped_gemm_tma_layout: the MoE layers' expert GEMMs; the weight gradients' A and B are
+//       the routes' rows of two matrices). A ninth warp, one thread of it, issues each k-tile as
+//       2 to 6 tensor copies and the ring runs on mbarriers (full / empty per slot), up to 4
+//       k-tiles ahead and across tiles: the two warpgroups multiply with no block barrier, and the
+//       next tile's copies run while this tile's C is stored. A weight gradient's tiles run their
+//       k loops over their experts' routes, as long as the router made them: there the grid is a
+//       block per tile, which the GPU hands to SMs as they free up (a round robin over persistent
+//       blocks gave an expert at 8× the mean routes' blocks their share of the other tiles too, and
+//       ran B1's dW13 at 389 TFLOP/s where a block per tile runs it at 507).
 //     - by every thread's cp.async copies otherwise (grouped_gemm_wgmma_kernel, block barriers
 //       per k-tile, one k-tile of MMAs left running across each barrier, the next tile's first
 //       k-tiles copied while this tile's C is stored).
@@ -878,15 +883,18 @@ inline bool grouped_gemm_tma_layout(const GroupedGemmProblems& problems, bool tr
   return true;
 }
 
-// The wgmma form's tiles and how they are fed (header): wide tiles (128 × 256, one persistent block
-// per SM) when a launch has at least GGEMM_WIDE_MIN_WAVES waves of them, fed by the TMA (WideTma)
-// when the operands are laid out as two tensors (grouped_gemm_tma_layout), else by every thread's
-// copies (Wide); 128 × 128 otherwise. The weight gradients (transA) take the wide tiles only fed by
-// the TMA (measured, notes/speed.md L: fed by every thread the wide tiles gain 8–18 % on B1's h13, y,
-// da and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the default model's smaller layers; W2:
-// fed by the TMA, ...). The mma.sync form has only 128 × 128.
+// The wgmma form's tiles and how they are fed (header): wide tiles (128 × 256) when a launch has at
+// least GGEMM_WIDE_MIN_WAVES waves of them, fed by the TMA (WideTma) when the operands are laid out as
+// two tensors (grouped_gemm_tma_layout), else by every thread's copies (Wide); 128 × 128 otherwise. The
+// weight gradients (transA) take the wide tiles only fed by the TMA, a block per tile, from
+// GGEMM_WIDE_MIN_WAVES_TRANS_A waves on. Measured (notes/speed.md L, X): fed by every thread the wide
+// tiles gain 8–18 % on B1's h13, y, da and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the
+// default model's smaller layers; fed by the TMA, B1's dW13 (1024 wide tiles) and dW2 (512) gain 5–10
+// % over the narrow tiles, with routes even or one expert at 8× the mean, and the default model's
+// weight gradients (48 and 96 wide tiles) lose up to 15 %. The mma.sync form has only 128 × 128.
 enum class GroupedGemmTiles { Narrow, Wide, WideTma };
 static const int GGEMM_WIDE_MIN_WAVES = 4;
+static const int GGEMM_WIDE_MIN_WAVES_TRANS_A = 2;
 inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, bool transA, bool transB, int lda,
                                            int ldb, int sms) {
 #if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
@@ -899,7 +907,8 @@ inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, 
   }
   if (problems.route_offsets && !transA)
     wide_tiles = (long long)(ceil_div(problems.routes, ggemm::BM) + (int)problems.list.size()) * most_tiles_n;
-  if (wide_tiles < (long long)GGEMM_WIDE_MIN_WAVES * sms) return GroupedGemmTiles::Narrow;
+  if (wide_tiles < (long long)(transA ? GGEMM_WIDE_MIN_WAVES_TRANS_A : GGEMM_WIDE_MIN_WAVES) * sms)
+    return GroupedGemmTiles::Narrow;
   GroupedGemmTmaLayout layout;
   if (grouped_gemm_tma_layout(problems, transA, transB, lda, ldb, layout)) return GroupedGemmTiles::WideTma;
   return transA ? GroupedGemmTiles::Narrow : GroupedGemmTiles::Wide;
@@ -950,7 +959,9 @@ inline void grouped_gemm_tma_launch(const char* op, const GroupedGemmBatch& batc
                                     int lda, int ldb, int ldc, float beta, int sms, cudaStream_t stream) {
   const auto kernel = ggemm::grouped_gemm_tma_kernel<TRANS_A, TRANS_B>;
   const size_t shared = ggemm::tma_shared_bytes();
-  const unsigned int blocks = std::min(batch.tiles, (unsigned)sms);
+  // the weight gradients: a block per tile, handed to the SMs as they free up (their tiles' lengths
+  // follow the experts' routes); else one persistent block per SM
+  const unsigned int blocks = TRANS_A ? batch.tiles : std::min(batch.tiles, (unsigned)sms);
   cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared), op,
             "grouped_gemm (TMA) shared=%zu bytes", shared);
   kernel<<<blocks, ggemm::TMA_THREADS, shared, stream>>>(batch, tensors, lda, ldb, ldc, beta);

@@ -355,9 +355,9 @@ TEST(GroupedGemmHost, KernelOrCublasByFormAndSize) {
 
 // The wgmma form's tile shape (ops/grouped_gemm.cuh, grouped_gemm_tiles) on an H200 (132 SMs): wide
 // tiles (128 × 256) for B1's forward and input-gradient GEMMs, routed or not (≥ 4 waves of wide
-// tiles), and for a weight gradient of ≥ 4 waves only fed by the TMA (B1's dW13); narrow tiles
-// (128 × 128) for the other weight gradients (B1's dW2: 512 wide tiles) and for the default model's
-// smaller layers; narrow always without wgmma.
+// tiles), and for a weight gradient of ≥ 2 waves only fed by the TMA (B1's dW13 and dW2: 1024 and 512
+// wide tiles); narrow tiles (128 × 128) for the default model's smaller layers and a weight gradient
+// not laid out as two tensors; narrow always without wgmma.
 TEST(GroupedGemmHost, TileShapeByFormAndSize) {
   const int sms_h200 = 132;
   const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 32);
@@ -411,8 +411,10 @@ TEST(GroupedGemmHost, TileShapeByFormAndSize) {
   };
   EXPECT_EQ(weight_gradient(weight_gradients(32, 1024, 1024, 2048, false)), tma) << "B1 dW13 (1024 wide tiles)";
   EXPECT_EQ(weight_gradient(weight_gradients(32, 1024, 1024, 2048, true)), tma) << "B1 dW13, routed";
-  EXPECT_EQ(weight_gradient(weight_gradients(32, 1024, 512, 2048, true)), GroupedGemmTiles::Narrow)
-      << "B1 dW2, routed (512 wide tiles)";
+  EXPECT_EQ(weight_gradient(weight_gradients(32, 1024, 512, 2048, true)), tma) << "B1 dW2, routed (512 wide tiles)";
+  EXPECT_EQ(weight_gradient(weight_gradients(1, 128 * 2 * sms_h200, 256, 64, false)), tma) << "2 waves";
+  EXPECT_EQ(weight_gradient(weight_gradients(1, 128 * 2 * sms_h200 - 128, 256, 64, false)), GroupedGemmTiles::Narrow)
+      << "one tile short of 2 waves";
   GroupedGemmProblems apart = weight_gradients(32, 1024, 1024, 2048, false);
   apart.list[7].A += 1024;  // a row between two experts' routes: not one tensor
   EXPECT_EQ(weight_gradient(apart), GroupedGemmTiles::Narrow) << "B1 dW13 not laid out as two tensors: never thread-fed wide";
