@@ -481,7 +481,7 @@ inline TmaMaps tma_maps(const char* op, const bf16* qkv, const bf16* dout, int B
 // takes the phase's parity, 0 for the first stage in that buffer, then 1, 0, ...
 struct TmaTiles {
   const TmaMaps& tensors;
-  int b, h, T, H;
+  int b, h, H;     // the sequence, the head, the width of dout (the maps hold T)
   uint64_t* full;  // [2] in shared memory
 
   // before any tile: the barriers, visible to every thread and to the copies
@@ -538,7 +538,7 @@ __global__ void __launch_bounds__(THREADS)
   const int last_kt = (min(q0 + TILE, T) - 1) / WG_KEYS;  // the key tile of the last query
   const int H = nh * HD;
   const float scale_log2 = LOG2E / sqrtf((float)HD);
-  const TmaTiles tiles{tensors, b, h, T, H, full};
+  const TmaTiles tiles{tensors, b, h, H, full};
 
   auto load_key_tile = [&](int kt) {  // keys and values of key tile kt into buffer kt & 1, as two 64-row tiles
     const int buffer = kt & 1;
@@ -647,8 +647,8 @@ struct WgmmaProducts {
   // how the tiles come in: the TMA's copies, through the tensors' maps
   using Tensors = TmaMaps;
   using Tiles = TmaTiles;
-  __device__ static Tiles tiles_of(const Tensors& t, int b, int h, int T, int H, uint64_t* full) {
-    return {t, b, h, T, H, full};
+  __device__ static Tiles tiles_of(const Tensors& t, int b, int h, int /*T: the maps'*/, int H, uint64_t* full) {
+    return {t, b, h, H, full};
   }
   static Tensors tensors(const char* op, const bf16* qkv, const bf16* dout, int B, int T, int nh) {
     return tma_maps(op, qkv, dout, B, T, nh);
