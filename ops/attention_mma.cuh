@@ -466,7 +466,7 @@ struct TmaMaps {
 inline TmaMaps tma_maps(const char* op, const bf16* qkv, const bf16* dout, int B, int T, int nh) {
   const size_t H = (size_t)nh * WG_HD;
   const cuuint32_t box[3] = {WG_HD, TILE, 1};
-  TmaMaps maps;
+  TmaMaps maps{};  // the forward leaves dout's map zero (unused)
   const cuuint64_t qkv_dims[3] = {3 * H, (cuuint64_t)T, (cuuint64_t)B}, qkv_strides[2] = {3 * H * 2, 3 * H * 2 * T};
   maps.qkv = encode_tensor_map(op, "qkv", qkv, 3, qkv_dims, qkv_strides, box);
   if (dout != nullptr) {
