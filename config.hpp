@@ -60,6 +60,7 @@ struct TrainConfig {
   float bias_update = 1e-3f;               // u of the aux-loss-free router bias update; 0 = off
   int recompute = 0;                       // 1: layer-level activation checkpointing
   int overlap_update = 1;                  // 1: the optimizer beside the next forward where it can (model.cuh)
+  int cuda_graph = 1;                      // 1: a pass captured once as a CUDA graph and launched again where it can
   int val_every = 100;
   int val_batches = 10;                    // at most; capped at the windows the validation shards hold
   int sample_every = 400;
@@ -412,6 +413,20 @@ inline std::string moe_dispatcher(const TrainConfig& t) {
   return ep == 1 ? "local" : "ep";
 }
 
+// Why this run's passes are not captured as CUDA graphs (--cuda_graph 1, model.cuh's model_pass), or
+// "" when they may be. A captured pass replays the host's decisions of its capture, so the host may
+// not decide anything per pass inside it, nor wait for the GPU there; model_pass also finds the last
+// by itself (a pass that waited for the host is never captured).
+inline std::string cuda_graph_refusal(const TrainConfig& t, bool bf16_build) {
+  if (!t.cuda_graph) return "off (--cuda_graph 0)";
+  if (!bf16_build) return "off: the FP32 build's MoE layers download their per-expert counts (a host wait in every pass)";
+  if (t.gpus > 1) return "off: one rank only (a pass's collectives and their bounded waits stay on the host)";
+  if (t.offload_budget > 0) return "off: SCO's copies to and from the host follow a plan the host keeps (--offload_budget)";
+  if (t.routing != "router") return "off: --routing " + t.routing + " sets each pass's experts from the host";
+  if (!t.record_routing.empty()) return "off: --record_routing downloads each pass's choices";
+  return "";
+}
+
 inline void validate(const TrainConfig& t, const ModelConfig& c) {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
@@ -438,6 +453,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
        "adam_eps must be > 0; weight_decay, grad_clip, bias_update >= 0");
   need(t.recompute == 0 || t.recompute == 1, "recompute must be 0 or 1");
   need(t.overlap_update == 0 || t.overlap_update == 1, "overlap_update must be 0 or 1");
+  need(t.cuda_graph == 0 || t.cuda_graph == 1, "cuda_graph must be 0 or 1");
   need(t.dry_run == 0 || t.dry_run == 1, "dry_run must be 0 or 1");
   need(t.gpus >= 1, "gpus must be >= 1");
   const int ep = t.ep ? t.ep : t.gpus;
@@ -546,6 +562,9 @@ inline std::string usage() {
          "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing)\n"
          "        --overlap_update 0|1 (1, the default: one rank's --optimizer adamw steps layer by layer beside the\n"
          "        next step's forward, BF16 build; 0: after the backward, on the compute stream)\n"
+         "        --cuda_graph 0|1 (1, the default: where a run allows it, each kind of pass is captured once as a\n"
+         "        CUDA graph and launched again, the same kernels with the same arguments; 0: every launch from\n"
+         "        the host. The start-up table says which)\n"
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
@@ -688,6 +707,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       float_flag("--bias_update", &T::bias_update),
       int_flag("--recompute", &T::recompute),
       int_flag("--overlap_update", &T::overlap_update),
+      int_flag("--cuda_graph", &T::cuda_graph),
       int_flag("--val_every", &T::val_every),
       int_flag("--val_batches", &T::val_batches),
       int_flag("--sample_every", &T::sample_every),

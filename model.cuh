@@ -52,6 +52,7 @@
 #include "ops/sco.cuh"
 #include "ops/sar_plan.hpp"
 #include "runtime/comm.cuh"
+#include "runtime/graph.cuh"
 #include "runtime/pool.cuh"
 #include "runtime/profile.cuh"
 
@@ -111,16 +112,19 @@ inline Seams seams_from(const TrainConfig& t, const ModelConfig& c) {
 }
 
 // Host ints to the device in stream order without a host wait (a pass's tokens and targets, the
-// embedding backward's buckets): the parts are copied into pinned host memory, then one
-// cudaMemcpyAsync into a pool buffer, which CUDA queues without staging or synchronising (from
-// pageable memory, copy_to_device must wait for the stream before and after). The pinned memory is
-// rewritten only after the copy that last read it has run: host_wait on its stream point, which
-// returns at once in a training step (a pass ends with its loss's download). It grows to the parts'
-// size, or to `reserve` ints where the caller knows their bound, so that it grows once: cudaFreeHost
-// synchronises the device, which would also wait for the optimizer beside the pass (UpdateStream).
+// embedding backward's buckets): stage() writes them into pinned host memory, then enqueue_copy()
+// queues one cudaMemcpyAsync into a pool buffer, which CUDA queues without staging or synchronising
+// (from pageable memory, copy_to_device must wait for the stream before and after). A caller stages
+// the same number of ints every time (the parts, then zeros), so the copy is the same copy each pass:
+// a captured pass (runtime/graph.cuh) holds it as a node that reads the pinned memory when it runs.
+// The pinned memory is rewritten only after the copy that last read it has run: host_wait on its
+// stream point, which returns at once in a training step (a pass ends with its loss's download). It
+// only grows: cudaFreeHost synchronises the device, which would also wait for the optimizer beside
+// the pass (UpdateStream).
 struct PinnedUpload {
   int* host = nullptr;
   size_t capacity = 0;  // ints
+  size_t staged = 0;    // ints written by the last stage()
   StreamPoint copied;   // after the last copy that read `host`
   PinnedUpload() = default;
   PinnedUpload(const PinnedUpload&) = delete;
@@ -128,29 +132,82 @@ struct PinnedUpload {
   ~PinnedUpload() {
     if (host != nullptr) cudaCheck(cudaFreeHost(host), "PinnedUpload", "cudaFreeHost of %zu ints", capacity);
   }
-  // A pool buffer (category cat) holding the parts one after another, filled in stream order.
-  int* upload(std::initializer_list<std::pair<const int*, size_t>> parts, Mem cat, const char* tag, cudaStream_t s,
-              size_t reserve = 0) {
+  // Room for `total` ints (the pinned memory where the next stage() writes them).
+  void reserve(size_t total, const char* tag) {
+    if (total <= capacity) return;
+    host_wait(copied, tag);
+    if (host != nullptr) cudaCheck(cudaFreeHost(host), tag, "cudaFreeHost of %zu ints", capacity);
+    host = nullptr;
+    capacity = 0;
+    cudaCheck(cudaHostAlloc(&host, total * sizeof(int), cudaHostAllocDefault), tag, "cudaHostAlloc of %zu ints", total);
+    capacity = total;
+  }
+  // The parts one after another, then zeros up to `total` ints.
+  void stage(std::initializer_list<std::pair<const int*, size_t>> parts, size_t total, const char* tag) {
     size_t n = 0;
     for (const auto& part : parts) n += part.second;
+    if (n > total) fm_fail(tag, "staged parts longer than their total", "parts=%zu total=%zu", n, total);
     host_wait(copied, tag);
-    if (n > capacity) {
-      if (host != nullptr) cudaCheck(cudaFreeHost(host), tag, "cudaFreeHost of %zu ints", capacity);
-      host = nullptr;
-      const size_t ints = std::max(n, reserve);
-      cudaCheck(cudaHostAlloc(&host, ints * sizeof(int), cudaHostAllocDefault), tag, "cudaHostAlloc of %zu ints", ints);
-      capacity = ints;
-    }
+    reserve(total, tag);
     size_t at = 0;
     for (const auto& part : parts) {
       std::copy(part.first, part.first + part.second, host + at);
       at += part.second;
     }
-    int* dev = pool().alloc_t<int>(n, cat, tag);
-    cudaCheck(cudaMemcpyAsync(dev, host, n * sizeof(int), cudaMemcpyHostToDevice, s), tag, "copy of %zu ints", n);
-    copied.record(s, tag);
+    std::fill(host + at, host + total, 0);
+    staged = total;
+  }
+  // A pool buffer (category cat) holding the staged ints, filled in stream order. While `s` is
+  // captured the graph's launch records `copied` (copied_by).
+  int* enqueue_copy(Mem cat, const char* tag, cudaStream_t s) {
+    int* dev = pool().alloc_t<int>(staged, cat, tag);
+    cudaCheck(cudaMemcpyAsync(dev, host, staged * sizeof(int), cudaMemcpyHostToDevice, s), tag, "copy of %zu ints", staged);
+    if (!stream_capturing(s)) copied.record(s, tag);
     return dev;
   }
+  // The staged ints have been read once the work queued on `s` so far has run.
+  void copied_by(cudaStream_t s, const char* tag) { copied.record(s, tag); }
+};
+
+// A pass's summed loss, copied at the pass's end into pinned memory (model_pass): a copy that a
+// captured pass holds as one of its nodes. Allocated on first use.
+struct PinnedLoss {
+  float* host = nullptr;
+  PinnedLoss() = default;
+  PinnedLoss(const PinnedLoss&) = delete;
+  PinnedLoss& operator=(const PinnedLoss&) = delete;
+  ~PinnedLoss() {
+    if (host != nullptr) cudaCheck(cudaFreeHost(host), "PinnedLoss", "cudaFreeHost");
+  }
+  float* get() {
+    if (host == nullptr) cudaCheck(cudaHostAlloc(&host, sizeof(float), cudaHostAllocDefault), "PinnedLoss", "cudaHostAlloc");
+    return host;
+  }
+};
+
+// Everything the host decides for a pass that a graph of it holds fixed (--cuda_graph, model_pass):
+// the sizes and options, how many of the update's groups its forward waits for (UpdateStream), and
+// the pinned buffers its copies read. Everything else a pass's host code decides follows from these
+// and the model (the layers' plans depend on the shapes only; the routing stays on the device).
+struct PassGraphKey {
+  int B = 0, T = 0;
+  bool backward = false, count_loads = false, recompute = false, first_of_step = false, fold = false;
+  float dloss = 0.f;
+  int update_waits = 0;
+  const int* tokens_host = nullptr;
+  const int* buckets_host = nullptr;
+  bool operator==(const PassGraphKey& o) const {
+    return B == o.B && T == o.T && backward == o.backward && count_loads == o.count_loads && recompute == o.recompute &&
+           first_of_step == o.first_of_step && fold == o.fold && dloss == o.dloss && update_waits == o.update_waits &&
+           tokens_host == o.tokens_host && buckets_host == o.buckets_host;
+  }
+};
+
+struct PassGraph {
+  PassGraphKey key;
+  bool ran_eagerly = false;  // the key's first pass ran without the graph
+  std::string eager_why;     // not empty: the key's passes stay eager, and why
+  CapturedWork work;         // captured at the key's second pass, again whenever its blocks are not all free
 };
 
 // The optimizer beside the next forward (--overlap_update 1; notes/speed.md R). A step's update is
@@ -217,6 +274,11 @@ struct Model {
   // a pass's uploads (model_pass): tokens and targets; the embedding backward's buckets
   std::unique_ptr<PinnedUpload> tokens_upload = std::make_unique<PinnedUpload>();
   std::unique_ptr<PinnedUpload> buckets_upload = std::make_unique<PinnedUpload>();
+  std::unique_ptr<PinnedLoss> loss_host = std::make_unique<PinnedLoss>();
+  // --cuda_graph (model_pass): passes captured as CUDA graphs, one per PassGraphKey, and launched again
+  bool graph_passes = false;
+  std::vector<std::unique_ptr<PassGraph>> pass_graphs;
+  long long graph_captures = 0, graph_launches = 0;
 
   // --routing: a profile (paper appendix B.2) that replaces the router's expert choice
   bool routing_override = false;
@@ -810,9 +872,10 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   // per-expert loads on the device [L·E] ints (step_loads_dev)
   const size_t runtime =
       CublasRuntime::workspace_bytes + 4 * (size_t)SUMSQ_BLOCKS + 8 + (dense_routes ? 8 * N : 0) + 4 * L * E;
-  // the pass: tokens, targets, the embedding backward's buckets (offsets V + 1, positions N, used ids <= min(N, V)),
-  // the loss; the final norm's output and rstd live from the head to the end of the backward
-  const size_t inputs = 8 * N + 4 * ((size_t)c.vocab + 1 + N + std::min(N, (size_t)c.vocab)) + 4;
+  // the pass: tokens, targets, the embedding backward's buckets (offsets V + 1, positions N, the count of
+  // used ids and room for min(N, V) of them), the loss; the final norm's output and rstd live from the
+  // head to the end of the backward
+  const size_t inputs = 8 * N + 4 * token_buckets_ints((int)N, c.vocab) + 4;
   const size_t final_norm = NH * b + 4 * N;
 
   // one layer (layer_forward's activations; attention_step's, then the FFN's)
@@ -948,17 +1011,28 @@ inline void check_seq_len(const Model& m, int T) {
   if (T > m.cfg.seq_len || T < 1) fm_fail("model_pass", "sequence longer than the model's seq_len", "T=%d seq_len=%d", T, m.cfg.seq_len);
 }
 
-// inputs/targets: host [B·T]. Returns the mean loss over the B·T tokens; with o.backward the
-// gradients of dloss · Σ losses are added (+=) into m.grads.
-inline float model_pass(Model& m, const int* inputs, const int* targets, int B, int T, const PassOptions& o) {
+// The embedding backward's buckets of a pass's tokens (ops/embedding.cuh), staged for its upload:
+// offsets [V + 1], positions [N], the count U of used ids, the U ids (then zeros up to min(N, V)).
+inline void stage_token_buckets(Model& m, const int* inputs, int N, int V) {
+  const TokenBuckets b = build_token_buckets(inputs, N, V);
+  const int used = (int)b.used_ids.size();
+  m.buckets_upload->stage({{b.offsets.data(), b.offsets.size()}, {b.positions.data(), b.positions.size()}, {&used, 1},
+                           {b.used_ids.data(), b.used_ids.size()}},
+                          token_buckets_ints(N, V), "token_buckets");
+}
+
+// Everything a pass queues on the compute stream, from the copies of its staged inputs (tokens and
+// targets; the buckets, staged by after_forward() at the latest) to its summed loss copied into
+// m.loss_host. after_forward() runs on the host once the forward is queued: the eager pass stages
+// the buckets there, while the GPU runs the forward. With o.backward the gradients of
+// dloss · Σ losses are added (+=) into m.grads.
+inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std::function<void()>& after_forward) {
   const ModelConfig& c = m.cfg;
   const int N = B * T, H = c.hidden, V = c.vocab, L = c.layers;
   const size_t NH = (size_t)N * H;
   cudaStream_t s = m.stream;
-  check_seq_len(m, T);
   prof_mark(s, "pass start: token uploads");
-  int* tokens_dev = m.tokens_upload->upload({{inputs, (size_t)N}, {targets, (size_t)N}}, Mem::Activations,
-                                            "tokens_targets", s);  // tokens [N], then targets [N]
+  int* tokens_dev = m.tokens_upload->enqueue_copy(Mem::Activations, "tokens_targets", s);  // tokens [N], then targets [N]
   const int* targets_dev = tokens_dev + N;
   LayerBoundaries boundaries(L, NH, s, o.backward && o.recompute ? m.sco.get() : nullptr);  // SCO: --offload_budget
   std::vector<LayerActs> acts(L);
@@ -974,18 +1048,9 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
   const SarPlan* attention_kept = o.backward && o.recompute && m.attention_kept.tokens == N ? &m.attention_kept : nullptr;
   forward_layers(m, tokens_dev, B, T, boundaries, acts, o.backward && !o.recompute, o.count_loads, record_layer,
                  attention_kept);
-  // the embedding backward's per-token buckets, built on the host while the GPU runs the forward:
-  // offsets [V + 1], positions [N], used ids [U] (ops/embedding.cuh)
-  int* buckets_dev = nullptr;
-  int buckets_used = 0;
-  if (o.backward) {
-    const TokenBuckets b = build_token_buckets(inputs, N, V);
-    buckets_used = (int)b.used_ids.size();
-    buckets_dev = m.buckets_upload->upload({{b.offsets.data(), b.offsets.size()}, {b.positions.data(), b.positions.size()},
-                                            {b.used_ids.data(), b.used_ids.size()}},
-                                           Mem::Workspace, "token_buckets", s,
-                                           (size_t)V + 1 + N + std::min(N, V));  // used ids: at most min(N, V)
-  }
+  if (after_forward) after_forward();
+  // the embedding backward's per-token buckets: offsets [V + 1], positions [N], used ids [1 + min(N, V)]
+  int* buckets_dev = o.backward ? m.buckets_upload->enqueue_copy(Mem::Workspace, "token_buckets", s) : nullptr;
 
   floatX* lnf = pool().alloc_t<floatX>(NH, Mem::Activations, "lnf");
   float* lnf_rstd = pool().alloc_t<float>(N, Mem::Activations, "lnf_rstd");
@@ -1024,7 +1089,7 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     }
     // embedding: deterministic per-token sums over the host-built buckets
     prof_mark(s, "embedding bwd", 2.0 * NH * sizeof(floatX));
-    embedding_backward(m.g.wte, d_x, buckets_dev, buckets_dev + V + 1, buckets_dev + V + 1 + N, buckets_used, V, H, s);
+    embedding_backward(m.g.wte, d_x, buckets_dev, buckets_dev + V + 1, buckets_dev + V + 1 + N, N, V, H, s);
     pool().free(d_x);
     pool().free(buckets_dev);
     if (o.fold) {
@@ -1034,11 +1099,75 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
   }
   prof_mark(s, "pass end: loss download (host wait)");
   if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream, as the loss's download does
-  float loss_total = 0.f;
-  copy_to_host(&loss_total, loss_total_dev, sizeof(float), s, "model_pass.loss");
+  cudaCheck(cudaMemcpyAsync(m.loss_host->get(), loss_total_dev, sizeof(float), cudaMemcpyDeviceToHost, s), "model_pass",
+            "loss download N=%d", N);
   for (void* p : {(void*)tokens_dev, (void*)lnf, (void*)lnf_rstd, (void*)loss_total_dev, (void*)recorded})
     pool().free(p);
-  return loss_total / N;
+}
+
+// The graph of the passes of one key (--cuda_graph, model_pass).
+inline PassGraph& pass_graph_for(Model& m, const PassGraphKey& key) {
+  for (auto& g : m.pass_graphs)
+    if (g->key == key) return *g;
+  m.pass_graphs.push_back(std::make_unique<PassGraph>());
+  m.pass_graphs.back()->key = key;
+  return *m.pass_graphs.back();
+}
+
+// inputs/targets: host [B·T]. Returns the mean loss over the B·T tokens; with o.backward the
+// gradients of dloss · Σ losses are added (+=) into m.grads.
+// With m.graph_passes (--cuda_graph, runtime/graph.cuh), outside a profiled step or a pool timeline
+// (both record the host's own calls): the first pass of each key (PassGraphKey) runs eagerly and
+// counts its host waits; the next is captured, and later ones launch that graph. A key whose eager
+// pass waited for the host inside it stays eager.
+inline float model_pass(Model& m, const int* inputs, const int* targets, int B, int T, const PassOptions& o) {
+  const int N = B * T, V = m.cfg.vocab;
+  cudaStream_t s = m.stream;
+  check_seq_len(m, T);
+  m.tokens_upload->stage({{inputs, (size_t)N}, {targets, (size_t)N}}, 2 * (size_t)N, "tokens_targets");
+  const auto stage_buckets = [&] {
+    if (o.backward) stage_token_buckets(m, inputs, N, V);
+  };
+  if (o.backward) m.buckets_upload->reserve(token_buckets_ints(N, V), "token_buckets");  // where the key says
+  const PassGraphKey key{B,
+                         T,
+                         o.backward,
+                         o.count_loads,
+                         o.recompute,
+                         o.first_of_step,
+                         o.fold,
+                         o.dloss,
+                         m.update.groups - m.update.next_wait,
+                         m.tokens_upload->host,
+                         o.backward ? m.buckets_upload->host : nullptr};
+  PassGraph* graph = m.graph_passes && !profiler().on && !pool().timeline() ? &pass_graph_for(m, key) : nullptr;
+  if (graph == nullptr || !graph->eager_why.empty()) {
+    enqueue_pass(m, B, T, o, stage_buckets);
+  } else if (!graph->ran_eagerly) {  // sizes the model's lazy buffers, and shows whether the pass waits for the host
+    long long staging_waits = 0;
+    const long long before = host_waits();
+    enqueue_pass(m, B, T, o, [&] {
+      const long long w = host_waits();
+      stage_buckets();
+      staging_waits = host_waits() - w;
+    });
+    const long long inside = host_waits() - before - staging_waits;
+    graph->ran_eagerly = true;
+    if (inside > 0) graph->eager_why = std::to_string(inside) + " host waits inside the pass";
+  } else {
+    stage_buckets();
+    if (!graph->work.replayable()) {
+      graph->work.capture(s, "model_pass", [&] { enqueue_pass(m, B, T, o, nullptr); });
+      m.graph_captures++;
+    }
+    graph->work.launch(s, "model_pass");
+    m.graph_launches++;
+    m.update.next_wait = m.update.groups;  // the graph waits for the whole update, as the captured pass did
+    m.tokens_upload->copied_by(s, "tokens_targets");
+    if (o.backward) m.buckets_upload->copied_by(s, "token_buckets");
+  }
+  stream_wait(s, "model_pass", "the loss's download, N=%d", N);
+  return *m.loss_host->get() / N;
 }
 
 // The sampling path: the logits [V] of token row `row` of the forward over inputs [T] (host, one

@@ -204,6 +204,8 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("optimizer step", update_beside_next_forward(m, t) ? "beside the next forward (--overlap_update 1)"
                         : t.overlap_update ? "after the backward (--overlap_update 1 needs one rank, adamw, BF16)"
                                            : "after the backward (--overlap_update 0)");
+  const std::string graph_refusal = cuda_graph_refusal(t, sizeof(floatX) == 2);
+  row("cuda graph", graph_refusal.empty() ? "each kind of pass captured once, then launched (--cuda_graph 1)" : graph_refusal);
   // SCO (ops/sco.cuh): the boundaries of one training micro-batch that the budget sends to pinned host memory
   const ScoPlan sco = sco_plan(c.layers, (size_t)t.batch * c.seq_len * c.hidden * sizeof(floatX), t.offload_budget);
   if (t.offload_budget > 0) {
@@ -462,6 +464,7 @@ int train_main(int argc, char** argv) {
     m.routing_override = tc.routing != "router" && trace_path.empty();
     if (m.routing_override) m.routing = parse_routing_profile(tc.routing);
     m.replay = std::move(replay);
+    m.graph_passes = cuda_graph_refusal(tc, sizeof(floatX) == 2).empty();  // --cuda_graph (model.cuh's model_pass)
     // --record_routing: this run's training passes, from where it starts (a resume: its checkpoint's step)
     m.record_routing = !tc.record_routing.empty();
     const long long passes = (long long)(tc.steps - st.step) * accum;
@@ -559,6 +562,14 @@ int train_main(int argc, char** argv) {
       fprintf(log, "%d,%.6f,nan,%.6e,%.6f,%.3f,%.1f,%.5f,%.2f,%.4f,%.6f,%.6f\n", step + 1, loss, lr, norm, ms, tok_s,
               mfu, pool().peak() / 1048576.0, bal.worst_max_over_mean, bal.bias_min, bal.bias_max);
       fflush(log);
+    }
+    if (m.graph_passes && main_rank) {
+      std::string kinds;
+      for (const auto& g : m.pass_graphs) {
+        if (!g->eager_why.empty()) kinds += "; a kind of pass stays eager: " + g->eager_why;
+        else if (g->work.exec != nullptr) kinds += "; a graph of " + std::to_string(g->work.nodes) + " nodes";
+      }
+      printf("cuda graph: %lld captures, %lld launches%s\n", m.graph_captures, m.graph_launches, kinds.c_str());
     }
     if (m.routing_record) {
       m.routing_record->commit();

@@ -37,6 +37,12 @@
 // Accounting stays exact: live bytes are what callers hold (a pending block is not live, and shows in
 // pending_bytes() instead), so the live peaks are the same on every run whatever the GPU's timing.
 //
+// A captured pass (runtime/graph.cuh): between begin_capture() and end_capture() the pool hands out
+// blocks as always, and remembers them and how far each category's live bytes rose. A replay of the
+// graph uses those same addresses without calling alloc or free, so replayable() asks that every one
+// is a free cached block of its size at the replay (else the work is captured again), and replay()
+// raises the peaks as the captured allocations did: the peaks stay those of the eager pass.
+//
 // What the pool does not see is measured by the device ledger (bottom of this file): the growth of the
 // device's used bytes at each step of the runtime's start (the CUDA context, each NCCL communicator,
 // the cuBLAS handle) beside the pool's reserved bytes, and whatever else remains ("other").
@@ -45,10 +51,12 @@
 // measurement, creates the shared cuBLAS handle and its pooled workspace; runtime_release() at exit
 // gives everything back to CUDA and refuses to when anything else is still live (a leak, notes/design.md §4).
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -117,6 +125,11 @@ class Pool {
     live_total_ += bytes;
     if (live_total_ > peak_total_) peak_total_ = live_total_;
     if (live_[(int)cat] > peak_[(int)cat]) peak_[(int)cat] = live_[(int)cat];
+    if (capture_) {
+      capture_->blocks.emplace_back(p, rounded);
+      capture_->rise_total = std::max(capture_->rise_total, live_total_ - capture_base_total_);
+      capture_->rise[(int)cat] = std::max(capture_->rise[(int)cat], live_[(int)cat] - capture_base_[(int)cat]);
+    }
     record('a', bytes, cat, tag);
     return p;
   }
@@ -136,6 +149,9 @@ class Pool {
   // p's last user is work already queued on `stream`: p leaves the live set now and is handed out
   // again once that work has finished (see the header).
   void free_after(void* p, cudaStream_t stream) {
+    if (capture_ && p != nullptr)
+      fm_fail("pool.free_after", "a captured pass cannot hand a block to another stream's work", "capturing=%s",
+              capture_op_.c_str());
     Block b;
     if (!take_live(p, &b)) return;
     cudaEvent_t event = nullptr;
@@ -199,8 +215,52 @@ class Pool {
     for (int i = 0; i < NCAT; i++) peak_[i] = live_[i];
   }
 
+  // What a captured pass took from the pool (header): its blocks and how far each category's live
+  // bytes rose above where they were when the capture began.
+  struct CapturedUse {
+    std::vector<std::pair<void*, size_t>> blocks;  // (block, rounded bytes), each once
+    size_t rise[NCAT] = {0};
+    size_t rise_total = 0;
+  };
+
+  void begin_capture(const char* op) {
+    if (capture_) fm_fail("pool.begin_capture", "a capture is already in progress", "op=%s capturing=%s", op, capture_op_.c_str());
+    capture_ = std::make_unique<CapturedUse>();
+    capture_op_ = op;
+    capture_base_total_ = live_total_;
+    for (int i = 0; i < NCAT; i++) capture_base_[i] = live_[i];
+  }
+  // Ends the capture; the captured work must have freed every block it allocated.
+  CapturedUse end_capture() {
+    if (!capture_) fm_fail("pool.end_capture", "no capture in progress", "live=%zu", live_total_);
+    CapturedUse use = std::move(*capture_);
+    capture_.reset();
+    if (live_total_ != capture_base_total_)
+      fm_fail("pool.end_capture", "the captured work left blocks live (a replay could not reuse them)",
+              "op=%s live before=%zu after=%zu; live now: %s", capture_op_.c_str(), capture_base_total_, live_total_,
+              describe_live().c_str());
+    std::sort(use.blocks.begin(), use.blocks.end());
+    use.blocks.erase(std::unique(use.blocks.begin(), use.blocks.end()), use.blocks.end());
+    return use;
+  }
+  // Every block of the capture is a free cached block of its size now (none live, pending or given
+  // back to CUDA): the replay's work may use them in this stream order, as the captured allocs did.
+  bool replayable(const CapturedUse& use) const {
+    for (const auto& [p, rounded] : use.blocks) {
+      auto it = free_blocks_.find(rounded);
+      if (it == free_blocks_.end() || std::find(it->second.begin(), it->second.end(), p) == it->second.end()) return false;
+    }
+    return true;
+  }
+  // The peaks a replay reaches: the live bytes now plus the capture's rise, per category and in total.
+  void replay(const CapturedUse& use) {
+    peak_total_ = std::max(peak_total_, live_total_ + use.rise_total);
+    for (int i = 0; i < NCAT; i++) peak_[i] = std::max(peak_[i], live_[i] + use.rise[i]);
+  }
+
   // Timeline: off by default (a step makes thousands of events).
   void set_timeline(bool on) { timeline_on_ = on; }
+  bool timeline() const { return timeline_on_; }
   void clear_timeline() { events_.clear(); }
   void mark(const char* tag) { record('m', 0, Mem::Workspace, tag); }
   const std::vector<PoolEvent>& events() const { return events_; }
@@ -332,6 +392,10 @@ class Pool {
   size_t live_total_ = 0, peak_total_ = 0, reserved_ = 0;
   size_t cache_releases_ = 0;
   bool timeline_on_ = false;
+  std::unique_ptr<CapturedUse> capture_;  // while a pass is captured (begin_capture)
+  std::string capture_op_;
+  size_t capture_base_[NCAT] = {0};
+  size_t capture_base_total_ = 0;
   std::vector<PoolEvent> events_;
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
 };

@@ -78,6 +78,13 @@ inline void stream_after(cudaStream_t waiter, cudaStream_t producer, const char*
   cudaCheck(cudaStreamWaitEvent(waiter, event, 0), op, "stream_after: wait on the waiter stream");
 }
 
+// Whether `stream` is being captured into a graph (runtime/graph.cuh).
+inline bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaCheck(cudaStreamIsCapturing(stream, &capture), "stream_capturing", "stream=%p", (void*)stream);
+  return capture == cudaStreamCaptureStatusActive;
+}
+
 // One point of a stream's work, waited for later by another stream: where stream_after orders the
 // waiter after everything the producer has so far, a schedule that keeps several exchanges in flight
 // marks each (record after enqueuing it) and waits for one of them (wait_on) when its consumer comes.
@@ -93,10 +100,13 @@ struct StreamPoint {
     if (event == nullptr) cudaCheck(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), op, "StreamPoint: event");
     cudaCheck(cudaEventRecord(event, producer), op, "StreamPoint: record");
   }
-  // Work enqueued on `waiter` from now on runs after the recorded point.
+  // Work enqueued on `waiter` from now on runs after the recorded point. On a stream being captured
+  // (runtime/graph.cuh) the wait becomes a node of the graph: each time the graph runs it waits for
+  // the point as last recorded before the launch.
   void wait_on(cudaStream_t waiter, const char* op) const {
     if (event == nullptr) fm_fail(op, "waiting for a stream point that was never recorded", "waiter=%p", (void*)waiter);
-    cudaCheck(cudaStreamWaitEvent(waiter, event, 0), op, "StreamPoint: wait");
+    const unsigned flags = stream_capturing(waiter) ? cudaEventWaitExternal : cudaEventWaitDefault;
+    cudaCheck(cudaStreamWaitEvent(waiter, event, flags), op, "StreamPoint: wait");
   }
 };
 

@@ -59,7 +59,7 @@ const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_patte
                                                    &T::moe,      &T::head,          &T::optimizer,   &T::ring_dtp,
                                                    &T::relay_mode, &T::device_budget};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
-                                          &T::recompute,  &T::overlap_update, &T::val_every, &T::val_batches, &T::sample_every,
+                                          &T::recompute,  &T::overlap_update, &T::cuda_graph, &T::val_every, &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
                                           &T::gpus,       &T::ep,           &T::llep_min_rows, &T::token_budget,
                                           &T::kmax,       &T::offload_bucket, &T::offload_slots, &T::vocab_group,
@@ -422,6 +422,39 @@ TEST(ConfigTrain, OverlapUpdateIsZeroOrOne) {
   t.overlap_update = 2;
   EXPECT_EQ(validate_error(t, m), "overlap_update must be 0 or 1");
   EXPECT_EQ(parse_error({"--overlap_update", "yes"}), "flag --overlap_update expects an integer, got 'yes'");
+}
+
+// --cuda_graph: on by default, 0 or 1; where a run cannot capture its passes, the reason (printed at
+// start-up) names what stands in the way.
+TEST(ConfigTrain, CudaGraphIsZeroOrOneAndSaysWhyNot) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  EXPECT_EQ(t.cuda_graph, 1) << "passes captured where they can be by default";
+  for (int ok : {0, 1}) {
+    t.cuda_graph = ok;
+    EXPECT_EQ(validate_error(t, m), "") << ok;
+  }
+  t.cuda_graph = 2;
+  EXPECT_EQ(validate_error(t, m), "cuda_graph must be 0 or 1");
+  EXPECT_EQ(parse_error({"--cuda_graph", "on"}), "flag --cuda_graph expects an integer, got 'on'");
+
+  t = TrainConfig();
+  EXPECT_EQ(cuda_graph_refusal(t, true), "");
+  EXPECT_NE(cuda_graph_refusal(t, false).find("FP32 build"), std::string::npos);
+  t.cuda_graph = 0;
+  EXPECT_EQ(cuda_graph_refusal(t, true), "off (--cuda_graph 0)");
+  t = TrainConfig();
+  t.gpus = 2;
+  EXPECT_NE(cuda_graph_refusal(t, true).find("one rank only"), std::string::npos);
+  t = TrainConfig();
+  t.offload_budget = 1 << 20;
+  EXPECT_NE(cuda_graph_refusal(t, true).find("--offload_budget"), std::string::npos);
+  t = TrainConfig();
+  t.routing = "hot:1/2";
+  EXPECT_NE(cuda_graph_refusal(t, true).find("--routing hot:1/2"), std::string::npos);
+  t = TrainConfig();
+  t.record_routing = "trace.bin";
+  EXPECT_NE(cuda_graph_refusal(t, true).find("--record_routing"), std::string::npos);
 }
 
 // --offload_budget (SCO): bytes, past 2^31 too; refused when negative, and without --recompute 1 unless 0.

@@ -39,11 +39,14 @@ void check_embedding(const char* name, int N, int H, int V) {
   TokenBuckets buckets = build_token_buckets(tokens.data(), N, V);
   DeviceBuffer<int> d_offsets = upload_vec(buckets.offsets);
   DeviceBuffer<int> d_positions = upload_vec(buckets.positions);
-  DeviceBuffer<int> d_used = upload_vec(buckets.used_ids);
+  // the count, the used ids, then padding the kernel must not read as ids (a pass stages min(N, V))
+  std::vector<int> used = {(int)buckets.used_ids.size()};
+  used.insert(used.end(), buckets.used_ids.begin(), buckets.used_ids.end());
+  used.resize(1 + std::min(N, V), V + 1000);
+  DeviceBuffer<int> d_used = upload_vec(used);
   DeviceBuffer<floatX> d_dout = upload<floatX>(dout, Mem::Activations);
   DeviceBuffer<floatX> d_dwte = upload<floatX>(dwte_initial, Mem::Grads);
-  embedding_backward(d_dwte.ptr, d_dout.ptr, d_offsets.ptr, d_positions.ptr, d_used.ptr, (int)buckets.used_ids.size(),
-                     V, H, 0);
+  embedding_backward(d_dwte.ptr, d_dout.ptr, d_offsets.ptr, d_positions.ptr, d_used.ptr, N, V, H, 0);
   ref::Mat<double> dwte = download(d_dwte.ptr, V, H);
   ref::Mat<double> dwte_expected = dwte_initial + ref::embedding_backward(as_column(tokens), dout, V);
   EXPECT_REL(name, "dwte(+=)", rel_err(dwte, dwte_expected), OP_TOL);
@@ -59,6 +62,10 @@ void check_embedding(const char* name, int N, int H, int V) {
 TEST(EmbeddingGpu, MatchesReferenceSmallOddShape) { check_embedding("EmbeddingGpu.N37H72V50", 37, 72, 50); }
 TEST(EmbeddingGpu, MatchesReferenceManyUnusedIds) { check_embedding("EmbeddingGpu.N300H200V1000", 300, 200, 1000); }
 TEST(EmbeddingGpu, MatchesReferenceHeavilyRepeatedIds) { check_embedding("EmbeddingGpu.N1000H136V7", 1000, 136, 7); }
+// more used ids than the backward's blocks along them: each block sums several ids
+TEST(EmbeddingGpu, MatchesReferenceMoreUsedIdsThanBlocks) {
+  check_embedding("EmbeddingGpu.N9000H40V5000", 9000, 40, 5000);
+}
 
 TEST(EmbeddingGpu, OutOfRangeDeviceTokenGivesNanRowAndLeavesOthersIntact) {
   REQUIRE_GPU();

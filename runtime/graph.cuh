@@ -1,0 +1,68 @@
+// graph.cuh — a stream's work captured once as a CUDA graph and launched again (notes/speed.md Y).
+//
+// Why: a small model's pass is hundreds of short kernels, and the host issues each through the CUDA
+// runtime (a few µs apiece, cuBLAS's more), so the GPU waits for the host between them. A graph is
+// the same work issued in one launch: the GPU runs its kernels back to back.
+//
+// What makes a launch the same work as the eager pass it was captured from: the same kernels with the
+// same arguments (sizes, pointers, tensor maps), copies from the same pinned host buffers, waits on
+// the same events. The caller keys its graphs by everything the host decides per pass (model.cuh's
+// PassGraphKey); the pool's blocks are this file's part:
+//   * the capture runs the pass's host code once: every pool alloc and free happens then, and the
+//     pool remembers the blocks it handed out (Pool::begin_capture/end_capture); the captured work must
+//     free all of them before it ends;
+//   * a launch is valid only while each of those blocks is a free cached block of the pool (so nothing
+//     else holds one): replayable() asks, and the caller captures again when it is not (the cache was
+//     given back to CUDA, or another pass holds a block);
+//   * a launch raises the pool's peaks by the capture's rise (Pool::replay), so the trainer's peak per
+//     step is the eager pass's.
+// Capture mode: relaxed, so that a pool that must grow may call cudaMalloc while it captures. A host
+// wait inside the captured work is an error (the stream cannot be queried while it is captured): the
+// caller captures only work that it has seen run without one.
+#pragma once
+#include <functional>
+#include "check.cuh"
+#include "pool.cuh"
+#include "stream.cuh"
+
+struct CapturedWork {
+  cudaGraphExec_t exec = nullptr;
+  Pool::CapturedUse pool_use;  // the blocks the capture handed out, and how far the live bytes rose
+  size_t nodes = 0;            // the graph's kernels, copies, memsets and event waits
+  CapturedWork() = default;
+  CapturedWork(const CapturedWork&) = delete;
+  CapturedWork& operator=(const CapturedWork&) = delete;
+  ~CapturedWork() { clear(); }
+
+  void clear() {
+    if (exec != nullptr) cudaCheck(cudaGraphExecDestroy(exec), "CapturedWork", "cudaGraphExecDestroy");
+    exec = nullptr;
+    pool_use = Pool::CapturedUse();
+    nodes = 0;
+  }
+
+  // Captures what enqueue() puts on `stream` (nothing runs yet: launch() runs it).
+  void capture(cudaStream_t stream, const char* op, const std::function<void()>& enqueue) {
+    clear();
+    if (stream == nullptr) fm_fail(op, "a graph is captured from a created stream, not the legacy default stream", "stream=0");
+    if (stream_capturing(stream)) fm_fail(op, "the stream is being captured already", "stream=%p", (void*)stream);
+    pool().begin_capture(op);
+    cudaCheck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), op, "cudaStreamBeginCapture");
+    enqueue();
+    cudaGraph_t graph = nullptr;
+    cudaCheck(cudaStreamEndCapture(stream, &graph), op, "cudaStreamEndCapture");
+    pool_use = pool().end_capture();
+    cudaCheck(cudaGraphGetNodes(graph, nullptr, &nodes), op, "cudaGraphGetNodes");
+    cudaCheck(cudaGraphInstantiate(&exec, graph, 0), op, "cudaGraphInstantiate (%zu nodes)", nodes);
+    cudaCheck(cudaGraphDestroy(graph), op, "cudaGraphDestroy");
+  }
+
+  bool replayable() const { return exec != nullptr && pool().replayable(pool_use); }
+
+  // Runs the captured work on `stream`, after what is queued there; its blocks must be free (replayable).
+  void launch(cudaStream_t stream, const char* op) {
+    if (!replayable()) fm_fail(op, "launching a graph whose pool blocks are not all free", "blocks=%zu", pool_use.blocks.size());
+    pool().replay(pool_use);
+    cudaCheck(cudaGraphLaunch(exec, stream), op, "cudaGraphLaunch");
+  }
+};
