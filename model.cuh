@@ -1098,7 +1098,7 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
     }
   }
   prof_mark(s, "pass end: loss download (host wait)");
-  if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream, as the loss's download does
+  if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream (such a pass stays eager)
   cudaCheck(cudaMemcpyAsync(m.loss_host->get(), loss_total_dev, sizeof(float), cudaMemcpyDeviceToHost, s), "model_pass",
             "loss download N=%d", N);
   for (void* p : {(void*)tokens_dev, (void*)lnf, (void*)lnf_rstd, (void*)loss_total_dev, (void*)recorded})
