@@ -16,19 +16,21 @@
 // same value, no block barrier); lane l takes pieces l, l + 32, l + 64, ... of the row.
 // Backward (rmsnorm_backward_plan): blocks of W warps, W the most, up to 8, whose dw partials fit
 // RMSNORM_BACKWARD_SHARED_BYTES (64 KiB), at least 1. The rows are split into G contiguous chunks of
-// rows_per_block = max(4·W, ceil(N / 1024)) rows, one block each, so that G <= 1024
-// (RMSNORM_BACKWARD_MAX_BLOCKS) and every warp walks at least 4 rows (but in the last block). Warp w
+// rows_per_block = max(W, ceil(N / 512)) rows, one block each, so that G <= 512
+// (RMSNORM_BACKWARD_MAX_BLOCKS) and every warp walks at least one row (but in the last block). Warp w
 // takes rows w, w + W, w + 2W, ... of its block's chunk, in that order, and adds dout·x·rstd into its
 // own dw partial in shared memory (the columns of the pieces its lanes own). At the end the block adds
 // its W partials, in warp order, into row g of a [G, H] fp32 Workspace buffer; a second kernel adds
-// the G rows of each column into dw (8 warps per 32 columns, each warp every 8th row in ascending
-// order, then the warps in order). At N = 16384, H = 1024: W = 8, 32 rows per block,
-// G = 512.
+// the G rows of each column into dw (32 warps per 32 columns, each warp every 32nd row in ascending
+// order, 4 loads in flight, then the warps in order). At N = 16384, H = 1024 (B1): W = 8, 32 rows per
+// block, G = 512. At N = 4096, H = 384 (the default model): W = 8, 8 rows per block (one per warp),
+// G = 512; with at least 4 rows per warp, as before, it had G = 128, a block per SM and 8 warps in
+// flight, and took 12.3 µs a call against 7.9 (notes/speed.md Z).
 //
 // Determinism: W, rows_per_block and G depend on N, H and the path (pieces or elements) only, and
 // every sum runs in a fixed order, so a replay is bit-identical.
 //
-// Memory: backward takes G·H·4 bytes of Workspace (G <= 1024, so <= 1024·H·4) for the duration of the
+// Memory: backward takes G·H·4 bytes of Workspace (G <= 512, so <= 512·H·4) for the duration of the
 // call (freed when the launcher returns; the kernels are ordered on `stream`).
 // Limits: backward needs W·S·4 bytes of shared memory per block, S = H rounded up to a whole number of
 // 32-piece rounds; with W = 1 that is H·4 bytes and a little more (H <= ~58000 on sm_90).
@@ -37,9 +39,9 @@
 #include "common.cuh"
 #include "../runtime/pool.cuh"
 
-static const int RMSNORM_BACKWARD_MAX_BLOCKS = 1024;         // G: the rows of the dw_partials Workspace
+static const int RMSNORM_BACKWARD_MAX_BLOCKS = 512;          // G: the rows of the dw_partials Workspace
 static const int RMSNORM_BACKWARD_MAX_WARPS = 8;             // W: warps per block
-static const int RMSNORM_BACKWARD_ROWS_PER_WARP = 4;         // the fewest rows a warp walks (but in the last block)
+static const int RMSNORM_BACKWARD_ROWS_PER_WARP = 1;         // the fewest rows a warp walks (but in the last block)
 static const int RMSNORM_BACKWARD_SHARED_BYTES = 64 * 1024;  // a block's dw partials (unless one warp's pass it)
 
 // ---------------------------------------------------------------------------------------------
@@ -130,8 +132,9 @@ __global__ void rmsnorm_backward_kernel(T* dx, float* dw_partials /*G,H*/, const
 
 // dw[j] += Σ_g dw_partials[g, j]. One block of RMSNORM_REDUCE_WARPS warps per 32 columns (lane =
 // column, so each load is 128 coalesced bytes): warp w sums the rows g ≡ w (mod RMSNORM_REDUCE_WARPS)
-// in ascending g, then the warps' sums are added in warp order. A fixed order for given G and H.
-static const int RMSNORM_REDUCE_WARPS = 8;
+// in ascending g (the loads of 4 rows issued before their adds), then the warps' sums are added in
+// warp order. A fixed order for given G and H.
+static const int RMSNORM_REDUCE_WARPS = 32;
 template <typename T>
 __global__ void rmsnorm_dw_reduce_kernel(T* dw, const float* dw_partials, int G, int H) {
   __shared__ float warp_sums[RMSNORM_REDUCE_WARPS][32];
@@ -139,6 +142,7 @@ __global__ void rmsnorm_dw_reduce_kernel(T* dw, const float* dw_partials, int G,
   const int c = blockIdx.x * 32 + lane;
   float s = 0.f;
   if (c < H)
+#pragma unroll 4
     for (int g = warp; g < G; g += RMSNORM_REDUCE_WARPS) s += dw_partials[(size_t)g * H + c];
   warp_sums[warp][lane] = s;
   __syncthreads();

@@ -1,6 +1,6 @@
 // GPU tests of ops/rmsnorm.cuh against ref/rmsnorm.hpp: out, rstd, dx and the += dw at shapes
 // that are not multiples of the warp/block sizes: backward blocks of 8 warps with idle warps in the
-// last block, G near its bound 1024 (rows_per_block = ceil(N / 1024), not a multiple of the warps),
+// last block, G near its bound 512 (rows_per_block = ceil(N / 512), not a multiple of the warps),
 // fewer warps per block (5) for wide rows, one warp per block past the 48 KiB default shared memory
 // (H 16000), H in 16-byte pieces and not; dx both as = and as += (the residual stream's gradient:
 // its update read back as dx_after − dx_before); bitwise reproducibility; and the backward's plan
@@ -72,8 +72,8 @@ TEST(RmsNormGpu, MatchesReferenceSeveralRowsPerBackwardBlock) { check_rmsnorm("R
 TEST(RmsNormGpu, MatchesReferenceHiddenPastDefaultSharedMemory) { check_rmsnorm("RmsNormGpu.N5H16000", 5, 16000); }
 // H not a multiple of ROW_PIECE: one element per thread instead of 16-byte pieces
 TEST(RmsNormGpu, MatchesReferenceHiddenNotInWholePieces) { check_rmsnorm("RmsNormGpu.N1100H70", 1100, 70); }
-// 33 rows per block (ceil(N / 1024) > 4·8): G = 1001, the last block one row
-TEST(RmsNormGpu, MatchesReferenceAtTheBlockBound) { check_rmsnorm("RmsNormGpu.N33001H72", 33001, 72); }
+// 65 rows per block (ceil(N / 512) > 8 warps): G = 509, the last block one row
+TEST(RmsNormGpu, MatchesReferenceAtTheBlockBound) { check_rmsnorm("RmsNormGpu.N33021H72", 33021, 72); }
 // a warp's dw partial 12 KiB: 5 warps per block
 TEST(RmsNormGpu, MatchesReferenceFewerWarpsPerBlock) { check_rmsnorm("RmsNormGpu.N1000H3000", 1000, 3000); }
 
@@ -101,7 +101,8 @@ TEST(RmsNormGpu, BackwardIsBitwiseReproducible) {
 
 // The backward's schedule (host only, runs without a GPU): G within the Workspace bound, covering
 // every row with no empty block; a warp's partial holds the whole row; a block's partials within the
-// shared-memory budget unless one warp's alone pass it; at training's shape 8 warps of 4 rows each.
+// shared-memory budget unless one warp's alone pass it; at B1's shape 8 warps of 4 rows each, at the
+// default model's 8 warps of one row each, 512 blocks (4 per SM of an H200: notes/speed.md Z).
 TEST(RmsNormHost, BackwardPlanBoundsBlocksAndSharedMemory) {
   for (int NV : {1, ROW_PIECE})
     for (int H : {64, 72, 1000, 1024, 3000, 16000, 40000})
@@ -122,6 +123,10 @@ TEST(RmsNormHost, BackwardPlanBoundsBlocksAndSharedMemory) {
   EXPECT_EQ(train.warps, 8);
   EXPECT_EQ(train.rows_per_block, 32);
   EXPECT_EQ(train.blocks, 512);
+  const RmsNormBackwardPlan small = rmsnorm_backward_plan(4096, 384, ROW_PIECE);
+  EXPECT_EQ(small.warps, 8);
+  EXPECT_EQ(small.rows_per_block, 8);
+  EXPECT_EQ(small.blocks, 512);
   EXPECT_EQ(rmsnorm_backward_plan(1000, 3000, ROW_PIECE).warps, 5);
   EXPECT_EQ(rmsnorm_backward_plan(5, 16000, ROW_PIECE).warps, 1);
 }
