@@ -62,8 +62,16 @@ static const int ROUTER_SOFTMAX = 0;
 static const int ROUTER_SIGMOID = 1;
 static const int ROUTER_MAX_E = 256;
 static const int ROUTER_MAX_K = 8;
-static const int ROUTER_SLOTS = ROUTER_MAX_E / 32;  // experts per lane: e = lane + 32·i
 static const int ROUTER_WARPS_PER_BLOCK = 8;         // tokens per block
+
+// The slots the kernels give each lane for E experts (expert e = lane + 32·i in slot i): 1, 2, 4 or 8
+// (E ≤ 32, 64, 128, 256). Fewer slots than 8 only drop loop turns that add nothing (a score of 0 to a
+// sum, −inf to a max): the same bits, a shorter kernel (the default model's E = 8: notes/speed.md Z).
+inline int router_slots(int E) {
+  int slots = 1;
+  while (slots * 32 < E) slots *= 2;
+  return slots;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Kernels
@@ -79,17 +87,19 @@ __device__ inline float router_warp_sum(float v) {
 }
 
 // Grid: ceil(N / ROUTER_WARPS_PER_BLOCK) blocks of 32·ROUTER_WARPS_PER_BLOCK threads; warp = token.
-static __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float* scores, const float* logits,
-                                             const float* bias, int N, int E, int k, int score_fn, bool renorm) {
+// SLOTS = router_slots(E): a lane's experts lane, lane + 32, ... (the slots past E add nothing).
+template <int SLOTS>
+__global__ void router_forward_kernel(int* topk_idx, float* topk_w, float* scores, const float* logits,
+                                      const float* bias, int N, int E, int k, int score_fn, bool renorm) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * ROUTER_WARPS_PER_BLOCK + (threadIdx.x >> 5);
   if (n >= N) return;  // n is the same for the whole warp: warps leave together
   const float* row = logits + (size_t)n * E;
 
-  float s[ROUTER_SLOTS];  // this lane's scores, expert e = lane + 32·i
+  float s[SLOTS];  // this lane's scores, expert e = lane + 32·i
   float mx = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < ROUTER_SLOTS; i++) {
+  for (int i = 0; i < SLOTS; i++) {
     int e = lane + 32 * i;
     s[i] = e < E ? row[e] : -INFINITY;
     mx = fmaxf(mx, s[i]);
@@ -98,21 +108,21 @@ static __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float
     mx = router_warp_max(mx);
     float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < ROUTER_SLOTS; i++) {
+    for (int i = 0; i < SLOTS; i++) {
       s[i] = lane + 32 * i < E ? expf(s[i] - mx) : 0.f;
       sum += s[i];
     }
     sum = router_warp_sum(sum);
 #pragma unroll
-    for (int i = 0; i < ROUTER_SLOTS; i++) s[i] /= sum;
+    for (int i = 0; i < SLOTS; i++) s[i] /= sum;
   } else {
 #pragma unroll
-    for (int i = 0; i < ROUTER_SLOTS; i++) s[i] = 1.f / (1.f + expf(-s[i]));
+    for (int i = 0; i < SLOTS; i++) s[i] = 1.f / (1.f + expf(-s[i]));
   }
 
-  float key[ROUTER_SLOTS];  // selection key s + bias; -inf once taken (and for e ≥ E)
+  float key[SLOTS];  // selection key s + bias; -inf once taken (and for e ≥ E)
 #pragma unroll
-  for (int i = 0; i < ROUTER_SLOTS; i++) {
+  for (int i = 0; i < SLOTS; i++) {
     int e = lane + 32 * i;
     if (e < E) scores[(size_t)n * E + e] = s[i];
     key[i] = e < E ? s[i] + bias[e] : -INFINITY;
@@ -127,7 +137,7 @@ static __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float
     float best_key = -INFINITY, best_s = 0.f;
     int best_e = INT_MAX;
 #pragma unroll
-    for (int i = 0; i < ROUTER_SLOTS; i++) {
+    for (int i = 0; i < SLOTS; i++) {
       int e = lane + 32 * i;
       if (e < E && (key[i] > best_key || best_e == INT_MAX)) {
         best_key = key[i];
@@ -148,7 +158,7 @@ static __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float
       }
     }
 #pragma unroll
-    for (int i = 0; i < ROUTER_SLOTS; i++)
+    for (int i = 0; i < SLOTS; i++)
       if (lane + 32 * i == best_e) key[i] = -INFINITY;
     picked[j] = best_s;
     picked_sum += best_s;
@@ -163,9 +173,10 @@ static __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float
   }
 }
 
-// Grid as router_forward_kernel. Every lane computes the same k-long ds (k ≤ 8), then writes its experts.
-static __global__ void router_backward_kernel(float* dlogits, const float* dtopk_w, const float* scores,
-                                              const int* topk_idx, int N, int E, int k, int score_fn, bool renorm) {
+// Grid and SLOTS as router_forward_kernel. Every lane computes the same k-long ds (k ≤ 8), then writes its experts.
+template <int SLOTS>
+__global__ void router_backward_kernel(float* dlogits, const float* dtopk_w, const float* scores, const int* topk_idx,
+                                       int N, int E, int k, int score_fn, bool renorm) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * ROUTER_WARPS_PER_BLOCK + (threadIdx.x >> 5);
   if (n >= N) return;
@@ -193,7 +204,7 @@ static __global__ void router_backward_kernel(float* dlogits, const float* dtopk
   for (int j = 0; j < ROUTER_MAX_K; j++) s_dot_ds += sel_s[j] * ds[j];
 
 #pragma unroll
-  for (int i = 0; i < ROUTER_SLOTS; i++) {
+  for (int i = 0; i < SLOTS; i++) {
     int e = lane + 32 * i;
     if (e >= E) continue;
     float d = 0.f;
@@ -302,8 +313,13 @@ inline void router_forward(int* topk_idx, float* topk_w, float* scores, const fl
                            int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
   router_check_sizes("router_forward", N, E, k, score_fn);
   if (N == 0) return;
-  router_forward_kernel<<<ceil_div(N, ROUTER_WARPS_PER_BLOCK), 32 * ROUTER_WARPS_PER_BLOCK, 0, stream>>>(
-      topk_idx, topk_w, scores, logits, bias, N, E, k, score_fn, renorm);
+  const dim3 grid(ceil_div(N, ROUTER_WARPS_PER_BLOCK)), block(32 * ROUTER_WARPS_PER_BLOCK);
+  const int slots = router_slots(E);
+  auto* kernel = slots == 1   ? router_forward_kernel<1>
+                 : slots == 2 ? router_forward_kernel<2>
+                 : slots == 4 ? router_forward_kernel<4>
+                              : router_forward_kernel<8>;
+  kernel<<<grid, block, 0, stream>>>(topk_idx, topk_w, scores, logits, bias, N, E, k, score_fn, renorm);
   launchCheck("router_forward", "N=%d E=%d k=%d", N, E, k);
 }
 
@@ -312,8 +328,13 @@ inline void router_backward(float* dlogits, const float* dtopk_w, const float* s
                             int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
   router_check_sizes("router_backward", N, E, k, score_fn);
   if (N == 0) return;
-  router_backward_kernel<<<ceil_div(N, ROUTER_WARPS_PER_BLOCK), 32 * ROUTER_WARPS_PER_BLOCK, 0, stream>>>(
-      dlogits, dtopk_w, scores, topk_idx, N, E, k, score_fn, renorm);
+  const dim3 grid(ceil_div(N, ROUTER_WARPS_PER_BLOCK)), block(32 * ROUTER_WARPS_PER_BLOCK);
+  const int slots = router_slots(E);
+  auto* kernel = slots == 1   ? router_backward_kernel<1>
+                 : slots == 2 ? router_backward_kernel<2>
+                 : slots == 4 ? router_backward_kernel<4>
+                              : router_backward_kernel<8>;
+  kernel<<<grid, block, 0, stream>>>(dlogits, dtopk_w, scores, topk_idx, N, E, k, score_fn, renorm);
   launchCheck("router_backward", "N=%d E=%d k=%d", N, E, k);
 }
 

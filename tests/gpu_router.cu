@@ -8,6 +8,7 @@
 // the logits GEMM and its backward at odd shapes, with their Workspace peak.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include "gpu_util.cuh"
 #include "router_util.hpp"
 #include "../ops/router.cuh"
@@ -205,6 +206,55 @@ TEST(RouterGpu, TiesGoToLowerExpertIndex) {
     EXPECT_EQ(gpu, expected) << "score_fn=" << score_fn;
     EXPECT_EQ(count_mismatches(expected, r.topk_idx), 0) << "reference, score_fn=" << score_fn;
     EXPECT_REL("router ties", "topk_w", testutil::rel_err(testutil::download(d_w.ptr, N, k), r.topk_w), FP32_TOL);
+  }
+}
+
+// The launchers give each lane router_slots(E) experts, fewer than the 8 that E = 256 needs: the
+// turns they drop add nothing, so the results are the bits of the 8-slot kernels (memcmp), at E of
+// one slot (the default model's 8), of two and of four, in both score functions.
+TEST(RouterGpu, FewerSlotsGiveTheSameBits) {
+  REQUIRE_GPU();
+  struct Case { int N, E, k, score_fn, slots; };
+  for (const Case c : {Case{4096, 8, 2, ROUTER_SOFTMAX, 1}, Case{333, 40, 3, ROUTER_SIGMOID, 2},
+                       Case{257, 100, 4, ROUTER_SOFTMAX, 4}}) {
+    SCOPED_TRACE("E=" + std::to_string(c.E));
+    EXPECT_EQ(router_slots(c.E), c.slots);
+    Rng rng;
+    const Mat logits = round_to_float(rng.mat<double>(c.N, c.E));
+    auto d_logits = testutil::upload<float>(logits);
+    auto d_bias = testutil::upload_vec(as_floats(random_bias(rng, c.E, 0.1)));
+    auto d_dtopk_w = testutil::upload<float>(round_to_float(rng.mat<double>(c.N, c.k)));
+    std::vector<int> idx[2];
+    std::vector<float> w[2], scores[2], dlogits[2];
+    for (int run = 0; run < 2; run++) {  // run 0: the launchers; run 1: the 8-slot kernels
+      DeviceBuffer<int> d_idx((size_t)c.N * c.k, Mem::Workspace, "test.topk_idx");
+      DeviceBuffer<float> d_w((size_t)c.N * c.k, Mem::Workspace, "test.topk_w");
+      DeviceBuffer<float> d_scores((size_t)c.N * c.E, Mem::Workspace, "test.scores");
+      DeviceBuffer<float> d_dlogits((size_t)c.N * c.E, Mem::Workspace, "test.dlogits");
+      testutil::poison(d_idx.ptr, d_idx.count);
+      testutil::poison(d_w.ptr, d_w.count);
+      testutil::poison(d_scores.ptr, d_scores.count);
+      testutil::poison(d_dlogits.ptr, d_dlogits.count);
+      if (run == 0) {
+        router_forward(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, c.N, c.E, c.k, c.score_fn, true, 0);
+        router_backward(d_dlogits.ptr, d_dtopk_w.ptr, d_scores.ptr, d_idx.ptr, c.N, c.E, c.k, c.score_fn, true, 0);
+      } else {
+        const dim3 grid(ceil_div(c.N, ROUTER_WARPS_PER_BLOCK)), block(32 * ROUTER_WARPS_PER_BLOCK);
+        router_forward_kernel<8><<<grid, block>>>(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, c.N, c.E,
+                                                  c.k, c.score_fn, true);
+        router_backward_kernel<8><<<grid, block>>>(d_dlogits.ptr, d_dtopk_w.ptr, d_scores.ptr, d_idx.ptr, c.N, c.E, c.k,
+                                                   c.score_fn, true);
+        launchCheck("test", "8-slot router kernels");
+      }
+      idx[run] = testutil::download_vec(d_idx.ptr, d_idx.count);
+      w[run] = testutil::download_vec(d_w.ptr, d_w.count);
+      scores[run] = testutil::download_vec(d_scores.ptr, d_scores.count);
+      dlogits[run] = testutil::download_vec(d_dlogits.ptr, d_dlogits.count);
+    }
+    EXPECT_EQ(idx[0], idx[1]);
+    EXPECT_EQ(0, memcmp(w[0].data(), w[1].data(), w[0].size() * sizeof(float))) << "topk_w";
+    EXPECT_EQ(0, memcmp(scores[0].data(), scores[1].data(), scores[0].size() * sizeof(float))) << "scores";
+    EXPECT_EQ(0, memcmp(dlogits[0].data(), dlogits[1].data(), dlogits[0].size() * sizeof(float))) << "dlogits";
   }
 }
 
