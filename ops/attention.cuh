@@ -200,18 +200,41 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
   }
 }
 
-// delta[b, h, t] = Σ_d dout[n, h·hd + d]·out[n, h·hd + d], n = b·T + t. One warp per (n, h).
-static __global__ void attention_delta_kernel(float* delta, const floatX* dout, const floatX* out, int N, int T,
-                                              int nh, int hd) {
-  const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= (long long)N * nh) return;  // whole warps exit together
-  const int n = (int)(warp / nh), h = (int)(warp % nh);
-  const size_t off = (size_t)n * nh * hd + (size_t)h * hd;
+// delta[b, h, t] = Σ_d dout[n, h·hd + d]·out[n, h·hd + d], n = b·T + t. A group of G lanes per (n, h)
+// (G = attention_delta_group: the fewest, a power of two, that give each lane at most one piece of NV
+// elements at hd <= 256 and NV = 8; 8 lanes at hd = 64): lane g of the group sums pieces g, g + G, ...
+// (a piece's elements in order), then the group adds its lanes by an xor butterfly. Every lane of the
+// warp takes part in the butterfly; a group past the last row writes nothing.
+template <int NV>
+__global__ void attention_delta_kernel(float* delta, const floatX* dout, const floatX* out, int N, int T, int nh,
+                                       int hd, int G) {
+  using P = Pack<floatX, NV>;
+  const long long thread = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long row = thread / G;  // (n, h) = (row / nh, row % nh)
+  const int g = (int)(thread % G), pieces = hd / NV;
+  const bool valid = row < (long long)N * nh;
   float acc = 0.f;
-  for (int d = lane; d < hd; d += 32) acc = fmaf(to_float(dout[off + d]), to_float(out[off + d]), acc);
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
-  if (lane == 0) delta[((size_t)(n / T) * nh + h) * T + n % T] = acc;
+  if (valid) {
+    const P* dout_row = reinterpret_cast<const P*>(dout + (size_t)row * hd);
+    const P* out_row = reinterpret_cast<const P*>(out + (size_t)row * hd);
+    for (int c = g; c < pieces; c += G) {
+      const P d = dout_row[c], o = out_row[c];
+#pragma unroll
+      for (int e = 0; e < NV; e++) acc = fmaf(to_float(d.v[e]), to_float(o.v[e]), acc);
+    }
+  }
+  for (int o = G / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+  if (valid && g == 0) {
+    const int n = (int)(row / nh), h = (int)(row % nh);
+    delta[((size_t)(n / T) * nh + h) * T + n % T] = acc;
+  }
+}
+
+// The lanes per (n, h) row of attention_delta_kernel: pieces = hd / NV rounded up to a power of two, at most 32.
+inline int attention_delta_group(int hd, int NV) {
+  int G = 1;
+  while (G < 32 && G * NV < hd) G *= 2;
+  return G;
 }
 
 // grid (nh, B, ceil(T/64)); block 256. Writes dK and dV of one 64-key tile of one head.
@@ -504,8 +527,10 @@ inline void attention_backward_with(AttentionKernels kernels, floatX* dqkv, cons
   const int N = B * T;
   DeviceBuffer<float> delta((size_t)N * nh, Mem::Workspace, "attention.delta");
   const int threads = 256;
-  attention_delta_kernel<<<ceil_div((long long)N * nh * 32, threads), threads, 0, stream>>>(delta.ptr, dout, out, N,
-                                                                                             T, nh, hd);
+  const int NV = row_pieces(hd, {dout, out}) ? ROW_PIECE : 1;  // hd·nh = H: every (n, h) row aligned as the first
+  const int G = attention_delta_group(hd, NV);
+  auto* delta_kernel = NV == 1 ? attention_delta_kernel<1> : attention_delta_kernel<ROW_PIECE>;
+  delta_kernel<<<ceil_div((long long)N * nh * G, threads), threads, 0, stream>>>(delta.ptr, dout, out, N, T, nh, hd, G);
   launchCheck("attention_backward", "delta kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
 #ifdef FLATMOE_BF16
 #if defined(FLATMOE_WGMMA)
