@@ -7,12 +7,16 @@
 //
 // Determinism: backward never scatters with atomics. The host, which holds the tokens before
 // they are uploaded (like llm.c), groups the positions of each token id (counting sort: stable,
-// ascending position within an id) and lists the ids that occur. One thread per (used id,
-// column) then adds that id's rows of dout in ascending position order in fp32 and adds the sum
-// once into dwte. Rows of ids that do not occur are not touched. Work is proportional to N·H
-// (no per-vocabulary-row pass); the longest serial chain is the count of the most frequent token.
-// The count of used ids is read on the device and the grid depends only on N, V and H, so that a
-// pass launches the same kernel whatever its tokens (a captured pass, runtime/graph.cuh).
+// ascending position within an id) and lists the ids that occur. A block of EMBEDDING_BWD_SEGMENTS
+// warps then takes a used id: its c positions are cut into S = 8 segments of ceil(c / S) consecutive
+// ones, warp s sums segment s of dout's rows in ascending position order in fp32 (a lane per piece
+// of 16 bytes, or per element), and the segments' sums are added in segment order and then once
+// into dwte. An id of at most S positions is summed in plain position order; the longest serial
+// chain is ceil(c / S) rows of the most frequent token (1 for one in 8 before: the default model's
+// backward ran 31 µs on that chain, notes/speed.md Z). Rows of ids that do not occur are not touched.
+// Work is proportional to N·H (no per-vocabulary-row pass). The count of used ids is read on the
+// device and the grid depends only on N and V, so that a pass launches the same kernel whatever its
+// tokens (a captured pass, runtime/graph.cuh).
 //
 // Token ids outside [0, V) are refused on the host by build_token_buckets; the forward kernel,
 // which reads device tokens, writes a NaN row for such an id instead of reading outside wte, so
@@ -71,25 +75,63 @@ __global__ void embedding_forward_kernel(T* out, const int* tokens, const T* wte
 
 // Blocks along the used ids: each strides over them (a grid fixed by the sizes, not by U).
 constexpr int EMBEDDING_BWD_ID_BLOCKS = 2048;
+constexpr int EMBEDDING_BWD_SEGMENTS = 8;  // S: warps per block, one segment of an id's positions each
+constexpr int EMBEDDING_BWD_ROUNDS = 4;    // rounds of 32 pieces a lane sums at once (H <= 1024 at NV = 8)
 
-// grid (min(min(N, V), EMBEDDING_BWD_ID_BLOCKS), ceil(H / blockDim)); thread = (column), for the used
-// ids blockIdx.x, + gridDim.x, ... below used[0]. Sums each id's rows of dout in ascending position
-// order, then adds the sum into dwte once.
-template <typename T>
+// grid min(min(N, V), EMBEDDING_BWD_ID_BLOCKS), block 32·S; the used ids blockIdx.x, + gridDim.x, ...
+// below used[0]. Lane l of warp s takes pieces l, l + 32, ... of a row (NV elements each), R rounds of
+// 32 pieces at a time: it sums segment s of the id's positions (the warp loads 32 positions at once
+// and passes each to every lane, so the rows' loads do not wait on one another), the block adds the S
+// segment sums in order (thread t: elements t, t + 32·S, ... of the R rounds), and adds the total into
+// dwte once.
+template <int NV, typename T>
 __global__ void embedding_backward_kernel(T* dwte, const T* dout, const int* bucket_offsets,
                                           const int* bucket_positions, const int* used, int H) {
-  int c = blockIdx.y * blockDim.x + threadIdx.x;
-  if (c >= H) return;
+  using P = Pack<T, NV>;
+  constexpr int S = EMBEDDING_BWD_SEGMENTS, R = EMBEDDING_BWD_ROUNDS, GROUP = R * 32 * NV;  // elements of R rounds
+  __shared__ float segment_sums[S][GROUP];
+  const int segment = threadIdx.x / 32, lane = threadIdx.x % 32, pieces = H / NV;
   const int used_count = used[0];
   for (int u = blockIdx.x; u < used_count; u += gridDim.x) {
-    int id = used[1 + u];
-    int begin = bucket_offsets[id];
-    int end = bucket_offsets[id + 1];
-    float acc = 0.f;
+    const int id = used[1 + u];
+    const int begin = bucket_offsets[id], count = bucket_offsets[id + 1] - begin;
+    const int length = (count + S - 1) / S;
+    const int seg_begin = begin + min(count, segment * length), seg_end = begin + min(count, (segment + 1) * length);
+    for (int first_piece = 0; first_piece < pieces; first_piece += R * 32) {
+      float acc[R][NV] = {};
+      for (int p0 = seg_begin; p0 < seg_end; p0 += 32) {
+        const int mine = p0 + lane < seg_end ? bucket_positions[p0 + lane] : 0, n = min(32, seg_end - p0);
 #pragma unroll 4
-    for (int p = begin; p < end; p++) acc += to_float(dout[(size_t)bucket_positions[p] * H + c]);
-    size_t o = (size_t)id * H + c;
-    dwte[o] = from_float<T>(to_float(dwte[o]) + acc);
+        for (int j = 0; j < n; j++) {
+          const P* row = reinterpret_cast<const P*>(dout + (size_t)__shfl_sync(0xffffffff, mine, j) * H);
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            const int piece = first_piece + r * 32 + lane;
+            if (piece < pieces) {
+              const P d = row[piece];
+#pragma unroll
+              for (int e = 0; e < NV; e++) acc[r][e] += to_float(d.v[e]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int e = 0; e < NV; e++) segment_sums[segment][(r * 32 + lane) * NV + e] = acc[r][e];
+      __syncthreads();
+      for (int t = threadIdx.x; t < GROUP; t += blockDim.x) {
+        const int c = first_piece * NV + t;
+        if (c < H) {
+          float total = segment_sums[0][t];
+#pragma unroll
+          for (int s = 1; s < S; s++) total += segment_sums[s][t];
+          const size_t o = (size_t)id * H + c;
+          dwte[o] = from_float<T>(to_float(dwte[o]) + total);
+        }
+      }
+      __syncthreads();  // segment_sums is the next group's
+    }
   }
 }
 
@@ -113,9 +155,9 @@ inline void embedding_backward(floatX* dwte, const floatX* dout, const int* buck
                                cudaStream_t stream) {
   if (N == 0 || H == 0) return;
   if (N < 0 || V < 1 || H < 0) fm_fail("embedding_backward", "invalid sizes", "N=%d V=%d H=%d", N, V, H);
-  const int threads = 128;
-  dim3 grid(std::min(std::min(N, V), EMBEDDING_BWD_ID_BLOCKS), ceil_div(H, threads));
-  embedding_backward_kernel<<<grid, threads, 0, stream>>>(dwte, dout, bucket_offsets_dev, bucket_positions_dev,
-                                                          used_dev, H);
+  const int blocks = std::min(std::min(N, V), EMBEDDING_BWD_ID_BLOCKS), threads = 32 * EMBEDDING_BWD_SEGMENTS;
+  auto* kernel = row_pieces(H, {dwte, dout}) ? embedding_backward_kernel<ROW_PIECE, floatX>
+                                             : embedding_backward_kernel<1, floatX>;
+  kernel<<<blocks, threads, 0, stream>>>(dwte, dout, bucket_offsets_dev, bucket_positions_dev, used_dev, H);
   launchCheck("embedding_backward", "N=%d V=%d H=%d", N, V, H);
 }

@@ -62,6 +62,8 @@ void check_embedding(const char* name, int N, int H, int V) {
 TEST(EmbeddingGpu, MatchesReferenceSmallOddShape) { check_embedding("EmbeddingGpu.N37H72V50", 37, 72, 50); }
 TEST(EmbeddingGpu, MatchesReferenceManyUnusedIds) { check_embedding("EmbeddingGpu.N300H200V1000", 300, 200, 1000); }
 TEST(EmbeddingGpu, MatchesReferenceHeavilyRepeatedIds) { check_embedding("EmbeddingGpu.N1000H136V7", 1000, 136, 7); }
+// rows of three rounds of 32 pieces (the last of one piece), ~1000 positions per id: 8 segments each
+TEST(EmbeddingGpu, MatchesReferenceWideRowsFewIds) { check_embedding("EmbeddingGpu.N3000H520V3", 3000, 520, 3); }
 // more used ids than the backward's blocks along them: each block sums several ids
 TEST(EmbeddingGpu, MatchesReferenceMoreUsedIdsThanBlocks) {
   check_embedding("EmbeddingGpu.N9000H40V5000", 9000, 40, 5000);
