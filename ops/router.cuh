@@ -73,6 +73,13 @@ inline int router_slots(int E) {
   return slots;
 }
 
+// Of a kernel's 1-, 2-, 4- and 8-slot instances, the one for E experts.
+template <typename Kernel>
+Kernel router_kernel_for(int E, Kernel one, Kernel two, Kernel four, Kernel eight) {
+  const int slots = router_slots(E);
+  return slots == 1 ? one : slots == 2 ? two : slots == 4 ? four : eight;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
@@ -314,11 +321,8 @@ inline void router_forward(int* topk_idx, float* topk_w, float* scores, const fl
   router_check_sizes("router_forward", N, E, k, score_fn);
   if (N == 0) return;
   const dim3 grid(ceil_div(N, ROUTER_WARPS_PER_BLOCK)), block(32 * ROUTER_WARPS_PER_BLOCK);
-  const int slots = router_slots(E);
-  auto* kernel = slots == 1   ? router_forward_kernel<1>
-                 : slots == 2 ? router_forward_kernel<2>
-                 : slots == 4 ? router_forward_kernel<4>
-                              : router_forward_kernel<8>;
+  auto* kernel = router_kernel_for(E, router_forward_kernel<1>, router_forward_kernel<2>, router_forward_kernel<4>,
+                                   router_forward_kernel<8>);
   kernel<<<grid, block, 0, stream>>>(topk_idx, topk_w, scores, logits, bias, N, E, k, score_fn, renorm);
   launchCheck("router_forward", "N=%d E=%d k=%d", N, E, k);
 }
@@ -329,11 +333,8 @@ inline void router_backward(float* dlogits, const float* dtopk_w, const float* s
   router_check_sizes("router_backward", N, E, k, score_fn);
   if (N == 0) return;
   const dim3 grid(ceil_div(N, ROUTER_WARPS_PER_BLOCK)), block(32 * ROUTER_WARPS_PER_BLOCK);
-  const int slots = router_slots(E);
-  auto* kernel = slots == 1   ? router_backward_kernel<1>
-                 : slots == 2 ? router_backward_kernel<2>
-                 : slots == 4 ? router_backward_kernel<4>
-                              : router_backward_kernel<8>;
+  auto* kernel = router_kernel_for(E, router_backward_kernel<1>, router_backward_kernel<2>, router_backward_kernel<4>,
+                                   router_backward_kernel<8>);
   kernel<<<grid, block, 0, stream>>>(dlogits, dtopk_w, scores, topk_idx, N, E, k, score_fn, renorm);
   launchCheck("router_backward", "N=%d E=%d k=%d", N, E, k);
 }
