@@ -1156,11 +1156,7 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
     if (inside > 0) graph->eager_why = std::to_string(inside) + " host waits inside the pass";
   } else {
     stage_buckets();
-    if (!graph->work.replayable()) {
-      graph->work.capture(s, "model_pass", [&] { enqueue_pass(m, B, T, o, nullptr); });
-      m.graph_captures++;
-    }
-    graph->work.launch(s, "model_pass");
+    if (graph->work.run(s, "model_pass", [&] { enqueue_pass(m, B, T, o, nullptr); })) m.graph_captures++;
     m.graph_launches++;
     m.update.next_wait = m.update.groups;  // the graph waits for the whole update, as the captured pass did
     m.tokens_upload->copied_by(s, "tokens_targets");

@@ -12,7 +12,7 @@
 //     pool remembers the blocks it handed out (Pool::begin_capture/end_capture); the captured work must
 //     free all of them before it ends;
 //   * a launch is valid only while each of those blocks is a free cached block of the pool (so nothing
-//     else holds one): replayable() asks, and the caller captures again when it is not (the cache was
+//     else holds one): run() asks once per pass, and captures again when it is not (the cache was
 //     given back to CUDA, or another pass holds a block);
 //   * a launch raises the pool's peaks by the capture's rise (Pool::replay), so the trainer's peak per
 //     step is the eager pass's.
@@ -41,7 +41,20 @@ struct CapturedWork {
     nodes = 0;
   }
 
-  // Captures what enqueue() puts on `stream` (nothing runs yet: launch() runs it).
+  // Runs enqueue()'s work on `stream`, after what is queued there, as this graph: captured first when
+  // there is none yet or its pool blocks are not all free (replayable), then launched. True: captured.
+  bool run(cudaStream_t stream, const char* op, const std::function<void()>& enqueue) {
+    const bool capture_now = !replayable();
+    if (capture_now) capture(stream, op, enqueue);  // end_capture left every block it used free and cached
+    pool().replay(pool_use);
+    cudaCheck(cudaGraphLaunch(exec, stream), op, "cudaGraphLaunch");
+    return capture_now;
+  }
+
+ private:
+  bool replayable() const { return exec != nullptr && pool().replayable(pool_use); }
+
+  // Captures what enqueue() puts on `stream` (nothing runs yet).
   void capture(cudaStream_t stream, const char* op, const std::function<void()>& enqueue) {
     clear();
     if (stream == nullptr) fm_fail(op, "a graph is captured from a created stream, not the legacy default stream", "stream=0");
@@ -55,14 +68,5 @@ struct CapturedWork {
     cudaCheck(cudaGraphGetNodes(graph, nullptr, &nodes), op, "cudaGraphGetNodes");
     cudaCheck(cudaGraphInstantiate(&exec, graph, 0), op, "cudaGraphInstantiate (%zu nodes)", nodes);
     cudaCheck(cudaGraphDestroy(graph), op, "cudaGraphDestroy");
-  }
-
-  bool replayable() const { return exec != nullptr && pool().replayable(pool_use); }
-
-  // Runs the captured work on `stream`, after what is queued there; its blocks must be free (replayable).
-  void launch(cudaStream_t stream, const char* op) {
-    if (!replayable()) fm_fail(op, "launching a graph whose pool blocks are not all free", "blocks=%zu", pool_use.blocks.size());
-    pool().replay(pool_use);
-    cudaCheck(cudaGraphLaunch(exec, stream), op, "cudaGraphLaunch");
   }
 };
