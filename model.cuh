@@ -147,8 +147,8 @@ struct PinnedUpload {
     size_t n = 0;
     for (const auto& part : parts) n += part.second;
     if (n > total) fm_fail(tag, "staged parts longer than their total", "parts=%zu total=%zu", n, total);
-    host_wait(copied, tag);
-    reserve(total, tag);
+    if (total > capacity) reserve(total, tag);  // waits for the last copy, then grows
+    else host_wait(copied, tag);
     size_t at = 0;
     for (const auto& part : parts) {
       std::copy(part.first, part.first + part.second, host + at);
