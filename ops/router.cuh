@@ -48,8 +48,9 @@
 // the fp32 parts of ΔW [3E, H]: at most router_logits_workspace_bytes(N,H,E) = 6·N·E + 12·E·H bytes
 // live at once, all freed before it returns (stream-ordered). The FP32 build's backward allocates
 // nothing. cuBLAS's own workspace is the pool's (cublas_on).
-// Kernels: one warp per token; every reduction is a fixed xor-butterfly over the warp (all lanes end
-// with the same bits), so results are deterministic. Loads use integer atomics (exact).
+// Kernels: a token's experts on router_lanes(E) lanes of a warp, ROUTER_SLOTS each; every reduction is
+// one fixed tree over the expert positions (inside a lane, then xor shuffles: all lanes end with the
+// same bits, whatever the number of lanes), so results are deterministic. Loads use integer atomics (exact).
 #pragma once
 #include <algorithm>
 #include <climits>
@@ -62,75 +63,108 @@ static const int ROUTER_SOFTMAX = 0;
 static const int ROUTER_SIGMOID = 1;
 static const int ROUTER_MAX_E = 256;
 static const int ROUTER_MAX_K = 8;
-static const int ROUTER_WARPS_PER_BLOCK = 8;         // tokens per block
+static const int ROUTER_BLOCK = 256;                  // threads per block of the selection kernels
+static const int ROUTER_SLOTS = 8;                    // experts per lane: E ≤ 8·32 = ROUTER_MAX_E
 
-// The slots the kernels give each lane for E experts (expert e = lane + 32·i in slot i): 1, 2, 4 or 8
-// (E ≤ 32, 64, 128, 256). Fewer slots than 8 only drop loop turns that add nothing (a score of 0 to a
-// sum, −inf to a max): the same bits, a shorter kernel (the default model's E = 8: notes/speed.md Z).
-inline int router_slots(int E) {
-  int slots = 1;
-  while (slots * 32 < E) slots *= 2;
-  return slots;
+// A token's lanes: the fewest (a power of two ≤ 32) whose ROUTER_SLOTS slots cover E experts, so that
+// a warp holds 32 / lanes tokens (E = 8: 1 lane, 32 tokens; E = 32: 4 lanes; E = 256: 32 lanes, a warp
+// per token). Lane l of a token's group holds experts l, l + lanes, l + 2·lanes, ... (notes/speed.md ZA).
+inline int router_lanes(int E) {
+  int lanes = 1;
+  while (lanes * ROUTER_SLOTS < E && lanes < 32) lanes *= 2;
+  return lanes;
 }
 
-// Of a kernel's 1-, 2-, 4- and 8-slot instances, the one for E experts.
+// Of a kernel's 1-, 2-, 4-, 8-, 16- and 32-lane instances, the one for E experts.
 template <typename Kernel>
-Kernel router_kernel_for(int E, Kernel one, Kernel two, Kernel four, Kernel eight) {
-  const int slots = router_slots(E);
-  return slots == 1 ? one : slots == 2 ? two : slots == 4 ? four : eight;
+Kernel router_kernel_for(int E, Kernel one, Kernel two, Kernel four, Kernel eight, Kernel sixteen, Kernel thirtytwo) {
+  switch (router_lanes(E)) {
+    case 1: return one;
+    case 2: return two;
+    case 4: return four;
+    case 8: return eight;
+    case 16: return sixteen;
+    default: return thirtytwo;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
-__device__ inline float router_warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-  return v;
+// A token's reductions over its E experts, placed at positions e = lane + LANES·slot (positions
+// ≥ E hold 0 for a sum, −inf for a max). Both form one tree over the positions, pairing e with
+// e xor 2^b for b from the highest bit down: first inside a lane (slot i with slot i + SLOTS/2, ...),
+// then across the token's lanes (xor shuffles over LANES/2, ..., 1). The tree does not depend on
+// LANES: every instance gives the same bits (tests/gpu_router.cu). `group` masks the token's lanes.
+template <int LANES>
+__device__ inline float router_token_sum(const float (&v)[ROUTER_SLOTS], unsigned group) {
+  float t[ROUTER_SLOTS];
+#pragma unroll
+  for (int i = 0; i < ROUTER_SLOTS; i++) t[i] = v[i];
+#pragma unroll
+  for (int half = ROUTER_SLOTS / 2; half > 0; half /= 2)
+#pragma unroll
+    for (int i = 0; i < half; i++) t[i] += t[i + half];
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o /= 2) t[0] += __shfl_xor_sync(group, t[0], o);
+  return t[0];
 }
 
-__device__ inline float router_warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-  return v;
+template <int LANES>
+__device__ inline float router_token_max(const float (&v)[ROUTER_SLOTS], unsigned group) {
+  float m = v[0];
+#pragma unroll
+  for (int i = 1; i < ROUTER_SLOTS; i++) m = fmaxf(m, v[i]);
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(group, m, o));
+  return m;
 }
 
-// Grid: ceil(N / ROUTER_WARPS_PER_BLOCK) blocks of 32·ROUTER_WARPS_PER_BLOCK threads; warp = token.
-// SLOTS = router_slots(E): a lane's experts lane, lane + 32, ... (the slots past E add nothing).
-template <int SLOTS>
-__global__ void router_forward_kernel(int* topk_idx, float* topk_w, float* scores, const float* logits,
-                                      const float* bias, int N, int E, int k, int score_fn, bool renorm) {
-  const int lane = threadIdx.x & 31;
-  const int n = blockIdx.x * ROUTER_WARPS_PER_BLOCK + (threadIdx.x >> 5);
-  if (n >= N) return;  // n is the same for the whole warp: warps leave together
+// The token of a thread, its lane in the token's group and the group's shuffle mask.
+template <int LANES>
+struct RouterLane {
+  int n, lane;
+  unsigned group;
+  __device__ RouterLane() {
+    const int warp_lane = threadIdx.x & 31;
+    lane = warp_lane & (LANES - 1);
+    n = (blockIdx.x * ROUTER_BLOCK + threadIdx.x) / LANES;
+    group = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << (warp_lane - lane);
+  }
+};
+
+// Grid: ceil(N·LANES / ROUTER_BLOCK) blocks of ROUTER_BLOCK threads; LANES = router_lanes(E) lanes per token.
+template <int LANES>
+__global__ void __launch_bounds__(ROUTER_BLOCK) router_forward_kernel(int* topk_idx, float* topk_w, float* scores,
+                                                                      const float* logits, const float* bias, int N,
+                                                                      int E, int k, int score_fn, bool renorm) {
+  const RouterLane<LANES> me;
+  const int lane = me.lane, n = me.n;
+  if (n >= N) return;  // a token's lanes leave together
   const float* row = logits + (size_t)n * E;
 
-  float s[SLOTS];  // this lane's scores, expert e = lane + 32·i
-  float mx = -INFINITY;
+  float s[ROUTER_SLOTS];  // this lane's scores, expert e = lane + LANES·i
 #pragma unroll
-  for (int i = 0; i < SLOTS; i++) {
-    int e = lane + 32 * i;
+  for (int i = 0; i < ROUTER_SLOTS; i++) {
+    int e = lane + LANES * i;
     s[i] = e < E ? row[e] : -INFINITY;
-    mx = fmaxf(mx, s[i]);
   }
   if (score_fn == ROUTER_SOFTMAX) {
-    mx = router_warp_max(mx);
-    float sum = 0.f;
+    const float mx = router_token_max<LANES>(s, me.group);
 #pragma unroll
-    for (int i = 0; i < SLOTS; i++) {
-      s[i] = lane + 32 * i < E ? expf(s[i] - mx) : 0.f;
-      sum += s[i];
-    }
-    sum = router_warp_sum(sum);
+    for (int i = 0; i < ROUTER_SLOTS; i++) s[i] = lane + LANES * i < E ? expf(s[i] - mx) : 0.f;
+    const float sum = router_token_sum<LANES>(s, me.group);
 #pragma unroll
-    for (int i = 0; i < SLOTS; i++) s[i] /= sum;
+    for (int i = 0; i < ROUTER_SLOTS; i++) s[i] /= sum;
   } else {
 #pragma unroll
-    for (int i = 0; i < SLOTS; i++) s[i] = 1.f / (1.f + expf(-s[i]));
+    for (int i = 0; i < ROUTER_SLOTS; i++) s[i] = 1.f / (1.f + expf(-s[i]));
   }
 
-  float key[SLOTS];  // selection key s + bias; -inf once taken (and for e ≥ E)
+  float key[ROUTER_SLOTS];  // selection key s + bias; -inf once taken (and for e ≥ E)
 #pragma unroll
-  for (int i = 0; i < SLOTS; i++) {
-    int e = lane + 32 * i;
+  for (int i = 0; i < ROUTER_SLOTS; i++) {
+    int e = lane + LANES * i;
     if (e < E) scores[(size_t)n * E + e] = s[i];
     key[i] = e < E ? s[i] + bias[e] : -INFINITY;
   }
@@ -144,20 +178,21 @@ __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float* score
     float best_key = -INFINITY, best_s = 0.f;
     int best_e = INT_MAX;
 #pragma unroll
-    for (int i = 0; i < SLOTS; i++) {
-      int e = lane + 32 * i;
+    for (int i = 0; i < ROUTER_SLOTS; i++) {
+      int e = lane + LANES * i;
       if (e < E && (key[i] > best_key || best_e == INT_MAX)) {
         best_key = key[i];
         best_s = s[i];
         best_e = e;
       }
     }
-    // warp argmax: larger key wins, equal keys go to the lower expert index (a total order, so
-    // every lane ends with the same winner)
-    for (int o = 16; o > 0; o >>= 1) {
-      float other_key = __shfl_xor_sync(0xffffffff, best_key, o);
-      float other_s = __shfl_xor_sync(0xffffffff, best_s, o);
-      int other_e = __shfl_xor_sync(0xffffffff, best_e, o);
+    // argmax over the token's lanes: larger key wins, equal keys go to the lower expert index (a
+    // total order, so every lane ends with the same winner)
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o /= 2) {
+      float other_key = __shfl_xor_sync(me.group, best_key, o);
+      float other_s = __shfl_xor_sync(me.group, best_s, o);
+      int other_e = __shfl_xor_sync(me.group, best_e, o);
       if (other_key > best_key || (other_key == best_key && other_e < best_e)) {
         best_key = other_key;
         best_s = other_s;
@@ -165,8 +200,8 @@ __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float* score
       }
     }
 #pragma unroll
-    for (int i = 0; i < SLOTS; i++)
-      if (lane + 32 * i == best_e) key[i] = -INFINITY;
+    for (int i = 0; i < ROUTER_SLOTS; i++)
+      if (lane + LANES * i == best_e) key[i] = -INFINITY;
     picked[j] = best_s;
     picked_sum += best_s;
     if (lane == 0) topk_idx[(size_t)n * k + j] = best_e;
@@ -180,12 +215,14 @@ __global__ void router_forward_kernel(int* topk_idx, float* topk_w, float* score
   }
 }
 
-// Grid and SLOTS as router_forward_kernel. Every lane computes the same k-long ds (k ≤ 8), then writes its experts.
-template <int SLOTS>
-__global__ void router_backward_kernel(float* dlogits, const float* dtopk_w, const float* scores, const int* topk_idx,
-                                       int N, int E, int k, int score_fn, bool renorm) {
-  const int lane = threadIdx.x & 31;
-  const int n = blockIdx.x * ROUTER_WARPS_PER_BLOCK + (threadIdx.x >> 5);
+// Grid and LANES as router_forward_kernel. Every lane of a token computes the same k-long ds (k ≤ 8),
+// then writes its experts.
+template <int LANES>
+__global__ void __launch_bounds__(ROUTER_BLOCK) router_backward_kernel(float* dlogits, const float* dtopk_w,
+                                                                       const float* scores, const int* topk_idx, int N,
+                                                                       int E, int k, int score_fn, bool renorm) {
+  const RouterLane<LANES> me;
+  const int lane = me.lane, n = me.n;
   if (n >= N) return;
   const float* s_row = scores + (size_t)n * E;
 
@@ -211,8 +248,8 @@ __global__ void router_backward_kernel(float* dlogits, const float* dtopk_w, con
   for (int j = 0; j < ROUTER_MAX_K; j++) s_dot_ds += sel_s[j] * ds[j];
 
 #pragma unroll
-  for (int i = 0; i < SLOTS; i++) {
-    int e = lane + 32 * i;
+  for (int i = 0; i < ROUTER_SLOTS; i++) {
+    int e = lane + LANES * i;
     if (e >= E) continue;
     float d = 0.f;
 #pragma unroll
@@ -320,9 +357,9 @@ inline void router_forward(int* topk_idx, float* topk_w, float* scores, const fl
                            int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
   router_check_sizes("router_forward", N, E, k, score_fn);
   if (N == 0) return;
-  const dim3 grid(ceil_div(N, ROUTER_WARPS_PER_BLOCK)), block(32 * ROUTER_WARPS_PER_BLOCK);
-  auto* kernel = router_kernel_for(E, router_forward_kernel<1>, router_forward_kernel<2>, router_forward_kernel<4>,
-                                   router_forward_kernel<8>);
+  auto* kernel = router_kernel_for(E, router_forward_kernel<1>, router_forward_kernel<2>, router_forward_kernel<4>, router_forward_kernel<8>,
+                                   router_forward_kernel<16>, router_forward_kernel<32>);
+  const dim3 grid(ceil_div((size_t)N * router_lanes(E), ROUTER_BLOCK)), block(ROUTER_BLOCK);
   kernel<<<grid, block, 0, stream>>>(topk_idx, topk_w, scores, logits, bias, N, E, k, score_fn, renorm);
   launchCheck("router_forward", "N=%d E=%d k=%d", N, E, k);
 }
@@ -332,9 +369,9 @@ inline void router_backward(float* dlogits, const float* dtopk_w, const float* s
                             int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
   router_check_sizes("router_backward", N, E, k, score_fn);
   if (N == 0) return;
-  const dim3 grid(ceil_div(N, ROUTER_WARPS_PER_BLOCK)), block(32 * ROUTER_WARPS_PER_BLOCK);
-  auto* kernel = router_kernel_for(E, router_backward_kernel<1>, router_backward_kernel<2>, router_backward_kernel<4>,
-                                   router_backward_kernel<8>);
+  auto* kernel = router_kernel_for(E, router_backward_kernel<1>, router_backward_kernel<2>, router_backward_kernel<4>, router_backward_kernel<8>,
+                                   router_backward_kernel<16>, router_backward_kernel<32>);
+  const dim3 grid(ceil_div((size_t)N * router_lanes(E), ROUTER_BLOCK)), block(ROUTER_BLOCK);
   kernel<<<grid, block, 0, stream>>>(dlogits, dtopk_w, scores, topk_idx, N, E, k, score_fn, renorm);
   launchCheck("router_backward", "N=%d E=%d k=%d", N, E, k);
 }

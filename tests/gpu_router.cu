@@ -209,16 +209,18 @@ TEST(RouterGpu, TiesGoToLowerExpertIndex) {
   }
 }
 
-// The launchers give each lane router_slots(E) experts, fewer than the 8 that E = 256 needs: the
-// turns they drop add nothing, so the results are the bits of the 8-slot kernels (memcmp), at E of
-// one slot (the default model's 8), of two and of four, in both score functions.
-TEST(RouterGpu, FewerSlotsGiveTheSameBits) {
+// The launchers give a token router_lanes(E) lanes of a warp, fewer than the 32 that E = 256 needs:
+// the same reductions over the same tree of expert positions, so the same bits as the 32-lane kernels
+// (memcmp), at every E from one lane per token to a warp, on token counts that leave a warp's last
+// groups empty.
+TEST(RouterGpu, FewerLanesGiveTheSameBits) {
   REQUIRE_GPU();
-  struct Case { int N, E, k, score_fn, slots; };
-  for (const Case c : {Case{4096, 8, 2, ROUTER_SOFTMAX, 1}, Case{333, 40, 3, ROUTER_SIGMOID, 2},
-                       Case{257, 100, 4, ROUTER_SOFTMAX, 4}}) {
+  struct Case { int N, E, k, score_fn, lanes; };
+  for (const Case c : {Case{4096, 8, 2, ROUTER_SOFTMAX, 1}, Case{1001, 13, 3, ROUTER_SIGMOID, 2},
+                       Case{333, 32, 4, ROUTER_SOFTMAX, 4}, Case{333, 40, 3, ROUTER_SIGMOID, 8},
+                       Case{257, 100, 4, ROUTER_SOFTMAX, 16}, Case{65, 256, 8, ROUTER_SOFTMAX, 32}}) {
     SCOPED_TRACE("E=" + std::to_string(c.E));
-    EXPECT_EQ(router_slots(c.E), c.slots);
+    EXPECT_EQ(router_lanes(c.E), c.lanes);
     Rng rng;
     const Mat logits = round_to_float(rng.mat<double>(c.N, c.E));
     auto d_logits = testutil::upload<float>(logits);
@@ -226,7 +228,7 @@ TEST(RouterGpu, FewerSlotsGiveTheSameBits) {
     auto d_dtopk_w = testutil::upload<float>(round_to_float(rng.mat<double>(c.N, c.k)));
     std::vector<int> idx[2];
     std::vector<float> w[2], scores[2], dlogits[2];
-    for (int run = 0; run < 2; run++) {  // run 0: the launchers; run 1: the 8-slot kernels
+    for (int run = 0; run < 2; run++) {  // run 0: the launchers; run 1: the 32-lane kernels
       DeviceBuffer<int> d_idx((size_t)c.N * c.k, Mem::Workspace, "test.topk_idx");
       DeviceBuffer<float> d_w((size_t)c.N * c.k, Mem::Workspace, "test.topk_w");
       DeviceBuffer<float> d_scores((size_t)c.N * c.E, Mem::Workspace, "test.scores");
@@ -239,12 +241,12 @@ TEST(RouterGpu, FewerSlotsGiveTheSameBits) {
         router_forward(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, c.N, c.E, c.k, c.score_fn, true, 0);
         router_backward(d_dlogits.ptr, d_dtopk_w.ptr, d_scores.ptr, d_idx.ptr, c.N, c.E, c.k, c.score_fn, true, 0);
       } else {
-        const dim3 grid(ceil_div(c.N, ROUTER_WARPS_PER_BLOCK)), block(32 * ROUTER_WARPS_PER_BLOCK);
-        router_forward_kernel<8><<<grid, block>>>(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, c.N, c.E,
-                                                  c.k, c.score_fn, true);
-        router_backward_kernel<8><<<grid, block>>>(d_dlogits.ptr, d_dtopk_w.ptr, d_scores.ptr, d_idx.ptr, c.N, c.E, c.k,
-                                                   c.score_fn, true);
-        launchCheck("test", "8-slot router kernels");
+        const dim3 grid(ceil_div((size_t)c.N * 32, ROUTER_BLOCK)), block(ROUTER_BLOCK);
+        router_forward_kernel<32><<<grid, block>>>(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, c.N, c.E,
+                                                   c.k, c.score_fn, true);
+        router_backward_kernel<32><<<grid, block>>>(d_dlogits.ptr, d_dtopk_w.ptr, d_scores.ptr, d_idx.ptr, c.N, c.E,
+                                                    c.k, c.score_fn, true);
+        launchCheck("test", "32-lane router kernels");
       }
       idx[run] = testutil::download_vec(d_idx.ptr, d_idx.count);
       w[run] = testutil::download_vec(d_w.ptr, d_w.count);
