@@ -63,15 +63,24 @@ inline size_t token_buckets_ints(int N, int V) { return (size_t)V + 1 + N + 1 + 
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
-// One thread per output element; a token id outside [0, V) yields a NaN row.
-template <typename T>
+// One thread per NV consecutive elements of an output row (NV = ROW_PIECE, or 1); a token id outside
+// [0, V) yields a NaN row.
+template <int NV, typename T>
 __global__ void embedding_forward_kernel(T* out, const int* tokens, const T* wte, int N, int H, int V) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)N * H) return;
-  int n = (int)(i / H);
-  int c = (int)(i % H);
-  int token = tokens[n];
-  out[i] = (token >= 0 && token < V) ? wte[(size_t)token * H + c] : from_float<T>(NAN);
+  using P = Pack<T, NV>;
+  const int pieces = H / NV;  // per row
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)N * pieces) return;
+  const int n = (int)(i / pieces), c = (int)(i % pieces);
+  const int token = tokens[n];
+  P piece;
+  if (token >= 0 && token < V) {
+    piece = reinterpret_cast<const P*>(wte)[(size_t)token * pieces + c];
+  } else {
+#pragma unroll
+    for (int e = 0; e < NV; e++) piece.v[e] = from_float<T>(NAN);
+  }
+  reinterpret_cast<P*>(out)[i] = piece;
 }
 
 // Blocks along the used ids: each strides over them (a grid fixed by the sizes, not by U).
@@ -144,7 +153,11 @@ inline void embedding_forward(floatX* out, const int* tokens, const floatX* wte,
                               cudaStream_t stream) {
   if ((size_t)N * H == 0) return;
   const int threads = 256;
-  embedding_forward_kernel<<<ceil_div((long long)N * H, threads), threads, 0, stream>>>(out, tokens, wte, N, H, V);
+  if (row_pieces(H, {out, wte}))
+    embedding_forward_kernel<ROW_PIECE><<<ceil_div((long long)N * (H / ROW_PIECE), threads), threads, 0, stream>>>(
+        out, tokens, wte, N, H, V);
+  else
+    embedding_forward_kernel<1><<<ceil_div((long long)N * H, threads), threads, 0, stream>>>(out, tokens, wte, N, H, V);
   launchCheck("embedding_forward", "N=%d H=%d V=%d", N, H, V);
 }
 

@@ -69,24 +69,31 @@ TEST(EmbeddingGpu, MatchesReferenceMoreUsedIdsThanBlocks) {
   check_embedding("EmbeddingGpu.N9000H40V5000", 9000, 40, 5000);
 }
 
+// rows of no whole 16-byte piece: both kernels take one element per thread
+TEST(EmbeddingGpu, MatchesReferenceRowsOfSingleElements) { check_embedding("EmbeddingGpu.N41H19V23", 41, 19, 23); }
+
+// H = 33: one element per thread; H = 40: 16-byte pieces
 TEST(EmbeddingGpu, OutOfRangeDeviceTokenGivesNanRowAndLeavesOthersIntact) {
   REQUIRE_GPU();
-  Rng rng;
-  const int N = 5, H = 33, V = 9;
-  std::vector<int> tokens = random_token_list(rng, N, V);
-  tokens[1] = V;
-  tokens[3] = -1;
-  ref::Mat<double> wte = round_to_floatX(rng.mat<double>(V, H));
-  DeviceBuffer<int> d_tokens = upload_vec(tokens);
-  DeviceBuffer<floatX> d_wte = upload<floatX>(wte, Mem::Weights);
-  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.out");
-  embedding_forward(d_out.ptr, d_tokens.ptr, d_wte.ptr, N, H, V, 0);
-  ref::Mat<double> out = download(d_out.ptr, N, H);
-  for (int n = 0; n < N; n++) {
-    bool valid = tokens[n] >= 0 && tokens[n] < V;
-    for (int c = 0; c < H; c++) {
-      if (valid) EXPECT_EQ(out(n, c), wte(tokens[n], c)) << "row " << n;
-      else EXPECT_TRUE(std::isnan(out(n, c))) << "row " << n;
+  for (const int H : {33, 40}) {
+    SCOPED_TRACE("H=" + std::to_string(H));
+    Rng rng;
+    const int N = 5, V = 9;
+    std::vector<int> tokens = random_token_list(rng, N, V);
+    tokens[1] = V;
+    tokens[3] = -1;
+    ref::Mat<double> wte = round_to_floatX(rng.mat<double>(V, H));
+    DeviceBuffer<int> d_tokens = upload_vec(tokens);
+    DeviceBuffer<floatX> d_wte = upload<floatX>(wte, Mem::Weights);
+    DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.out");
+    embedding_forward(d_out.ptr, d_tokens.ptr, d_wte.ptr, N, H, V, 0);
+    ref::Mat<double> out = download(d_out.ptr, N, H);
+    for (int n = 0; n < N; n++) {
+      bool valid = tokens[n] >= 0 && tokens[n] < V;
+      for (int c = 0; c < H; c++) {
+        if (valid) EXPECT_EQ(out(n, c), wte(tokens[n], c)) << "row " << n;
+        else EXPECT_TRUE(std::isnan(out(n, c))) << "row " << n;
+      }
     }
   }
 }
