@@ -357,8 +357,8 @@ inline void router_forward(int* topk_idx, float* topk_w, float* scores, const fl
                            int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
   router_check_sizes("router_forward", N, E, k, score_fn);
   if (N == 0) return;
-  auto* kernel = router_kernel_for(E, router_forward_kernel<1>, router_forward_kernel<2>, router_forward_kernel<4>, router_forward_kernel<8>,
-                                   router_forward_kernel<16>, router_forward_kernel<32>);
+  auto* kernel = router_kernel_for(E, router_forward_kernel<1>, router_forward_kernel<2>, router_forward_kernel<4>,
+                                   router_forward_kernel<8>, router_forward_kernel<16>, router_forward_kernel<32>);
   const dim3 grid(ceil_div((size_t)N * router_lanes(E), ROUTER_BLOCK)), block(ROUTER_BLOCK);
   kernel<<<grid, block, 0, stream>>>(topk_idx, topk_w, scores, logits, bias, N, E, k, score_fn, renorm);
   launchCheck("router_forward", "N=%d E=%d k=%d", N, E, k);
@@ -369,8 +369,8 @@ inline void router_backward(float* dlogits, const float* dtopk_w, const float* s
                             int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
   router_check_sizes("router_backward", N, E, k, score_fn);
   if (N == 0) return;
-  auto* kernel = router_kernel_for(E, router_backward_kernel<1>, router_backward_kernel<2>, router_backward_kernel<4>, router_backward_kernel<8>,
-                                   router_backward_kernel<16>, router_backward_kernel<32>);
+  auto* kernel = router_kernel_for(E, router_backward_kernel<1>, router_backward_kernel<2>, router_backward_kernel<4>,
+                                   router_backward_kernel<8>, router_backward_kernel<16>, router_backward_kernel<32>);
   const dim3 grid(ceil_div((size_t)N * router_lanes(E), ROUTER_BLOCK)), block(ROUTER_BLOCK);
   kernel<<<grid, block, 0, stream>>>(dlogits, dtopk_w, scores, topk_idx, N, E, k, score_fn, renorm);
   launchCheck("router_backward", "N=%d E=%d k=%d", N, E, k);
