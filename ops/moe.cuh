@@ -59,7 +59,8 @@ static const int MOE_WARPS_PER_BLOCK = 8;      // routes per block in moe_combin
 __device__ __forceinline__ int moe_plan_bin(int expert, int E) { return expert >= 0 && expert < E ? expert : E; }
 
 // Grid: one block of MOE_PLAN_TILE threads per tile of routes; dynamic shared memory E + 1 ints.
-// tile_counts [tiles,E+1] (=): routes of each bin in the tile.
+// tile_counts [E+1,tiles] (=, bin-major): routes of each bin in each tile, a bin's tiles contiguous
+// (the scan reads a bin's column in whole sectors: notes/speed.md ZB).
 static __global__ void moe_plan_count_kernel(int* tile_counts, const int* topk_idx, int R, int E) {
   extern __shared__ int tile_hist[];
   for (int e = threadIdx.x; e <= E; e += blockDim.x) tile_hist[e] = 0;
@@ -67,7 +68,7 @@ static __global__ void moe_plan_count_kernel(int* tile_counts, const int* topk_i
   int r = blockIdx.x * MOE_PLAN_TILE + threadIdx.x;
   if (r < R) atomicAdd(&tile_hist[moe_plan_bin(topk_idx[r], E)], 1);
   __syncthreads();
-  for (int e = threadIdx.x; e <= E; e += blockDim.x) tile_counts[(size_t)blockIdx.x * (E + 1) + e] = tile_hist[e];
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) tile_counts[(size_t)e * gridDim.x + blockIdx.x] = tile_hist[e];
 }
 
 // One block of MOE_SCAN_THREADS, over B = E + 1 bins. tile_counts becomes, in place, the exclusive
@@ -77,8 +78,11 @@ static __global__ void moe_plan_count_kernel(int* tile_counts, const int* topk_i
 // 32)): it sums their counts (independent loads), a shuffle scan over the lanes gives the counts of
 // the tiles before its own, and it writes its tiles' prefixes in chunks (the chunk's loads first). So
 // a bin costs a few memory round trips, not one per tile: the plan sits between a layer's router and
-// its expert GEMMs, where a chain of loads waits out every trip (notes/speed.md, S). Warp 0 then scans
-// the bins' totals the same way, 32 at a time.
+// its expert GEMMs, where a chain of loads waits out every trip (notes/speed.md, S). A bin's tiles are
+// contiguous (bin-major), so a lane's P counts share one or two 32-byte sectors: the scan moves each
+// sector of tile_counts once per pass, where tile-major rows (a bin's counts E + 1 ints apart) put
+// every count in a sector of its own and the one SM's traffic, 8× larger, set its time (notes/speed.md
+// ZB). Warp 0 then scans the bins' totals the same way, 32 at a time.
 static const int MOE_SCAN_THREADS = 256;
 static const int MOE_SCAN_CHUNK = 8;
 
@@ -96,20 +100,20 @@ moe_plan_scan_kernel(int* tile_counts, int* bin_counts, int* bin_offsets, int ti
   const int per_lane = (tiles + 31) / 32;
   const int first = min(tiles, lane * per_lane), last = min(tiles, first + per_lane);  // this lane's tiles
   for (int e = warp; e < B; e += warps) {
-    int* bin = tile_counts + e;  // tile t's count of bin e at bin[t·B]
+    int* bin = tile_counts + (size_t)e * tiles;  // tile t's count of bin e at bin[t]
     int lane_sum = 0;
 #pragma unroll MOE_SCAN_CHUNK
-    for (int t = first; t < last; t++) lane_sum += bin[(size_t)t * B];
+    for (int t = first; t < last; t++) lane_sum += bin[t];
     int total;
     int running = warp_exclusive_scan(lane_sum, &total);
     for (int t = first; t < last; t += MOE_SCAN_CHUNK) {
       int count[MOE_SCAN_CHUNK];
 #pragma unroll
-      for (int j = 0; j < MOE_SCAN_CHUNK; j++) count[j] = t + j < last ? bin[(size_t)(t + j) * B] : 0;
+      for (int j = 0; j < MOE_SCAN_CHUNK; j++) count[j] = t + j < last ? bin[t + j] : 0;
 #pragma unroll
       for (int j = 0; j < MOE_SCAN_CHUNK; j++)
         if (t + j < last) {
-          bin[(size_t)(t + j) * B] = running;
+          bin[t + j] = running;
           running += count[j];
         }
     }
@@ -140,7 +144,7 @@ static __global__ void moe_plan_rank_kernel(int* route_of_slot, int* slot_of_rou
   int e = tile_bin[t];
   int rank = 0;
   for (int u = 0; u < t; u++) rank += tile_bin[u] == e;
-  int slot = bin_offsets[e] + tile_prefix[(size_t)blockIdx.x * (E + 1) + e] + rank;
+  int slot = bin_offsets[e] + tile_prefix[(size_t)e * gridDim.x + blockIdx.x] + rank;
   slot_of_route[r] = slot;
   route_of_slot[slot] = r;
 }
