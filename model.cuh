@@ -757,8 +757,8 @@ inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, con
   float* d_topk_w = pool().alloc_t<float>((size_t)N * k, Mem::Workspace, "d_topk_w");
   prof_mark(s, "dispatcher bwd");
   m.moe->backward(d_ln2, d_topk_w, G.w13, G.w2, d_out, *a.routed, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, s);
-  floatX* d_part = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_ln2_part");
   if (c.shared_expert) {
+    floatX* d_part = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_ln2_part");
     float* d_shared_w = pool().alloc_t<float>(N, Mem::Workspace, "d_shared_w");
     prof_mark(s, "shared expert bwd");
     moe_backward(d_part, d_shared_w, G.shared_w13, G.shared_w2, d_out, a.shared, a.ln2, m.dense_idx, m.dense_w,
@@ -766,14 +766,14 @@ inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, con
     prof_mark(s, "residual add", residual_bytes(N, c.hidden));
     add_inplace_or_out(d_ln2, d_ln2, d_part, NH, s);
     pool().free(d_shared_w);
+    pool().free(d_part);
   }
   float* d_logits = pool().alloc_t<float>((size_t)N * E, Mem::Workspace, "d_router_logits");
   prof_mark(s, "router bwd");
   router_backward(d_logits, d_topk_w, a.scores, a.topk_idx, N, E, k, c.score_fn, c.renorm != 0, s);
-  router_logits_backward(d_part, G.router, d_logits, a.ln2, P.router, N, c.hidden, E, s);
-  prof_mark(s, "residual add", residual_bytes(N, c.hidden));
-  add_inplace_or_out(d_ln2, d_ln2, d_part, NH, s);
-  for (void* p : {(void*)d_topk_w, (void*)d_part, (void*)d_logits}) pool().free(p);
+  router_logits_backward(d_ln2, G.router, d_logits, a.ln2, P.router, N, c.hidden, E, s);  // d_ln2 +=
+  pool().free(d_topk_w);
+  pool().free(d_logits);
 }
 
 // d_x (in: gradient of the layer output; out: gradient of the layer input).
@@ -890,12 +890,12 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   };
   // layer_backward's buffers beside the activations: d_norm_out, d_qkv; in the FFN's backward d_topk_w
   // and the largest of the routed experts' backward, the shared expert's (beside d_ln2_part and
-  // d_shared_w) and the router's (d_ln2_part, d_router_logits, its workspace)
+  // d_shared_w) and the router's (d_router_logits, its workspace; its dx adds into d_ln2)
   const size_t backward_buffers = 4 * NH * b;
   auto operator_term = [&](int l) {
     if (!c.is_moe_layer(l)) return 4 * N + dense.peak - dense.saved;
     const size_t shared_step = c.shared_expert ? NH * b + 4 * N + shared.peak - shared.saved : 0;
-    const size_t router_step = NH * b + 4 * N * E + router_logits_workspace_bytes((int)N, c.hidden, (int)E);
+    const size_t router_step = 4 * N * E + router_logits_workspace_bytes((int)N, c.hidden, (int)E);
     return 4 * N * k + std::max({routed.peak - routed.saved, shared_step, router_step});
   };
 

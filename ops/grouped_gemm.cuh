@@ -405,6 +405,18 @@ __device__ __forceinline__ void store_c_fragments(const Problem& p, int row, int
   }
 }
 
+// With beta ≠ 0, a block asks L2 for its tile's C rows (128-byte lines) when the tile starts, so that
+// the epilogue's reads of C, one round trip per 32 columns, find them there rather than in HBM: a GEMM
+// of short K that adds into a large C (ops/router.cuh's dx, K = 96) is otherwise bound by those reads.
+template <int TILE_N>
+__device__ __forceinline__ void prefetch_c_tile(const Problem& p, int m0, int n0, int ldc) {
+  constexpr int LINES = TILE_N * 2 / 128;  // per row of the tile
+  for (int i = threadIdx.x; i < BM * LINES; i += blockDim.x) {
+    const int row = m0 + i / LINES, col = n0 + (i % LINES) * 64;
+    if (row < p.M && col < p.N) asm volatile("prefetch.global.L2 [%0];" ::"l"(p.C + (size_t)row * ldc + col));
+  }
+}
+
 // store_c_fragments's values (the same fp32 sum, beta · C added, one rounding) for one warp's 16-row
 // strip, written through shared memory so that each store is 16 bytes and a strip's row is written
 // 64 contiguous bytes at a time (the fragments' own stores are 4 bytes, 8 rows apart). 32 columns at a
@@ -420,6 +432,14 @@ __device__ __forceinline__ void store_c_staged(const Problem& p, int row0, int c
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int part = 0; part < BLOCKS / 4; part++) {  // columns 32·part … +31: blocks 4·part … +3
+    // beta · C: both pieces' old values are read first, while the fragments are staged (the compiler
+    // would not move the second read above the first store): one round trip per part, not two
+    uint4 olds[2] = {};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int row = row0 + 8 * i + lane / 4, col = col0 + 32 * part + 8 * (lane % 4);
+      if (beta != 0.f && row < p.M && col < p.N) olds[i] = *reinterpret_cast<const uint4*>(p.C + (size_t)row * ldc + col);
+    }
 #pragma unroll
     for (int jj = 0; jj < 4; jj++) {
       const float* a = acc + 4 * (4 * part + jj);
@@ -437,7 +457,7 @@ __device__ __forceinline__ void store_c_staged(const Problem& p, int row0, int c
         float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
         uint4* dst = reinterpret_cast<uint4*>(p.C + (size_t)row * ldc + col);
         if (beta != 0.f) {
-          const uint4 old = *dst;
+          const uint4 old = olds[i];
           const __nv_bfloat162* old2 = reinterpret_cast<const __nv_bfloat162*>(&old);
 #pragma unroll
           for (int q = 0; q < 4; q++) {
@@ -601,6 +621,7 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
   if (!tile_problem<TRANS_A>(batch, routed, index, lda, ldb, ldc, p, tile)) return;
   int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * TILE_N;
   load_first_stages(p, m0, n0);
+  if (!Tiles::PERSISTENT && beta != 0.f) prefetch_c_tile<TILE_N>(p, m0, n0, ldc);
   while (true) {
     float acc[TILE_N / 2] = {};  // this warpgroup's 64 × TILE_N piece of C (ops/mma.cuh: the fragment)
     const int k_tiles = (p.K + BK - 1) / BK;

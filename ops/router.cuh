@@ -10,9 +10,16 @@
 //   BF16 build: bf16 tensor-core GEMMs that round no operand. x and W are bf16 already, so each
 //   product x·w is exact in fp32 and the products are summed in fp32. The fp32 dlogits is first
 //   split into three bf16 parts whose sum is exactly the fp32 value (hi = bf16(d), mid = bf16(d − hi),
-//   lo = d − hi − mid, which fits bf16's 8 bits), laid side by side as a K = 3E operand:
-//     dx = [hi mid lo] · [W; W; W]               one GEMM, K = 3E, rounded once to bf16
-//     ΔW = hiᵀx + midᵀx + loᵀx                   one GEMM → [3E, H] fp32 parts, folded in that order
+//   lo = d − hi − mid, which fits bf16's 8 bits), laid side by side as a K = 3E operand (zero columns
+//   up to K3 = 3E rounded up to a multiple of 8, for the grouped GEMM's 16-byte copies):
+//     dx += [hi mid lo] · [W; W; W]              ops/grouped_gemm.cuh, one problem with beta 1: the
+//                                                product and float(dx) summed in fp32, rounded once
+//     ΔW = hiᵀx + midᵀx + loᵀx                   one cuBLAS GEMM → [3E, H] fp32 parts, folded in that order
+//   dx is added into in place, not written: the model's FFN input gradient already holds the experts'
+//   part, and the add inside the GEMM's store replaces a separate add over [N,H] (notes/speed.md ZB).
+//   cuBLAS's own beta = 1 on a bf16 C is not one rounding (notes/speed.md M), so the BF16 build's dx
+//   takes the grouped GEMM's kernel, which needs H % 8 == 0: other sizes are refused (the model's
+//   hidden is a multiple of 8, config.hpp).
 //   The only difference from a SIMT fp32 GEMM is the order and rounding of the fp32 additions inside
 //   the tensor cores (tests/gpu_router.cu holds logits to 1e-5 and dx, dW to one rounding in both builds).
 //
@@ -29,7 +36,7 @@
 //   dlogit = s ⊙ (ds − Σ_f s_f ds_f)            (softmax)
 //   dlogit = ds ⊙ s ⊙ (1 − s)                   (sigmoid)
 // and through the logits GEMM (router_logits_backward):
-//   dx  = dlogits · W      fp32 GEMM, then rounded once to floatX
+//   dx += dlogits · W      Δx = dlogits · W in fp32, then dx[i] = floatX(float(dx[i]) + Δx[i]) (one rounding)
 //   dW += dlogitsᵀ · x     ΔW = dlogitsᵀ · x in fp32, then dW[i] = floatX(float(dW[i]) + ΔW[i]) (one rounding)
 //
 // A routing profile or trace (data/routing_profile.hpp, data/routing_trace.hpp; the trainer's --routing)
@@ -39,15 +46,15 @@
 //
 // Shapes: x [N,H] floatX; W [E,H] floatX; logits [N,E] float; bias [E] float; dtopk_w [N,k] float.
 // Outputs: logits (=), topk_idx [N,k] int (=), topk_w [N,k] float (=), scores [N,E] float (=, saved
-// for backward), dlogits [N,E] float (=), dx [N,H] floatX (=), dW [E,H] floatX (+=), loads [E] int (=).
+// for backward), dlogits [N,E] float (=), dx [N,H] floatX (+=), dW [E,H] floatX (+=), loads [E] int (=).
 // Limits of the selection and its backward: E ≤ ROUTER_MAX_E (256), k ≤ ROUTER_MAX_K (8), k ≤ E;
 // larger sizes are refused.
 // Memory: router_forward, router_backward, router_weights, router_count_loads, router_add_loads allocate nothing.
 // router_logits_forward allocates nothing. router_logits_backward (BF16 build) takes from the pool
-// (Workspace) the split dlogits [N, 3E] bf16 and, one after the other, [W; W; W] [3E, H] bf16 and
-// the fp32 parts of ΔW [3E, H]: at most router_logits_workspace_bytes(N,H,E) = 6·N·E + 12·E·H bytes
-// live at once, all freed before it returns (stream-ordered). The FP32 build's backward allocates
-// nothing. cuBLAS's own workspace is the pool's (cublas_on).
+// (Workspace) the split dlogits [N, K3] bf16 and, one after the other, [W; W; W] [K3, H] bf16 and
+// the fp32 parts of ΔW [K3, H]: at most router_logits_workspace_bytes(N,H,E) = 2·N·K3 + 4·K3·H bytes
+// (K3 = 3E rounded up to a multiple of 8) live at once, all freed before it returns (stream-ordered).
+// The FP32 build's backward allocates nothing. cuBLAS's own workspace is the pool's (cublas_on).
 // Kernels: a token's experts on router_lanes(E) lanes of a warp, ROUTER_SLOTS each; every reduction is
 // one fixed tree over the expert positions (inside a lane, then xor shuffles: all lanes end with the
 // same bits, whatever the number of lanes), so results are deterministic. Loads use integer atomics (exact).
@@ -56,6 +63,7 @@
 #include <climits>
 #include <cmath>
 #include "common.cuh"
+#include "grouped_gemm.cuh"
 #include "matmul.cuh"
 #include "../runtime/pool.cuh"
 
@@ -276,20 +284,29 @@ static __global__ void router_weights_kernel(float* topk_w, const float* scores,
 }
 
 #if defined(FLATMOE_BF16)
+// The K width of the split dlogits: 3E parts rounded up to a multiple of 8 (16-byte rows of bf16).
+inline int router_split_width(int E) { return (3 * E + 7) / 8 * 8; }
+
 // One thread per element of dlogits [N,E]: its three bf16 parts, hi + mid + lo == d exactly (d − hi
 // and d − hi − mid are exact in fp32, and the last remainder has at most 8 significant bits; values
-// below 2^-100 in magnitude would lose bits to bf16's subnormals). Row n of parts [N, 3E] is
-// (hi[0..E), mid[0..E), lo[0..E)).
-static __global__ void router_split_dlogits_kernel(__nv_bfloat16* parts, const float* dlogits, int N, int E) {
+// below 2^-100 in magnitude would lose bits to bf16's subnormals). Row n of parts [N, K3] is
+// (hi[0..E), mid[0..E), lo[0..E), zeros up to K3): threads e in [E, E + K3 − 3E) write the zeros.
+static __global__ void router_split_dlogits_kernel(__nv_bfloat16* parts, const float* dlogits, int N, int E, int K3) {
+  const int per_row = E + (K3 - 3 * E);
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)N * E) return;
-  const size_t n = i / E, e = i % E;
-  const float d = dlogits[i];
+  if (i >= (size_t)N * per_row) return;
+  const size_t n = i / per_row;
+  const int e = (int)(i % per_row);
+  __nv_bfloat16* row = parts + n * K3;
+  if (e >= E) {
+    row[2 * E + e] = __float2bfloat16_rn(0.f);
+    return;
+  }
+  const float d = dlogits[n * E + e];
   const __nv_bfloat16 hi = __float2bfloat16_rn(d);
   const float after_hi = d - __bfloat162float(hi);
   const __nv_bfloat16 mid = __float2bfloat16_rn(after_hi);
   const __nv_bfloat16 lo = __float2bfloat16_rn(after_hi - __bfloat162float(mid));
-  __nv_bfloat16* row = parts + n * 3 * E;
   row[e] = hi;
   row[E + e] = mid;
   row[2 * E + e] = lo;
@@ -333,11 +350,12 @@ inline void router_check_logits_sizes(const char* op, int N, int H, int E) {
 }
 
 // Workspace bytes that router_logits_backward holds at most at once (the forward holds none): in the
-// BF16 build the split dlogits [N,3E] bf16 beside the larger of [W; W; W] [3E,H] bf16 and the fp32
-// parts of ΔW [3E,H]; none in the FP32 build.
+// BF16 build the split dlogits [N,K3] bf16 beside the larger of [W; W; W] [K3,H] bf16 and the fp32
+// parts of ΔW [K3,H] (K3 = router_split_width(E)); none in the FP32 build.
 inline size_t router_logits_workspace_bytes(int N, int H, int E) {
 #if defined(FLATMOE_BF16)
-  return 2 * 3 * (size_t)N * E + 4 * 3 * (size_t)E * H;
+  const size_t K3 = router_split_width(E);
+  return 2 * K3 * (size_t)N + 4 * K3 * (size_t)H;
 #else
   (void)N, (void)H, (void)E;
   return 0;
@@ -376,35 +394,49 @@ inline void router_backward(float* dlogits, const float* dtopk_w, const float* s
   launchCheck("router_backward", "N=%d E=%d k=%d", N, E, k);
 }
 
-// dx [N,H] (=) = dlogits [N,E] · W [E,H], in fp32, rounded once to floatX;
+// dx [N,H] (+=) dlogits [N,E] · W [E,H]: the product and float(dx) summed in fp32, rounded once to floatX;
 // dW [E,H] (+=) dlogitsᵀ · x: ΔW summed in fp32, then added to dW with one rounding.
-// BF16 build: through dlogits' three bf16 parts (see Precision), Workspace freed before return.
+// BF16 build: through dlogits' three bf16 parts (see Precision), Workspace freed before return; dx
+// needs H % 8 == 0 (the grouped GEMM's kernel), else it is refused.
 inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits, const floatX* x, const floatX* W,
                                    int N, int H, int E, cudaStream_t stream) {
   const char* op = "router_logits_backward";
   router_check_logits_sizes(op, N, H, E);
   if (N == 0) return;  // dx has no rows, ΔW = 0
 #if defined(FLATMOE_BF16)
-  const size_t NE = (size_t)N * E, EH = (size_t)E * H;
-  DeviceBuffer<floatX> dlogits_parts(3 * NE, Mem::Workspace, "router_logits_backward.dlogits_parts");
-  router_split_dlogits_kernel<<<ceil_div(NE, 256), 256, 0, stream>>>(dlogits_parts.ptr, dlogits, N, E);
+  if (H % 8)  // the grouped GEMM's kernel takes the product's N = H in 16-byte pieces
+    fm_fail(op, "the BF16 build adds into dx in the grouped GEMM's kernel: H must be a multiple of 8", "N=%d H=%d E=%d",
+            N, H, E);
+  const int K3 = router_split_width(E);
+  const size_t K3H = (size_t)K3 * H, EH = (size_t)E * H;
+  DeviceBuffer<floatX> dlogits_parts((size_t)N * K3, Mem::Workspace, "router_logits_backward.dlogits_parts");
+  router_split_dlogits_kernel<<<ceil_div((size_t)N * (K3 - 2 * E), 256), 256, 0, stream>>>(dlogits_parts.ptr, dlogits,
+                                                                                            N, E, K3);
   launchCheck(op, "split N=%d E=%d", N, E);
-  {  // dx = [hi mid lo] · [W; W; W]
-    DeviceBuffer<floatX> W_thrice(3 * EH, Mem::Workspace, "router_logits_backward.W_thrice");
+  {  // dx += [hi mid lo 0] · [W; W; W; 0]
+    DeviceBuffer<floatX> W_thrice(K3H, Mem::Workspace, "router_logits_backward.W_thrice");
     for (int part = 0; part < 3; part++)
       cudaCheck(cudaMemcpyAsync(W_thrice.ptr + part * EH, W, EH * sizeof(floatX), cudaMemcpyDeviceToDevice, stream), op,
                 "N=%d H=%d E=%d", N, H, E);
-    matmul_backward_dx(dx, dlogits_parts.ptr, W_thrice.ptr, N, H, 3 * E, stream);
+    if (K3 > 3 * E)  // the zero columns of the parts meet zero rows (pool bytes may hold NaN patterns)
+      cudaCheck(cudaMemsetAsync(W_thrice.ptr + 3 * EH, 0, (K3H - 3 * EH) * sizeof(floatX), stream), op,
+                "N=%d H=%d E=%d", N, H, E);
+    const GroupedGemmProblems product{{{dlogits_parts.ptr, W_thrice.ptr, dx, N, H, K3}}};
+    if (!grouped_gemm_takes_kernel(product, false, false, K3, H, H))  // cuBLAS's beta = 1 would round twice
+      fm_fail(op, "the grouped GEMM's kernel does not take dx's product (dx must be 4-byte aligned)",
+              "N=%d H=%d E=%d dx=%p", N, H, E, (void*)dx);
+    grouped_gemm("router_logits_backward.dx", product, false, false, K3, H, H, 1.f, stream);
   }
-  {  // ΔW's parts [3E,H] = [hi mid lo]ᵀ · x, folded into dW
-    DeviceBuffer<float> dW_parts(3 * EH, Mem::Workspace, "router_logits_backward.dW_parts");
-    cudaCheck(cudaMemsetAsync(dW_parts.ptr, 0, 3 * EH * sizeof(float), stream), op, "N=%d H=%d E=%d", N, H, E);
-    matmul_backward_dW(dW_parts.ptr, dlogits_parts.ptr, x, N, H, 3 * E, stream);
+  {  // ΔW's parts [K3,H] = [hi mid lo 0]ᵀ · x (the last K3 − 3E rows zero), folded into dW
+    DeviceBuffer<float> dW_parts(K3H, Mem::Workspace, "router_logits_backward.dW_parts");
+    cudaCheck(cudaMemsetAsync(dW_parts.ptr, 0, K3H * sizeof(float), stream), op, "N=%d H=%d E=%d", N, H, E);
+    matmul_backward_dW(dW_parts.ptr, dlogits_parts.ptr, x, N, H, K3, stream);
     router_fold_weight_grad_kernel<<<ceil_div(EH, 256), 256, 0, stream>>>(dW, dW_parts.ptr, EH);
     launchCheck(op, "fold E=%d H=%d", E, H);
   }
 #else
-  matmul_backward(dx, dW, dlogits, x, W, N, H, E, stream);  // fp32 throughout; dW += in one rounding
+  matmul_backward_dx(dx, dlogits, W, N, H, E, stream, /*accumulate=*/true);  // fp32 throughout, one rounding each
+  matmul_backward_dW(dW, dlogits, x, N, H, E, stream);
 #endif
 }
 
