@@ -652,9 +652,10 @@ inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) 
   if (count_loads) router_add_loads(m.step_loads_dev + (size_t)l * E, a.topk_idx, N, E, k, s);
 }
 
-// FFN of layer l on ln2 (N×H) → out (N×H, =): a dense SwiGLU, or router + routed experts through
-// the dispatcher (+ the shared expert). out = nullptr: only what backward needs (a recomputation).
-inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool count_loads) {
+// FFN of layer l on ln2 (N×H) onto the residual stream: out (N×H, =) = residual + FFN(ln2), a dense
+// SwiGLU, or router + routed experts through the dispatcher (+ the shared expert), each adding into the
+// stream in its combine. out = nullptr: only what backward needs (a recomputation).
+inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, const floatX* residual, int N, bool count_loads) {
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
   cudaStream_t s = m.stream;
@@ -662,22 +663,18 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, int N, bool 
     ensure_dense_routes(m, N);
     prof_mark(s, "dense ffn fwd");
     moe_forward(out, a.dense, a.ln2, m.dense_idx, m.dense_w, P.dense_w13, P.dense_w2, N, c.hidden, c.dense_dim, 1, 1, s,
-                true);  // dense_routes: no host wait
+                true, residual);  // dense_routes: no host wait
     return;
   }
   prof_mark(s, "router fwd");
   router_step(m, l, a, N, count_loads);
   prof_mark(s, "dispatcher fwd");
-  a.routed = m.moe->forward(out, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, N, s);
+  a.routed = m.moe->forward_residual(out, residual, a.ln2, a.topk_idx, a.topk_w, P.w13, P.w2, N, s);
   if (c.shared_expert) {
     ensure_dense_routes(m, N);
-    floatX* shared_out = out ? pool().alloc_t<floatX>((size_t)N * c.hidden, Mem::Activations, "shared_out") : nullptr;
     prof_mark(s, "shared expert fwd");
-    moe_forward(shared_out, a.shared, a.ln2, m.dense_idx, m.dense_w, P.shared_w13, P.shared_w2, N, c.hidden,
-                c.expert_dim, 1, 1, s, true);  // dense_routes: no host wait
-    if (out) prof_mark(s, "residual add", residual_bytes(N, c.hidden));
-    if (out) add_inplace_or_out(out, out, shared_out, (size_t)N * c.hidden, s);
-    pool().free(shared_out);
+    moe_forward(out, a.shared, a.ln2, m.dense_idx, m.dense_w, P.shared_w13, P.shared_w2, N, c.hidden, c.expert_dim, 1,
+                1, s, true, out);  // dense_routes: no host wait; added into out in place
   }
 }
 
@@ -728,11 +725,7 @@ inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, La
 
   prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
   rmsnorm_forward(a.ln2, a.ln2_rstd, a.x_mid, P.ln2, N, H, c.norm_eps, s);
-  floatX* ffn_out = x_out ? pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ffn_out") : nullptr;
-  ffn_forward(m, l, a, ffn_out, N, count_loads);
-  if (x_out) prof_mark(s, "residual add", residual_bytes(N, H));
-  if (x_out) add_inplace_or_out(x_out, a.x_mid, ffn_out, (size_t)N * H, s);
-  pool().free(ffn_out);
+  ffn_forward(m, l, a, x_out, a.x_mid, N, count_loads);  // x_out = x_mid + FFN(ln2)
 }
 
 // =============================================================================================

@@ -6,6 +6,8 @@
 // to expert topk_idx[n,j] with weight topk_w[n,j].
 //   Expert e on its R_e routes:  h13 = xp W13_eᵀ [R_e,2I];  a = silu(h1) ⊙ h3 [R_e,I];  y = a W2_eᵀ [R_e,H]
 //   out[n] = Σ_j topk_w[n,j] · y[route n·k+j]   (fixed j order, fp32 accumulation)
+//   or, given a residual [N,H]: out[n] = residual[n] + that sum, added in fp32 and rounded once (the
+//   layer's residual add folded into the combine: model.cuh's x_out = x_mid + FFN(ln2))
 // Backward:
 //   dtopk_w[n,j] = dout[n] · y[r];  dy_r = topk_w[n,j] · dout[n];  da = dy W2_e;  dW2_e += dyᵀ a
 //   dh1 = da ⊙ h3 ⊙ silu'(h1);  dh3 = da ⊙ silu(h1);  dxp = dh W13_e;  dW13_e += dhᵀ xp
@@ -213,13 +215,14 @@ static __global__ void swiglu_backward_kernel(floatX* dh13, const floatX* da, co
 
 // out [N,H]: sum[n] = Σ_j w_j · rows[slot_of_route[n·k+j] − slot_first] over the routes whose slot
 // lies in the window [slot_first, slot_first + slot_count) (the whole [0, R) for moe_combine), j
-// ascending, fp32; w_j = topk_w[n,j] when WEIGHTED, else 1. ACCUMULATE: out[n] (+=) sum (a ring hop's
-// routes added into a running output, ops/relay_moe.cuh); else out[n] (=) sum. One thread per NV
-// consecutive elements of out (NV = ROW_PIECE, or 1; see common.cuh): it reads a token's k slots and
-// weights once for all NV.
-template <bool WEIGHTED, bool ACCUMULATE, int NV, typename TOut>
-static __global__ void moe_combine_kernel(TOut* out, const floatX* rows, const int* slot_of_route, const float* topk_w,
-                                          int N, int H, int k, int slot_first, int slot_count) {
+// ascending, fp32; w_j = topk_w[n,j] when WEIGHTED, else 1. out[n] (=) addend[n] + sum, added in fp32
+// and rounded once, when addend is given, else (=) sum. addend may be out itself (a ring hop's routes
+// added into a running output, ops/relay_moe.cuh; a layer's residual stream): each thread reads its
+// piece of addend before it writes that piece of out. One thread per NV consecutive elements of out
+// (NV = ROW_PIECE, or 1; see common.cuh): it reads a token's k slots and weights once for all NV.
+template <bool WEIGHTED, int NV, typename TOut>
+static __global__ void moe_combine_kernel(TOut* out, const TOut* addend, const floatX* rows, const int* slot_of_route,
+                                          const float* topk_w, int N, int H, int k, int slot_first, int slot_count) {
   const int pieces = H / NV;  // per row
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (size_t)N * pieces) return;
@@ -237,12 +240,11 @@ static __global__ void moe_combine_kernel(TOut* out, const floatX* rows, const i
 #pragma unroll
     for (int e = 0; e < NV; e++) acc[e] += WEIGHTED ? w * to_float(v.v[e]) : to_float(v.v[e]);
   }
-  Pack<TOut, NV>& o = reinterpret_cast<Pack<TOut, NV>*>(out)[i];
   Pack<TOut, NV> result;
-  if (ACCUMULATE) result = o;
+  if (addend) result = reinterpret_cast<const Pack<TOut, NV>*>(addend)[i];
 #pragma unroll
-  for (int e = 0; e < NV; e++) result.v[e] = from_float<TOut>(ACCUMULATE ? to_float(result.v[e]) + acc[e] : acc[e]);
-  o = result;
+  for (int e = 0; e < NV; e++) result.v[e] = from_float<TOut>(addend ? to_float(result.v[e]) + acc[e] : acc[e]);
+  reinterpret_cast<Pack<TOut, NV>*>(out)[i] = result;
 }
 
 // One warp per route r (sorted slot s = slot_of_route[r] − slot_first, token n = r / k); routes whose
@@ -374,27 +376,24 @@ inline void swiglu_backward(floatX* dh13, const floatX* da, const floatX* h13, i
 
 // moe_combine_kernel over the window [slot_first, slot_first + slot_count), weighted when topk_w is
 // given, in pieces of ROW_PIECE elements when H and the buffers allow.
-template <bool ACCUMULATE, typename TOut>
-inline void moe_combine_launch(TOut* out, const floatX* rows, const int* slot_of_route, const float* topk_w, int slot_first,
-                               int slot_count, int N, int H, int k, cudaStream_t stream) {
-  const bool pieces = row_pieces(H, {rows}) && pack_aligned(out, ROW_PIECE);
+template <typename TOut>
+inline void moe_combine_launch(TOut* out, const TOut* addend, const floatX* rows, const int* slot_of_route,
+                               const float* topk_w, int slot_first, int slot_count, int N, int H, int k,
+                               cudaStream_t stream) {
+  const bool pieces = row_pieces(H, {rows}) && pack_aligned(out, ROW_PIECE) && pack_aligned(addend, ROW_PIECE);
   const int grid = ceil_div((size_t)N * (pieces ? H / ROW_PIECE : H), 256);
-  if (pieces && topk_w)
-    moe_combine_kernel<true, ACCUMULATE, ROW_PIECE><<<grid, 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
-  else if (pieces)
-    moe_combine_kernel<false, ACCUMULATE, ROW_PIECE><<<grid, 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
-  else if (topk_w)
-    moe_combine_kernel<true, ACCUMULATE, 1><<<grid, 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
-  else
-    moe_combine_kernel<false, ACCUMULATE, 1><<<grid, 256, 0, stream>>>(out, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
+  auto* kernel = pieces ? (topk_w ? moe_combine_kernel<true, ROW_PIECE, TOut> : moe_combine_kernel<false, ROW_PIECE, TOut>)
+                        : (topk_w ? moe_combine_kernel<true, 1, TOut> : moe_combine_kernel<false, 1, TOut>);
+  kernel<<<grid, 256, 0, stream>>>(out, addend, rows, slot_of_route, topk_w, N, H, k, slot_first, slot_count);
 }
 
-// out [N,H] (=): out[n] = Σ_j topk_w[n,j] · rows[slot_of_route[n·k+j]] (j ascending, fp32);
+// out [N,H] (=): out[n] = Σ_j topk_w[n,j] · rows[slot_of_route[n·k+j]] (j ascending, fp32), plus
+// residual[n] when given (added in fp32, rounded once; residual may be out itself);
 // topk_w == nullptr means every weight is 1 (the plain sum, used for dx).
 inline void moe_combine(floatX* out, const floatX* rows, const int* slot_of_route, const float* topk_w, int N, int H,
-                        int k, cudaStream_t stream) {
+                        int k, cudaStream_t stream, const floatX* residual = nullptr) {
   if ((size_t)N * H == 0) return;
-  moe_combine_launch<false>(out, rows, slot_of_route, topk_w, 0, N * k, N, H, k, stream);
+  moe_combine_launch(out, residual, rows, slot_of_route, topk_w, 0, N * k, N, H, k, stream);
   launchCheck("moe_combine", "N=%d H=%d k=%d", N, H, k);
 }
 
@@ -406,7 +405,7 @@ inline void moe_combine(floatX* out, const floatX* rows, const int* slot_of_rout
 inline void moe_combine_window_add(float* acc, const floatX* rows, const int* slot_of_route, const float* topk_w,
                                    int slot_first, int slot_count, int N, int H, int k, cudaStream_t stream) {
   if ((size_t)N * H == 0 || slot_count == 0) return;
-  moe_combine_launch<true>(acc, rows, slot_of_route, topk_w, slot_first, slot_count, N, H, k, stream);
+  moe_combine_launch(acc, acc, rows, slot_of_route, topk_w, slot_first, slot_count, N, H, k, stream);
   launchCheck("moe_combine_window_add", "N=%d H=%d k=%d slot_first=%d slot_count=%d", N, H, k, slot_first, slot_count);
 }
 
@@ -615,7 +614,9 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
 }
 
 // out [N,H] (=; nullptr: no combine, only what backward needs — a layer's recomputation, whose
-// output is already kept); fills `saved` (which must be empty: moe_saved_free it after backward).
+// output is already kept); with a residual [N,H], out = residual + the layer's output, added in the
+// combine in fp32 and rounded once (residual may be out itself); fills `saved` (which must be empty:
+// moe_saved_free it after backward).
 // The per-expert counts stay on the device and the host does not wait when the grouped GEMMs read
 // them there (moe_counts_stay_on_device: the BF16 build, but for large layers); topk_idx must then hold indices in
 // [0,E) — the router's always do — since none is refused (a route outside gets a slot past every
@@ -625,7 +626,7 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
 // nothing waits either (a dense FFN layer, the shared expert).
 inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                         const floatX* W13, const floatX* W2, int N, int H, int I, int E, int k, cudaStream_t stream,
-                        bool dense_routes = false) {
+                        bool dense_routes = false, const floatX* residual = nullptr) {
   if (N < 1 || H < 1 || I < 1 || E < 1 || k < 1)
     fm_fail("moe_forward", "every size must be >= 1", "N=%d H=%d I=%d E=%d k=%d", N, H, I, E, k);
   if ((long long)N * k > INT_MAX)
@@ -670,8 +671,8 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
   // y_e [R_e,H] = swiglu(h13_e) [R_e,I] · W2_eᵀ
   saved.y = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe.y");
   experts_swiglu_down(saved.y, saved.h13, expert_slices(W2, E, (size_t)H * I), saved.rows, H, I, "moe_forward", stream);
-  if (out != nullptr) prof_sub(stream, "combine", ((double)R + N) * H * sizeof(floatX) + 8.0 * R);
-  if (out != nullptr) moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
+  if (out != nullptr) prof_sub(stream, "combine", ((double)R + N * (residual ? 2 : 1)) * H * sizeof(floatX) + 8.0 * R);
+  if (out != nullptr) moe_combine(out, saved.y, saved.slot_of_route, topk_w, N, H, k, stream, residual);
 }
 
 // dx [N,H] (=), dtopk_w [N,k] (=), dW13 [E,2I,H] (+=), dW2 [E,H,I] (+=) from dout [N,H], the
@@ -724,6 +725,10 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
 // construction; N may change per call. forward with out = nullptr: the caller needs only the saved
 // state (a layer's recomputation, whose output is already kept).
 //   forward:  out [N,H] (=) = Σ_j topk_w[n,j] · expert_{topk_idx[n,j]}(x[n])
+//   forward_residual: out [N,H] (=) = residual + forward's out, for the layer's residual stream
+//             (model.cuh). By default forward, then a residual add (two roundings); a dispatcher may
+//             fold the add into its combine (one rounding, and the [N,H] output never goes to
+//             memory on its own): --moe local does.
 //   backward: dx [N,H] (=), dtopk_w [N,k] (=), dW13 (+=), dW2 (+=) on this rank's experts
 
 struct DispatchSaved {
@@ -755,6 +760,13 @@ struct MoEDispatcher {
   virtual ~MoEDispatcher() = default;
   virtual std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
                                                  const floatX* W13, const floatX* W2, int N, cudaStream_t stream) = 0;
+  virtual std::unique_ptr<DispatchSaved> forward_residual(floatX* out, const floatX* residual, const floatX* x,
+                                                          const int* topk_idx, const float* topk_w, const floatX* W13,
+                                                          const floatX* W2, int N, cudaStream_t stream) {
+    std::unique_ptr<DispatchSaved> saved = forward(out, x, topk_idx, topk_w, W13, W2, N, stream);
+    if (out != nullptr) add_inplace_or_out(out, residual, out, (size_t)N * H, stream);
+    return saved;
+  }
   virtual void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout,
                         const DispatchSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                         const floatX* W13, const floatX* W2, cudaStream_t stream) = 0;
@@ -770,8 +782,13 @@ struct LocalDispatcher : MoEDispatcher {
   using MoEDispatcher::MoEDispatcher;
   std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
                                          const floatX* W13, const floatX* W2, int N, cudaStream_t stream) override {
+    return forward_residual(out, nullptr, x, topk_idx, topk_w, W13, W2, N, stream);
+  }
+  std::unique_ptr<DispatchSaved> forward_residual(floatX* out, const floatX* residual, const floatX* x,
+                                                  const int* topk_idx, const float* topk_w, const floatX* W13,
+                                                  const floatX* W2, int N, cudaStream_t stream) override {
     auto saved = std::make_unique<Saved>();
-    moe_forward(out, saved->moe, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, stream);
+    moe_forward(out, saved->moe, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, stream, false, residual);
     return saved;
   }
   void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const DispatchSaved& saved,

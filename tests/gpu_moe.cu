@@ -236,6 +236,54 @@ TEST(MoEGpu, ReplaysBitForBit) {
   expect_same_results(run_device(c), run_device(c));
 }
 
+// moe_forward onto a residual (model.cuh's x_out = x_mid + FFN(ln2), added in the combine): out =
+// residual + the FFN, within the operator tolerance of the reference, into a separate buffer (the
+// residual untouched) and in place (out holding the residual) with the same bits, and in the BF16
+// build one rounding of the exact sum (the fp32 combine plus the residual, not two roundings). The
+// residual is at the scale of the FFN's output, so both parts of the sum matter.
+TEST(MoEGpu, ForwardOntoAResidualAddsItInTheCombine) {
+  REQUIRE_GPU();
+  Rng rng;
+  const MoECase c = make_case(rng, 53, 72, 40, 5, 2, uniform_routes({0, 1, 2, 3, 4}, 2));
+  const int N = c.N, H = c.H, I = c.I, E = c.E, k = c.k;
+  const Mat out_ref = ref::moe_forward(c.x, c.topk_idx, c.topk_w, c.W13, c.W2);
+  const Mat residual = testutil::round_to_floatX(rng.mat<double>(N, H, out_ref.norm() / std::sqrt((double)out_ref.size())));
+  auto d_x = testutil::upload<floatX>(c.x);
+  auto d_idx = testutil::upload_vec(flat(c.topk_idx));
+  auto d_w = testutil::upload<float>(c.topk_w);
+  auto d_W13 = testutil::upload<floatX>(stack(c.W13));
+  auto d_W2 = testutil::upload<floatX>(stack(c.W2));
+  auto d_residual = testutil::upload<floatX>(residual);
+  auto d_in_place = testutil::upload<floatX>(residual);
+  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Workspace, "test.out");
+  testutil::poison(d_out.ptr, d_out.count);
+  MoESaved apart, in_place;
+  moe_forward(d_out.ptr, apart, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, H, I, E, k, 0, false, d_residual.ptr);
+  moe_forward(d_in_place.ptr, in_place, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, H, I, E, k, 0, false,
+              d_in_place.ptr);
+  const Mat out = testutil::download(d_out.ptr, N, H);
+  EXPECT_EQ(testutil::download(d_residual.ptr, N, H), residual) << "the residual is read, not written";
+  EXPECT_EQ(testutil::download(d_in_place.ptr, N, H), out) << "in place: the same bits";
+  const Mat expected = residual + out_ref;
+  EXPECT_REL("moe onto a residual", "out", testutil::rel_err(out, expected), OP_TOL);
+#if defined(FLATMOE_BF16)
+  // the exact sum of what the combine adds: the residual and Σ_j w_j · y_j over the GPU's own y rows
+  const std::vector<int> slot_of_route = testutil::download_vec(apart.slot_of_route, (size_t)N * k);
+  const Mat y = testutil::download(apart.y, N * k, H);
+  Mat exact = residual;
+  for (int n = 0; n < N; n++)
+    for (int j = 0; j < k; j++) exact.row(n) += c.topk_w(n, j) * y.row(slot_of_route[(size_t)n * k + j]);
+  const Mat rounded = testutil::round_to_floatX(exact);
+  long long differ = 0;
+  for (Eigen::Index i = 0; i < out.size(); i++) differ += out.data()[i] != rounded.data()[i];
+  printf("[round] moe onto a residual: %lld of %lld elements differ from the correctly rounded sum\n", differ,
+         (long long)out.size());
+  EXPECT_LE((double)differ, 0.01 * out.size()) << "not one rounding of residual + combine";
+#endif
+  moe_saved_free(apart);
+  moe_saved_free(in_place);
+}
+
 // moe_route_plan is the stable sort of the routes by expert (std::stable_sort on the host); slot_of_route
 // is its inverse and the counts come back.
 namespace {
