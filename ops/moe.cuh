@@ -29,9 +29,10 @@
 // expert offsets (E+1)·4 B (Dispatch), h13 R·2I·b (ExpertIntermediates), y R·H·b (Dispatch).
 // Forward temporaries on top: xp R·H·b (Dispatch) and a R·I·b (ExpertIntermediates), plus the plan's
 // ceil(R/256)·(E+1)·4 B and cuBLAS's pointer arrays (Workspace, FP32 build). Backward temporaries
-// on top: one R·H·b row buffer at a time (dy, dxp, xp; Dispatch)
-// and at most R·3I·b of per-route hidden state (ExpertIntermediates). All temporaries are freed
-// before each launcher returns. Under skew nothing here is bounded except by R = N·k.
+// on top: one R·H·b row buffer at a time (dy, dxp, xp; Dispatch) and da R·I·b beside dy
+// (ExpertIntermediates): SwiGLU's backward writes dh13 over the saved h13 and a over da, so the
+// backward consumes h13 and a is not computed on its own. All temporaries are freed before each
+// launcher returns. Under skew nothing here is bounded except by R = N·k.
 // Determinism: integer atomics only (counting); every float sum has a fixed order; the grouped GEMMs
 // are deterministic for a fixed problem list.
 // Profiling (runtime/profile.cuh): each piece below opens a sub-range of its caller's range with
@@ -188,10 +189,12 @@ static __global__ void swiglu_forward_kernel(floatX* a, const floatX* h13, int R
   reinterpret_cast<P*>(a)[i] = out;
 }
 
-// dh13 [R,2I] (=): dh1 = da ⊙ h3 ⊙ silu'(h1), dh3 = da ⊙ silu(h1). One thread per NV consecutive
-// elements of da (NV = ROW_PIECE, or 1).
-template <int NV>
-static __global__ void swiglu_backward_kernel(floatX* dh13, const floatX* da, const floatX* h13, int R, int I) {
+// dh13 [R,2I] (=): dh1 = da ⊙ h3 ⊙ silu'(h1), dh3 = da ⊙ silu(h1); with WRITE_A also a [R,I] (=) =
+// silu(h1) ⊙ h3 by swiglu_forward_kernel's expression (the same bits). One thread per NV consecutive
+// elements of da (NV = ROW_PIECE, or 1); it reads its pieces of h13 and da before it writes, so dh13
+// may be h13 and a may be da (in place).
+template <int NV, bool WRITE_A>
+static __global__ void swiglu_backward_kernel(floatX* dh13, floatX* a, const floatX* da, const floatX* h13, int R, int I) {
   using P = Pack<floatX, NV>;
   const int pieces = I / NV;  // per row of da
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -201,16 +204,18 @@ static __global__ void swiglu_backward_kernel(floatX* dh13, const floatX* da, co
   const P h1 = reinterpret_cast<const P*>(h13)[r * 2 * pieces + c];
   const P h3 = reinterpret_cast<const P*>(h13)[r * 2 * pieces + pieces + c];
   const P d = reinterpret_cast<const P*>(da)[i];
-  P dh1, dh3;
+  P dh1, dh3, act;
 #pragma unroll
   for (int e = 0; e < NV; e++) {
     const float g = to_float(h1.v[e]), u = to_float(h3.v[e]), dv = to_float(d.v[e]);
     const float sig = 1.f / (1.f + expf(-g));
     dh1.v[e] = from_float<floatX>(dv * u * sig * (1.f + g * (1.f - sig)));
     dh3.v[e] = from_float<floatX>(dv * g * sig);
+    if (WRITE_A) act.v[e] = from_float<floatX>(g / (1.f + expf(-g)) * u);
   }
   reinterpret_cast<P*>(dh13)[r * 2 * pieces + c] = dh1;
   reinterpret_cast<P*>(dh13)[r * 2 * pieces + pieces + c] = dh3;
+  if (WRITE_A) reinterpret_cast<P*>(a)[i] = act;
 }
 
 // out [N,H]: sum[n] = Σ_j w_j · rows[slot_of_route[n·k+j] − slot_first] over the routes whose slot
@@ -364,13 +369,15 @@ inline void swiglu_forward(floatX* a, const floatX* h13, int R, int I, cudaStrea
   launchCheck("swiglu_forward", "R=%d I=%d", R, I);
 }
 
-// dh13 [R,2I] (=) from da [R,I] and h13 [R,2I].
-inline void swiglu_backward(floatX* dh13, const floatX* da, const floatX* h13, int R, int I, cudaStream_t stream) {
+// dh13 [R,2I] (=) from da [R,I] and h13 [R,2I]; and a [R,I] (=) = swiglu(h13), swiglu_forward's bits,
+// when a is given. dh13 may be h13, a may be da (each element is read before it is written).
+inline void swiglu_backward(floatX* dh13, const floatX* da, const floatX* h13, int R, int I, cudaStream_t stream,
+                            floatX* a = nullptr) {
   if ((size_t)R * I == 0) return;
-  if (row_pieces(I, {dh13, da, h13}))
-    swiglu_backward_kernel<ROW_PIECE><<<ceil_div((size_t)R * (I / ROW_PIECE), 256), 256, 0, stream>>>(dh13, da, h13, R, I);
-  else
-    swiglu_backward_kernel<1><<<ceil_div((size_t)R * I, 256), 256, 0, stream>>>(dh13, da, h13, R, I);
+  const bool pieces = row_pieces(I, {dh13, da, h13}) && pack_aligned(a, ROW_PIECE);
+  auto* kernel = pieces ? (a ? swiglu_backward_kernel<ROW_PIECE, true> : swiglu_backward_kernel<ROW_PIECE, false>)
+                        : (a ? swiglu_backward_kernel<1, true> : swiglu_backward_kernel<1, false>);
+  kernel<<<ceil_div((size_t)R * (pieces ? I / ROW_PIECE : I), 256), 256, 0, stream>>>(dh13, a, da, h13, R, I);
   launchCheck("swiglu_backward", "R=%d I=%d", R, I);
 }
 
@@ -579,18 +586,38 @@ inline void experts_swiglu_down(floatX* y, const floatX* h13, const std::vector<
   pool().free(a);
 }
 
+// What experts_backward_to_h13 may do with h13: Keep it (the caller reads it again: the expert-parallel
+// dispatchers and RelayMoE, whose bounds count this form) or Overwrite it (moe_backward: h13 is the
+// forward's saved state and nothing reads it after this).
+enum class H13 { Keep, Overwrite };
+
 // The experts' backward down to the gate/up gradients, shared by moe_backward and the
 // expert-parallel dispatchers, per group g (its weights W2[g], its gradient dW2[g]):
-// da_g = dy_g · W2_g; dW2_g (+=) dy_gᵀ · a_g; returns dh13 [R,2I] = swiglu'(h13) ⊙ da
-// (ExpertIntermediates, the caller frees it). Frees dy as soon as it is consumed, before dh13 is
-// allocated, so that the two are never live together.
-inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& dW2, const floatX* h13,
+// da_g = dy_g · W2_g; dW2_g (+=) dy_gᵀ · a_g; returns dh13 [R,2I] = swiglu'(h13) ⊙ da. Frees dy once
+// it is consumed.
+//   Keep: a is computed again from h13 before dW2 (the forward did not keep it), dy is freed before
+//   dh13 is allocated (ExpertIntermediates, the caller frees it), so the two are never live together:
+//   at most dy + a + da, then dh13 + da, beside h13.
+//   Overwrite: SwiGLU's backward writes dh13 over h13 and a over da in one pass (h13 read once, a not
+//   computed on its own), then dW2; the returned dh13 is h13's buffer (not the caller's to free): at
+//   most dy + da beside h13, and the same bits as Keep.
+inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& dW2, floatX* h13,
                                        const std::vector<const floatX*>& W2, const ExpertRows& groups, int H, int I,
-                                       const std::string& op, cudaStream_t stream) {
+                                       const std::string& op, cudaStream_t stream, H13 mode = H13::Keep) {
   const int R = groups.rows;
-  floatX* a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
-  prof_sub(stream, "swiglu (a again)", 3.0 * R * I * sizeof(floatX));
-  swiglu_forward(a, h13, R, I, stream);
+  auto dW2_from = [&](const floatX* a) {  // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
+    prof_sub(stream, "grouped gemm dW2");
+    grouped_gemm((op + ".dW2").c_str(), expert_problems(groups, [&](int e, size_t first, int rows) {
+                   return GroupedGemmProblem{dy + first * H, a + first * I, dW2[e], H, I, rows};
+                 }),
+                 true, false, H, I, I, 1.f, stream);
+  };
+  floatX* a = nullptr;
+  if (mode == H13::Keep) {
+    a = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".a");
+    prof_sub(stream, "swiglu (a again)", 3.0 * R * I * sizeof(floatX));
+    swiglu_forward(a, h13, R, I, stream);
+  }
   prof_sub(stream, "grouped gemm da");
   // da_e [R_e,I] = dy_e [R_e,H] · W2_e [H,I]
   floatX* da = alloc_rows<floatX>((size_t)R * I, Mem::ExpertIntermediates, op + ".da");
@@ -598,12 +625,15 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
                  return GroupedGemmProblem{dy + first * H, W2[e], da + first * I, rows, I, H};
                }),
                false, false, H, I, I, 0.f, stream);
-  // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
-  prof_sub(stream, "grouped gemm dW2");
-  grouped_gemm((op + ".dW2").c_str(), expert_problems(groups, [&](int e, size_t first, int rows) {
-                 return GroupedGemmProblem{dy + first * H, a + first * I, dW2[e], H, I, rows};
-               }),
-               true, false, H, I, I, 1.f, stream);
+  if (mode == H13::Overwrite) {
+    prof_sub(stream, "swiglu bwd (+ a)", 6.0 * R * I * sizeof(floatX));
+    swiglu_backward(h13, da, h13, R, I, stream, /*a=*/da);  // dh13 over h13, a over da
+    dW2_from(da);
+    pool().free(da);
+    pool().free(dy);
+    return h13;
+  }
+  dW2_from(a);
   pool().free(a);
   pool().free(dy);
   floatX* dh13 = alloc_rows<floatX>((size_t)R * 2 * I, Mem::ExpertIntermediates, op + ".dh13");
@@ -677,7 +707,9 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
 
 // dx [N,H] (=), dtopk_w [N,k] (=), dW13 [E,2I,H] (+=), dW2 [E,H,I] (+=) from dout [N,H], the
 // forward's saved state and inputs. Does not synchronise (with counts on the device, unless a
-// gradient buffer is not aligned for the grouped GEMM kernel: ops/grouped_gemm.cuh).
+// gradient buffer is not aligned for the grouped GEMM kernel: ops/grouped_gemm.cuh). Consumes
+// saved.h13: dh13 is written over it (H13::Overwrite), so a saved state serves one backward, then
+// moe_saved_free.
 inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const MoESaved& saved,
                          const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
                          cudaStream_t stream) {
@@ -692,7 +724,7 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
   moe_combine_backward(dy, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
   floatX* dh13 = experts_backward_to_h13(dy, expert_slices(dW2, saved.E, (size_t)H * I), saved.h13,
                                          expert_slices(W2, saved.E, (size_t)H * I), saved.rows, H, I, "moe_backward",
-                                         stream);
+                                         stream, H13::Overwrite);  // dh13 is saved.h13's buffer
   // dxp_e [R_e,H] = dh13_e [R_e,2I] · W13_e [2I,H];  dx[n] = Σ_j dxp[route n·k+j]
   floatX* dxp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dxp");
   prof_sub(stream, "grouped gemm dxp");
@@ -713,7 +745,6 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
                }),
                true, false, 2 * I, H, H, 1.f, stream);
   pool().free(xp);
-  pool().free(dh13);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -743,14 +774,14 @@ struct DispatchBound {
 };
 
 // moe_forward + moe_backward, R = N·k routes: route maps 2·R·4 B, expert offsets (E+1)·4 B and y R·H·b
-// (Dispatch) and h13 R·2I·b (ExpertIntermediates) saved; backward adds dy + a + da (R·H·b + 2·R·I·b), or dh13 + da (3·R·I·b),
-// or dxp/xp + dh13 (R·H·b + 2·R·I·b), and a grouped GEMM's pointer table (3 per expert, Workspace;
-// only cuBLAS's path has one, counted in both builds).
+// (Dispatch) and h13 R·2I·b (ExpertIntermediates) saved; backward adds dy + da (R·H·b + R·I·b; dh13
+// is written over h13 and a over da, H13::Overwrite), then dxp or xp (R·H·b), and a grouped GEMM's
+// pointer table (3 per expert, Workspace; only cuBLAS's path has one, counted in both builds).
 inline DispatchBound moe_live_bound(long long N, int H, int I, int E, int k, size_t b) {
   const size_t R = (size_t)N * k;
   DispatchBound d;
   d.saved = 8 * R + 4 * ((size_t)E + 1) + R * H * b + 2 * R * I * b;
-  d.peak = d.saved + std::max(R * H * b + 2 * R * I * b, 3 * R * I * b) + 3 * sizeof(void*) * (size_t)E;
+  d.peak = d.saved + R * H * b + R * I * b + 3 * sizeof(void*) * (size_t)E;
   return d;
 }
 

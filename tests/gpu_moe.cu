@@ -119,9 +119,10 @@ MoEResult run_device(const MoECase& c, bool dense_routes = false) {
   EXPECT_EQ(pool().live(Mem::ExpertIntermediates) - inter_start, R * 2 * I * b);
   moe_backward(d_dx.ptr, d_dtopk_w.ptr, d_dW13.ptr, d_dW2.ptr, d_dout.ptr, saved, d_x.ptr, d_idx.ptr, d_w.ptr,
                d_W13.ptr, d_W2.ptr, stream);
-  // peak live set: one R·H row buffer beside y; per-route hidden state at most 5·R·I (h13, da, dh13)
+  // peak live set: one R·H row buffer beside y; per-route hidden state at most 3·R·I (h13 and da:
+  // dh13 over h13, a over da)
   EXPECT_LE(pool().peak(Mem::Dispatch) - dispatch_start, 2 * R * sizeof(int) + (E + 1) * sizeof(int) + 2 * R * H * b);
-  EXPECT_LE(pool().peak(Mem::ExpertIntermediates) - inter_start, 5 * R * I * b);
+  EXPECT_LE(pool().peak(Mem::ExpertIntermediates) - inter_start, 3 * R * I * b);
   moe_saved_free(saved);
   EXPECT_EQ(pool().live_total(), live_start) << "moe_forward/backward/saved_free leaked pool bytes";
 
@@ -413,7 +414,7 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
 
   // Each output's bits, with every buffer at `offset` elements past a pool (aligned) address.
   struct Outputs {
-    std::vector<floatX> permuted, weighted, plain, a, dh13, sum, dy;
+    std::vector<floatX> permuted, weighted, plain, onto, a, dh13, a_in_place, dh13_in_place, sum, dy;
     std::vector<float> window, sum32, dtopk_w;
   };
   auto run = [&](int offset) {
@@ -428,24 +429,31 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
     auto d_acc = placed(0.f, acc0, "test.acc");
     auto d_h13 = placed(floatX(), h13, "test.h13");
     auto d_da = placed(floatX(), da, "test.da");
+    auto d_h13_in_place = placed(floatX(), h13, "test.h13_in_place");  // becomes dh13
+    auto d_da_in_place = placed(floatX(), da, "test.da_in_place");     // becomes a
     DeviceBuffer<floatX> d_a(offset + (size_t)R * I, Mem::Workspace, "test.a");
     DeviceBuffer<floatX> d_dh13(offset + (size_t)R * 2 * I, Mem::Workspace, "test.dh13");
     DeviceBuffer<floatX> d_permuted(offset + (size_t)R * H, Mem::Workspace, "test.permuted");
     DeviceBuffer<floatX> d_weighted(offset + (size_t)N * H, Mem::Workspace, "test.weighted");
     DeviceBuffer<floatX> d_plain(offset + (size_t)N * H, Mem::Workspace, "test.plain");
+    DeviceBuffer<floatX> d_onto(offset + (size_t)N * H, Mem::Workspace, "test.onto");
     DeviceBuffer<floatX> d_sum(offset + (size_t)N * H, Mem::Workspace, "test.sum");
     DeviceBuffer<floatX> d_dy(offset + (size_t)R * H, Mem::Workspace, "test.dy");
     DeviceBuffer<float> d_dtopk_w(R, Mem::Workspace, "test.dtopk_w");
-    for (auto* b : {&d_permuted, &d_weighted, &d_plain, &d_a, &d_dh13, &d_sum, &d_dy}) testutil::poison(b->ptr, b->count);
+    for (auto* b : {&d_permuted, &d_weighted, &d_plain, &d_onto, &d_a, &d_dh13, &d_sum, &d_dy})
+      testutil::poison(b->ptr, b->count);
     testutil::poison(d_dtopk_w.ptr, R);
     auto d_sum32 = placed(0.f, acc0, "test.sum32");  // fp32 += floatX in place, as the fold of the gradients
     moe_permute_rows(d_permuted.ptr + offset, d_x.ptr + offset, d_route_of_slot.ptr, R, H, k, 0);
     moe_combine(d_weighted.ptr + offset, d_rows.ptr + offset, d_slot_of_route.ptr, d_w.ptr, N, H, k, 0);
     moe_combine(d_plain.ptr + offset, d_rows.ptr + offset, d_slot_of_route.ptr, nullptr, N, H, k, 0);
+    moe_combine(d_onto.ptr + offset, d_rows.ptr + offset, d_slot_of_route.ptr, d_w.ptr, N, H, k, 0, d_x.ptr + offset);
     moe_combine_window_add(d_acc.ptr + offset, d_rows.ptr + offset + (size_t)first * H, d_slot_of_route.ptr, d_w.ptr,
                            first, count, N, H, k, 0);
     swiglu_forward(d_a.ptr + offset, d_h13.ptr + offset, R, I, 0);
     swiglu_backward(d_dh13.ptr + offset, d_da.ptr + offset, d_h13.ptr + offset, R, I, 0);
+    swiglu_backward(d_h13_in_place.ptr + offset, d_da_in_place.ptr + offset, d_h13_in_place.ptr + offset, R, I, 0,
+                    d_da_in_place.ptr + offset);  // dh13 over h13, a over da
     add_inplace_or_out(d_sum.ptr + offset, d_x.ptr + offset, d_rows.ptr + offset, (size_t)N * H, 0);
     add_inplace_or_out(d_sum32.ptr + offset, d_sum32.ptr + offset, d_x.ptr + offset, (size_t)N * H, 0);
     // dout = x, the expert outputs y = rows
@@ -455,9 +463,12 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
     o.permuted = testutil::download_vec(d_permuted.ptr + offset, (size_t)R * H);
     o.weighted = testutil::download_vec(d_weighted.ptr + offset, (size_t)N * H);
     o.plain = testutil::download_vec(d_plain.ptr + offset, (size_t)N * H);
+    o.onto = testutil::download_vec(d_onto.ptr + offset, (size_t)N * H);
     o.window = testutil::download_vec(d_acc.ptr + offset, (size_t)N * H);
     o.a = testutil::download_vec(d_a.ptr + offset, (size_t)R * I);
     o.dh13 = testutil::download_vec(d_dh13.ptr + offset, (size_t)R * 2 * I);
+    o.a_in_place = testutil::download_vec(d_da_in_place.ptr + offset, (size_t)R * I);
+    o.dh13_in_place = testutil::download_vec(d_h13_in_place.ptr + offset, (size_t)R * 2 * I);
     o.sum = testutil::download_vec(d_sum.ptr + offset, (size_t)N * H);
     o.sum32 = testutil::download_vec(d_sum32.ptr + offset, (size_t)N * H);
     o.dy = testutil::download_vec(d_dy.ptr + offset, (size_t)R * H);
@@ -472,9 +483,15 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
   EXPECT_TRUE(same_bits(pieces.permuted, elements.permuted));
   EXPECT_TRUE(same_bits(pieces.weighted, elements.weighted));
   EXPECT_TRUE(same_bits(pieces.plain, elements.plain));
+  EXPECT_TRUE(same_bits(pieces.onto, elements.onto));
   EXPECT_TRUE(same_bits(pieces.window, elements.window));
   EXPECT_TRUE(same_bits(pieces.a, elements.a));
   EXPECT_TRUE(same_bits(pieces.dh13, elements.dh13));
+  // SwiGLU's backward in place (moe_backward's H13::Overwrite): swiglu_forward's a and the same dh13
+  for (const Outputs* o : {&pieces, &elements}) {
+    EXPECT_TRUE(same_bits(o->a_in_place, o->a)) << "a from swiglu_backward";
+    EXPECT_TRUE(same_bits(o->dh13_in_place, o->dh13)) << "dh13 over h13";
+  }
   EXPECT_TRUE(same_bits(pieces.sum, elements.sum));
   EXPECT_TRUE(same_bits(pieces.sum32, elements.sum32));
   EXPECT_TRUE(same_bits(pieces.dy, elements.dy));
@@ -517,6 +534,8 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
   EXPECT_EQ(as_mat(pieces.permuted, R, H), permuted_want);  // a copy: exact
   EXPECT_REL("row kernels", "combine weighted", testutil::rel_err(as_mat(pieces.weighted, N, H), weighted_want), OP_TOL);
   EXPECT_REL("row kernels", "combine plain", testutil::rel_err(as_mat(pieces.plain, N, H), plain_want), OP_TOL);
+  const Mat onto_want = x + weighted_want;
+  EXPECT_REL("row kernels", "combine onto x", testutil::rel_err(as_mat(pieces.onto, N, H), onto_want), OP_TOL);
   EXPECT_REL("row kernels", "combine window (+=, fp32)", testutil::rel_err(as_mat(pieces.window, N, H), window_want), OP_TOL);
   EXPECT_REL("row kernels", "swiglu forward", testutil::rel_err(as_mat(pieces.a, R, I), a_want), OP_TOL);
   EXPECT_REL("row kernels", "swiglu backward", testutil::rel_err(as_mat(pieces.dh13, R, 2 * I), dh13_want), OP_TOL);
