@@ -175,12 +175,14 @@ inline void matmul_backward_dx(TD* dx, const T* dout, const T* W, int N, int IC,
               IC, N, IC, OC, stream);
 }
 
-// dW [OC, IC] (+=) doutᵀ [OC, N] · x [N, IC]; dW of type T, or fp32 (TW) beside bf16 dout and x.
+// dW [OC, IC] (+=, or = when not accumulate) doutᵀ [OC, N] · x [N, IC]; dW of type T, or fp32 (TW)
+// beside bf16 dout and x.
 template <typename T, typename TW>
-inline void matmul_backward_dW(TW* dW, const T* dout, const T* x, int N, int IC, int OC, cudaStream_t stream) {
+inline void matmul_backward_dW(TW* dW, const T* dout, const T* x, int N, int IC, int OC, cudaStream_t stream,
+                               bool accumulate = true) {
   if (N == 0 || IC == 0 || OC == 0) return;
-  matmul_gemm("matmul_backward.dW", CUBLAS_OP_N, CUBLAS_OP_T, IC, OC, N, x, IC, dout, OC, 1.0f, dW, IC, N, IC, OC,
-              stream);
+  matmul_gemm("matmul_backward.dW", CUBLAS_OP_N, CUBLAS_OP_T, IC, OC, N, x, IC, dout, OC, accumulate ? 1.0f : 0.0f, dW,
+              IC, N, IC, OC, stream);
 }
 
 // dx [N, IC] (=) = dout · W (skipped when dx == nullptr); dW [OC, IC] (+=) doutᵀ · x.

@@ -312,6 +312,27 @@ static __global__ void router_split_dlogits_kernel(__nv_bfloat16* parts, const f
   row[2 * E + e] = lo;
 }
 
+// [W; W; W; 0] [K3,H] (=) from W [E,H]: each of the split's three parts meets W, and its zero columns
+// meet zero rows (the pool's bytes may hold NaN patterns). One thread per NV consecutive elements
+// (ROW_PIECE: H % 8 == 0 and W 16-byte aligned, which router_logits_backward demands).
+static __global__ void router_stack_weight_kernel(__nv_bfloat16* W_thrice, const __nv_bfloat16* W, int E, int H,
+                                                  int K3) {
+  constexpr int NV = ROW_PIECE;
+  using P = Pack<__nv_bfloat16, NV>;
+  const int pieces = H / NV;  // per row
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)K3 * pieces) return;
+  const int row = (int)(i / pieces), c = (int)(i % pieces);
+  P v;
+  if (row < 3 * E) {
+    v = reinterpret_cast<const P*>(W)[(size_t)(row % E) * pieces + c];
+  } else {
+#pragma unroll
+    for (int e = 0; e < NV; e++) v.v[e] = __float2bfloat16_rn(0.f);
+  }
+  reinterpret_cast<P*>(W_thrice)[i] = v;
+}
+
 // dW [E,H] (+=): dW = bf16(float(dW) + ((ΔW_hi + ΔW_mid) + ΔW_lo)), one rounding; parts [3E,H] fp32.
 static __global__ void router_fold_weight_grad_kernel(__nv_bfloat16* dW, const float* parts, size_t EH) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -407,6 +428,9 @@ inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits,
   if (H % 8)  // the grouped GEMM's kernel takes the product's N = H in 16-byte pieces
     fm_fail(op, "the BF16 build adds into dx in the grouped GEMM's kernel: H must be a multiple of 8", "N=%d H=%d E=%d",
             N, H, E);
+  if (!pack_aligned(W, ROW_PIECE))  // its rows are copied in 16-byte pieces
+    fm_fail(op, "the BF16 build copies W in 16-byte pieces: W must be 16-byte aligned", "N=%d H=%d E=%d W=%p", N, H, E,
+            (const void*)W);
   const int K3 = router_split_width(E);
   const size_t K3H = (size_t)K3 * H, EH = (size_t)E * H;
   DeviceBuffer<floatX> dlogits_parts((size_t)N * K3, Mem::Workspace, "router_logits_backward.dlogits_parts");
@@ -415,12 +439,8 @@ inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits,
   launchCheck(op, "split N=%d E=%d", N, E);
   {  // dx += [hi mid lo 0] · [W; W; W; 0]
     DeviceBuffer<floatX> W_thrice(K3H, Mem::Workspace, "router_logits_backward.W_thrice");
-    for (int part = 0; part < 3; part++)
-      cudaCheck(cudaMemcpyAsync(W_thrice.ptr + part * EH, W, EH * sizeof(floatX), cudaMemcpyDeviceToDevice, stream), op,
-                "N=%d H=%d E=%d", N, H, E);
-    if (K3 > 3 * E)  // the zero columns of the parts meet zero rows (pool bytes may hold NaN patterns)
-      cudaCheck(cudaMemsetAsync(W_thrice.ptr + 3 * EH, 0, (K3H - 3 * EH) * sizeof(floatX), stream), op,
-                "N=%d H=%d E=%d", N, H, E);
+    router_stack_weight_kernel<<<ceil_div(K3H / ROW_PIECE, 256), 256, 0, stream>>>(W_thrice.ptr, W, E, H, K3);
+    launchCheck(op, "stack W E=%d H=%d K3=%d", E, H, K3);
     const GroupedGemmProblems product{{{dlogits_parts.ptr, W_thrice.ptr, dx, N, H, K3}}};
     if (!grouped_gemm_takes_kernel(product, false, false, K3, H, H))  // cuBLAS's beta = 1 would round twice
       fm_fail(op, "the grouped GEMM's kernel does not take dx's product (dx must be 4-byte aligned)",
@@ -429,8 +449,7 @@ inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits,
   }
   {  // ΔW's parts [K3,H] = [hi mid lo 0]ᵀ · x (the last K3 − 3E rows zero), folded into dW
     DeviceBuffer<float> dW_parts(K3H, Mem::Workspace, "router_logits_backward.dW_parts");
-    cudaCheck(cudaMemsetAsync(dW_parts.ptr, 0, K3H * sizeof(float), stream), op, "N=%d H=%d E=%d", N, H, E);
-    matmul_backward_dW(dW_parts.ptr, dlogits_parts.ptr, x, N, H, K3, stream);
+    matmul_backward_dW(dW_parts.ptr, dlogits_parts.ptr, x, N, H, K3, stream, /*accumulate=*/false);
     router_fold_weight_grad_kernel<<<ceil_div(EH, 256), 256, 0, stream>>>(dW, dW_parts.ptr, EH);
     launchCheck(op, "fold E=%d H=%d", E, H);
   }

@@ -190,6 +190,19 @@ TEST(RouterGpu, LogitsBackwardRefusesHiddenNotMultipleOf8) {
 #endif
 }
 
+// ... and it copies W's rows in 16-byte pieces (three times, for the three parts), so a W that is
+// not 16-byte aligned is refused too (the model's parameters always are: every tensor's size is a
+// multiple of 8 elements).
+TEST(RouterGpu, LogitsBackwardRefusesMisalignedWeight) {
+#if defined(FLATMOE_BF16)  // refused before any CUDA call: runs without a GPU too
+  const floatX* W = reinterpret_cast<const floatX*>(uintptr_t{4096 + 2});
+  EXPECT_DEATH(router_logits_backward(nullptr, nullptr, nullptr, nullptr, W, 37, 72, 5, 0),
+               "router_logits_backward .N=37 H=72 E=5 W=0x1002.: .*W must be 16-byte aligned");
+#else
+  GTEST_SKIP() << "the FP32 build's dW and dx are plain fp32 GEMMs on W as it is";
+#endif
+}
+
 // Exact ties: equal keys go to the lower expert index, on the GPU as in the reference, also when
 // the tied experts sit in the same lane (3, 35) or in different lanes (35, 36).
 TEST(RouterGpu, TiesGoToLowerExpertIndex) {
