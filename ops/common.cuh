@@ -57,6 +57,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // e^x as 2^(x·log2 e): one multiply and fast_exp2 (its range and error, and the product's rounding).
 __device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * 1.4426950408889634f); }
 
+// SwiGLU's activation of one element, a = silu(g) · u = g / (1 + e^−g) · u, in fp32 from the gate g
+// (h1) and the up value u (h3) as stored. Both kernels that write a (ops/moe.cuh's SwiGLU forward, and
+// its backward, which writes a over da) compute it by this one expression, so a has the same bits
+// whichever wrote it (memcmp in tests/gpu_moe.cu, RowKernelsGiveTheSameBits…).
+__device__ __forceinline__ float swiglu_value(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
 // The inclusive prefix sum of v over the 32 lanes of a warp (lane = threadIdx.x % 32), by shuffles:
 // lane l gets v_0 + ... + v_l. Every lane of the warp must call it.
 template <typename T>

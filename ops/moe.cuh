@@ -182,15 +182,12 @@ static __global__ void swiglu_forward_kernel(floatX* a, const floatX* h13, int R
   const P h3 = reinterpret_cast<const P*>(h13)[r * 2 * pieces + pieces + c];
   P out;
 #pragma unroll
-  for (int e = 0; e < NV; e++) {
-    const float g = to_float(h1.v[e]), u = to_float(h3.v[e]);
-    out.v[e] = from_float<floatX>(g / (1.f + expf(-g)) * u);
-  }
+  for (int e = 0; e < NV; e++) out.v[e] = from_float<floatX>(swiglu_value(to_float(h1.v[e]), to_float(h3.v[e])));
   reinterpret_cast<P*>(a)[i] = out;
 }
 
 // dh13 [R,2I] (=): dh1 = da ⊙ h3 ⊙ silu'(h1), dh3 = da ⊙ silu(h1); with WRITE_A also a [R,I] (=) =
-// silu(h1) ⊙ h3 by swiglu_forward_kernel's expression (the same bits). One thread per NV consecutive
+// silu(h1) ⊙ h3 by swiglu_value, as swiglu_forward_kernel (the same bits). One thread per NV consecutive
 // elements of da (NV = ROW_PIECE, or 1); it reads its pieces of h13 and da before it writes, so dh13
 // may be h13 and a may be da (in place).
 template <int NV, bool WRITE_A>
@@ -211,7 +208,7 @@ static __global__ void swiglu_backward_kernel(floatX* dh13, floatX* a, const flo
     const float sig = 1.f / (1.f + expf(-g));
     dh1.v[e] = from_float<floatX>(dv * u * sig * (1.f + g * (1.f - sig)));
     dh3.v[e] = from_float<floatX>(dv * g * sig);
-    if (WRITE_A) act.v[e] = from_float<floatX>(g / (1.f + expf(-g)) * u);
+    if (WRITE_A) act.v[e] = from_float<floatX>(swiglu_value(g, u));
   }
   reinterpret_cast<P*>(dh13)[r * 2 * pieces + c] = dh1;
   reinterpret_cast<P*>(dh13)[r * 2 * pieces + pieces + c] = dh3;
