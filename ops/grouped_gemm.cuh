@@ -86,7 +86,9 @@
 //       the routes' rows of two matrices). A ninth warp, one thread of it, issues each k-tile as
 //       2 to 6 tensor copies and the ring runs on mbarriers (full / empty per slot), up to 4
 //       k-tiles ahead and across tiles: the two warpgroups multiply with no block barrier, and the
-//       next tile's copies run while this tile's C is stored. A weight gradient's tiles run their
+//       next tile's copies run while this tile's C is stored. With beta 0 (the forward and
+//       input-gradient forms) the TMA stores C too: each warp leaves its strip of C in shared memory
+//       and multiplies on while the TMA writes it out (ring 3 deep; grouped_gemm_tma_kernel). A weight gradient's tiles run their
 //       k loops over their experts' routes, as long as the router made them: there the grid is a
 //       block per tile, which the GPU hands to SMs as they free up (a round robin over persistent
 //       blocks gave an expert at 8× the mean routes' blocks their share of the other tiles too, and
@@ -234,9 +236,11 @@ struct GroupedGemmProblems {
 // The operands of the wide tiles' TMA form (header) as the two tensors its copies read, encoded on
 // the host (grouped_gemm_tensors): A's rows [rows][K] from a_first; the experts' B, a stack
 // [experts][N][K] (transB) or [experts][K][N] from b_first, b_expert elements apart. A problem's rows
-// of A are found as (its A − a_first) / lda, its expert as (its B − b_first) / b_expert.
+// of A are found as (its A − a_first) / lda, its expert as (its B − b_first) / b_expert. With C stored
+// by the TMA (beta 0, C's rows beside A's), the third tensor C: row r of it is C's row beside A's row r.
 struct GroupedGemmTensors {
   CUtensorMap a, b;
+  CUtensorMap c;  // C's rows beside A's, [rows][N] from A's row 0 (grouped_gemm_tma_c_beside_a), when stored by the TMA
   const ggemm::bf16* a_first;
   const ggemm::bf16* b_first;
   long long b_expert;
@@ -689,7 +693,16 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
 // whole block is in the k loop. Rows past a problem's M come from the next problem's rows (or are
 // zeros past the tensor) and only feed C rows that are not stored; K and N stop at the tensor's
 // edge, past which the TMA fills zeros, so the sums are those of the kernel above: the same bits.
-// C is written through shared memory in 16-byte stores (store_c_staged; 20 KiB besides the ring).
+// C is written through shared memory in 16-byte stores (store_c_staged; 20 KiB besides the ring), or,
+// C_BY_TMA (beta 0 and C's rows beside A's: the forward and input-gradient forms of the MoE layers), by
+// the TMA: each consumer warp writes its 16 × 256 strip of C, rounded to bf16, into its own 8 KiB of
+// shared memory in the 128-byte swizzle (four pieces of 64 columns), and its lane 0 issues the four
+// boxes' stores and goes on to the next tile's MMAs while the TMA writes them out; before the warp
+// writes its strip again, lane 0 waits until those stores have read it (a tile of MMAs later, so
+// they have). Without it the two warpgroups stop multiplying while they store (notes/speed.md ZD:
+// without any store the wide tiles run 16–32 % faster). A strip with rows past its problem's M (the
+// TMA would write the next problem's rows) is stored as before, through the same 8 KiB. The ring is
+// then 3 stages deep (3 × 48 + 64 KiB of C). The same values, rounded the same way: the same bits.
 // The weight-gradient form (TRANS_A: A [routes][M], B [routes][N], k = the problem's routes) copies
 // A's 64 k-rows × 128 m as two boxes of 64 m and B's as four of 64 n; its k loop ends inside the
 // tensor (the next problem's routes follow), so on a problem's last k-tile, when it is partial, the
@@ -697,8 +710,32 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
 // for the async proxy, then a barrier of the 256 consumer threads): the sums are those of the
 // thread-fed kernel, whose copies zero-fill past K.
 constexpr int TMA_THREADS = 9 * 32;
-constexpr size_t tma_shared_bytes() {  // the ring, then the consumer warps' staging of C
-  return wgmma_shared_bytes<WideTiles>() + 8 * STAGED_FLOATS * sizeof(float);
+constexpr int C_STRIP_BYTES = 16 * WideTiles::BN * 2;  // a consumer warp's strip of C in bf16 (C_BY_TMA)
+template <bool C_BY_TMA>
+constexpr int tma_stages() { return C_BY_TMA ? 3 : WideTiles::STAGES; }
+template <bool C_BY_TMA>
+constexpr size_t tma_shared_bytes() {  // the ring (+ 1 KiB: its alignment), then the consumer warps' C strips or staging
+  return (size_t)tma_stages<C_BY_TMA>() * (BM + WideTiles::BN) * BK * sizeof(bf16) + 1024 +
+         8 * (C_BY_TMA ? (size_t)C_STRIP_BYTES : STAGED_FLOATS * sizeof(float));
+}
+static_assert(tma_shared_bytes<true>() <= 227 * 1024 && tma_shared_bytes<false>() <= 227 * 1024, "one block per SM");
+
+// A consumer warp's 16 × 256 strip of C (acc: its fragments, ops/mma.cuh) into `strip` as bf16, in the
+// 128-byte swizzle the TMA's store reads: four pieces of 64 columns, 16 rows × 128 bytes each. Lane
+// (g, t) writes (row g and g + 8, columns 8j + 2t, +1) for each 8-column block j: the 32 lanes of one
+// write hit 32 distinct banks (the swizzle moves row r's 16-byte pieces by r % 8).
+__device__ __forceinline__ void write_c_strip(uint8_t* strip, const float* acc, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < WideTiles::BN / 8; j++) {
+    uint8_t* piece = strip + (j / 8) * (16 * 128);
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const int r = g + 8 * half;
+      *reinterpret_cast<uint32_t*>(piece + swizzle_128b(r, j % 8) + 4 * t) =
+          pack_bf16(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    }
+  }
 }
 // Zeros in the k-rows k_left … BK − 1 of a slot's A and B tiles, stored with m or n contiguous (pieces of
 // 64 columns, one 128-byte row per k: the row is zero whatever its swizzle), by the 256 consumer
@@ -716,12 +753,13 @@ __device__ __forceinline__ void zero_k_rows_past(uint8_t* a_tile, uint8_t* b_til
   asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumer warps 0–7 only
 }
 
-template <bool TRANS_A, bool TRANS_B>
+template <bool TRANS_A, bool TRANS_B, bool C_BY_TMA>
 __global__ void __launch_bounds__(TMA_THREADS, 1)
     grouped_gemm_tma_kernel(const GroupedGemmBatch batch, const __grid_constant__ GroupedGemmTensors tensors, int lda,
                             int ldb, int ldc, float beta) {
   static_assert(!(TRANS_A && TRANS_B), "the TMA form: forward, input-gradient and weight-gradient forms");
-  constexpr int TILE_N = WideTiles::BN, STAGES = WideTiles::STAGES, CONSUMER_WARPS = 8;
+  static_assert(!(TRANS_A && C_BY_TMA), "C by the TMA: the forward and input-gradient forms (beta 0)");
+  constexpr int TILE_N = WideTiles::BN, STAGES = tma_stages<C_BY_TMA>(), CONSUMER_WARPS = 8;
   constexpr int A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = TILE_N * BK * 2;
   extern __shared__ __align__(16) uint8_t shared_bytes[];
   __shared__ uint64_t full[STAGES], empty[STAGES];
@@ -730,7 +768,10 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
   uint8_t* a_ring = shared_bytes + (aligned - shared_start);  // STAGES tiles of A
   uint8_t* b_ring = a_ring + STAGES * A_TILE_BYTES;           // STAGES tiles of op(B)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* staging = reinterpret_cast<float*>(b_ring + STAGES * B_TILE_BYTES) + warp * STAGED_FLOATS;  // consumers'
+  // a consumer warp's C strip (C_BY_TMA; 1024-byte aligned, as the ring's tiles) or staging of C
+  uint8_t* c_strip = b_ring + STAGES * B_TILE_BYTES + (size_t)warp * C_STRIP_BYTES;
+  float* staging = C_BY_TMA ? reinterpret_cast<float*>(c_strip)
+                            : reinterpret_cast<float*>(b_ring + STAGES * B_TILE_BYTES) + warp * STAGED_FLOATS;
   const RoutedTiles& routed = routed_tiles<TRANS_A>(batch);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; s++) {
@@ -808,8 +849,27 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     wgmma_fence_operands(acc);
     if (k_tiles > 0 && lane == 0) mbarrier_arrive(&empty[(it - 1) % STAGES]);
     const int m0 = (tile / p.tiles_n) * BM, n0 = (tile % p.tiles_n) * TILE_N;
-    store_c_staged<TILE_N / 8>(p, m0 + rows + 16 * (warp % 4), n0, acc, ldc, beta, staging, lane);
+    const int strip = m0 + rows + 16 * (warp % 4);  // this warp's 16 rows of C
+    if (C_BY_TMA) {
+      if (lane == 0) tma_store_wait_read<0>();  // the last tile's stores have read c_strip
+      __syncwarp();
+      if (strip + 16 <= p.M) {
+        write_c_strip(c_strip, acc, lane);
+        fence_proxy_async_shared();  // the strip's writes, visible to the TMA's reads
+        __syncwarp();
+        if (lane == 0) {
+          const int c_row = (int)((p.A - tensors.a_first) / lda) + strip;  // C's rows are A's
+#pragma unroll
+          for (int piece = 0; piece < TILE_N / 64; piece++)
+            tma_store_2d(&tensors.c, n0 + 64 * piece, c_row, c_strip + piece * (16 * 128));
+          tma_store_commit();
+        }
+        continue;
+      }
+    }
+    store_c_staged<TILE_N / 8>(p, strip, n0, acc, ldc, beta, staging, lane);
   }
+  if (C_BY_TMA && lane == 0) tma_store_wait<0>();  // the stores are done before the block exits
 }
 #endif
 
@@ -904,6 +964,21 @@ inline bool grouped_gemm_tma_layout(const GroupedGemmProblems& problems, bool tr
   return true;
 }
 
+// true when, without transA, every problem's C rows lie beside its A rows in one matrix: C = C_0 + r·ldc
+// where A = A_0 + r·lda (C_0, A_0: the first problem's; routed problems: all at row 0), so that the TMA
+// form can store C as one tensor addressed by A's rows (C_BY_TMA, the kernel's header). The MoE
+// layers' route-sorted buffers are so.
+inline bool grouped_gemm_tma_c_beside_a(const GroupedGemmProblems& problems, const GroupedGemmTmaLayout& layout,
+                                        bool transA, int lda, int ldc) {
+  if (transA || problems.list.empty()) return false;
+  const floatX* c_first = problems.list[0].C;
+  for (const GroupedGemmProblem& q : problems.list) {
+    const long long row = (long long)(q.A - layout.a_first) / lda;
+    if (q.C - c_first != row * ldc) return false;
+  }
+  return true;
+}
+
 // The wgmma form's tiles and how they are fed (header): wide tiles (128 × 256) when a launch has at
 // least GGEMM_WIDE_MIN_WAVES waves of them, fed by the TMA (WideTma) when the operands are laid out as
 // two tensors (grouped_gemm_tma_layout), else by every thread's copies (Wide); 128 × 128 otherwise. The
@@ -940,12 +1015,17 @@ inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, 
 }
 
 #if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
-// The two tensors of the TMA form (GroupedGemmTensors) from their layout: A in boxes of BK × BM, B in
+// The tensors of the TMA form (GroupedGemmTensors) from their layout, and C's when given: A in boxes of BK × BM, B in
 // boxes of BK × 256 (transB: k contiguous) or of 64 n × BK (n contiguous, four per k-tile); with
 // transA both in boxes of 64 columns × BK k-rows (two per k-tile of A, four of B).
 inline GroupedGemmTensors grouped_gemm_tensors(const char* op, const GroupedGemmTmaLayout& l, bool transA, bool transB,
-                                               int lda, int ldb) {
+                                               int lda, int ldb, const floatX* c_first = nullptr, int ldc = 0) {
   GroupedGemmTensors t;
+  if (c_first) {  // C stored by the TMA: [a_rows][N] beside A's rows, in boxes of 64 columns × a warp's 16 rows
+    const cuuint64_t c_dims[2] = {(cuuint64_t)l.N, (cuuint64_t)l.a_rows}, c_strides[1] = {(cuuint64_t)ldc * 2};
+    const cuuint32_t c_box[2] = {64, 16};
+    t.c = encode_tensor_map(op, "C", c_first, 2, c_dims, c_strides, c_box);
+  }
   const cuuint64_t a_strides[1] = {(cuuint64_t)lda * 2};
   t.a_first = l.a_first;
   t.b_first = l.b_first;
@@ -975,11 +1055,11 @@ inline GroupedGemmTensors grouped_gemm_tensors(const char* op, const GroupedGemm
   return t;
 }
 
-template <bool TRANS_A, bool TRANS_B>
+template <bool TRANS_A, bool TRANS_B, bool C_BY_TMA>
 inline void grouped_gemm_tma_launch(const char* op, const GroupedGemmBatch& batch, const GroupedGemmTensors& tensors,
                                     int lda, int ldb, int ldc, float beta, int sms, cudaStream_t stream) {
-  const auto kernel = ggemm::grouped_gemm_tma_kernel<TRANS_A, TRANS_B>;
-  const size_t shared = ggemm::tma_shared_bytes();
+  const auto kernel = ggemm::grouped_gemm_tma_kernel<TRANS_A, TRANS_B, C_BY_TMA>;
+  const size_t shared = ggemm::tma_shared_bytes<C_BY_TMA>();
   // the weight gradients: a block per tile, handed to the SMs as they free up (their tiles' lengths
   // follow the experts' routes); else one persistent block per SM
   const unsigned int blocks = TRANS_A ? batch.tiles : std::min(batch.tiles, (unsigned)sms);
@@ -1042,12 +1122,14 @@ inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems
   const int sms = grouped_gemm_sms(op);
 #if defined(FLATMOE_WGMMA)
   GroupedGemmTensors tensors;
+  bool c_by_tma = false;  // C stored by the TMA (the kernel's header): beta 0 and C's rows beside A's
   if (tiles == GroupedGemmTiles::WideTma) {
     GroupedGemmTmaLayout layout;
     if (!grouped_gemm_tma_layout(problems, transA, transB, lda, ldb, layout))
       fm_fail(op, "grouped_gemm: the TMA form needs the problems laid out as two tensors (grouped_gemm_tma_layout)",
               "problems=%zu transA=%d transB=%d", problems.list.size(), (int)transA, (int)transB);
-    tensors = grouped_gemm_tensors(op, layout, transA, transB, lda, ldb);
+    c_by_tma = beta == 0.f && grouped_gemm_tma_c_beside_a(problems, layout, transA, lda, ldc);
+    tensors = grouped_gemm_tensors(op, layout, transA, transB, lda, ldb, c_by_tma ? problems.list[0].C : nullptr, ldc);
   }
 #endif
   const std::vector<GroupedGemmProblem>& list = problems.list;
@@ -1068,11 +1150,15 @@ inline void grouped_gemm_mma(const char* op, const GroupedGemmProblems& problems
     if (batch.tiles == 0) continue;
 #if defined(FLATMOE_WGMMA)
     if (tiles == GroupedGemmTiles::WideTma && transA)
-      grouped_gemm_tma_launch<true, false>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+      grouped_gemm_tma_launch<true, false, false>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+    else if (tiles == GroupedGemmTiles::WideTma && transB && c_by_tma)
+      grouped_gemm_tma_launch<false, true, true>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
     else if (tiles == GroupedGemmTiles::WideTma && transB)
-      grouped_gemm_tma_launch<false, true>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+      grouped_gemm_tma_launch<false, true, false>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+    else if (tiles == GroupedGemmTiles::WideTma && c_by_tma)
+      grouped_gemm_tma_launch<false, false, true>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
     else if (tiles == GroupedGemmTiles::WideTma)
-      grouped_gemm_tma_launch<false, false>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
+      grouped_gemm_tma_launch<false, false, false>(op, batch, tensors, lda, ldb, ldc, beta, sms, stream);
     else if (tiles == GroupedGemmTiles::Wide)
       grouped_gemm_mma_launch<ggemm::WideTiles>(op, batch, transA, transB, lda, ldb, ldc, beta, sms, stream);
     else

@@ -1,7 +1,7 @@
 // mma.cuh — the PTX that flatmoe's tensor-core kernels share (ops/attention_mma.cuh,
 // ops/grouped_gemm.cuh): asynchronous 16-byte copies into shared memory, ldmatrix, and the bf16
 // mma.sync m16n8k16 with fp32 accumulation (sm_80 and later); and Hopper's warpgroup MMA (wgmma),
-// mbarriers and the tensor memory accelerator's copies (TMA), with the host's encoder of the tensor
+// mbarriers and the tensor memory accelerator's copies (TMA) both ways, with the host's encoder of the tensor
 // maps those copies read (sm_90a builds only: FLATMOE_WGMMA, GPU_ARCH=90a). Not an operator: no twin of its own;
 // its users' twins (ref/attention.hpp, ref/moe.hpp) check what is built from it.
 //
@@ -136,6 +136,25 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const void* map, int c0, 
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
           "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
       : "memory");
+}
+// The TMA's store, the other way: one thread copies a box from shared memory at `src` (laid out in the
+// map's swizzle, 1024-byte aligned) into the tensor; parts of the box outside the tensor are not
+// written. A thread's stores form bulk groups: tma_store_commit closes its open group;
+// tma_store_wait_read<n> waits until at most n of its groups still read shared memory (their sources
+// may then be written again), tma_store_wait<n> until at most n still write (before the block exits).
+__device__ __forceinline__ void tma_store_2d(const void* map, int c0, int c1, const void* src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(map), "r"(c0),
+               "r"(c1), "r"(smem_addr(src))
+               : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void tma_store_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

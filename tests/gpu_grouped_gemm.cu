@@ -429,7 +429,8 @@ TEST(GroupedGemmHost, TileShapeByFormAndSize) {
 // The TMA form's two tensors (ops/grouped_gemm.cuh, grouped_gemm_tma_layout): found where the problems
 // are laid out as one A matrix and one stack of B (an expert without routes may be left out of a
 // host's list), or, for the weight gradients, as the same rows of one A and one B matrix; refused
-// otherwise.
+// otherwise. And C as a third, stored by the TMA, where its rows lie beside A's
+// (grouped_gemm_tma_c_beside_a).
 TEST(GroupedGemmHost, TmaLayoutFindsTheTwoTensors) {
   const floatX* A = reinterpret_cast<const floatX*>(uintptr_t(1) << 32);
   const floatX* B = reinterpret_cast<const floatX*>(uintptr_t(1) << 36);
@@ -470,6 +471,13 @@ TEST(GroupedGemmHost, TmaLayoutFindsTheTwoTensors) {
   GroupedGemmProblems c_off = host_list();
   c_off.list[1].C += 2;  // 4 bytes off in the BF16 build, 8 in the FP32 one
   EXPECT_FALSE(grouped_gemm_tma_layout(c_off, false, true, K, K, l)) << "a C not 16-byte aligned";
+  // C stored by the TMA (beta 0): C's rows beside A's, one [rows][N] matrix addressed by A's rows
+  ASSERT_TRUE(grouped_gemm_tma_layout(host_list(), false, true, K, K, l));
+  EXPECT_TRUE(grouped_gemm_tma_c_beside_a(host_list(), l, false, K, N));
+  GroupedGemmProblems c_gap = host_list();
+  c_gap.list[2].C += N;  // one row of C between the second problem's and the third's
+  EXPECT_FALSE(grouped_gemm_tma_c_beside_a(c_gap, l, false, K, N)) << "C's rows not beside A's";
+  EXPECT_FALSE(grouped_gemm_tma_c_beside_a(host_list(), l, true, K, N)) << "the weight-gradient form";
 
   GroupedGemmProblems routed;
   for (int e = 0; e < 5; e++) routed.list.push_back({A, B + (size_t)e * N * K, C, 0, N, K});
@@ -478,6 +486,7 @@ TEST(GroupedGemmHost, TmaLayoutFindsTheTwoTensors) {
   ASSERT_TRUE(grouped_gemm_tma_layout(routed, false, true, K, K, l));
   EXPECT_EQ(l.a_rows, 436);
   EXPECT_EQ(l.experts, 5);
+  EXPECT_TRUE(grouped_gemm_tma_c_beside_a(routed, l, false, K, N)) << "routed: every C at row 0";
   routed.list[3].A = A + K;
   EXPECT_FALSE(grouped_gemm_tma_layout(routed, false, true, K, K, l)) << "a routed problem's A not at row 0";
 
