@@ -85,14 +85,15 @@
 //       (grouped_gemm_tma_layout: the MoE layers' expert GEMMs; the weight gradients' A and B are
 //       the routes' rows of two matrices). A ninth warp, one thread of it, issues each k-tile as
 //       2 to 6 tensor copies and the ring runs on mbarriers (full / empty per slot), up to 4
-//       k-tiles ahead and across tiles: the two warpgroups multiply with no block barrier, and the
-//       next tile's copies run while this tile's C is stored. With beta 0 (the forward and
-//       input-gradient forms) the TMA stores C too: each warp leaves its strip of C in shared memory
-//       and multiplies on while the TMA writes it out (ring 3 deep; grouped_gemm_tma_kernel). A weight gradient's tiles run their
-//       k loops over their experts' routes, as long as the router made them: there the grid is a
-//       block per tile, which the GPU hands to SMs as they free up (a round robin over persistent
-//       blocks gave an expert at 8× the mean routes' blocks their share of the other tiles too, and
-//       ran B1's dW13 at 389 TFLOP/s where a block per tile runs it at 507).
+//       k-tiles ahead (3 where the TMA stores C) and across tiles: the two warpgroups multiply with
+//       no block barrier, and the next tile's copies run while this tile's C is stored. With beta 0
+//       (the forward and input-gradient forms) the TMA stores C too: each warp leaves its strip of C
+//       in shared memory and multiplies on while the TMA writes it out (grouped_gemm_tma_kernel).
+//       A weight gradient's tiles run their k loops over their experts' routes, as long as the
+//       router made them: there the grid is a block per tile, which the GPU hands to SMs as they
+//       free up (a round robin over persistent blocks gave an expert at 8× the mean routes' blocks
+//       their share of the other tiles too, and ran B1's dW13 at 389 TFLOP/s where a block per tile
+//       runs it at 507).
 //     - by every thread's cp.async copies otherwise (grouped_gemm_wgmma_kernel, block barriers
 //       per k-tile, one k-tile of MMAs left running across each barrier, the next tile's first
 //       k-tiles copied while this tile's C is stored).

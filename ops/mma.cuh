@@ -1,9 +1,10 @@
 // mma.cuh — the PTX that flatmoe's tensor-core kernels share (ops/attention_mma.cuh,
 // ops/grouped_gemm.cuh): asynchronous 16-byte copies into shared memory, ldmatrix, and the bf16
 // mma.sync m16n8k16 with fp32 accumulation (sm_80 and later); and Hopper's warpgroup MMA (wgmma),
-// mbarriers and the tensor memory accelerator's copies (TMA) both ways, with the host's encoder of the tensor
-// maps those copies read (sm_90a builds only: FLATMOE_WGMMA, GPU_ARCH=90a). Not an operator: no twin of its own;
-// its users' twins (ref/attention.hpp, ref/moe.hpp) check what is built from it.
+// mbarriers and the tensor memory accelerator's copies (TMA) both ways, with the host's encoder of
+// the tensor maps those copies read (sm_90a builds only: FLATMOE_WGMMA, GPU_ARCH=90a). Not an
+// operator: no twin of its own; its users' twins (ref/attention.hpp, ref/moe.hpp) check what is built
+// from it.
 //
 // MMA fragments relied on (PTX ISA, mma.m16n8k16 .bf16, lane l, g = l/4, t = l%4):
 //   A (16×16, row-major), 4 × b32 of two bf16 (lower column in the low half):
