@@ -241,7 +241,7 @@ struct GroupedGemmProblems {
 // by the TMA (beta 0, C's rows beside A's), the third tensor C: row r of it is C's row beside A's row r.
 struct GroupedGemmTensors {
   CUtensorMap a, b;
-  CUtensorMap c;  // C's rows beside A's, [rows][N] from A's row 0 (grouped_gemm_tma_c_beside_a), when stored by the TMA
+  CUtensorMap c;  // when the TMA stores C: [rows][N], row r beside A's row r (grouped_gemm_tma_c_beside_a)
   const ggemm::bf16* a_first;
   const ggemm::bf16* b_first;
   long long b_expert;
@@ -1016,13 +1016,14 @@ inline GroupedGemmTiles grouped_gemm_tiles(const GroupedGemmProblems& problems, 
 }
 
 #if defined(FLATMOE_BF16) && defined(FLATMOE_WGMMA)
-// The tensors of the TMA form (GroupedGemmTensors) from their layout, and C's when given: A in boxes of BK × BM, B in
+// The tensors of the TMA form (GroupedGemmTensors) from their layout: A in boxes of BK × BM, B in
 // boxes of BK × 256 (transB: k contiguous) or of 64 n × BK (n contiguous, four per k-tile); with
-// transA both in boxes of 64 columns × BK k-rows (two per k-tile of A, four of B).
+// transA both in boxes of 64 columns × BK k-rows (two per k-tile of A, four of B); and, given c_first,
+// C in boxes of 64 columns × 16 rows (a consumer warp's strip).
 inline GroupedGemmTensors grouped_gemm_tensors(const char* op, const GroupedGemmTmaLayout& l, bool transA, bool transB,
                                                int lda, int ldb, const floatX* c_first = nullptr, int ldc = 0) {
   GroupedGemmTensors t;
-  if (c_first) {  // C stored by the TMA: [a_rows][N] beside A's rows, in boxes of 64 columns × a warp's 16 rows
+  if (c_first) {  // C stored by the TMA: [a_rows][N] beside A's rows
     const cuuint64_t c_dims[2] = {(cuuint64_t)l.N, (cuuint64_t)l.a_rows}, c_strides[1] = {(cuuint64_t)ldc * 2};
     const cuuint32_t c_box[2] = {64, 16};
     t.c = encode_tensor_map(op, "C", c_first, 2, c_dims, c_strides, c_box);
