@@ -85,8 +85,8 @@
 //       (grouped_gemm_tma_layout: the MoE layers' expert GEMMs; the weight gradients' A and B are
 //       the routes' rows of two matrices). A ninth warp, one thread of it, issues each k-tile as
 //       2 to 6 tensor copies and the ring runs on mbarriers (full / empty per slot), up to 4
-//       k-tiles ahead (3 where the TMA stores C) and across tiles: the two warpgroups multiply with
-//       no block barrier, and the next tile's copies run while this tile's C is stored. With beta 0
+//       k-tiles ahead and across tiles: the two warpgroups multiply with no block barrier, and the
+//       next tile's copies run while this tile's C is stored. With beta 0
 //       (the forward and input-gradient forms) the TMA stores C too: each warp leaves its strip of C
 //       in shared memory and multiplies on while the TMA writes it out (grouped_gemm_tma_kernel).
 //       A weight gradient's tiles run their k loops over their experts' routes, as long as the
@@ -696,14 +696,15 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
 // edge, past which the TMA fills zeros, so the sums are those of the kernel above: the same bits.
 // C is written through shared memory in 16-byte stores (store_c_staged; 20 KiB besides the ring), or,
 // C_BY_TMA (beta 0 and C's rows beside A's: the forward and input-gradient forms of the MoE layers), by
-// the TMA: each consumer warp writes its 16 × 256 strip of C, rounded to bf16, into its own 8 KiB of
-// shared memory in the 128-byte swizzle (four pieces of 64 columns), and its lane 0 issues the four
-// boxes' stores and goes on to the next tile's MMAs while the TMA writes them out; before the warp
-// writes its strip again, lane 0 waits until those stores have read it (a tile of MMAs later, so
-// they have). Without it the two warpgroups stop multiplying while they store (notes/speed.md ZD:
-// without any store the wide tiles run 16–32 % faster). A strip with rows past its problem's M (the
-// TMA would write the next problem's rows) is stored as before, through the same 8 KiB. The ring is
-// then 3 stages deep (3 × 48 + 64 KiB of C). The same values, rounded the same way: the same bits.
+// the TMA: each consumer warp writes its 16 × 256 strip of C, rounded to bf16, in two halves of 128
+// columns through its own 4 KiB of shared memory in the 128-byte swizzle (two pieces of 64 columns);
+// lane 0 issues each half's two boxes' stores (waiting, before the second half, until the first
+// half's have read the 4 KiB) and the warp goes on to the next tile's MMAs while the TMA writes the
+// second half out; before the warp writes its strip again, lane 0 waits until those stores have read
+// it. Without it the two warpgroups stop multiplying while they store (notes/speed.md ZD: without any
+// store the wide tiles run 16–32 % faster). A strip with rows past its problem's M (the TMA would
+// write the next problem's rows) is stored as before, through the same 4 KiB. The ring stays 4 stages
+// deep (4 × 48 + 32 KiB of C). The same values, rounded the same way: the same bits.
 // The weight-gradient form (TRANS_A: A [routes][M], B [routes][N], k = the problem's routes) copies
 // A's 64 k-rows × 128 m as two boxes of 64 m and B's as four of 64 n; its k loop ends inside the
 // tensor (the next problem's routes follow), so on a problem's last k-tile, when it is partial, the
@@ -711,24 +712,23 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
 // for the async proxy, then a barrier of the 256 consumer threads): the sums are those of the
 // thread-fed kernel, whose copies zero-fill past K.
 constexpr int TMA_THREADS = 9 * 32;
-constexpr int C_STRIP_BYTES = 16 * WideTiles::BN * 2;  // a consumer warp's strip of C in bf16 (C_BY_TMA)
-template <bool C_BY_TMA>
-constexpr int tma_stages() { return C_BY_TMA ? 3 : WideTiles::STAGES; }
+constexpr int C_STRIP_BYTES = 16 * WideTiles::BN;  // half a consumer warp's strip of C in bf16 (C_BY_TMA)
 template <bool C_BY_TMA>
 constexpr size_t tma_shared_bytes() {  // the ring (+ 1 KiB: its alignment), then the consumer warps' C strips or staging
-  return (size_t)tma_stages<C_BY_TMA>() * (BM + WideTiles::BN) * BK * sizeof(bf16) + 1024 +
+  return (size_t)WideTiles::STAGES * (BM + WideTiles::BN) * BK * sizeof(bf16) + 1024 +
          8 * (C_BY_TMA ? (size_t)C_STRIP_BYTES : STAGED_FLOATS * sizeof(float));
 }
 static_assert(tma_shared_bytes<true>() <= 227 * 1024 && tma_shared_bytes<false>() <= 227 * 1024, "one block per SM");
+static_assert(STAGED_FLOATS * sizeof(float) <= C_STRIP_BYTES, "a partial strip is staged in the warp's C strip");
 
-// A consumer warp's 16 × 256 strip of C (acc: its fragments, ops/mma.cuh) into `strip` as bf16, in the
-// 128-byte swizzle the TMA's store reads: four pieces of 64 columns, 16 rows × 128 bytes each. Lane
+// Half a consumer warp's strip of C, 16 × 128 (acc: the half's fragments, ops/mma.cuh), into `strip` as
+// bf16, in the 128-byte swizzle the TMA's store reads: two pieces of 64 columns, 16 rows × 128 bytes. Lane
 // (g, t) writes (row g and g + 8, columns 8j + 2t, +1) for each 8-column block j: the 32 lanes of one
 // write hit 32 distinct banks (the swizzle moves row r's 16-byte pieces by r % 8).
 __device__ __forceinline__ void write_c_strip(uint8_t* strip, const float* acc, int lane) {
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int j = 0; j < WideTiles::BN / 8; j++) {
+  for (int j = 0; j < WideTiles::BN / 16; j++) {
     uint8_t* piece = strip + (j / 8) * (16 * 128);
 #pragma unroll
     for (int half = 0; half < 2; half++) {
@@ -760,7 +760,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
                             int ldb, int ldc, float beta) {
   static_assert(!(TRANS_A && TRANS_B), "the TMA form: forward, input-gradient and weight-gradient forms");
   static_assert(!(TRANS_A && C_BY_TMA), "C by the TMA: the forward and input-gradient forms (beta 0)");
-  constexpr int TILE_N = WideTiles::BN, STAGES = tma_stages<C_BY_TMA>(), CONSUMER_WARPS = 8;
+  constexpr int TILE_N = WideTiles::BN, STAGES = WideTiles::STAGES, CONSUMER_WARPS = 8;
   constexpr int A_TILE_BYTES = BM * BK * 2, B_TILE_BYTES = TILE_N * BK * 2;
   extern __shared__ __align__(16) uint8_t shared_bytes[];
   __shared__ uint64_t full[STAGES], empty[STAGES];
@@ -855,15 +855,22 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
       if (lane == 0) tma_store_wait_read<0>();  // the last tile's stores have read c_strip
       __syncwarp();
       if (strip + 16 <= p.M) {
-        write_c_strip(c_strip, acc, lane);
-        fence_proxy_async_shared();  // the strip's writes, visible to the TMA's reads
-        __syncwarp();
-        if (lane == 0) {
-          const int c_row = (int)((p.A - tensors.a_first) / lda) + strip;  // C's rows are A's
 #pragma unroll
-          for (int piece = 0; piece < TILE_N / 64; piece++)
-            tma_store_2d(&tensors.c, n0 + 64 * piece, c_row, c_strip + piece * (16 * 128));
-          tma_store_commit();
+        for (int half = 0; half < 2; half++) {  // columns n0 + 128·half … +127
+          if (half == 1) {
+            if (lane == 0) tma_store_wait_read<0>();  // the first half's stores have read c_strip
+            __syncwarp();
+          }
+          write_c_strip(c_strip, acc + TILE_N / 4 * half, lane);
+          fence_proxy_async_shared();  // the strip's writes, visible to the TMA's reads
+          __syncwarp();
+          if (lane == 0) {
+            const int c_row = (int)((p.A - tensors.a_first) / lda) + strip;  // C's rows are A's
+#pragma unroll
+            for (int piece = 0; piece < TILE_N / 128; piece++)
+              tma_store_2d(&tensors.c, n0 + TILE_N / 2 * half + 64 * piece, c_row, c_strip + piece * (16 * 128));
+            tma_store_commit();
+          }
         }
         continue;
       }
