@@ -76,7 +76,8 @@
 //     waits for its MMAs at the end of each k-tile; C is stored through the ring, free by then, in
 //     16-byte pieces (store_c_staged) where N % 8 == 0 and C's rows are 16-byte aligned. Launches of
 //     fewer than 4 waves of wide tiles (2 for the weight gradients), and weight gradients whose
-//     operands are not laid out for the TMA.
+//     operands are not laid out for the TMA. (A 6-deep ring, one block per SM, for launches of at
+//     most a tile per SM was measured and not kept: speed.md ZG.)
 //   wide, 128 × 256: each warpgroup 64 × 256 (wgmma m64n256k16, 128 accumulators per thread);
 //     4 stages, 192 KiB, one block per SM. The grid is one block per SM, each looping over the
 //     launch's tiles (blockIdx.x, + gridDim.x, …), except for the weight gradients (below). B1's
@@ -86,9 +87,9 @@
 //       the routes' rows of two matrices). A ninth warp, one thread of it, issues each k-tile as
 //       2 to 6 tensor copies and the ring runs on mbarriers (full / empty per slot), up to 4
 //       k-tiles ahead and across tiles: the two warpgroups multiply with no block barrier, and the
-//       next tile's copies run while this tile's C is stored. With beta 0
-//       (the forward and input-gradient forms) the TMA stores C too: each warp leaves its strip of C
-//       in shared memory and multiplies on while the TMA writes it out (grouped_gemm_tma_kernel).
+//       next tile's copies run while this tile's C is stored. With beta 0 (the forward and
+//       input-gradient forms) the TMA stores C too: each warp leaves its strip of C in shared memory,
+//       half of it at a time, and multiplies on while the TMA writes it out (grouped_gemm_tma_kernel).
 //       A weight gradient's tiles run their k loops over their experts' routes, as long as the
 //       router made them: there the grid is a block per tile, which the GPU hands to SMs as they
 //       free up (a round robin over persistent blocks gave an expert at 8× the mean routes' blocks
