@@ -44,7 +44,8 @@
 #   sco: SCO, selective attention recomputation and the memory prediction (notes/sco.md) — GpuSco.*,
 #     GpuMemoryPrediction.* and the DistModel SCO/kept-attention/prediction tests in both precisions, then 30 BF16
 #     training steps of B1 (T = 2048, batch 8) on the fortunes data: recompute off, on, SCO at 2, 4, 8 boundaries,
-#     kept attention at 3 device budgets: mean step time of steps 11-30, pool peak, the prediction (sco.md)
+#     kept attention at 3 device budgets, and at T = 8192 (batch 2) recompute off, on and kept attention at 0.9:
+#     mean step time of steps 11-30, pool peak, the prediction (sco.md)
 #   sco-timelines: the pool's timeline of one B1 step under recomputation, with SCO on every boundary and with
 #     kept attention (sco_timelines.tgz, CSV per run)
 #   limits: the longest context and the largest batch of a stated model on one GPU (tools/bench_train.sh limits)
@@ -293,6 +294,11 @@ if [[ " $want " == *" sco "* ]]; then
   done
   sco_run "recompute on, attention kept, budget 0.9 of the GPU" --recompute 1 --device_budget 0.9
   sco_run "recompute on, SCO all + attention kept (0.9)" --recompute 1 --offload_budget $((8 * boundary)) --device_budget 0.9
+  # the same tokens per step at T = 8192 (batch 2): attention's share of what recomputation redoes grows with T
+  b1="--hidden 1024 --layers 8 --heads 16 --experts 32 --topk 4 --expert_dim 512 --seq_len 8192 --batch 2"
+  sco_run "T 8192, batch 2: recompute off" --recompute 0
+  sco_run "T 8192, batch 2: recompute on" --recompute 1
+  sco_run "T 8192, batch 2: recompute on, attention kept, budget 0.9 of the GPU" --recompute 1 --device_budget 0.9
   cat "$OUT/sco.md"
 fi
 
