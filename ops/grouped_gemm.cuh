@@ -715,9 +715,8 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
 constexpr int TMA_THREADS = 9 * 32;
 constexpr int C_STRIP_BYTES = 16 * WideTiles::BN;  // half a consumer warp's strip of C in bf16 (C_BY_TMA)
 template <bool C_BY_TMA>
-constexpr size_t tma_shared_bytes() {  // the ring (+ 1 KiB: its alignment), then the consumer warps' C strips or staging
-  return (size_t)WideTiles::STAGES * (BM + WideTiles::BN) * BK * sizeof(bf16) + 1024 +
-         8 * (C_BY_TMA ? (size_t)C_STRIP_BYTES : STAGED_FLOATS * sizeof(float));
+constexpr size_t tma_shared_bytes() {  // the ring, then the consumer warps' C strips or staging
+  return wgmma_shared_bytes<WideTiles>() + 8 * (C_BY_TMA ? (size_t)C_STRIP_BYTES : STAGED_FLOATS * sizeof(float));
 }
 static_assert(tma_shared_bytes<true>() <= 227 * 1024 && tma_shared_bytes<false>() <= 227 * 1024, "one block per SM");
 static_assert(STAGED_FLOATS * sizeof(float) <= C_STRIP_BYTES, "a partial strip is staged in the warp's C strip");
