@@ -5,7 +5,7 @@
 // element must equal the correctly rounded exact value. Cases: selection (exact), weights, scores,
 // dlogits and loads on well-separated scores, at sizes that are not multiples of the warp; exact
 // ties, which must pick the lower expert index on GPU and CPU alike; the weights of a given choice;
-// the logits GEMM and its backward at odd shapes, with their Workspace peak.
+// the logits GEMM and its backward at odd shapes, with their Workspace peak and bit-identical replay.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -95,8 +95,8 @@ void check_router(const char* name, int N, int E, int k, int score_fn, bool reno
 
 // router_logits_forward and router_logits_backward on fresh x [N,H] and W [E,H] (floatX values),
 // dlogits [N,E] (fp32 values) and a random starting dx and dW (both +=), against ref/matmul.hpp in
-// double. Also: the Workspace peak of the two launchers is router_logits_workspace_bytes, and every
-// byte comes back.
+// double. Also: the Workspace peak of the two launchers is router_logits_workspace_bytes, every byte
+// comes back, and the backward run again from the same dx and dW gives the same bits.
 void check_router_logits(const char* name, int N, int H, int E) {
   Rng rng;
   const Mat x = testutil::round_to_floatX(rng.mat<double>(N, H));
@@ -131,6 +131,17 @@ void check_router_logits(const char* name, int N, int H, int E) {
 
   const Mat dx_after = testutil::download(d_dx.ptr, N, H);
   const Mat dW_after = testutil::download(d_dW.ptr, E, H);
+  {  // the backward again from the same dx and dW: the same bits
+    const std::vector<floatX> dx_first = testutil::download_vec(d_dx.ptr, d_dx.count);
+    const std::vector<floatX> dW_first = testutil::download_vec(d_dW.ptr, d_dW.count);
+    auto d_dx_again = testutil::upload<floatX>(dx_before, Mem::Activations);
+    auto d_dW_again = testutil::upload<floatX>(dW_before, Mem::Grads);
+    router_logits_backward(d_dx_again.ptr, d_dW_again.ptr, d_dlogits.ptr, d_x.ptr, d_W.ptr, N, H, E, 0);
+    EXPECT_EQ(0, memcmp(testutil::download_vec(d_dx_again.ptr, d_dx_again.count).data(), dx_first.data(),
+                        dx_first.size() * sizeof(floatX))) << name << ": dx differs on replay";
+    EXPECT_EQ(0, memcmp(testutil::download_vec(d_dW_again.ptr, d_dW_again.count).data(), dW_first.data(),
+                        dW_first.size() * sizeof(floatX))) << name << ": dW differs on replay";
+  }
   EXPECT_REL(name, "logits", testutil::rel_err(testutil::download(d_logits.ptr, N, E), ref::matmul_forward(x, W)),
              FP32_TOL);
   const Mat dx_update = dx_after - dx_before, dW_update = dW_after - dW_before;
