@@ -89,7 +89,8 @@ struct TrainConfig {
   std::string optimizer = "adamw";         // optimizer: adamw (fp32 master weights and moments on the GPU),
                                            // cpu_adamw (on the host, updated by the CPU), offload_adamw (on the
                                            // host, streamed through the GPU in buckets)
-  int offload_bucket = 1 << 22;            // offload_adamw: β, parameters per bucket
+  int offload_bucket = 1 << 22;            // offload_adamw, cpu_adamw: β, parameters per bucket (a staging
+                                           // slot's; cpu_adamw: a chunk of its copy-update-copy pipeline)
   int offload_slots = 2;                   // offload_adamw: s, staging slots on the GPU (s·β·12 bytes)
   long long offload_budget = 0;            // SCO: host bytes for layer boundaries (--recompute 1); 0 = none
   std::string device_budget = "0";         // selective attention recomputation (--recompute 1): the pool bytes a
@@ -500,7 +501,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
        "--ring_dtp expects auto, weights or activations, got '" + t.ring_dtp + "'");
   need(t.vocab_block >= 1, "vocab_block (logits columns per block) must be >= 1, got " + std::to_string(t.vocab_block));
   refuse_unbuilt("--optimizer", t.optimizer, {"adamw", "cpu_adamw", "offload_adamw"}, {});
-  need(t.offload_bucket >= 1, "offload_bucket (β, parameters per bucket of offload_adamw) must be >= 1, got " +
+  need(t.offload_bucket >= 1, "offload_bucket (β, parameters per bucket of offload_adamw and cpu_adamw) must be >= 1, got " +
                                   std::to_string(t.offload_bucket));
   need(t.offload_slots >= 1 && t.offload_slots <= 16,
        "offload_slots (s, offload_adamw's staging slots on the GPU) must be in [1, 16], got " +
@@ -570,7 +571,8 @@ inline std::string usage() {
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
          "seams:  --moe local|ep|llep|pllep|relay (default: local at E_p = 1, else ep) --head full|chunked|ring_dtp\n"
          "        --vocab_group P --ring_dtp auto|weights|activations (ring_dtp) --vocab_block C (chunked, ring_dtp)\n"
-         "        --optimizer adamw|cpu_adamw|offload_adamw --offload_bucket β --offload_slots s (offload_adamw)\n"
+         "        --optimizer adamw|cpu_adamw|offload_adamw --offload_bucket β (offload_adamw, cpu_adamw)\n"
+         "        --offload_slots s (offload_adamw)\n"
          "        --llep_alpha a --llep_min_rows n (llep, pllep) --token_budget c --kmax K (pllep)\n"
          "        --relay_mode auto|expert|token (relay: what travels the ring; auto: the smaller per-hop volume)\n"
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"

@@ -83,8 +83,8 @@ struct Parallel {
 };
 
 // The seams' choices (--moe, --head, --optimizer, --offload_budget); moe "" = local at E_p = 1, else ep.
-// The llep settings serve llep and pllep, the chunking pllep, relay_mode relay, the bucket and slots offload_adamw, the
-// offload budget (host bytes for layer boundaries, 0 = none) SCO.
+// The llep settings serve llep and pllep, the chunking pllep, relay_mode relay, the bucket offload_adamw and
+// cpu_adamw, the slots offload_adamw, the offload budget (host bytes for layer boundaries, 0 = none) SCO.
 struct Seams {
   std::string moe, head = "full", optimizer = "adamw";
   std::string ring_dtp = "auto";
@@ -466,7 +466,8 @@ inline void model_make_seams(Model& m, const Seams& seams) {
                                            m.stream);
   else if (seams.optimizer == "cpu_adamw")  // the node's cores shared by its W ranks
     m.opt = std::make_unique<CpuAdamW>(std::move(segments), S,
-                                       std::max(1, (int)std::thread::hardware_concurrency() / m.par.world.size), m.stream);
+                                       std::max(1, (int)std::thread::hardware_concurrency() / m.par.world.size),
+                                       (size_t)seams.offload_bucket, m.stream);
   else fm_fail("model_create", ("--optimizer " + seams.optimizer + " is not built").c_str(), "P=%zu", m.num_params);
   m.sco = std::make_unique<CheckpointOffload>(seams.offload_budget);
 }

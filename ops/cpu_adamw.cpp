@@ -1,6 +1,7 @@
 // cpu_adamw.cpp — see cpu_adamw.hpp (built with CPU_ADAMW_FLAGS, Makefile).
 #include "cpu_adamw.hpp"
 #include <algorithm>
+#include <atomic>
 #include <thread>
 
 namespace {
@@ -42,34 +43,37 @@ AdamWCoefficients segment_coefficients(const ShardSegment& g, float lr, const Ad
   return adamw_coefficients(lr, s.beta1, s.beta2, s.eps, g.decay ? s.weight_decay : 0.f, t, grad_scale);
 }
 
-// Calls range(segment, lo, hi) over the slice [first, last) of the segments' concatenated elements.
-template <typename Range>
-void for_slice(const std::vector<ShardSegment>& segments, size_t first, size_t last, Range range) {
-  size_t start = 0;  // the segment's first element in the concatenation
-  for (const ShardSegment& g : segments) {
-    const size_t lo = std::max(first, start), hi = std::min(last, start + g.count);
-    if (lo < hi) range(g, g.state_offset + (lo - start), g.state_offset + (hi - start));
-    start += g.count;
-  }
-}
-
 }  // namespace
 
 template <typename Param>
 void cpu_adamw_step(float* master, float* m, float* v, const float* grad, Param* param,
                     const std::vector<ShardSegment>& segments, float lr, const AdamWSettings& s, int t,
-                    float grad_scale, int threads) {
-  size_t total = 0;
-  for (const ShardSegment& g : segments) total += g.count;
-  const size_t per_thread = (total + std::max(threads, 1) - 1) / std::max(threads, 1);
-  const size_t slice = (per_thread + 15) & ~size_t(15);  // whole 64-byte lines of fp32 per thread
-  auto work = [&](size_t first) {
-    for_slice(segments, first, std::min(total, first + slice), [&](const ShardSegment& g, size_t lo, size_t hi) {
-      adamw_range(master, m, v, grad, param, lo, hi, segment_coefficients(g, lr, s, t, grad_scale));
-    });
+                    float grad_scale, int threads, const CpuAdamWChunks& chunks) {
+  const size_t total = segments_elements(segments);
+  if (total == 0) return;
+  threads = std::max(threads, 1);
+  const size_t chunk = std::max<size_t>(1, std::min(chunks.chunk, total));
+  const size_t num_chunks = (total + chunk - 1) / chunk;
+  std::vector<std::atomic<int>> slices_done(num_chunks);  // per chunk: threads past their slice
+  for (std::atomic<int>& n : slices_done) n.store(0, std::memory_order_relaxed);
+  auto work = [&](int thread) {
+    for (size_t c = 0; c < num_chunks; c++) {
+      const size_t lo = c * chunk, hi = std::min(total, lo + chunk);
+      const size_t per_thread = (hi - lo + threads - 1) / threads;
+      const size_t slice = (per_thread + 15) & ~size_t(15);  // whole 64-byte lines of fp32 per thread
+      const size_t first = std::min(hi, lo + thread * slice), last = std::min(hi, first + slice);
+      if (first < last) {
+        if (chunks.arrived) chunks.arrived(c);
+        for_segments_slice(segments, first, last, [&](const ShardSegment& g, size_t a, size_t e) {
+          adamw_range(master, m, v, grad, param, a, e, segment_coefficients(g, lr, s, t, grad_scale));
+        });
+      }
+      // acq_rel: the thread that finishes the chunk sees every other slice's writes
+      if (slices_done[c].fetch_add(1, std::memory_order_acq_rel) + 1 == threads && chunks.updated) chunks.updated(c);
+    }
   };
   std::vector<std::thread> workers;
-  for (size_t first = slice; first < total; first += slice) workers.emplace_back(work, first);
+  for (int thread = 1; thread < threads; thread++) workers.emplace_back(work, thread);
   work(0);
   for (std::thread& w : workers) w.join();
 }
@@ -92,7 +96,7 @@ void cpu_params_from_master(const float* master, Param* param, const std::vector
 #define FM_CPU_ADAMW_INSTANTIATE(Param)                                                                         \
   template void cpu_adamw_step<Param>(float*, float*, float*, const float*, Param*,                             \
                                       const std::vector<ShardSegment>&, float, const AdamWSettings&, int, float, \
-                                      int);                                                                     \
+                                      int, const CpuAdamWChunks&);                                              \
   template void cpu_adamw_step_scalar<Param>(float*, float*, float*, const float*, Param*,                      \
                                              const std::vector<ShardSegment>&, float, const AdamWSettings&, int, \
                                              float);                                                            \

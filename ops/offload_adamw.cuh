@@ -21,11 +21,19 @@
 // --optimizer cpu_adamw (CpuAdamW, the ZeRO-Offload design): gradients D2H into pinned [S] fp32, the
 // CPU loop of ops/cpu_adamw.cpp over every core it is given (vectorised, the same element arithmetic
 // as the kernel: bit-identical master, m, v and weights), the weights (floatX, rounded on the CPU) H2D.
+// The three run as a pipeline over chunks of β parameters (the same --offload_bucket):
+//   d2h stream:   chunk 0's gradients, chunk 1's, ... all queued at once, an event after each
+//   CPU threads:  each waits for chunk i's event, updates its slice of chunk i, goes on to chunk i+1
+//   compute stream: chunk i's weights H2D, queued by the thread that finishes chunk i's last slice
+// so the step takes about one chunk's download + the CPU's update + one chunk's upload; with β >= S
+// (one chunk) the three phases run one after another.
 // Host memory: 12·S state + 4·S gradients + sizeof(floatX)·S weights; no device memory of its own.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <type_traits>
 #include "adamw.cuh"
 #include "cpu_adamw.hpp"
@@ -102,19 +110,30 @@ struct CpuAdamW : HostAdamW {
   float* grad = nullptr;         // [S] pinned: this step's gradients
   HostParam* param = nullptr;    // [S] pinned: the updated weights on their way to the GPU
   int threads;
+  size_t chunk;                        // β: parameters per pipeline chunk, capped at the segments' total
+  cudaStream_t d2h = nullptr;          // the gradients' copies
+  std::vector<StreamPoint> gradients_home;  // per chunk: its gradients' copies
 
-  CpuAdamW(std::vector<ShardSegment> segs, size_t S, int cpu_threads, cudaStream_t stream,
+  CpuAdamW(std::vector<ShardSegment> segs, size_t S, int cpu_threads, size_t chunk_params, cudaStream_t stream,
            std::shared_ptr<PinnedAdamWState> shared = nullptr)
       : HostAdamW(std::move(segs), S, "cpu_adamw", stream, std::move(shared)), threads(cpu_threads) {
-    if (threads < 1) fm_fail("cpu_adamw", "needs at least one thread", "threads=%d S=%zu", threads, S);
+    if (threads < 1 || chunk_params < 1)
+      fm_fail(name, "needs at least one thread and a chunk of >= 1 parameter", "threads=%d chunk=%zu S=%zu", threads,
+              chunk_params, S);
+    const size_t total = segments_elements(segments);
+    chunk = std::max<size_t>(1, std::min(chunk_params, total));
     grad = pinned_floats(S, name);
     void* p = nullptr;
     cudaCheck(cudaHostAlloc(&p, std::max<size_t>(S, 1) * sizeof(HostParam), cudaHostAllocDefault), name,
               "cudaHostAlloc of %zu weights", S);
     param = (HostParam*)p;
+    d2h = stream_create(name);
+    gradients_home = std::vector<StreamPoint>((total + chunk - 1) / chunk);
   }
   ~CpuAdamW() override {
     stream_wait(home, name, "before freeing the host buffers, S=%zu", state_count);
+    stream_wait(d2h, name, "d2h stream before freeing the host buffers, S=%zu", state_count);
+    cudaCheck(cudaStreamDestroy(d2h), name, "cudaStreamDestroy d2h");
     cudaCheck(cudaFreeHost(grad), name, "cudaFreeHost gradients S=%zu", state_count);
     cudaCheck(cudaFreeHost(param), name, "cudaFreeHost weights S=%zu", state_count);
   }
@@ -122,27 +141,57 @@ struct CpuAdamW : HostAdamW {
   void write_weights(floatX* params, cudaStream_t stream) override {
     stream_wait(stream, name, "before rounding the weights, S=%zu", state_count);  // param may still be in a copy
     cpu_params_from_master(master, param, segments);
-    upload_weights(params, stream);
+    copy_weights_up(params, 0, segments_elements(segments), stream);
   }
   void step(floatX* params, const float* grads, float lr, const AdamWSettings& s, const float* grad_scale,
             cudaStream_t stream) override {
     steps++;
-    for (const ShardSegment& g : segments)
-      cudaCheck(cudaMemcpyAsync(grad + g.state_offset, grads + g.param_offset, g.count * sizeof(float),
-                                cudaMemcpyDeviceToHost, stream), name, "gradients D2H count=%zu", g.count);
-    stream_wait(stream, name, "for the gradients, S=%zu", state_count);
-    float scale = 1.f;  // the clip factor, computed on the GPU
+    stream_after(d2h, stream, name);  // the gradients are final
+    const size_t total = segments_elements(segments), num_chunks = gradients_home.size();
+    for (size_t c = 0; c < num_chunks; c++) {
+      for_segments_slice(segments, c * chunk, std::min(total, (c + 1) * chunk), [&](const ShardSegment& g, size_t a, size_t e) {
+        cudaCheck(cudaMemcpyAsync(grad + a, grads + g.param_offset + (a - g.state_offset), (e - a) * sizeof(float),
+                                  cudaMemcpyDeviceToHost, d2h), name, "gradients D2H chunk %zu of %zu, count=%zu", c,
+                  num_chunks, e - a);
+      });
+      gradients_home[c].record(d2h, name);
+    }
+    // the clip factor, computed on the GPU; this wait also ends the previous step's weight copies,
+    // whose host buffer the CPU now overwrites
+    float scale = 1.f;
     copy_to_host(&scale, grad_scale, sizeof(float), stream, name);
-    cpu_adamw_step(master, m, v, grad, param, segments, lr, s, (int)steps, scale, threads);
-    upload_weights(params, stream);
+    int device = 0;
+    cudaCheck(cudaGetDevice(&device), name, "cudaGetDevice");
+    // chunks [0, chunks_home) have their gradients on the host; one CPU thread at a time waits for more
+    // (host_wait: bounded, and one wait at a time, as the wait watchdog expects)
+    std::atomic<size_t> chunks_home{0};
+    std::mutex waiting;
+    CpuAdamWChunks pipeline;
+    pipeline.chunk = chunk;
+    pipeline.arrived = [&](size_t c) {  // on a CPU thread
+      if (chunks_home.load(std::memory_order_acquire) > c) return;
+      std::lock_guard<std::mutex> lock(waiting);
+      cudaCheck(cudaSetDevice(device), name, "cudaSetDevice(%d) on a CPU thread", device);
+      for (size_t next = chunks_home.load(std::memory_order_relaxed); next <= c; next++) {
+        host_wait(gradients_home[next], name);
+        chunks_home.store(next + 1, std::memory_order_release);
+      }
+    };
+    pipeline.updated = [&](size_t c) {  // on a CPU thread
+      cudaCheck(cudaSetDevice(device), name, "cudaSetDevice(%d) on a CPU thread", device);
+      copy_weights_up(params, c * chunk, std::min(total, (c + 1) * chunk), stream);
+    };
+    cpu_adamw_step(master, m, v, grad, param, segments, lr, s, (int)steps, scale, threads, pipeline);
   }
   size_t host_bytes() const override { return HostAdamW::host_bytes() + state_count * (sizeof(float) + sizeof(HostParam)); }
 
  private:
-  void upload_weights(floatX* params, cudaStream_t stream) {
-    for (const ShardSegment& g : segments)
-      cudaCheck(cudaMemcpyAsync(params + g.param_offset, param + g.state_offset, g.count * sizeof(floatX),
-                                cudaMemcpyHostToDevice, stream), name, "weights H2D count=%zu", g.count);
+  // The weights of the segments' elements [first, last) (their concatenation) H2D on `stream`.
+  void copy_weights_up(floatX* params, size_t first, size_t last, cudaStream_t stream) {
+    for_segments_slice(segments, first, last, [&](const ShardSegment& g, size_t a, size_t e) {
+      cudaCheck(cudaMemcpyAsync(params + g.param_offset + (a - g.state_offset), param + a, (e - a) * sizeof(floatX),
+                                cudaMemcpyHostToDevice, stream), name, "weights H2D [%zu, %zu) count=%zu", first, last, e - a);
+    });
   }
 };
 

@@ -341,7 +341,7 @@ TEST(ConfigSeams, OptimizersAndOffloadSettings) {
   EXPECT_EQ(validate_error(t, m), "--optimizer expects one of adamw, cpu_adamw, offload_adamw, got 'sgd'");
   t.optimizer = "offload_adamw";
   t.offload_bucket = 0;
-  EXPECT_EQ(validate_error(t, m), "offload_bucket (β, parameters per bucket of offload_adamw) must be >= 1, got 0");
+  EXPECT_EQ(validate_error(t, m), "offload_bucket (β, parameters per bucket of offload_adamw and cpu_adamw) must be >= 1, got 0");
   t.offload_bucket = 1;
   EXPECT_EQ(validate_error(t, m), "");
   for (int slots : {0, 17}) {

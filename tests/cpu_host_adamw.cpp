@@ -4,8 +4,11 @@
 // v element by element within fp32 rounding of the reference (normwise errors of the update
 // θ_new − θ_old, m and v reported); the weights are the master rounded (fp32: equal;
 // bf16: round to nearest even); the padding is untouched. Any thread count and the scalar baseline loop
-// give bit-identical results (memcmp).
+// give bit-identical results (memcmp), and so does a step cut into chunks for the copies' pipeline.
+#include <atomic>
+#include <cmath>
 #include <cstring>
+#include <mutex>
 #include "adamw_check.hpp"
 #include "test_util.hpp"
 #include "../ops/cpu_adamw.hpp"
@@ -127,6 +130,58 @@ TEST(CpuAdamW, AnyThreadCountAndTheScalarLoopAreBitIdentical) {
     for (size_t i = g.state_offset; i < g.state_offset + g.count; i++)
       rounded_wrong += scalar.param_bf16[i] != bf16_bits_rn(scalar.master[i]);
   EXPECT_EQ(rounded_wrong, 0);
+}
+
+// The pipeline's chunks (cpu_adamw.hpp): the gradients of a chunk exist only once arrived(c) returns
+// (NaN before: a slice read early would poison the result), and updated(c) copies the chunk's weights
+// out (a weight read before its slice is written would be stale). For chunk sizes from 1 element to
+// more than the state, and thread counts up to more than a chunk's lines: every chunk updated exactly
+// once, the state and the weights copied out bit-identical to the one-chunk step.
+TEST(CpuAdamW, ChunkedStepsAreBitIdenticalAndEachChunkIsSentOnce) {
+  Rng rng;
+  const HostState start = random_state(rng);
+  HostState one_chunk = start;
+  new_gradients(rng, one_chunk);
+  const std::vector<float> grad = one_chunk.grad;
+  cpu_adamw_step(one_chunk.master.data(), one_chunk.m.data(), one_chunk.v.data(), grad.data(),
+                 one_chunk.param_bf16.data(), kSegments, kLr, kSettings, 4, 0.7f, 2);
+  const size_t total = segments_elements(kSegments);
+  for (size_t chunk : {(size_t)1, (size_t)7, (size_t)16, (size_t)100, total, (size_t)1 << 40})
+    for (int threads : {1, 3, 7}) {
+      const std::string what = "chunk=" + std::to_string(chunk) + " threads=" + std::to_string(threads);
+      HostState h = start;
+      std::vector<float> host_grad(kState, std::nanf(""));  // filled chunk by chunk, as the copies arrive
+      std::vector<uint16_t> sent(kState, 0xdead);             // the weights as updated(c) sends them
+      const size_t num_chunks = (total + std::min(chunk, total) - 1) / std::min(chunk, total);
+      std::vector<std::once_flag> arrivals(num_chunks);
+      std::vector<std::atomic<int>> sends(num_chunks);
+      for (std::atomic<int>& n : sends) n.store(0);
+      CpuAdamWChunks chunks;
+      chunks.chunk = chunk;
+      auto chunk_range = [&](size_t c, auto copy) {
+        const size_t c_chunk = std::min(chunk, total);
+        for_segments_slice(kSegments, c * c_chunk, std::min(total, (c + 1) * c_chunk),
+                           [&](const ShardSegment&, size_t a, size_t e) { copy(a, e); });
+      };
+      chunks.arrived = [&](size_t c) {
+        std::call_once(arrivals[c], [&] {
+          chunk_range(c, [&](size_t a, size_t e) { std::copy(grad.begin() + a, grad.begin() + e, host_grad.begin() + a); });
+        });
+      };
+      chunks.updated = [&](size_t c) {
+        sends[c]++;
+        chunk_range(c, [&](size_t a, size_t e) { std::copy(h.param_bf16.begin() + a, h.param_bf16.begin() + e, sent.begin() + a); });
+      };
+      cpu_adamw_step(h.master.data(), h.m.data(), h.v.data(), host_grad.data(), h.param_bf16.data(), kSegments, kLr,
+                     kSettings, 4, 0.7f, threads, chunks);
+      for (size_t c = 0; c < num_chunks; c++) EXPECT_EQ(sends[c].load(), 1) << what << ": chunk " << c << " sent";
+      EXPECT_EQ(0, memcmp(h.master.data(), one_chunk.master.data(), kState * sizeof(float))) << what;
+      EXPECT_EQ(0, memcmp(h.m.data(), one_chunk.m.data(), kState * sizeof(float))) << what;
+      EXPECT_EQ(0, memcmp(h.v.data(), one_chunk.v.data(), kState * sizeof(float))) << what;
+      for (const ShardSegment& g : kSegments)
+        EXPECT_EQ(0, memcmp(sent.data() + g.state_offset, one_chunk.param_bf16.data() + g.state_offset, g.count * 2))
+            << what << ": the weights sent, segment of " << g.count;
+    }
 }
 
 TEST(CpuAdamW, Bf16RoundsToNearestEven) {

@@ -5,7 +5,8 @@
 // multiple of no bucket size tried but 1.
 //   * adamw's every step, each segment's m, v and θ within fp32 rounding of the reference, element by
 //     element (adamw_check.hpp; normwise errors reported);
-//   * offload_adamw with β = 1, 7, 64, 1000 and β > S, s = 1, 2, 3, and cpu_adamw with 1 and 3 threads:
+//   * offload_adamw with β = 1, 7, 64, 1000 and β > S, s = 1, 2, 3, and cpu_adamw with 1 and 3 threads
+//     and chunks of β = 1, 7, 1000 and β > S (the last: copies, update and copies one after another):
 //     after every step the state (master, m, v: the checkpoint sections) and the weights are
 //     bit-identical to adamw's (memcmp): the same kernel (offload), the same element arithmetic (cpu);
 //   * the pool's Mem::Optimizer peak while offload_adamw runs is s·min(β, S)·12 bytes (≤ s·β·12); cpu_adamw's is 0;
@@ -110,8 +111,8 @@ MakeOptimizer device_adamw() {
 MakeOptimizer offload_adamw(size_t bucket, int slots) {
   return [=](const Problem& p) { return std::make_unique<OffloadAdamW>(p.segments, p.S, bucket, slots, (cudaStream_t)0); };
 }
-MakeOptimizer cpu_adamw(int threads) {
-  return [=](const Problem& p) { return std::make_unique<CpuAdamW>(p.segments, p.S, threads, (cudaStream_t)0); };
+MakeOptimizer cpu_adamw(int threads, size_t chunk) {
+  return [=](const Problem& p) { return std::make_unique<CpuAdamW>(p.segments, p.S, threads, chunk, (cudaStream_t)0); };
 }
 
 const std::vector<float>& section(const AfterStep& a, const char* name) {
@@ -196,11 +197,12 @@ TEST(OffloadAdamWGpu, CpuAdamWIsBitIdenticalToAdamWWithNoDeviceState) {
   Rng rng;
   const Problem p = odd_problem(rng);
   const OptimizerRun want = run(p, device_adamw());
-  for (int threads : {1, 3}) {
-    const OptimizerRun got = run(p, cpu_adamw(threads));
-    expect_bit_identical(got, want, "cpu_adamw threads=" + std::to_string(threads));
-    EXPECT_EQ(got.optimizer_peak, 0u);
-  }
+  for (size_t chunk : {(size_t)1, (size_t)7, (size_t)1000, (size_t)1 << 20})
+    for (int threads : {1, 3}) {
+      const OptimizerRun got = run(p, cpu_adamw(threads, chunk));
+      expect_bit_identical(got, want, "cpu_adamw threads=" + std::to_string(threads) + " chunk=" + std::to_string(chunk));
+      EXPECT_EQ(got.optimizer_peak, 0u);
+    }
 }
 
 // Both ranks' shards of a small model at W = 2 (ZeRO-1 over the dense region, experts split E_p = 2).
@@ -219,7 +221,7 @@ TEST(OffloadAdamWGpu, ShardsOfBothRanksAtW2) {
     const OptimizerRun want = run(p, device_adamw());
     expect_reference_steps(p, want, rank ? "adamw W2 rank1" : "adamw W2 rank0");
     expect_bit_identical(run(p, offload_adamw(1000, 2)), want, "offload_adamw W=2 rank " + std::to_string(rank));
-    expect_bit_identical(run(p, cpu_adamw(2)), want, "cpu_adamw W=2 rank " + std::to_string(rank));
+    expect_bit_identical(run(p, cpu_adamw(2, 1000)), want, "cpu_adamw W=2 rank " + std::to_string(rank));
   }
 }
 
@@ -229,7 +231,7 @@ TEST(OffloadAdamWGpu, ResumesAcrossOptimizers) {
   Rng rng;
   const Problem p = odd_problem(rng);
   const std::vector<std::pair<std::string, MakeOptimizer>> optimizers = {
-      {"adamw", device_adamw()}, {"offload_adamw", offload_adamw(64, 2)}, {"cpu_adamw", cpu_adamw(2)}};
+      {"adamw", device_adamw()}, {"offload_adamw", offload_adamw(64, 2)}, {"cpu_adamw", cpu_adamw(2, 64)}};
   for (const auto& [first_name, first] : optimizers) {
     const OptimizerRun straight = run(p, first);
     for (const auto& [then_name, then] : optimizers) {

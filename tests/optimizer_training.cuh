@@ -42,7 +42,7 @@ inline void optimizers_train_alike(const Parallel& par, const char* what, int ac
   auto seams_for = [](const std::string& optimizer) {
     Seams s;
     s.optimizer = optimizer;
-    s.offload_bucket = 997;  // several buckets per region, a multiple of no tensor size
+    s.offload_bucket = 997;  // several buckets (cpu_adamw: chunks) per region, a multiple of no tensor size
     s.offload_slots = 2;
     return s;
   };

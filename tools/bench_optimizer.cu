@@ -1,6 +1,7 @@
 // tools/bench_optimizer.cu — the optimizer step on this rank's state (notes/design.md §6.7,
 // notes/offload_adamw.md): --optimizer offload_adamw over a sweep of bucket sizes β and slot counts s,
-// cpu_adamw on the node's cores (split over the W ranks), both over the same pinned host state, and
+// cpu_adamw on the node's cores (split over the W ranks) with its pipeline's chunks of β and as one
+// chunk (β = "all": download, update, upload one after another), all over the same pinned host state, and
 // adamw with the state on the GPU; against the link floor, 12 bytes per parameter each way at the
 // pinned H2D and D2H bandwidth measured with both directions at once.
 //
@@ -12,7 +13,8 @@
 // ranks of the node) is over 85 % of the machine's, or whose device memory is over what is free, gets a
 // row that says so instead of a time; adamw alone is skipped when its 12·P bytes of device state do not fit.
 // Time: CUDA events on the compute stream around one step (cpu_adamw: the gradients' D2H, the CPU
-// update, the weights' H2D), median of --iters after --warmup, the slowest rank's. Every rank runs
+// update, the weights' H2D), median of --iters after --warmup, the slowest rank's. "x cpu_adamw": against
+// the fastest cpu_adamw row of the size (the strongest baseline). Every rank runs
 // each measurement at once (W GPUs share the host's memory bandwidth). Staging: the pool's
 // Mem::Optimizer peak during the step. Markdown rows from rank 0.
 #include <unistd.h>
@@ -187,10 +189,15 @@ int main(int argc, char** argv) {
         rows.push_back(r);
       };
       if (wants(f, "cpu_adamw")) {
-        CpuAdamW opt(segments, P, threads, stream, state);
-        Row r;
-        r.optimizer = "cpu_adamw (" + std::to_string(threads) + " threads)";
-        measure(opt, r);
+        std::vector<long long> chunks = f.buckets;
+        chunks.push_back((long long)P);  // one chunk
+        for (long long beta : chunks) {
+          CpuAdamW opt(segments, P, threads, (size_t)beta, stream, state);
+          Row r;
+          r.optimizer = "cpu_adamw (" + std::to_string(threads) + " threads)";
+          r.bucket = (size_t)beta >= P ? "all" : std::to_string(beta);
+          measure(opt, r);
+        }
       }
       if (wants(f, "offload_adamw"))
         for (long long beta : f.buckets)
@@ -218,9 +225,9 @@ int main(int argc, char** argv) {
       }
     }
     if (world.rank == 0) {
-      double cpu_ms = 0;
+      double cpu_ms = 0;  // the fastest cpu_adamw
       for (const Row& r : rows)
-        if (r.optimizer.rfind("cpu_adamw", 0) == 0 && r.note.empty()) cpu_ms = r.ms;
+        if (r.optimizer.rfind("cpu_adamw", 0) == 0 && r.note.empty() && (cpu_ms == 0 || r.ms < cpu_ms)) cpu_ms = r.ms;
       const double floor_ms = floor_ms_per_param * P;
       for (const Row& r : rows) {
         if (!r.note.empty()) {
