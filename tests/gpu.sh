@@ -21,7 +21,8 @@
 #   bench-ep: the expert-parallel dispatchers' benchmark (ep, llep, pllep, relay expert/token/auto, 1 GPU) at N=16384 tokens/rank, pllep
 #     with c=2048 (K=8), --check 1, its memory timelines (ep_timelines.tgz), and pllep's token budget sweep on hot:1/4
 #   bench-opt: the optimizer step (notes/offload_adamw.md): the CPU AdamW loop alone (scalar vs vectorised, 1 thread to
-#     all) at 256M parameters; offload_adamw (beta x s sweep), cpu_adamw and adamw at 1B parameters on one GPU, at 4B
+#     all) at 256M parameters; offload_adamw (beta x s sweep), cpu_adamw (its pipeline's chunks at each beta, and one
+#     chunk) and adamw at 1B parameters on one GPU, at 4B
 #     and 16B (where host memory allows) with beta 2^22 and 2^24 at s = 2; on every GPU at once at 1B and 4B per rank;
 #     the compiler's vectorisation report of the CPU loop (cpu_adamw_vec.txt); about 3 minutes after the build
 #   bench-head: the output heads (notes/ring_dtp.md): full vs chunked vs Ring-DTP (P = every GPU) at the paper's
