@@ -184,6 +184,29 @@ TEST(CpuAdamW, ChunkedStepsAreBitIdenticalAndEachChunkIsSentOnce) {
     }
 }
 
+// The pipeline's order: a thread sends chunk i's weights before it waits for chunk i+1's gradients, so
+// that the upload of one chunk runs beside the update of the next. With one thread the order is fixed:
+// arrived(0), updated(0), arrived(1), updated(1), ...
+TEST(CpuAdamW, OneThreadSendsEachChunkBeforeWaitingForTheNext) {
+  Rng rng;
+  HostState h = random_state(rng);
+  new_gradients(rng, h);
+  const size_t total = segments_elements(kSegments), chunk = 100, num_chunks = (total + chunk - 1) / chunk;
+  std::vector<std::pair<char, size_t>> calls;  // ('a', i): arrived(i); ('u', i): updated(i)
+  CpuAdamWChunks chunks;
+  chunks.chunk = chunk;
+  chunks.arrived = [&](size_t c) { calls.emplace_back('a', c); };
+  chunks.updated = [&](size_t c) { calls.emplace_back('u', c); };
+  cpu_adamw_step(h.master.data(), h.m.data(), h.v.data(), h.grad.data(), h.param_bf16.data(), kSegments, kLr,
+                 kSettings, 2, 1.f, 1, chunks);
+  std::vector<std::pair<char, size_t>> want;
+  for (size_t c = 0; c < num_chunks; c++) {
+    want.emplace_back('a', c);
+    want.emplace_back('u', c);
+  }
+  EXPECT_EQ(calls, want) << num_chunks << " chunks of " << chunk;
+}
+
 TEST(CpuAdamW, Bf16RoundsToNearestEven) {
   auto bits = [](uint32_t b) {
     float x;
