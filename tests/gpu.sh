@@ -145,7 +145,7 @@ if [[ " $want " == *" bench-ep "* ]]; then
   cat "$OUT/bench_ep.md"
   echo "| token budget c | K | largest chunk R_d | fwd ms | / llep | fwd+bwd ms | / llep | checkpointed ms | / llep | peak D+EI MiB | peak / llep |" > "$OUT/bench_ep_budget.md"
   echo "|---|---|---|---|---|---|---|---|---|---|---|" >> "$OUT/bench_ep_budget.md"
-  for c in 16384 8192 4096 2048 1024 512 256; do
+  for c in 16384 8192 4096 3277 2731 2341 2048 1024 512 256; do  # K = 1, 2, 4, 5, 6, 7, 8, 16, 32, 64
     row=$(build/bf16/bench_ep_moe --gpus "$gpus" --tokens 16384 --dispatchers llep,pllep --profiles hot:1/4 --token_budget $c \
       --kmax 64 --warmup 2 --iters 5 2>> build/bench_ep.err | grep '| pllep |')
     echo "| $c | $(( (16384 + c - 1) / c )) | $(echo "$row" | cut -d'|' -f4-12) |" >> "$OUT/bench_ep_budget.md"
