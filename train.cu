@@ -236,6 +236,7 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   }
   if (t.optimizer == "offload_adamw")
     row("offload beta/slots", std::to_string(t.offload_bucket) + " / " + std::to_string(t.offload_slots));
+  if (t.optimizer == "cpu_adamw") row("cpu_adamw chunk", std::to_string(t.offload_bucket) + " parameters");
   snprintf(buf, sizeof buf, "%.0f TFLOP/s", peak_flops / 1e12);
   row("MFU peak basis", buf);
   row("out dir", t.out_dir);
