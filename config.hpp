@@ -60,6 +60,7 @@ struct TrainConfig {
   float bias_update = 1e-3f;               // u of the aux-loss-free router bias update; 0 = off
   int recompute = 0;                       // 1: layer-level activation checkpointing
   int overlap_update = 1;                  // 1: the optimizer beside the next forward where it can (model.cuh)
+  int wgrad_stream = 1;                    // 1: the weight gradients on their own stream beside the backward
   int cuda_graph = 1;                      // 1: a pass captured once as a CUDA graph and launched again where it can
   int val_every = 100;
   int val_batches = 10;                    // at most; capped at the windows the validation shards hold
@@ -454,6 +455,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
        "adam_eps must be > 0; weight_decay, grad_clip, bias_update >= 0");
   need(t.recompute == 0 || t.recompute == 1, "recompute must be 0 or 1");
   need(t.overlap_update == 0 || t.overlap_update == 1, "overlap_update must be 0 or 1");
+  need(t.wgrad_stream == 0 || t.wgrad_stream == 1, "wgrad_stream must be 0 or 1");
   need(t.cuda_graph == 0 || t.cuda_graph == 1, "cuda_graph must be 0 or 1");
   need(t.dry_run == 0 || t.dry_run == 1, "dry_run must be 0 or 1");
   need(t.gpus >= 1, "gpus must be >= 1");
@@ -563,6 +565,8 @@ inline std::string usage() {
          "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing)\n"
          "        --overlap_update 0|1 (1, the default: one rank's --optimizer adamw steps layer by layer beside the\n"
          "        next step's forward, BF16 build; 0: after the backward, on the compute stream)\n"
+         "        --wgrad_stream 0|1 (1, the default: each layer's weight gradients on a stream of their own,\n"
+         "        beside its input gradients; 0: on the compute stream. The same bits and memory either way)\n"
          "        --cuda_graph 0|1 (1, the default: where a run allows it, each kind of pass is captured once as a\n"
          "        CUDA graph and launched again, the same kernels with the same arguments; 0: every launch from\n"
          "        the host. The start-up table says which)\n"
@@ -709,6 +713,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       float_flag("--bias_update", &T::bias_update),
       int_flag("--recompute", &T::recompute),
       int_flag("--overlap_update", &T::overlap_update),
+      int_flag("--wgrad_stream", &T::wgrad_stream),
       int_flag("--cuda_graph", &T::cuda_graph),
       int_flag("--val_every", &T::val_every),
       int_flag("--val_batches", &T::val_batches),

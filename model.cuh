@@ -52,6 +52,7 @@
 #include "ops/sco.cuh"
 #include "ops/sar_plan.hpp"
 #include "runtime/comm.cuh"
+#include "runtime/side_stream.cuh"
 #include "runtime/graph.cuh"
 #include "runtime/pool.cuh"
 #include "runtime/profile.cuh"
@@ -95,6 +96,7 @@ struct Seams {
   int offload_bucket = 1 << 22, offload_slots = 2;
   long long offload_budget = 0;
   RelayMode relay_mode = RelayMode::Expert;  // relay: what travels the ring (auto resolved by relay_choice)
+  bool wgrad_stream = true;  // the weight gradients on a stream of their own beside the backward (Model::wgrad)
 };
 
 // --moe relay's mode and both per-hop volumes, from sizes every rank knows: N = batch·seq_len tokens
@@ -108,7 +110,8 @@ inline RelayChoice relay_choice(const TrainConfig& t, const ModelConfig& c) {
 inline Seams seams_from(const TrainConfig& t, const ModelConfig& c) {
   return Seams{moe_dispatcher(t), t.head,           t.optimizer,     t.ring_dtp,       t.vocab_block,  t.llep_alpha,
                t.llep_min_rows,   t.token_budget,   t.kmax,          t.offload_bucket, t.offload_slots, t.offload_budget,
-               moe_dispatcher(t) == "relay" ? relay_choice(t, c).mode : RelayMode::Expert};
+               moe_dispatcher(t) == "relay" ? relay_choice(t, c).mode : RelayMode::Expert,
+               t.wgrad_stream != 0};
 }
 
 // Host ints to the device in stream order without a host wait (a pass's tokens and targets, the
@@ -271,6 +274,10 @@ struct Model {
   float* grad_scale_dev = nullptr;  // [1] the step's clip factor, read by the optimizer (Workspace)
   cudaStream_t stream = 0;
   UpdateStream update;              // --overlap_update: the optimizer's stream and its events
+  // The weight gradients' stream (runtime/side_stream.cuh): each layer's backward forks its weight
+  // gradients onto it and joins it before the layer's last input gradient (layer_backward). Off
+  // (--wgrad_stream 0): the compute stream itself, the same buffers held as long, the same bits.
+  std::unique_ptr<SideStream> wgrad = std::make_unique<SideStream>();
   // a pass's uploads (model_pass): tokens and targets; the embedding backward's buckets
   std::unique_ptr<PinnedUpload> tokens_upload = std::make_unique<PinnedUpload>();
   std::unique_ptr<PinnedUpload> buckets_upload = std::make_unique<PinnedUpload>();
@@ -456,7 +463,9 @@ inline size_t optimizer_device_bytes(const Seams& seams, size_t S) {
 
 // The seams, from their names.
 inline void model_make_seams(Model& m, const Seams& seams) {
+  m.wgrad->set_on(seams.wgrad_stream);
   m.moe = make_dispatcher(m.cfg, m.par, seams);
+  m.moe->weight_grads = m.wgrad.get();
   m.head = make_head(m.cfg, m.par, seams);
   size_t S = 0;
   std::vector<ShardSegment> segments = shard_segments(m.specs, model_param_layout(m), &S);
@@ -510,6 +519,7 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
 inline void model_destroy(Model& m) {
   model_join_update(m);  // the pool reuses the blocks in the compute stream's order
   if (m.update.stream) cudaCheck(cudaStreamDestroy(m.update.stream), "model_destroy", "update stream");
+  m.wgrad->set_on(false);  // its cuBLAS workspace back to the pool
   if ((void*)m.main_grads != (void*)m.grads) pool().free(m.main_grads);
   for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.step_loads_dev, (void*)m.sumsq_partials,
                   (void*)m.scalar_dev, (void*)m.grad_scale_dev, (void*)m.dense_idx, (void*)m.dense_w})
@@ -743,7 +753,7 @@ inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, con
     float* d_dense_w = pool().alloc_t<float>(N, Mem::Workspace, "d_dense_w");
     prof_mark(s, "dense ffn bwd");
     moe_backward(d_ln2, d_dense_w, G.dense_w13, G.dense_w2, d_out, a.dense, a.ln2, m.dense_idx, m.dense_w,
-                 P.dense_w13, P.dense_w2, s);
+                 P.dense_w13, P.dense_w2, s, m.wgrad.get());
     pool().free(d_dense_w);
     return;
   }
@@ -756,7 +766,7 @@ inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, con
     float* d_shared_w = pool().alloc_t<float>(N, Mem::Workspace, "d_shared_w");
     prof_mark(s, "shared expert bwd");
     moe_backward(d_part, d_shared_w, G.shared_w13, G.shared_w2, d_out, a.shared, a.ln2, m.dense_idx, m.dense_w,
-                 P.shared_w13, P.shared_w2, s);
+                 P.shared_w13, P.shared_w2, s, m.wgrad.get());
     prof_mark(s, "residual add", residual_bytes(N, c.hidden));
     add_inplace_or_out(d_ln2, d_ln2, d_part, NH, s);
     pool().free(d_shared_w);
@@ -765,9 +775,17 @@ inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, con
   float* d_logits = pool().alloc_t<float>((size_t)N * E, Mem::Workspace, "d_router_logits");
   prof_mark(s, "router bwd");
   router_backward(d_logits, d_topk_w, a.scores, a.topk_idx, N, E, k, c.score_fn, c.renorm != 0, s);
-  router_logits_backward(d_ln2, G.router, d_logits, a.ln2, P.router, N, c.hidden, E, s);  // d_ln2 +=
+  router_logits_backward(d_ln2, G.router, d_logits, a.ln2, P.router, N, c.hidden, E, s, m.wgrad.get());  // d_ln2 +=
   pool().free(d_topk_w);
-  pool().free(d_logits);
+  m.wgrad->hold(d_logits);  // the FP32 build's ΔW reads it beside
+}
+
+// The backward of a linear layer y = x·Wᵀ: dx (=) dout·W on the compute stream, and dW (+=) doutᵀ·x
+// beside it on the weight-gradient stream (dout and x must stay until the layer's join).
+inline void linear_backward(Model& m, floatX* dx, floatX* dW, const floatX* dout, const floatX* x, const floatX* W,
+                            int N, int IC, int OC) {
+  m.wgrad->run(m.stream, "linear_backward.dW", [&](cudaStream_t ws) { matmul_backward_dW(dW, dout, x, N, IC, OC, ws); });
+  matmul_backward_dx(dx, dout, W, N, IC, OC, m.stream);
 }
 
 // d_x (in: gradient of the layer output; out: gradient of the layer input).
@@ -788,13 +806,15 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
 
   // Attention branch: d_x_in = d_x_mid + ln1ᵀ(wqkvᵀ(RoPEᵀ(Attnᵀ(woᵀ d_x_mid))))
   prof_mark(s, "wo matmul bwd");
-  matmul_backward(d_norm_out, G.wo, d_x, a.att, P.wo, N, H, H, s);
+  linear_backward(m, d_norm_out, G.wo, d_x, a.att, P.wo, N, H, H);
   prof_mark(s, "attention bwd");
   attention_backward(d_qkv, d_norm_out, a.qkv, a.att, a.lse, B, T, nh, hd, s);
   prof_mark(s, "rope bwd", rope_bytes(N, H));
   rope_backward(d_qkv, d_qkv, B, T, nh, hd, c.rope_theta, s);
   prof_mark(s, "qkv matmul bwd");
-  matmul_backward(d_norm_out, G.wqkv, d_qkv, a.ln1, P.wqkv, N, H, 3 * H, s);
+  linear_backward(m, d_norm_out, G.wqkv, d_qkv, a.ln1, P.wqkv, N, H, 3 * H);
+  prof_mark(s, "weight gradients (join)");  // the layer's weight gradients done before d_x changes again
+  m.wgrad->join(s, "layer_backward");
   prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, true));
   rmsnorm_backward(d_x, G.ln1, d_norm_out, x_in, P.ln1, a.ln1_rstd, N, H, s, /*accumulate=*/true);
   for (void* p : {(void*)d_norm_out, (void*)d_qkv}) pool().free(p);
@@ -852,6 +872,8 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   size_t S = 0;  // the rank's shard of the optimizer state
   shard_segments(shape.specs, model_param_layout(shape), &S);
   const std::unique_ptr<MoEDispatcher> moe = make_dispatcher(c, par, seams);
+  SideStream weight_grads;  // off: the same buffers held until the layer's join as on (runtime/side_stream.cuh)
+  moe->weight_grads = &weight_grads;
   const std::unique_ptr<OutputHead> head = make_head(c, par, seams);
   const size_t b = sizeof(floatX), N = (size_t)B * T, H = c.hidden, L = c.layers, E = c.experts, k = c.topk;
   const size_t NH = N * H, P = shape.num_params;
@@ -864,8 +886,9 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   const bool dense_routes = c.n_dense > 0 || c.shared_expert;
   // + the sum of squares' partials and its two floats (scalar_dev, grad_scale_dev), the step's
   // per-expert loads on the device [L·E] ints (step_loads_dev)
-  const size_t runtime =
-      CublasRuntime::workspace_bytes + 4 * (size_t)SUMSQ_BLOCKS + 8 + (dense_routes ? 8 * N : 0) + 4 * L * E;
+  // (+ the weight-gradient stream's own cuBLAS workspace, --wgrad_stream 1)
+  const size_t runtime = CublasRuntime::workspace_bytes * (seams.wgrad_stream ? 2 : 1) + 4 * (size_t)SUMSQ_BLOCKS + 8 +
+                         (dense_routes ? 8 * N : 0) + 4 * L * E;
   // the pass: tokens, targets, the embedding backward's buckets (offsets V + 1, positions N, the count of
   // used ids and room for min(N, V) of them), the loss; the final norm's output and rstd live from the
   // head to the end of the backward
@@ -874,8 +897,8 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
 
   // one layer (layer_forward's activations; attention_step's, then the FFN's)
   const DispatchBound routed = moe->live_bound((int)N);
-  const DispatchBound shared = c.shared_expert ? moe_live_bound(N, c.hidden, c.expert_dim, 1, 1, b) : DispatchBound{};
-  const DispatchBound dense = moe_live_bound(N, c.hidden, c.dense_dim, 1, 1, b);
+  const DispatchBound shared = c.shared_expert ? moe_live_bound(N, c.hidden, c.expert_dim, 1, 1, b, true) : DispatchBound{};
+  const DispatchBound dense = moe_live_bound(N, c.hidden, c.dense_dim, 1, 1, b, true);
   const size_t attention = 5 * NH * b + 4 * N + 4 * N * c.heads;  // ln1, ln1_rstd, qkv, att, lse
   auto acts = [&](int l) {
     const size_t common = attention + 2 * NH * b + 4 * N;  // x_mid, ln2, ln2_rstd
@@ -884,12 +907,15 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   };
   // layer_backward's buffers beside the activations: d_norm_out, d_qkv; in the FFN's backward d_topk_w
   // and the largest of the routed experts' backward, the shared expert's (beside d_ln2_part and
-  // d_shared_w) and the router's (d_router_logits, its workspace; its dx adds into d_ln2)
+  // d_shared_w) and the router's (d_router_logits, its workspace; its dx adds into d_ln2), each beside
+  // what the steps before it hold for the weight-gradient stream until the layer's join (`held`; the
+  // dense FFN's fits in its own peak)
   const size_t backward_buffers = 4 * NH * b;
   auto operator_term = [&](int l) {
     if (!c.is_moe_layer(l)) return 4 * N + dense.peak - dense.saved;
-    const size_t shared_step = c.shared_expert ? NH * b + 4 * N + shared.peak - shared.saved : 0;
-    const size_t router_step = 4 * N * E + router_logits_workspace_bytes((int)N, c.hidden, (int)E);
+    const size_t shared_step = c.shared_expert ? routed.held + NH * b + 4 * N + shared.peak - shared.saved : 0;
+    const size_t router_step =
+        routed.held + shared.held + 4 * N * E + router_logits_workspace_bytes((int)N, c.hidden, (int)E);
     return 4 * N * k + std::max({routed.peak - routed.saved, shared_step, router_step});
   };
 

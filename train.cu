@@ -204,6 +204,8 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("optimizer step", update_beside_next_forward(m, t) ? "beside the next forward (--overlap_update 1)"
                         : t.overlap_update ? "after the backward (--overlap_update 1 needs one rank, adamw, BF16)"
                                            : "after the backward (--overlap_update 0)");
+  row("weight gradients", t.wgrad_stream ? "beside the input gradients, on their own stream (--wgrad_stream 1)"
+                                         : "on the compute stream (--wgrad_stream 0)");
   const std::string graph_refusal = cuda_graph_refusal(t, sizeof(floatX) == 2);
   row("cuda graph", graph_refusal.empty() ? "each kind of pass captured once, then launched (--cuda_graph 1)" : graph_refusal);
   // SCO (ops/sco.cuh): the boundaries of one training micro-batch that the budget sends to pinned host memory

@@ -162,7 +162,7 @@ inline void matmul_forward_residual(T* out, const T* residual, const T* x, const
   }
   const float alpha = 1.0f, beta = 1.0f;
   check(cublasLtMatmul(rt.lt, d.op, &alpha, W, d.a, x, d.b, &beta, residual, d.c, out, d.c, &found->second,
-                       rt.workspace, workspace, stream));
+                       cublas_workspace(stream), workspace, stream));
 }
 
 // dx [N, IC] (=, or += with accumulate) = dout [N, OC] · W [OC, IC]; dx of type T, or fp32 (TD).

@@ -32,7 +32,8 @@
 // on top: one R·H·b row buffer at a time (dy, dxp, xp; Dispatch) and da R·I·b beside dy
 // (ExpertIntermediates): SwiGLU's backward writes dh13 over the saved h13 and a over da, so the
 // backward consumes h13 and a is not computed on its own. All temporaries are freed before each
-// launcher returns. Under skew nothing here is bounded except by R = N·k.
+// launcher returns, but for moe_backward's xp when its dW13 runs on a weight-gradient stream (held
+// until the caller joins it). Under skew nothing here is bounded except by R = N·k.
 // Determinism: integer atomics only (counting); every float sum has a fixed order; the grouped GEMMs
 // are deterministic for a fixed problem list.
 // Profiling (runtime/profile.cuh): each piece below opens a sub-range of its caller's range with
@@ -49,6 +50,7 @@
 #include "grouped_gemm.cuh"
 #include "../runtime/pool.cuh"
 #include "../runtime/profile.cuh"
+#include "../runtime/side_stream.cuh"
 
 static const int MOE_PLAN_TILE = 256;          // routes per tile of the stable sort
 static const int MOE_MAX_E = 12287;            // the plan keeps E + 1 ints in shared memory (48 KiB)
@@ -707,9 +709,13 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
 // gradient buffer is not aligned for the grouped GEMM kernel: ops/grouped_gemm.cuh). Consumes
 // saved.h13: dh13 is written over it (H13::Overwrite), so a saved state serves one backward, then
 // moe_saved_free.
+// weight_grads (runtime/side_stream.cuh; nullptr: none): dW13's product, and the permute of x that
+// feeds it, run there, after dx's combine is queued, beside the caller's next work. xp [R,H] (Dispatch)
+// is then held until the caller joins that stream (moe_live_bound's `held`), and dh13 (saved.h13's
+// buffer) must not be freed before the join either.
 inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const MoESaved& saved,
                          const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, SideStream* weight_grads = nullptr) {
   (void)topk_idx;  // the routing is replayed from saved.route_of_slot / slot_of_route (notes/design.md §3)
   if (!saved.route_of_slot || !saved.h13 || !saved.y)
     fm_fail("moe_backward", "MoESaved is empty: run moe_forward first", "N=%d", saved.N);
@@ -734,14 +740,16 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
   pool().free(dxp);
   // dW13_e [2I,H] += dh13_eᵀ [2I,R_e] · xp_e [R_e,H]
   floatX* xp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.xp");
-  prof_sub(stream, "permute", 2.0 * R * H * sizeof(floatX) + 4.0 * R);
-  moe_permute_rows(xp, x, saved.route_of_slot, R, H, k, stream);
-  prof_sub(stream, "grouped gemm dW13");
-  grouped_gemm("moe_backward.dW13", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
-                 return GroupedGemmProblem{dh13 + first * 2 * I, xp + first * H, dW13 + e * w13_stride, 2 * I, H, rows};
-               }),
-               true, false, 2 * I, H, H, 1.f, stream);
-  pool().free(xp);
+  side_run(weight_grads, stream, "moe_backward.dW13", [&](cudaStream_t s) {
+    prof_sub(s, "permute", 2.0 * R * H * sizeof(floatX) + 4.0 * R);
+    moe_permute_rows(xp, x, saved.route_of_slot, R, H, k, s);
+    prof_sub(s, "grouped gemm dW13");
+    grouped_gemm("moe_backward.dW13", moe_expert_problems(saved, [&](int e, size_t first, int rows) {
+                   return GroupedGemmProblem{dh13 + first * 2 * I, xp + first * H, dW13 + e * w13_stride, 2 * I, H, rows};
+                 }),
+                 true, false, 2 * I, H, H, 1.f, s);
+  });
+  side_hold(weight_grads, xp);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -768,17 +776,22 @@ struct DispatchSaved {
 // most (saved + the backward's temporaries), every category it allocates in.
 struct DispatchBound {
   size_t saved = 0, peak = 0;
+  // what its backward leaves held for the layer's weight-gradient stream (MoEDispatcher::weight_grads)
+  // after it returns, until the model joins that stream at the end of the layer's backward
+  size_t held = 0;
 };
 
 // moe_forward + moe_backward, R = N·k routes: route maps 2·R·4 B, expert offsets (E+1)·4 B and y R·H·b
 // (Dispatch) and h13 R·2I·b (ExpertIntermediates) saved; backward adds dy + da (R·H·b + R·I·b; dh13
 // is written over h13 and a over da, H13::Overwrite), then dxp or xp (R·H·b), and a grouped GEMM's
-// pointer table (3 per expert, Workspace; only cuBLAS's path has one, counted in both builds).
-inline DispatchBound moe_live_bound(long long N, int H, int I, int E, int k, size_t b) {
+// pointer table (3 per expert, Workspace; only cuBLAS's path has one, counted in both builds). With a
+// weight-gradient stream, xp (R·H·b) and the pointer table stay held after it returns.
+inline DispatchBound moe_live_bound(long long N, int H, int I, int E, int k, size_t b, bool weight_grads = false) {
   const size_t R = (size_t)N * k;
   DispatchBound d;
   d.saved = 8 * R + 4 * ((size_t)E + 1) + R * H * b + 2 * R * I * b;
   d.peak = d.saved + R * H * b + R * I * b + 3 * sizeof(void*) * (size_t)E;
+  d.held = weight_grads ? R * H * b + 3 * sizeof(void*) * (size_t)E : 0;
   return d;
 }
 
@@ -799,6 +812,10 @@ struct MoEDispatcher {
                         const DispatchSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                         const floatX* W13, const floatX* W2, cudaStream_t stream) = 0;
   virtual DispatchBound live_bound(int N) const = 0;  // N tokens on every rank
+  // The layer's weight-gradient stream (model.cuh; nullptr: none), which backward may enqueue its
+  // weight gradients on (--moe local does) and which the model joins at the end of the layer's
+  // backward; live_bound's `held` says what stays live until then.
+  SideStream* weight_grads = nullptr;
 };
 
 // --moe local: every expert on this rank (moe_forward / moe_backward).
@@ -823,7 +840,9 @@ struct LocalDispatcher : MoEDispatcher {
                 const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
                 cudaStream_t stream) override {
     moe_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).moe, x, topk_idx, topk_w, W13, W2,
-                 stream);
+                 stream, weight_grads);
   }
-  DispatchBound live_bound(int N) const override { return moe_live_bound(N, H, I, E, k, sizeof(floatX)); }
+  DispatchBound live_bound(int N) const override {
+    return moe_live_bound(N, H, I, E, k, sizeof(floatX), weight_grads != nullptr);
+  }
 };

@@ -51,10 +51,11 @@
 // larger sizes are refused.
 // Memory: router_forward, router_backward, router_weights, router_count_loads, router_add_loads allocate nothing.
 // router_logits_forward allocates nothing. router_logits_backward (BF16 build) takes from the pool
-// (Workspace) the split dlogits [N, K3] bf16 and, one after the other, [W; W; W] [K3, H] bf16 and
-// the fp32 parts of ΔW [K3, H]: at most router_logits_workspace_bytes(N,H,E) = 2·N·K3 + 4·K3·H bytes
-// (K3 = 3E rounded up to a multiple of 8) live at once, all freed before it returns (stream-ordered).
-// The FP32 build's backward allocates nothing. cuBLAS's own workspace is the pool's (cublas_on).
+// (Workspace) the split dlogits [N, K3] bf16, the fp32 parts of ΔW [K3, H] and [W; W; W] [K3, H]
+// bf16: router_logits_workspace_bytes(N,H,E) = 2·N·K3 + 6·K3·H bytes (K3 = 3E rounded up to a
+// multiple of 8) live at once, freed before it returns (stream-ordered) — or, with a weight-gradient
+// stream, the first two held until its join (2·N·K3 + 4·K3·H). The FP32 build's backward allocates
+// nothing. cuBLAS's own workspace is the pool's (cublas_on).
 // Kernels: a token's experts on router_lanes(E) lanes of a warp, ROUTER_SLOTS each; every reduction is
 // one fixed tree over the expert positions (inside a lane, then xor shuffles: all lanes end with the
 // same bits, whatever the number of lanes), so results are deterministic. Loads use integer atomics (exact).
@@ -66,6 +67,7 @@
 #include "grouped_gemm.cuh"
 #include "matmul.cuh"
 #include "../runtime/pool.cuh"
+#include "../runtime/side_stream.cuh"
 
 static const int ROUTER_SOFTMAX = 0;
 static const int ROUTER_SIGMOID = 1;
@@ -371,12 +373,12 @@ inline void router_check_logits_sizes(const char* op, int N, int H, int E) {
 }
 
 // Workspace bytes that router_logits_backward holds at most at once (the forward holds none): in the
-// BF16 build the split dlogits [N,K3] bf16 beside the larger of [W; W; W] [K3,H] bf16 and the fp32
-// parts of ΔW [K3,H] (K3 = router_split_width(E)); none in the FP32 build.
+// BF16 build the split dlogits [N,K3] bf16, the fp32 parts of ΔW [K3,H] and [W; W; W] [K3,H] bf16
+// (K3 = router_split_width(E)); none in the FP32 build.
 inline size_t router_logits_workspace_bytes(int N, int H, int E) {
 #if defined(FLATMOE_BF16)
   const size_t K3 = router_split_width(E);
-  return 2 * K3 * (size_t)N + 4 * K3 * (size_t)H;
+  return 2 * K3 * (size_t)N + 6 * K3 * (size_t)H;
 #else
   (void)N, (void)H, (void)E;
   return 0;
@@ -419,8 +421,11 @@ inline void router_backward(float* dlogits, const float* dtopk_w, const float* s
 // dW [E,H] (+=) dlogitsᵀ · x: ΔW summed in fp32, then added to dW with one rounding.
 // BF16 build: through dlogits' three bf16 parts (see Precision), Workspace freed before return; dx
 // needs H % 8 == 0 (the grouped GEMM's kernel), else it is refused.
+// weight_grads (runtime/side_stream.cuh; nullptr: none): dW's product (and its fold) runs there, beside
+// dx's and the caller's next work; the split dlogits and ΔW's parts are held until the caller joins it,
+// and x must stay until then.
 inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits, const floatX* x, const floatX* W,
-                                   int N, int H, int E, cudaStream_t stream) {
+                                   int N, int H, int E, cudaStream_t stream, SideStream* weight_grads = nullptr) {
   const char* op = "router_logits_backward";
   router_check_logits_sizes(op, N, H, E);
   if (N == 0) return;  // dx has no rows, ΔW = 0
@@ -433,29 +438,33 @@ inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits,
             (const void*)W);
   const int K3 = router_split_width(E);
   const size_t K3H = (size_t)K3 * H, EH = (size_t)E * H;
-  DeviceBuffer<floatX> dlogits_parts((size_t)N * K3, Mem::Workspace, "router_logits_backward.dlogits_parts");
-  router_split_dlogits_kernel<<<ceil_div((size_t)N * (K3 - 2 * E), 256), 256, 0, stream>>>(dlogits_parts.ptr, dlogits,
+  floatX* dlogits_parts = pool().alloc_t<floatX>((size_t)N * K3, Mem::Workspace, "router_logits_backward.dlogits_parts");
+  router_split_dlogits_kernel<<<ceil_div((size_t)N * (K3 - 2 * E), 256), 256, 0, stream>>>(dlogits_parts, dlogits,
                                                                                             N, E, K3);
   launchCheck(op, "split N=%d E=%d", N, E);
+  // ΔW's parts [K3,H] = [hi mid lo 0]ᵀ · x (the last K3 − 3E rows zero), folded into dW
+  float* dW_parts = pool().alloc_t<float>(K3H, Mem::Workspace, "router_logits_backward.dW_parts");
+  side_run(weight_grads, stream, "router_logits_backward.dW", [&](cudaStream_t s) {
+    matmul_backward_dW(dW_parts, dlogits_parts, x, N, H, K3, s, /*accumulate=*/false);
+    router_fold_weight_grad_kernel<<<ceil_div(EH, 256), 256, 0, s>>>(dW, dW_parts, EH);
+    launchCheck(op, "fold E=%d H=%d", E, H);
+  });
   {  // dx += [hi mid lo 0] · [W; W; W; 0]
     DeviceBuffer<floatX> W_thrice(K3H, Mem::Workspace, "router_logits_backward.W_thrice");
     router_stack_weight_kernel<<<ceil_div(K3H / ROW_PIECE, 256), 256, 0, stream>>>(W_thrice.ptr, W, E, H, K3);
     launchCheck(op, "stack W E=%d H=%d K3=%d", E, H, K3);
-    const GroupedGemmProblems product{{{dlogits_parts.ptr, W_thrice.ptr, dx, N, H, K3}}};
+    const GroupedGemmProblems product{{{dlogits_parts, W_thrice.ptr, dx, N, H, K3}}};
     if (!grouped_gemm_takes_kernel(product, false, false, K3, H, H))  // cuBLAS's beta = 1 would round twice
       fm_fail(op, "the grouped GEMM's kernel does not take dx's product (dx must be 4-byte aligned)",
               "N=%d H=%d E=%d dx=%p", N, H, E, (void*)dx);
     grouped_gemm("router_logits_backward.dx", product, false, false, K3, H, H, 1.f, stream);
   }
-  {  // ΔW's parts [K3,H] = [hi mid lo 0]ᵀ · x (the last K3 − 3E rows zero), folded into dW
-    DeviceBuffer<float> dW_parts(K3H, Mem::Workspace, "router_logits_backward.dW_parts");
-    matmul_backward_dW(dW_parts.ptr, dlogits_parts.ptr, x, N, H, K3, stream, /*accumulate=*/false);
-    router_fold_weight_grad_kernel<<<ceil_div(EH, 256), 256, 0, stream>>>(dW, dW_parts.ptr, EH);
-    launchCheck(op, "fold E=%d H=%d", E, H);
-  }
+  side_hold(weight_grads, dW_parts);
+  side_hold(weight_grads, dlogits_parts);
 #else
+  side_run(weight_grads, stream, "router_logits_backward.dW",
+           [&](cudaStream_t s) { matmul_backward_dW(dW, dlogits, x, N, H, E, s); });
   matmul_backward_dx(dx, dlogits, W, N, H, E, stream, /*accumulate=*/true);  // fp32 throughout, one rounding each
-  matmul_backward_dW(dW, dlogits, x, N, H, E, stream);
 #endif
 }
 

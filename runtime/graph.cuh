@@ -66,7 +66,10 @@ struct CapturedWork {
     cudaCheck(cudaStreamEndCapture(stream, &graph), op, "cudaStreamEndCapture");
     pool_use = pool().end_capture();
     cudaCheck(cudaGraphGetNodes(graph, nullptr, &nodes), op, "cudaGraphGetNodes");
-    cudaCheck(cudaGraphInstantiate(&exec, graph, 0), op, "cudaGraphInstantiate (%zu nodes)", nodes);
+    // each kernel node keeps the priority of the stream it was captured from (a side stream's weight
+    // gradients below the critical path's kernels, runtime/side_stream.cuh), as in the eager pass
+    cudaCheck(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority), op,
+              "cudaGraphInstantiate (%zu nodes)", nodes);
     cudaCheck(cudaGraphDestroy(graph), op, "cudaGraphDestroy");
   }
 };

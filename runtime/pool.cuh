@@ -141,10 +141,20 @@ class Pool {
   }
 
   void free(void* p) {
+    if (held_ != nullptr && p != nullptr) {  // a side stream's work is being enqueued (hold_frees)
+      held_->push_back(p);
+      return;
+    }
     Block b;
     if (!take_live(p, &b)) return;
     free_blocks_[b.rounded].push_back(p);
   }
+
+  // From now until hold_frees(nullptr), free(p) does not free p but appends it to *into: p stays live
+  // (and counted) until its holder frees it once more (runtime/side_stream.cuh: after the main
+  // stream has joined the side stream whose work used p). Host order alone decides what is held, so
+  // the live bytes and peaks are the same whichever stream the work runs on.
+  void hold_frees(std::vector<void*>* into) { held_ = into; }
 
   // p's last user is work already queued on `stream`: p leaves the live set now and is handed out
   // again once that work has finished (see the header).
@@ -301,6 +311,7 @@ class Pool {
   }
 
  private:
+  std::vector<void*>* held_ = nullptr;  // hold_frees
   struct Block {
     size_t bytes, rounded;
     Mem cat;
@@ -502,7 +513,11 @@ struct CublasRuntime {
   static constexpr size_t workspace_bytes = 32u << 20;  // cuBLAS's recommendation for Hopper
   cublasHandle_t handle = nullptr;
   cublasLtHandle_t lt = nullptr;  // the GEMMs with an epilogue (ops/matmul.cuh)
-  void* workspace = nullptr;      // [workspace_bytes], from the pool
+  void* workspace = nullptr;      // [workspace_bytes], from the pool: every stream's but those below
+  // Streams with a workspace of their own, [workspace_bytes] each (a side stream whose GEMMs run
+  // beside the main stream's, runtime/side_stream.cuh: two GEMMs at once must not share one; the
+  // same size, so that cuBLAS picks the same algorithms, and the same bits, on either stream).
+  std::vector<std::pair<cudaStream_t, void*>> own;
 };
 
 inline CublasRuntime& cublas_runtime() {
@@ -548,6 +563,28 @@ inline void runtime_release() {
   stream_order_release();
 }
 
+// The workspace of cuBLAS's GEMMs on `stream`: its own, else the runtime's.
+inline void* cublas_workspace(cudaStream_t stream) {
+  runtime_prepare();
+  for (const auto& [s, w] : cublas_runtime().own)
+    if (s == stream) return w;
+  return cublas_runtime().workspace;
+}
+
+// Gives `stream` a workspace of its own from the pool (Workspace, workspace_bytes), or gives it
+// back (own = false) — before the stream is destroyed.
+inline void cublas_own_workspace(cudaStream_t stream, bool own) {
+  runtime_prepare();
+  std::vector<std::pair<cudaStream_t, void*>>& list = cublas_runtime().own;
+  auto it = std::find_if(list.begin(), list.end(), [&](const auto& x) { return x.first == stream; });
+  if (own && it == list.end())
+    list.emplace_back(stream, pool().alloc(CublasRuntime::workspace_bytes, Mem::Workspace, "cublas_workspace.side"));
+  if (!own && it != list.end()) {
+    pool().free(it->second);
+    list.erase(it);
+  }
+}
+
 // cuBLAS on a stream, with the runtime's pooled workspace. cublasSetStream resets cuBLAS to a
 // workspace of its own (allocated outside the pool), so every GEMM launcher sets both together
 // through this function.
@@ -555,7 +592,7 @@ inline cublasHandle_t cublas_on(cudaStream_t stream, const char* op) {
   runtime_prepare();
   const CublasRuntime& rt = cublas_runtime();
   cublasCheck(cublasSetStream(rt.handle, stream), op, "stream");
-  cublasCheck(cublasSetWorkspace(rt.handle, rt.workspace, CublasRuntime::workspace_bytes), op, "workspace=%zu",
-              CublasRuntime::workspace_bytes);
+  cublasCheck(cublasSetWorkspace(rt.handle, cublas_workspace(stream), CublasRuntime::workspace_bytes), op,
+              "workspace=%zu", CublasRuntime::workspace_bytes);
   return rt.handle;
 }

@@ -21,7 +21,9 @@
 // the bottleneck (small kernels) that can stretch the step, so the trainer prints the profiled step's
 // time next to the other steps'.
 // Several streams: the marks are on the stream passed (the compute stream); work on a communicator's
-// stream is seen where the compute stream waits for it.
+// stream is seen where the compute stream waits for it, and so is a side stream's (the weight
+// gradients beside the backward, runtime/side_stream.cuh): a mark or sub on another stream than
+// begin's is not recorded (its range would not follow the compute stream's order).
 #pragma once
 #include <algorithm>
 #include <cstdio>
@@ -104,6 +106,7 @@ struct Profiler {
     double bytes;
   };
   void record(cudaStream_t stream, std::string name, double bytes) {
+    if (stream != stream_) return;  // another stream's work shows where the compute stream waits for it
     const size_t i = marks_.size();
     if (i == events_.size()) {  // created while profiling, reused by later profiled steps
       cudaEvent_t e = nullptr;

@@ -59,7 +59,7 @@ const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_patte
                                                    &T::moe,      &T::head,          &T::optimizer,   &T::ring_dtp,
                                                    &T::relay_mode, &T::device_budget};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
-                                          &T::recompute,  &T::overlap_update, &T::cuda_graph, &T::val_every, &T::val_batches, &T::sample_every,
+                                          &T::recompute,  &T::overlap_update, &T::wgrad_stream, &T::cuda_graph, &T::val_every, &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
                                           &T::gpus,       &T::ep,           &T::llep_min_rows, &T::token_budget,
                                           &T::kmax,       &T::offload_bucket, &T::offload_slots, &T::vocab_group,
@@ -422,6 +422,18 @@ TEST(ConfigTrain, OverlapUpdateIsZeroOrOne) {
   t.overlap_update = 2;
   EXPECT_EQ(validate_error(t, m), "overlap_update must be 0 or 1");
   EXPECT_EQ(parse_error({"--overlap_update", "yes"}), "flag --overlap_update expects an integer, got 'yes'");
+}
+
+// --wgrad_stream: on by default, 0 or 1.
+TEST(ConfigTrain, WgradStreamIsZeroOrOne) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  EXPECT_EQ(t.wgrad_stream, 1) << "the weight gradients on their own stream by default";
+  t.wgrad_stream = 0;
+  EXPECT_EQ(validate_error(t, m), "");
+  t.wgrad_stream = 2;
+  EXPECT_EQ(validate_error(t, m), "wgrad_stream must be 0 or 1");
+  EXPECT_EQ(parse_error({"--wgrad_stream", "on"}), "flag --wgrad_stream expects an integer, got 'on'");
 }
 
 // --cuda_graph: on by default, 0 or 1; where a run cannot capture its passes, the reason (printed at

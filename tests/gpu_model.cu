@@ -390,6 +390,77 @@ TEST(GpuModel, StateSavedAndRestoredContinuesBitIdentically) {
   model_destroy(r);
 }
 
+// --wgrad_stream (Model::wgrad, runtime/side_stream.cuh): each layer's weight gradients on a stream of
+// their own, beside its input gradients, give the compute stream's bits (losses, weights, optimizer
+// state) and the same pool peak per step (the same buffers held as long), with and without
+// recomputation, on a model with a dense FFN layer and a shared expert and on one without. At each
+// step's start a host flag holds the side stream for 20 ms, so that the compute stream runs as far
+// ahead as the joins let it: without a join it would change d_x, or hand a held buffer to the next
+// kernel, under a weight gradient that has not run yet.
+TEST(GpuModel, WeightGradientStreamIsBitIdentical) {
+  REQUIRE_GPU();
+  struct Run {
+    std::vector<float> losses;
+    std::vector<size_t> step_peaks;  // the pool's peak per step, above what was live before it
+    StateSections state;
+    std::vector<floatX> params;
+  };
+  for (int variant : {0, 1})
+    for (int recompute : {0, 1}) {
+      const ModelConfig c = config_variant(variant);
+      const int B = 2, T = c.seq_len, N = B * T, steps = 4;
+      testutil::Rng rng;
+      std::vector<std::vector<int>> xs(steps), ys(steps);
+      for (int i = 0; i < steps; i++) random_tokens(N, c.vocab, rng, xs[i], ys[i]);
+      auto train = [&](int side) {
+        TrainConfig t;
+        t.lr = 2e-3f; t.warmup = 1; t.steps = steps; t.recompute = recompute; t.wgrad_stream = side;
+        cudaStream_t stream = stream_create("test.compute", StreamPriority::Compute);
+        Model m = model_create(c, 11, Parallel(), stream, seams_from(t, c));
+        EXPECT_EQ(m.wgrad->on(), side == 1);
+        Run r;
+        std::vector<testutil::HostFlag> flags(steps);
+        for (int step = 0; step < steps; step++) {
+          std::thread release;
+          if (side) {
+            testutil::wait_for_host_kernel<<<1, 1, 0, m.wgrad->stream()>>>(nullptr, flags[step].device, 0);
+            launchCheck("test.hold_weight_gradients", "step=%d", step);
+            release = std::thread([flag = &flags[step]] {
+              std::this_thread::sleep_for(std::chrono::milliseconds(20));
+              flag->set();
+            });
+          }
+          const size_t live_before = pool().live_total();
+          pool().reset_peak();
+          r.losses.push_back(model_train_step(m, t, step, B, T, 1, [&](int* xb, int* yb) {
+            std::copy(xs[step].begin(), xs[step].end(), xb);
+            std::copy(ys[step].begin(), ys[step].end(), yb);
+          }, nullptr));
+          r.step_peaks.push_back(pool().peak() - live_before);
+          if (release.joinable()) release.join();
+        }
+        model_join_update(m);
+        r.state = m.opt->save(m.stream);
+        r.params = testutil::download_vec(m.params, m.num_params);
+        model_destroy(m);
+        cudaCheck(cudaStreamDestroy(stream), "test", "stream");
+        return r;
+      };
+      const Run beside = train(1), alone = train(0);
+      const std::string what = "variant " + std::to_string(variant) + ", recompute " + std::to_string(recompute);
+      EXPECT_EQ(beside.losses, alone.losses) << what;
+      EXPECT_EQ(beside.step_peaks, alone.step_peaks) << what << ": the same buffers held as long";
+      ASSERT_EQ(beside.state.size(), alone.state.size());
+      for (size_t i = 0; i < alone.state.size(); i++)
+        EXPECT_EQ(0, memcmp(beside.state[i].second.data(), alone.state[i].second.data(),
+                            alone.state[i].second.size() * sizeof(float)))
+            << what << ": optimizer section " << alone.state[i].first;
+      EXPECT_EQ(0, memcmp(beside.params.data(), alone.params.data(), alone.params.size() * sizeof(floatX))) << what;
+      printf("[wgrad] %s: step %d loss %.7f beside, %.7f alone; step peak %.2f MiB both\n", what.c_str(), steps,
+             beside.losses.back(), alone.losses.back(), alone.step_peaks.back() / 1048576.0);
+    }
+}
+
 // --overlap_update 1: the optimizer on its own stream, group by group beside the next step's forward,
 // gives the losses, the optimizer's state, the weights and the router biases of the update on the
 // compute stream (--overlap_update 0) bit for bit, with one pass per step (the update reads the

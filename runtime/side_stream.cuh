@@ -1,0 +1,93 @@
+// side_stream.cuh — work off the critical path on a second stream, forked from and joined back into
+// a main stream (notes/design.md §5; model.cuh: the weight gradients beside the backward, notes/speed.md ZK).
+//
+// In a layer's backward the chain dL/dx → dL/d(layer input) is the critical path; each weight
+// gradient (dW += doutᵀ·x) hangs off it and nothing in the layer reads it. On a small model every
+// kernel is short and leaves SMs idle, so a weight gradient computed on a side stream runs in the idle
+// SMs while the main stream goes on with the next input gradient.
+//
+//   side.run(main, op, [&](cudaStream_t s) { ...enqueue on s... })   fork: what is enqueued on s runs
+//        after the main stream's work so far; every pool free() inside is held (below)
+//   side.hold(p)   instead of pool().free(p) for a buffer the side work reads (p stays live)
+//   side.join(main, op)   the main stream's next work runs after all the side work so far; the held
+//        buffers are freed (now safe: their last users are ordered before the main stream's next work)
+//
+// Memory: a held buffer stays live from its free (in the host's order) to the join, whether the side
+// stream is a stream of its own or the main stream itself (off: run() enqueues on the main stream,
+// fork and join are nothing, and the frees are held the same way). So the pool's live bytes and
+// peaks, and every kernel and its bits, are the same on or off; only the order in which the GPU runs
+// independent kernels differs. On, the side stream has cuBLAS's workspace of its own (runtime/pool.cuh
+// cublas_own_workspace: 32 MiB, Workspace), since two cuBLAS GEMMs at once must not share one.
+// Priorities: the side stream has the lowest (StreamPriority::Background), so that the block scheduler
+// gives the critical path's kernels the SMs first; a captured graph keeps each node's priority
+// (runtime/graph.cuh instantiates with cudaGraphInstantiateFlagUseNodePriority).
+// A captured pass (runtime/graph.cuh): the fork and join are event edges of the graph; every run()
+// must be joined before the capture ends.
+#pragma once
+#include <vector>
+#include "pool.cuh"
+#include "stream.cuh"
+
+class SideStream {
+ public:
+  SideStream() = default;  // off: the main stream itself
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream() { set_on(false); }
+
+  // On: a stream of its own (created here) with cuBLAS's workspace of its own; off: the main stream.
+  // Call it with nothing held (between passes).
+  void set_on(bool on) {
+    if (!held_.empty())
+      fm_fail("SideStream.set_on", "buffers are still held: join first", "held=%zu", held_.size());
+    if (on && side_ == nullptr) {
+      side_ = stream_create("SideStream", StreamPriority::Background);
+      cublas_own_workspace(side_, true);
+    } else if (!on && side_ != nullptr) {
+      cudaCheck(cudaStreamSynchronize(side_), "SideStream", "synchronise before destroying");
+      cublas_own_workspace(side_, false);
+      cudaCheck(cudaStreamDestroy(side_), "SideStream", "destroy");
+      side_ = nullptr;
+    }
+  }
+  bool on() const { return side_ != nullptr; }
+  cudaStream_t stream() const { return side_; }  // nullptr when off
+
+  // Enqueues enqueue(s) on the side stream (or on main when off), after main's work so far; the pool
+  // frees it makes are held until join.
+  template <class F>
+  void run(cudaStream_t main, const char* op, F&& enqueue) {
+    const cudaStream_t s = side_ ? side_ : main;
+    stream_after(s, main, op);
+    pool().hold_frees(&held_);
+    enqueue(s);
+    pool().hold_frees(nullptr);
+  }
+  // A buffer the side work reads, given back at the join instead of now.
+  void hold(void* p) {
+    if (p != nullptr) held_.push_back(p);
+  }
+  // main's next work runs after all side work enqueued so far; the held buffers go back to the pool.
+  void join(cudaStream_t main, const char* op) {
+    if (side_) stream_after(main, side_, op);
+    for (void* p : held_) pool().free(p);
+    held_.clear();
+  }
+
+ private:
+  cudaStream_t side_ = nullptr;
+  std::vector<void*> held_;
+};
+
+// side.run(main, op, enqueue), or enqueue(main) when there is no side stream (side == nullptr: an
+// operator called outside the model, whose frees then happen at once as always).
+template <class F>
+inline void side_run(SideStream* side, cudaStream_t main, const char* op, F&& enqueue) {
+  if (side) side->run(main, op, enqueue);
+  else enqueue(main);
+}
+// side->hold(p), or pool().free(p) when there is no side stream.
+inline void side_hold(SideStream* side, void* p) {
+  if (side) side->hold(p);
+  else pool().free(p);
+}
