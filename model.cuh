@@ -802,7 +802,7 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
   // FFN branch: d_x_mid = d_x + ln2ᵀ(FFNᵀ(d_x))
   ffn_backward(m, l, a, d_norm_out, d_x, N);
   prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, true));
-  rmsnorm_backward(d_x, G.ln2, d_norm_out, a.x_mid, P.ln2, a.ln2_rstd, N, H, s, /*accumulate=*/true);
+  rmsnorm_backward(d_x, G.ln2, d_norm_out, a.x_mid, P.ln2, a.ln2_rstd, N, H, s, /*accumulate=*/true, m.wgrad.get());
 
   // Attention branch: d_x_in = d_x_mid + ln1ᵀ(wqkvᵀ(RoPEᵀ(Attnᵀ(woᵀ d_x_mid))))
   prof_mark(s, "wo matmul bwd");
@@ -816,7 +816,8 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
   prof_mark(s, "weight gradients (join)");  // the layer's weight gradients done before d_x changes again
   m.wgrad->join(s, "layer_backward");
   prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, true));
-  rmsnorm_backward(d_x, G.ln1, d_norm_out, x_in, P.ln1, a.ln1_rstd, N, H, s, /*accumulate=*/true);
+  // its dw's reduction joins at the next layer's join (or the pass's, after the last layer)
+  rmsnorm_backward(d_x, G.ln1, d_norm_out, x_in, P.ln1, a.ln1_rstd, N, H, s, /*accumulate=*/true, m.wgrad.get());
   for (void* p : {(void*)d_norm_out, (void*)d_qkv}) pool().free(p);
 }
 
@@ -910,13 +911,20 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   // d_shared_w) and the router's (d_router_logits, its workspace; its dx adds into d_ln2), each beside
   // what the steps before it hold for the weight-gradient stream until the layer's join (`held`; the
   // dense FFN's fits in its own peak)
+  // Then, in the attention part, beside what the FFN's backward left held: the ln2 norm's dw partials
+  // (held too) and attention's delta. A norm's dw partials stay held until the next layer's join, so
+  // each layer's backward has the norm's above it (layer l + 1's ln1, or the final norm's) besides.
   const size_t backward_buffers = 4 * NH * b;
+  const size_t norm_partials = rmsnorm_backward_workspace_bytes((int)N, c.hidden);
   auto operator_term = [&](int l) {
-    if (!c.is_moe_layer(l)) return 4 * N + dense.peak - dense.saved;
+    const size_t delta = 4 * N * c.heads;
+    if (!c.is_moe_layer(l)) return std::max(4 * N + dense.peak - dense.saved, dense.held + norm_partials + delta);
     const size_t shared_step = c.shared_expert ? routed.held + NH * b + 4 * N + shared.peak - shared.saved : 0;
     const size_t router_step =
         routed.held + shared.held + 4 * N * E + router_logits_workspace_bytes((int)N, c.hidden, (int)E);
-    return 4 * N * k + std::max({routed.peak - routed.saved, shared_step, router_step});
+    const size_t attention_step = routed.held + shared.held + 4 * N * E +
+                                  router_logits_held_bytes((int)N, c.hidden, (int)E) + norm_partials + delta;
+    return std::max(4 * N * k + std::max({routed.peak - routed.saved, shared_step, router_step}), attention_step);
   };
 
   // the layer boundaries on the device, at the head and during layer l's backward (ops/sco_plan.hpp)
@@ -954,7 +962,7 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   for (int l = (int)L - 1; l >= 0; l--) {
     kept_below -= kept(l);  // layer l's own are part of its working set
     MemoryPrediction here;  // d_residual beside the layer's activations and backward buffers
-    here.terms = moment(boundaries_at(l), kept_below, NH * b + acts(l) + backward_buffers, operator_term(l),
+    here.terms = moment(boundaries_at(l), kept_below, NH * b + acts(l) + backward_buffers + norm_partials, operator_term(l),
                         c.is_moe_layer(l) ? "dispatch" : "dense FFN");
     here.peak_at = "layer " + std::to_string(l) + "'s backward";
     if (here.total() > best.total()) best = here;
@@ -1086,7 +1094,7 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
   if (o.backward) {
     floatX* d_x = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_residual");
     prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, false));
-    rmsnorm_backward(d_x, m.g.lnf, d_lnf, boundaries.input[L], m.p.lnf, lnf_rstd, N, H, s);
+    rmsnorm_backward(d_x, m.g.lnf, d_lnf, boundaries.input[L], m.p.lnf, lnf_rstd, N, H, s, false, m.wgrad.get());
     pool().free(d_lnf);
     boundaries.release(L);
     // layers in reverse; with recompute, rebuild each layer's activations from its input first.
@@ -1107,6 +1115,7 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
       free_acts(acts[l]);
       boundaries.release(l);
     }
+    m.wgrad->join(s, "model_pass");  // layer 0's last weight gradient (ln1's dw)
     // embedding: deterministic per-token sums over the host-built buckets
     prof_mark(s, "embedding bwd", 2.0 * NH * sizeof(floatX));
     embedding_backward(m.g.wte, d_x, buckets_dev, buckets_dev + V + 1, buckets_dev + V + 1 + N, N, V, H, s);

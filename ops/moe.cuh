@@ -592,24 +592,26 @@ enum class H13 { Keep, Overwrite };
 
 // The experts' backward down to the gate/up gradients, shared by moe_backward and the
 // expert-parallel dispatchers, per group g (its weights W2[g], its gradient dW2[g]):
-// da_g = dy_g · W2_g; dW2_g (+=) dy_gᵀ · a_g; returns dh13 [R,2I] = swiglu'(h13) ⊙ da. Frees dy once
-// it is consumed.
+// da_g = dy_g · W2_g; dW2_g (+=) dy_gᵀ · a_g; returns dh13 [R,2I] = swiglu'(h13) ⊙ da.
 //   Keep: a is computed again from h13 before dW2 (the forward did not keep it), dy is freed before
 //   dh13 is allocated (ExpertIntermediates, the caller frees it), so the two are never live together:
 //   at most dy + a + da, then dh13 + da, beside h13.
 //   Overwrite: SwiGLU's backward writes dh13 over h13 and a over da in one pass (h13 read once, a not
 //   computed on its own), then dW2; the returned dh13 is h13's buffer (not the caller's to free): at
-//   most dy + da beside h13, and the same bits as Keep.
+//   most da beside h13 and dy, which stays the caller's (moe_backward's is the forward's y, written
+//   over), and the same bits as Keep. With a weight-gradient stream (runtime/side_stream.cuh) dW2 runs
+//   there, beside the caller's next work: da is held until the caller joins it, and dy must stay too.
 inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& dW2, floatX* h13,
                                        const std::vector<const floatX*>& W2, const ExpertRows& groups, int H, int I,
-                                       const std::string& op, cudaStream_t stream, H13 mode = H13::Keep) {
+                                       const std::string& op, cudaStream_t stream, H13 mode = H13::Keep,
+                                       SideStream* weight_grads = nullptr) {
   const int R = groups.rows;
-  auto dW2_from = [&](const floatX* a) {  // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
-    prof_sub(stream, "grouped gemm dW2");
+  auto dW2_from = [&](const floatX* a, cudaStream_t s) {  // dW2_e [H,I] += dy_eᵀ [H,R_e] · a_e [R_e,I]
+    prof_sub(s, "grouped gemm dW2");
     grouped_gemm((op + ".dW2").c_str(), expert_problems(groups, [&](int e, size_t first, int rows) {
                    return GroupedGemmProblem{dy + first * H, a + first * I, dW2[e], H, I, rows};
                  }),
-                 true, false, H, I, I, 1.f, stream);
+                 true, false, H, I, I, 1.f, s);
   };
   floatX* a = nullptr;
   if (mode == H13::Keep) {
@@ -627,12 +629,11 @@ inline floatX* experts_backward_to_h13(floatX* dy, const std::vector<floatX*>& d
   if (mode == H13::Overwrite) {
     prof_sub(stream, "swiglu bwd (+ a)", 6.0 * R * I * sizeof(floatX));
     swiglu_backward(h13, da, h13, R, I, stream, /*a=*/da);  // dh13 over h13, a over da
-    dW2_from(da);
-    pool().free(da);
-    pool().free(dy);
+    side_run(weight_grads, stream, (op + ".dW2").c_str(), [&](cudaStream_t s) { dW2_from(da, s); });
+    side_hold(weight_grads, da);
     return h13;
   }
-  dW2_from(a);
+  dW2_from(a, stream);
   pool().free(a);
   pool().free(dy);
   floatX* dh13 = alloc_rows<floatX>((size_t)R * 2 * I, Mem::ExpertIntermediates, op + ".dh13");
@@ -709,10 +710,11 @@ inline void moe_forward(floatX* out, MoESaved& saved, const floatX* x, const int
 // gradient buffer is not aligned for the grouped GEMM kernel: ops/grouped_gemm.cuh). Consumes
 // saved.h13: dh13 is written over it (H13::Overwrite), so a saved state serves one backward, then
 // moe_saved_free.
-// weight_grads (runtime/side_stream.cuh; nullptr: none): dW13's product, and the permute of x that
-// feeds it, run there, after dx's combine is queued, beside the caller's next work. xp [R,H] (Dispatch)
-// is then held until the caller joins that stream (moe_live_bound's `held`), and dh13 (saved.h13's
-// buffer) must not be freed before the join either.
+// Consumes saved.y too: dy is written over it.
+// weight_grads (runtime/side_stream.cuh; nullptr: none): dW2's product runs there beside dxp's, and
+// dW13's, with the permute of x that feeds it, after dx's combine is queued, beside the caller's next
+// work. da [R,I] and xp [R,H] are then held until the caller joins that stream (moe_live_bound's
+// `held`), and saved (dy over y, dh13 over h13) must not be freed before the join either.
 inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const MoESaved& saved,
                          const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
                          cudaStream_t stream, SideStream* weight_grads = nullptr) {
@@ -722,12 +724,12 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
   const int N = saved.N, H = saved.H, I = saved.I, k = saved.k, R = N * k;
   const size_t w13_stride = (size_t)2 * I * H;
 
-  floatX* dy = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dy");
+  floatX* dy = saved.y;  // written over y, which nothing reads after this
   prof_sub(stream, "combine bwd", 3.0 * R * H * sizeof(floatX) + 12.0 * R);
   moe_combine_backward(dy, dtopk_w, dout, saved.y, saved.slot_of_route, topk_w, N, H, k, stream);
   floatX* dh13 = experts_backward_to_h13(dy, expert_slices(dW2, saved.E, (size_t)H * I), saved.h13,
                                          expert_slices(W2, saved.E, (size_t)H * I), saved.rows, H, I, "moe_backward",
-                                         stream, H13::Overwrite);  // dh13 is saved.h13's buffer
+                                         stream, H13::Overwrite, weight_grads);  // dh13 is saved.h13's buffer
   // dxp_e [R_e,H] = dh13_e [R_e,2I] · W13_e [2I,H];  dx[n] = Σ_j dxp[route n·k+j]
   floatX* dxp = pool().alloc_t<floatX>((size_t)R * H, Mem::Dispatch, "moe_backward.dxp");
   prof_sub(stream, "grouped gemm dxp");
@@ -782,16 +784,18 @@ struct DispatchBound {
 };
 
 // moe_forward + moe_backward, R = N·k routes: route maps 2·R·4 B, expert offsets (E+1)·4 B and y R·H·b
-// (Dispatch) and h13 R·2I·b (ExpertIntermediates) saved; backward adds dy + da (R·H·b + R·I·b; dh13
-// is written over h13 and a over da, H13::Overwrite), then dxp or xp (R·H·b), and a grouped GEMM's
-// pointer table (3 per expert, Workspace; only cuBLAS's path has one, counted in both builds). With a
-// weight-gradient stream, xp (R·H·b) and the pointer table stay held after it returns.
+// (Dispatch) and h13 R·2I·b (ExpertIntermediates) saved; backward adds da (R·I·b; dy is written over
+// y, dh13 over h13 and a over da, H13::Overwrite), beside it dxp, then xp (R·H·b), and a grouped
+// GEMM's pointer table (3 per expert, Workspace; only cuBLAS's path has one, counted in both builds).
+// With a weight-gradient stream, da, xp and the pointer tables of dW2 and dW13 stay held after it
+// returns (dW2's is live beside dxp's).
 inline DispatchBound moe_live_bound(long long N, int H, int I, int E, int k, size_t b, bool weight_grads = false) {
   const size_t R = (size_t)N * k;
   DispatchBound d;
   d.saved = 8 * R + 4 * ((size_t)E + 1) + R * H * b + 2 * R * I * b;
-  d.peak = d.saved + R * H * b + R * I * b + 3 * sizeof(void*) * (size_t)E;
-  d.held = weight_grads ? R * H * b + 3 * sizeof(void*) * (size_t)E : 0;
+  const size_t tables = (weight_grads ? 6 : 3) * sizeof(void*) * (size_t)E;  // dW2's held beside dxp's, then dW13's
+  d.peak = d.saved + R * H * b + R * I * b + tables;
+  d.held = weight_grads ? R * H * b + R * I * b + tables : 0;
   return d;
 }
 

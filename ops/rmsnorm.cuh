@@ -31,13 +31,16 @@
 // every sum runs in a fixed order, so a replay is bit-identical.
 //
 // Memory: backward takes G·H·4 bytes of Workspace (G <= 512, so <= 512·H·4) for the duration of the
-// call (freed when the launcher returns; the kernels are ordered on `stream`).
+// call (freed when the launcher returns; the kernels are ordered on `stream`) — or, with a
+// weight-gradient stream (runtime/side_stream.cuh), where the reduction into dw then runs, until the
+// caller joins that stream (rmsnorm_backward_workspace_bytes bounds it).
 // Limits: backward needs W·S·4 bytes of shared memory per block, S = H rounded up to a whole number of
 // 32-piece rounds; with W = 1 that is H·4 bytes and a little more (H <= ~58000 on sm_90).
 #pragma once
 #include <algorithm>
 #include "common.cuh"
 #include "../runtime/pool.cuh"
+#include "../runtime/side_stream.cuh"
 
 static const int RMSNORM_BACKWARD_MAX_BLOCKS = 512;          // G: the rows of the dw_partials Workspace
 static const int RMSNORM_BACKWARD_MAX_WARPS = 8;             // W: warps per block
@@ -189,31 +192,44 @@ inline RmsNormBackwardPlan rmsnorm_backward_plan(int N, int H, int NV) {
   return p;
 }
 
-// The backward kernel on the plan's G blocks of W warps, then the reduction of its partials into dw.
+// The Workspace bytes of rmsnorm_backward's dw partials at N rows of H (either path).
+inline size_t rmsnorm_backward_workspace_bytes(int N, int H) {
+  const int most = std::max(rmsnorm_backward_plan(N, H, 1).blocks, rmsnorm_backward_plan(N, H, ROW_PIECE).blocks);
+  return (size_t)most * H * sizeof(float);
+}
+
+// The backward kernel on the plan's G blocks of W warps, then the reduction of its partials into dw
+// (on weight_grads when given).
 template <int NV>
 inline void rmsnorm_backward_launch(floatX* dx, floatX* dw, const floatX* dout, const floatX* x, const floatX* w,
-                                    const float* rstd, int N, int H, bool accumulate, cudaStream_t stream) {
+                                    const float* rstd, int N, int H, bool accumulate, cudaStream_t stream,
+                                    SideStream* weight_grads) {
   const RmsNormBackwardPlan plan = rmsnorm_backward_plan(N, H, NV);
-  DeviceBuffer<float> dw_partials((size_t)plan.blocks * H, Mem::Workspace, "rmsnorm.dw_partials");
+  float* dw_partials = pool().alloc_t<float>((size_t)plan.blocks * H, Mem::Workspace, "rmsnorm.dw_partials");
   const size_t smem = (size_t)plan.warps * plan.warp_slots * sizeof(float);
   if (smem > 48 * 1024)
     cudaCheck(cudaFuncSetAttribute(rmsnorm_backward_kernel<NV, floatX>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
               "rmsnorm_backward", "N=%d H=%d shared=%zu bytes", N, H, smem);
-  rmsnorm_backward_kernel<NV><<<plan.blocks, 32 * plan.warps, smem, stream>>>(dx, dw_partials.ptr, dout, x, w, rstd, N, H,
+  rmsnorm_backward_kernel<NV><<<plan.blocks, 32 * plan.warps, smem, stream>>>(dx, dw_partials, dout, x, w, rstd, N, H,
                                                                               plan.rows_per_block, plan.warp_slots,
                                                                               accumulate);
   launchCheck("rmsnorm_backward", "N=%d H=%d G=%d W=%d", N, H, plan.blocks, plan.warps);
-  rmsnorm_dw_reduce_kernel<<<ceil_div(H, 32), 32 * RMSNORM_REDUCE_WARPS, 0, stream>>>(dw, dw_partials.ptr, plan.blocks, H);
-  launchCheck("rmsnorm_backward.dw_reduce", "N=%d H=%d G=%d", N, H, plan.blocks);
+  side_run(weight_grads, stream, "rmsnorm_backward.dw_reduce", [&](cudaStream_t s) {
+    rmsnorm_dw_reduce_kernel<<<ceil_div(H, 32), 32 * RMSNORM_REDUCE_WARPS, 0, s>>>(dw, dw_partials, plan.blocks, H);
+    launchCheck("rmsnorm_backward.dw_reduce", "N=%d H=%d G=%d", N, H, plan.blocks);
+  });
+  side_hold(weight_grads, dw_partials);
 }
 
 // dx [N, H] (=, or += with accumulate: dx = floatX(float(dx) + the gradient), one rounding), dw [H]
-// (+=); rstd [N] from rmsnorm_forward. dx must not overlap dout or x.
+// (+=); rstd [N] from rmsnorm_forward. dx must not overlap dout or x. weight_grads (nullptr: none):
+// dw's reduction runs there, and its partials are held until the caller joins it.
 inline void rmsnorm_backward(floatX* dx, floatX* dw, const floatX* dout, const floatX* x, const floatX* w,
-                             const float* rstd, int N, int H, cudaStream_t stream, bool accumulate = false) {
+                             const float* rstd, int N, int H, cudaStream_t stream, bool accumulate = false,
+                             SideStream* weight_grads = nullptr) {
   if (N == 0) return;
   if (H <= 0) fm_fail("rmsnorm_backward", "H must be positive", "N=%d H=%d", N, H);
   if (row_pieces(H, {dx, dout, x, w}))
-    rmsnorm_backward_launch<ROW_PIECE>(dx, dw, dout, x, w, rstd, N, H, accumulate, stream);
-  else rmsnorm_backward_launch<1>(dx, dw, dout, x, w, rstd, N, H, accumulate, stream);
+    rmsnorm_backward_launch<ROW_PIECE>(dx, dw, dout, x, w, rstd, N, H, accumulate, stream, weight_grads);
+  else rmsnorm_backward_launch<1>(dx, dw, dout, x, w, rstd, N, H, accumulate, stream, weight_grads);
 }

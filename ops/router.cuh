@@ -372,6 +372,19 @@ inline void router_check_logits_sizes(const char* op, int N, int H, int E) {
   if (N < 0 || H < 1 || E < 1) fm_fail(op, "need N >= 0, H >= 1, E >= 1", "N=%d H=%d E=%d", N, H, E);
 }
 
+// Workspace bytes that router_logits_backward, given a weight-gradient stream, leaves held until the
+// caller joins it: the split dlogits [N,K3] bf16 and ΔW's fp32 parts [K3,H] (BF16 build); none in
+// the FP32 build.
+inline size_t router_logits_held_bytes(int N, int H, int E) {
+#if defined(FLATMOE_BF16)
+  const size_t K3 = router_split_width(E);
+  return 2 * K3 * (size_t)N + 4 * K3 * (size_t)H;
+#else
+  (void)N, (void)H, (void)E;
+  return 0;
+#endif
+}
+
 // Workspace bytes that router_logits_backward holds at most at once (the forward holds none): in the
 // BF16 build the split dlogits [N,K3] bf16, the fp32 parts of ΔW [K3,H] and [W; W; W] [K3,H] bf16
 // (K3 = router_split_width(E)); none in the FP32 build.
