@@ -44,7 +44,7 @@ class SideStream {
       side_ = stream_create("SideStream", StreamPriority::Background);
       cublas_own_workspace(side_, true);
     } else if (!on && side_ != nullptr) {
-      cudaCheck(cudaStreamSynchronize(side_), "SideStream", "synchronise before destroying");
+      stream_wait(side_, "SideStream", "before destroying the stream");
       cublas_own_workspace(side_, false);
       cudaCheck(cudaStreamDestroy(side_), "SideStream", "destroy");
       side_ = nullptr;
