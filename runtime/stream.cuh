@@ -9,7 +9,8 @@
 //     host never synchronises to order two streams.
 //   * Memory crosses streams through the pool's two frees (runtime/pool.cuh): free() when every user
 //     ran on, or was joined into, the stream that allocates next; free_after(p, stream) when the last
-//     user is work still queued on another stream.
+//     user is work still queued on another stream. A side stream forked from and joined into the
+//     compute stream (runtime/side_stream.cuh) holds the frees of what its work reads until the join.
 //   * Every host wait is stream_wait, host_wait (a stream point) or copy_to_host / copy_to_device
 //     (which wait before and after their copy: CUDA may synchronise with the stream inside a copy from
 //     or to pageable memory): it
