@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Training benchmark on one GPU (notes/design.md §7, §8; notes/speed.md):
-#   speed:  the default model (recompute 0 and 1, and 0 without CUDA graphs: --cuda_graph 0) and config
-#           B1 (the same three; DESIGN §8): median step time,
+#   speed:  the default model (recompute 0 and 1, and 0 without CUDA graphs: --cuda_graph 0, and with
+#           the weight gradients on the compute stream: --wgrad_stream 0) and config B1 (the same four;
+#           DESIGN §8): median step time,
 #           tokens/s, MFU (train.cu's: 6 x active parameters + causal attention FLOPs per token against
 #           989 TFLOP/s bf16), pool peak and the device's used memory; then the per-operator breakdown
 #           of one step of each (--profile_step, runtime/profile.cuh: CUDA events around every operator,
@@ -64,8 +65,10 @@ if [[ " $parts " == *" speed "* ]]; then
   echo "|---|---|---|---|---|---|"
   for rc in 0 1; do speed_run "default_rc$rc" --recompute $rc; done
   speed_run "default_rc0_eager" --recompute 0 --cuda_graph 0  # every kernel issued by the host (speed.md Y)
+  speed_run "default_rc0_one_stream" --recompute 0 --wgrad_stream 0  # the weight gradients in the chain (ZK)
   for rc in 0 1; do speed_run "B1_rc$rc" $b1 --recompute $rc; done
   speed_run "B1_rc0_eager" $b1 --recompute 0 --cuda_graph 0
+  speed_run "B1_rc0_one_stream" $b1 --recompute 0 --wgrad_stream 0
   for name in default_rc0 B1_rc0 B1_rc1; do
     echo
     echo "### per-operator breakdown: $name, step $profile_step"
