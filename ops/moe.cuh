@@ -29,11 +29,12 @@
 // expert offsets (E+1)·4 B (Dispatch), h13 R·2I·b (ExpertIntermediates), y R·H·b (Dispatch).
 // Forward temporaries on top: xp R·H·b (Dispatch) and a R·I·b (ExpertIntermediates), plus the plan's
 // ceil(R/256)·(E+1)·4 B and cuBLAS's pointer arrays (Workspace, FP32 build). Backward temporaries
-// on top: one R·H·b row buffer at a time (dy, dxp, xp; Dispatch) and da R·I·b beside dy
-// (ExpertIntermediates): SwiGLU's backward writes dh13 over the saved h13 and a over da, so the
-// backward consumes h13 and a is not computed on its own. All temporaries are freed before each
-// launcher returns, but for moe_backward's xp when its dW13 runs on a weight-gradient stream (held
-// until the caller joins it). Under skew nothing here is bounded except by R = N·k.
+// on top: da R·I·b (ExpertIntermediates) and beside it one R·H·b row buffer at a time (dxp, xp;
+// Dispatch): dy is written over the saved y, SwiGLU's backward writes dh13 over the saved h13 and a
+// over da, so the backward consumes y and h13 and a is not computed on its own. All temporaries are
+// freed before each launcher returns, but for moe_backward's da and xp when its dW2 and dW13 run on a
+// weight-gradient stream (held until the caller joins it). Under skew nothing here is bounded except
+// by R = N·k.
 // Determinism: integer atomics only (counting); every float sum has a fixed order; the grouped GEMMs
 // are deterministic for a fixed problem list.
 // Profiling (runtime/profile.cuh): each piece below opens a sub-range of its caller's range with

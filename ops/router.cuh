@@ -386,12 +386,11 @@ inline size_t router_logits_held_bytes(int N, int H, int E) {
 }
 
 // Workspace bytes that router_logits_backward holds at most at once (the forward holds none): in the
-// BF16 build the split dlogits [N,K3] bf16, the fp32 parts of ΔW [K3,H] and [W; W; W] [K3,H] bf16
-// (K3 = router_split_width(E)); none in the FP32 build.
+// BF16 build the held ones (the split dlogits, ΔW's fp32 parts) and [W; W; W] [K3,H] bf16 beside
+// them (K3 = router_split_width(E)); none in the FP32 build.
 inline size_t router_logits_workspace_bytes(int N, int H, int E) {
 #if defined(FLATMOE_BF16)
-  const size_t K3 = router_split_width(E);
-  return 2 * K3 * (size_t)N + 6 * K3 * (size_t)H;
+  return router_logits_held_bytes(N, H, E) + 2 * (size_t)router_split_width(E) * H;
 #else
   (void)N, (void)H, (void)E;
   return 0;
