@@ -269,6 +269,9 @@ struct Model {
   float* dense_w = nullptr;
   int dense_rows = 0;
 
+  // RoPE's angles for every position t < seq_len (ops/rope.cuh): [2, seq_len, hd/2] fp32 cos, then sin,
+  // made once at model_create (Workspace)
+  RopeAngles rope_angles;
   float* sumsq_partials = nullptr;  // [SUMSQ_BLOCKS]                          (Workspace)
   float* scalar_dev = nullptr;      // [1]                                      (Workspace)
   float* grad_scale_dev = nullptr;  // [1] the step's clip factor, read by the optimizer (Workspace)
@@ -508,6 +511,9 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   cudaCheck(cudaMemsetAsync(m.step_loads_dev, 0, LE * sizeof(int), m.stream), "model_create", "L*E=%zu", LE);
   m.router_bias_dev = pool().alloc_t<float>(LE, Mem::Weights, "router_bias");
   model_upload_router_bias(m);
+  float* rope_cos_sin = pool().alloc_t<float>(rope_angles_bytes(cfg.seq_len, cfg.head_dim()) / sizeof(float),
+                                               Mem::Workspace, "rope_angles");
+  m.rope_angles = rope_angles_fill(rope_cos_sin, cfg.seq_len, cfg.head_dim(), cfg.rope_theta, m.stream);
   m.sumsq_partials = pool().alloc_t<float>(SUMSQ_BLOCKS, Mem::Workspace, "sumsq_partials");
   m.scalar_dev = pool().alloc_t<float>(1, Mem::Workspace, "scalar");
   m.grad_scale_dev = pool().alloc_t<float>(1, Mem::Workspace, "grad_scale");
@@ -521,8 +527,9 @@ inline void model_destroy(Model& m) {
   if (m.update.stream) cudaCheck(cudaStreamDestroy(m.update.stream), "model_destroy", "update stream");
   m.wgrad->set_on(false);  // its cuBLAS workspace back to the pool
   if ((void*)m.main_grads != (void*)m.grads) pool().free(m.main_grads);
-  for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.step_loads_dev, (void*)m.sumsq_partials,
-                  (void*)m.scalar_dev, (void*)m.grad_scale_dev, (void*)m.dense_idx, (void*)m.dense_w})
+  for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.step_loads_dev,
+                  (void*)m.rope_angles.cos_sin, (void*)m.sumsq_partials, (void*)m.scalar_dev, (void*)m.grad_scale_dev,
+                  (void*)m.dense_idx, (void*)m.dense_w})
     pool().free(p);
   m = Model();
 }
@@ -707,7 +714,7 @@ inline void attention_step(Model& m, int l, LayerActs& a, const floatX* x_in, in
     prof_mark(s, "qkv matmul fwd");
     matmul_forward(a.qkv, a.ln1, P.wqkv, N, H, 3 * H, s);
     prof_mark(s, "rope fwd", rope_bytes(N, H));
-    rope_forward(a.qkv, a.qkv, B, T, c.heads, c.head_dim(), c.rope_theta, s);
+    rope_forward(a.qkv, a.qkv, m.rope_angles, B, T, c.heads, c.head_dim(), s);
   }
   if (a.att == nullptr) {
     a.att = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att");
@@ -810,7 +817,7 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
   prof_mark(s, "attention bwd");
   attention_backward(d_qkv, d_norm_out, a.qkv, a.att, a.lse, B, T, nh, hd, s);
   prof_mark(s, "rope bwd", rope_bytes(N, H));
-  rope_backward(d_qkv, d_qkv, B, T, nh, hd, c.rope_theta, s);
+  rope_backward(d_qkv, d_qkv, m.rope_angles, B, T, nh, hd, s);
   prof_mark(s, "qkv matmul bwd");
   linear_backward(m, d_norm_out, G.wqkv, d_qkv, a.ln1, P.wqkv, N, H, 3 * H);
   prof_mark(s, "weight gradients (join)");  // the layer's weight gradients done before d_x changes again
@@ -886,10 +893,10 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   const size_t optimizer = optimizer_device_bytes(seams, S);
   const bool dense_routes = c.n_dense > 0 || c.shared_expert;
   // + the sum of squares' partials and its two floats (scalar_dev, grad_scale_dev), the step's
-  // per-expert loads on the device [L·E] ints (step_loads_dev)
+  // per-expert loads on the device [L·E] ints (step_loads_dev), RoPE's angle table (rope_angles)
   // (+ the weight-gradient stream's own cuBLAS workspace, --wgrad_stream 1)
   const size_t runtime = CublasRuntime::workspace_bytes * (seams.wgrad_stream ? 2 : 1) + 4 * (size_t)SUMSQ_BLOCKS + 8 +
-                         (dense_routes ? 8 * N : 0) + 4 * L * E;
+                         (dense_routes ? 8 * N : 0) + 4 * L * E + rope_angles_bytes(c.seq_len, c.head_dim());
   // the pass: tokens, targets, the embedding backward's buckets (offsets V + 1, positions N, the count of
   // used ids and room for min(N, V) of them), the loss; the final norm's output and rstd live from the
   // head to the end of the backward

@@ -1,7 +1,10 @@
-// tests/gpu_rope.cu — ops/rope.cuh against ref/rope.hpp: forward and backward, out of place
-// and in place, at several shapes (every head dim the attention supports, T up to 1024 so that
-// large angles are covered, hd 6 on the element path, N not a multiple of a block's tokens), the
-// same bits in 16-byte pieces and element by element, and the refusal of an odd head dim.
+// tests/gpu_rope.cu — ops/rope.cuh against ref/rope.hpp: the angle table against the host's double
+// cos/sin, forward and backward, out of place and in place, at several shapes (every head dim the
+// attention supports, T up to 1024 so that large angles are covered, hd 6 on the element path, N not
+// a multiple of a block's tokens, T below the table's T_max), the same bits in 16-byte pieces and
+// element by element, and the refusal of an odd head dim, of a T past the table and of another hd.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include "../ops/rope.cuh"
 #include "../ref/rope.hpp"
@@ -31,6 +34,20 @@ const RopeCase kCases[] = {
 
 const double kTheta = 10000.0;
 
+// An angle table in a pool buffer, filled for positions t < T_max of head dim hd (the buffer lives
+// as long as the table is used).
+struct AngleTable {
+  DeviceBuffer<float> cos_sin;  // [2, T_max, hd/2]
+  RopeAngles angles;
+};
+
+AngleTable angle_table(int T_max, int hd, double theta) {
+  AngleTable table;
+  table.cos_sin = DeviceBuffer<float>(rope_angles_bytes(T_max, hd) / sizeof(float), Mem::Workspace, "test.rope.angles");
+  table.angles = rope_angles_fill(table.cos_sin.ptr, T_max, hd, (float)theta, 0);
+  return table;
+}
+
 std::string case_name(const char* test, const RopeCase& c) {
   char buf[128];
   snprintf(buf, sizeof(buf), "%s B%d T%d nh%d hd%d", test, c.B, c.T, c.nh, c.hd);
@@ -54,6 +71,44 @@ RopeData rope_data(const RopeCase& c, testutil::Rng& rng) {
   return d;
 }
 
+// The angle table of each case's T and hd, at a fresh theta, against cos/sin of t·theta^(−2i/hd)
+// computed on the host in double and rounded to float: every entry within one float ulp of the host's
+// (the device's double pow and sincos may differ from the host's in the last bits, which can move the
+// float rounding by one), plus what 4 double ulps of the angle move it by (which matters only within
+// ~1e-5 of zero, where a float ulp is smaller than that).
+TEST(GpuRope, AngleTableMatchesHostDoubleWithinOneUlp) {
+  REQUIRE_GPU();
+  for (const RopeCase& c : kCases) {
+    testutil::Rng rng;
+    const float theta = (float)rng.uniform(100, 1e6);
+    const AngleTable table = angle_table(c.T, c.hd, theta);
+    const int half = c.hd / 2;
+    const size_t entries = (size_t)c.T * half;
+    const std::vector<float> got = download_vec(table.angles.cos_sin, 2 * entries);  // [2, T, hd/2]
+    size_t differ = 0, past_one_ulp = 0, past_tolerance = 0;
+    double max_abs = 0, max_ulps = 0;
+    for (int t = 0; t < c.T; t++)
+      for (int i = 0; i < half; i++) {
+        const double angle = (double)t * std::pow((double)theta, -2.0 * i / c.hd);
+        const double want[2] = {std::cos(angle), std::sin(angle)};
+        for (int part = 0; part < 2; part++) {
+          const float host = (float)want[part], device = got[part * entries + (size_t)t * half + i];
+          const double ulp = std::nextafter(std::fabs(host), INFINITY) - std::fabs(host);
+          const double diff = std::fabs((double)device - (double)host);
+          differ += device != host;
+          past_one_ulp += diff > ulp;
+          max_abs = std::max(max_abs, diff);
+          max_ulps = std::max(max_ulps, diff / ulp);
+          past_tolerance += diff > ulp + 4 * angle * 0x1p-52;
+        }
+      }
+    printf("[table] T_max %d hd %d theta %.1f: %zu of %zu entries differ from the host's (%zu by more than one ulp), "
+           "max |diff| %.3e, max %.2f ulp\n",
+           c.T, c.hd, theta, differ, 2 * entries, past_one_ulp, max_abs, max_ulps);
+    EXPECT_EQ(past_tolerance, 0u) << case_name("GpuRope.AngleTable", c) << " theta " << theta;
+  }
+}
+
 TEST(GpuRope, ForwardAndBackwardMatchReference) {
   REQUIRE_GPU();
   for (const RopeCase& c : kCases) {
@@ -66,8 +121,9 @@ TEST(GpuRope, ForwardAndBackwardMatchReference) {
     DeviceBuffer<floatX> d_dx((size_t)N * cols, Mem::Grads, "test.rope.dx");
     poison(d_y.ptr, d_y.count);
     poison(d_dx.ptr, d_dx.count);
-    rope_forward(d_y.ptr, d_x.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
-    rope_backward(d_dx.ptr, d_dy.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
+    const AngleTable table = angle_table(c.T, c.hd, kTheta);
+    rope_forward(d_y.ptr, d_x.ptr, table.angles, c.B, c.T, c.nh, c.hd, 0);
+    rope_backward(d_dx.ptr, d_dy.ptr, table.angles, c.B, c.T, c.nh, c.hd, 0);
 
     const std::string name = case_name("GpuRope", c);
     EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_y.ptr, N, cols), d.y_ref), OP_TOL);
@@ -75,6 +131,7 @@ TEST(GpuRope, ForwardAndBackwardMatchReference) {
   }
 }
 
+// In place, from a table made for longer sequences (T_max = 2T: a pass shorter than the model's seq_len).
 TEST(GpuRope, InPlaceMatchesReference) {
   REQUIRE_GPU();
   for (const RopeCase& c : {kCases[0], kCases[1]}) {
@@ -82,8 +139,9 @@ TEST(GpuRope, InPlaceMatchesReference) {
     const RopeData d = rope_data(c, rng);
     DeviceBuffer<floatX> d_x = upload<floatX>(d.x);
     DeviceBuffer<floatX> d_dy = upload<floatX>(d.dy);
-    rope_forward(d_x.ptr, d_x.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
-    rope_backward(d_dy.ptr, d_dy.ptr, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
+    const AngleTable table = angle_table(2 * c.T, c.hd, kTheta);
+    rope_forward(d_x.ptr, d_x.ptr, table.angles, c.B, c.T, c.nh, c.hd, 0);
+    rope_backward(d_dy.ptr, d_dy.ptr, table.angles, c.B, c.T, c.nh, c.hd, 0);
 
     const std::string name = case_name("GpuRope.InPlace", c);
     EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_x.ptr, d.N, d.cols), d.y_ref), OP_TOL);
@@ -105,6 +163,7 @@ TEST(GpuRope, PiecesAndElementsGiveTheSameBits) {
     for (Eigen::Index i = 0; i < m.size(); i++) host[offset + i] = from_float<floatX>((float)m.data()[i]);
     return upload_vec(host, Mem::Activations, "test.rope.placed");
   };
+  const AngleTable table = angle_table(c.T, c.hd, kTheta);
   std::vector<floatX> y_bits[2], dx_bits[2];
   for (int offset : {0, 1}) {
     const std::string name = case_name(offset == 0 ? "GpuRope.Pieces" : "GpuRope.Elements", c);
@@ -112,8 +171,8 @@ TEST(GpuRope, PiecesAndElementsGiveTheSameBits) {
     DeviceBuffer<floatX> d_y(offset + (size_t)N * cols, Mem::Activations, "test.rope.y");
     poison(d_y.ptr, d_y.count);
     EXPECT_EQ(row_pieces(c.hd / 2, {d_y.ptr + offset, d_x.ptr + offset}), offset == 0) << name;
-    rope_forward(d_y.ptr + offset, d_x.ptr + offset, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
-    rope_backward(d_dy.ptr + offset, d_dy.ptr + offset, c.B, c.T, c.nh, c.hd, (float)kTheta, 0);
+    rope_forward(d_y.ptr + offset, d_x.ptr + offset, table.angles, c.B, c.T, c.nh, c.hd, 0);
+    rope_backward(d_dy.ptr + offset, d_dy.ptr + offset, table.angles, c.B, c.T, c.nh, c.hd, 0);
     EXPECT_REL(name.c_str(), "qkv_out", testutil::rel_err(download(d_y.ptr + offset, N, cols), d.y_ref), OP_TOL);
     EXPECT_REL(name.c_str(), "dqkv_in", testutil::rel_err(download(d_dy.ptr + offset, N, cols), d.dx_ref), OP_TOL);
     y_bits[offset] = download_vec(d_y.ptr + offset, (size_t)N * cols);
@@ -126,7 +185,19 @@ TEST(GpuRope, PiecesAndElementsGiveTheSameBits) {
 // An odd head dim is refused before any device work (runs with or without a GPU).
 TEST(GpuRopeDeathTest, RefusesOddHeadDim) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_DEATH(rope_forward(nullptr, nullptr, 1, 8, 2, 7, 10000.f, 0), "rope_forward \\(B=1 T=8 nh=2 hd=7\\)");
+  const RopeAngles angles{nullptr, 8, 7};
+  EXPECT_DEATH(rope_forward(nullptr, nullptr, angles, 1, 8, 2, 7, 0), "rope_forward \\(B=1 T=8 nh=2 hd=7\\)");
+}
+
+// A T past the table's positions, and a head dim other than the table's, are refused before any device
+// work (runs with or without a GPU).
+TEST(GpuRopeDeathTest, RefusesTLongerThanTheTableAndAnotherHeadDim) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const RopeAngles angles{nullptr, 8, 64};
+  EXPECT_DEATH(rope_forward(nullptr, nullptr, angles, 1, 9, 2, 64, 0),
+               "rope_forward \\(B=1 T=9 nh=2 hd=64 T_max=8 table hd=64\\): .*T must be <= T_max");
+  EXPECT_DEATH(rope_backward(nullptr, nullptr, angles, 2, 8, 2, 32, 0),
+               "rope_backward \\(B=2 T=8 nh=2 hd=32 T_max=8 table hd=64\\): .*hd the table's");
 }
 
 }  // namespace
