@@ -91,6 +91,7 @@ inline bool stream_capturing(cudaStream_t stream) {
 // marks each (record after enqueuing it) and waits for one of them (wait_on) when its consumer comes.
 struct StreamPoint {
   cudaEvent_t event = nullptr;
+  bool recorded_in_capture = false;  // the last record() was on a stream being captured
   StreamPoint() = default;
   StreamPoint(const StreamPoint&) = delete;
   StreamPoint& operator=(const StreamPoint&) = delete;
@@ -100,14 +101,22 @@ struct StreamPoint {
   void record(cudaStream_t producer, const char* op) {
     if (event == nullptr) cudaCheck(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), op, "StreamPoint: event");
     cudaCheck(cudaEventRecord(event, producer), op, "StreamPoint: record");
+    recorded_in_capture = stream_capturing(producer);
   }
   // Work enqueued on `waiter` from now on runs after the recorded point. On a stream being captured
-  // (runtime/graph.cuh) the wait becomes a node of the graph: each time the graph runs it waits for
-  // the point as last recorded before the launch.
+  // (runtime/graph.cuh), two cases:
+  //   * the point was recorded outside the capture (another stream's work, e.g. the update's): the
+  //     wait becomes a node of the graph (cudaEventWaitExternal), and each time the graph runs it
+  //     waits for the point as last recorded before the launch;
+  //   * the point was recorded inside the same capture: a plain wait, which makes the captured work
+  //     that follows depend on the captured work before the record. An external wait would order
+  //     nothing here — the record inside a capture is no node, so the graph would wait for an
+  //     earlier, finished record (notes/speed.md ZL: two runs, two losses).
   void wait_on(cudaStream_t waiter, const char* op) const {
     if (event == nullptr) fm_fail(op, "waiting for a stream point that was never recorded", "waiter=%p", (void*)waiter);
-    const unsigned flags = stream_capturing(waiter) ? cudaEventWaitExternal : cudaEventWaitDefault;
-    cudaCheck(cudaStreamWaitEvent(waiter, event, flags), op, "StreamPoint: wait");
+    const bool external = stream_capturing(waiter) && !recorded_in_capture;
+    cudaCheck(cudaStreamWaitEvent(waiter, event, external ? cudaEventWaitExternal : cudaEventWaitDefault), op,
+              "StreamPoint: wait");
   }
 };
 

@@ -5,8 +5,11 @@
 //     the pool does not hand p out; once side has finished, the next alloc of that size gets p back;
 //   * free(p) hands p out again at once (the single-stream case);
 //   * stream_after(compute, side): work enqueued on compute afterwards waits for side's work;
+//   * a StreamPoint recorded on side and waited for on compute orders them inside a captured graph
+//     too (runtime/graph.cuh), where the point's record is part of the same capture;
 //   * copy_to_host returns what the stream computed.
 #include <atomic>
+#include "../runtime/graph.cuh"
 #include "gpu_util.cuh"
 
 namespace {
@@ -70,6 +73,35 @@ TEST(Streams, StreamAfterMakesLaterWorkWaitForTheProducer) {
   int got = 0;
   copy_to_host(&got, consumed.ptr, sizeof(int), compute, "test.consumed");
   EXPECT_EQ(got, 41);
+  for (cudaStream_t st : {side, compute}) cudaCheck(cudaStreamDestroy(st), "test", "stream");
+}
+
+// The side stream's kernel, held by the host flag, writes 41; the compute stream's copy after
+// point.wait_on reads it. Captured as one graph (forked onto side and joined back, as the model's
+// weight-gradient stream is), then launched: the copy must still see 41.
+TEST(Streams, StreamPointRecordedInTheSameCaptureOrdersTheGraph) {
+  REQUIRE_GPU();
+  cudaStream_t side = stream_create("test.side"), compute = stream_create("test.compute");
+  HostFlag flag;
+  DeviceBuffer<int> produced(1, Mem::Workspace, "test.produced"), consumed(1, Mem::Workspace, "test.consumed");
+  for (int* p : {produced.ptr, consumed.ptr}) cudaCheck(cudaMemsetAsync(p, 0, sizeof(int), compute), "test", "zero");
+  StreamPoint point;
+  CapturedWork work;
+  const bool captured = work.run(compute, "test.graph", [&] {
+    stream_after(side, compute, "test.fork");
+    wait_for_host_kernel<<<1, 1, 0, side>>>(produced.ptr, flag.device, 41);
+    launchCheck("test.wait_for_host", "producer");
+    point.record(side, "test.point");
+    point.wait_on(compute, "test.point");
+    cudaCheck(cudaMemcpyAsync(consumed.ptr, produced.ptr, sizeof(int), cudaMemcpyDeviceToDevice, compute), "test", "copy");
+    stream_after(compute, side, "test.join");
+  });
+  EXPECT_TRUE(captured);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  flag.set();
+  int got = 0;
+  copy_to_host(&got, consumed.ptr, sizeof(int), compute, "test.consumed");
+  EXPECT_EQ(got, 41) << "the graph's copy ran before the kernel it waits for through the point";
   for (cudaStream_t st : {side, compute}) cudaCheck(cudaStreamDestroy(st), "test", "stream");
 }
 
