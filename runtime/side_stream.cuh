@@ -19,8 +19,9 @@
 // independent kernels differs. On, the side stream has cuBLAS's workspace of its own (runtime/pool.cuh
 // cublas_own_workspace: 32 MiB, Workspace), since two cuBLAS GEMMs at once must not share one.
 // Priorities: the side stream has the lowest (StreamPriority::Background), so that the block scheduler
-// gives the critical path's kernels the SMs first; a captured graph keeps each node's priority
-// (runtime/graph.cuh instantiates with cudaGraphInstantiateFlagUseNodePriority).
+// gives the critical path's kernels the SMs first (the compute stream's own priority made the default
+// model's step 0.02–0.04 ms shorter and B1's 0.2–0.6 ms longer, notes/speed.md ZL); a captured graph
+// keeps each node's priority (runtime/graph.cuh instantiates with cudaGraphInstantiateFlagUseNodePriority).
 // A captured pass (runtime/graph.cuh): the fork and join are event edges of the graph; every run()
 // must be joined before the capture ends.
 #pragma once
