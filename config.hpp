@@ -422,7 +422,11 @@ inline std::string moe_dispatcher(const TrainConfig& t) {
 inline std::string cuda_graph_refusal(const TrainConfig& t, bool bf16_build) {
   if (!t.cuda_graph) return "off (--cuda_graph 0)";
   if (!bf16_build) return "off: the FP32 build's MoE layers download their per-expert counts (a host wait in every pass)";
-  if (t.gpus > 1) return "off: one rank only (a pass's collectives and their bounded waits stay on the host)";
+  // Data parallelism alone (--ep 1, the local dispatcher, a whole head on each rank) exchanges nothing
+  // inside a pass: the gradients' reduce-scatter and the weights' all-gather come after the passes.
+  if (t.gpus > 1 && (moe_dispatcher(t) != "local" || vocab_group_size(t) > 1))
+    return "off: with " + std::to_string(t.gpus) + " ranks only data parallelism is captured (--ep 1, --moe local, the full or "
+           "chunked head): a pass's collectives and their bounded waits stay on the host";
   if (t.offload_budget > 0) return "off: SCO's copies to and from the host follow a plan the host keeps (--offload_budget)";
   if (t.routing != "router") return "off: --routing " + t.routing + " sets each pass's experts from the host";
   if (!t.record_routing.empty()) return "off: --record_routing downloads each pass's choices";

@@ -455,9 +455,23 @@ TEST(ConfigTrain, CudaGraphIsZeroOrOneAndSaysWhyNot) {
   EXPECT_NE(cuda_graph_refusal(t, false).find("FP32 build"), std::string::npos);
   t.cuda_graph = 0;
   EXPECT_EQ(cuda_graph_refusal(t, true), "off (--cuda_graph 0)");
+  // several ranks: captured under data parallelism alone, not where a pass exchanges rows or logits
   t = TrainConfig();
   t.gpus = 2;
-  EXPECT_NE(cuda_graph_refusal(t, true).find("one rank only"), std::string::npos);
+  EXPECT_NE(cuda_graph_refusal(t, true).find("only data parallelism is captured"), std::string::npos) << "E_p = W: ep";
+  t.ep = 1;
+  EXPECT_EQ(cuda_graph_refusal(t, true), "") << "--ep 1: the local dispatcher";
+  t.head = "chunked";
+  EXPECT_EQ(cuda_graph_refusal(t, true), "") << "the chunked head holds the whole vocabulary";
+  t.head = "ring_dtp";
+  EXPECT_NE(cuda_graph_refusal(t, true).find("only data parallelism is captured"), std::string::npos) << "P = W";
+  t.vocab_group = 1;
+  EXPECT_EQ(cuda_graph_refusal(t, true), "") << "Ring-DTP over P = 1";
+  t = TrainConfig();
+  t.gpus = 2;
+  t.ep = 1;
+  t.moe = "ep";
+  EXPECT_NE(cuda_graph_refusal(t, true).find("only data parallelism is captured"), std::string::npos) << "--moe ep at E_p = 1";
   t = TrainConfig();
   t.offload_budget = 1 << 20;
   EXPECT_NE(cuda_graph_refusal(t, true).find("--offload_budget"), std::string::npos);

@@ -311,7 +311,7 @@ TEST(GpuModel, PoolPeakEqualsLargestLiveTotalInTimeline) {
   ASSERT_NE(f, nullptr);
   char line[4096];
   int rows = 0;
-  fgets(line, sizeof line, f);  // header
+  ASSERT_NE(fgets(line, sizeof line, f), nullptr) << "the timeline has a header";
   while (fgets(line, sizeof line, f)) {
     std::vector<std::string> cols;
     std::string cell;
@@ -731,11 +731,12 @@ TEST(Trainer, ResumeWithTheRingHeadIsBitIdenticalTwoRanks) {
   EXPECT_NE(log.find("lm_head split over P=2 ranks (--head ring_dtp); this run has P=1 (--head full)"), std::string::npos) << log;
 }
 
-// --cuda_graph as a user runs it (the BF16 build's trainer, FLATMOE_BIN/bf16/train, one GPU, two passes
-// per step): 8 steps with validation every 2 (its batches through a graph from the second on) and a
+// --cuda_graph as a user runs it (the BF16 build's trainer, FLATMOE_BIN/bf16/train, two passes per
+// step): 8 steps with validation every 2 (its batches through a graph from the second on) and a
 // checkpoint at 4, with graphs and without, and the graph run resumed from its step-4 checkpoint: every
-// logged training and validation loss, norm, pool peak and expert balance is the same, and the step-8
-// checkpoints hold the same state bit for bit. The graph runs count their captures and launches.
+// logged training and validation loss, norm, pool peak and expert balance is the same, and every rank's
+// step-8 checkpoint holds the same state bit for bit. The graph runs count their captures and launches.
+// On one GPU, and on two under data parallelism alone (--ep 1: nothing is exchanged inside a pass).
 namespace {
 // log.csv without its timing columns (ms, tokens/s, MFU)
 std::vector<std::string> csv_without_timing(const std::string& path) {
@@ -753,24 +754,24 @@ std::vector<std::string> csv_without_timing(const std::string& path) {
   }
   return rows;
 }
-}  // namespace
 
-TEST(Trainer, CudaGraphRunIsTheEagerRunBF16) {
-  REQUIRE_GPU();
+void trainer_graph_run_is_the_eager_run(int gpus, const std::string& tag, const std::string& parallel_flags) {
   if (!BUILD_BF16) GTEST_SKIP() << "the BF16 build's test binary runs the BF16 trainer (the FP32 build does not capture)";
+  if (gpu_count() < gpus) GTEST_SKIP() << "needs " << gpus << " GPUs; this machine has " << gpu_count();
   const char* bin_dir = getenv("FLATMOE_BIN");
   const std::string bin = std::string(bin_dir ? bin_dir : "build/") + "/bf16/train";
   if (access(bin.c_str(), X_OK) != 0) GTEST_SKIP() << bin << " is not built (FLATMOE_BIN names the build folder)";
-  const std::string dir = "build/test-out-trainer-graph";
+  const std::string dir = "build/test-out-trainer-graph" + tag;
   ckpt::remove_tree(dir);
   mkdir("build", 0755);
   ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
-  const std::string flags = " --steps 8 --val_every 2 --val_batches 3 --ckpt_every 4";
-  TrainerRun eager = run_trainer(dir + "/eager", 1, "--cuda_graph 0" + flags, bin);
-  TrainerRun graphs = run_trainer(dir + "/graphs", 1, "--cuda_graph 1" + flags, bin);
+  const std::string flags = " --steps 8 --val_every 2 --val_batches 3 --ckpt_every 4 " + parallel_flags;
+  TrainerRun eager = run_trainer(dir + "/eager", gpus, "--cuda_graph 0" + flags, bin);
+  TrainerRun graphs = run_trainer(dir + "/graphs", gpus, "--cuda_graph 1" + flags, bin);
   ASSERT_EQ(eager.rc, 0) << "see " << eager.out << ".log";
   ASSERT_EQ(graphs.rc, 0) << "see " << graphs.out << ".log";
-  TrainerRun resumed = run_trainer(dir + "/resumed", 1, "--cuda_graph 1" + flags + " --resume " + graphs.out + "/ckpt_000004", bin);
+  TrainerRun resumed =
+      run_trainer(dir + "/resumed", gpus, "--cuda_graph 1" + flags + " --resume " + graphs.out + "/ckpt_000004", bin);
   ASSERT_EQ(resumed.rc, 0) << "see " << resumed.out << ".log";
   const std::string eager_log = testutil::read_bytes(eager.out + ".log"), graph_log = testutil::read_bytes(graphs.out + ".log");
   EXPECT_NE(eager_log.find("off (--cuda_graph 0)"), std::string::npos) << eager_log;
@@ -779,24 +780,36 @@ TEST(Trainer, CudaGraphRunIsTheEagerRunBF16) {
   ASSERT_NE(counted, std::string::npos) << graph_log;
   long long captures = 0, launches = 0;
   ASSERT_EQ(sscanf(graph_log.c_str() + counted, "cuda graph: %lld captures, %lld launches", &captures, &launches), 2);
-  printf("[graph] trainer: %s", graph_log.substr(counted, graph_log.find('\n', counted) - counted + 1).c_str());
+  printf("[graph] trainer%s: %s", tag.c_str(), graph_log.substr(counted, graph_log.find('\n', counted) - counted + 1).c_str());
   EXPECT_GE(captures, 3) << "the training passes (two kinds) and the validation batches";
   EXPECT_GT(launches, captures);
 
   const std::vector<std::string> eager_rows = csv_without_timing(eager.out + "/log.csv");
   EXPECT_EQ(eager_rows.size(), 1u + 8 + 5) << "header, 8 steps, 5 validations";
   EXPECT_EQ(csv_without_timing(graphs.out + "/log.csv"), eager_rows);
-  for (const std::string& run : {graphs.out, resumed.out}) {
-    ckpt::RankFile a = ckpt::read_rank_file(ckpt::rank_file(eager.out + "/ckpt_000008", 0));
-    ckpt::RankFile b = ckpt::read_rank_file(ckpt::rank_file(run + "/ckpt_000008", 0));
-    EXPECT_EQ(a.optimizer_steps, b.optimizer_steps) << run;
-    ASSERT_EQ(a.sections.size(), b.sections.size()) << run;
-    for (size_t i = 0; i < a.sections.size(); i++) {
-      ASSERT_EQ(a.sections[i].second.size(), b.sections[i].second.size()) << run;
-      EXPECT_EQ(0, memcmp(a.sections[i].second.data(), b.sections[i].second.data(), a.sections[i].second.size() * 4))
-          << run << ": section " << a.sections[i].first;
+  for (const std::string& run : {graphs.out, resumed.out})
+    for (int rank = 0; rank < gpus; rank++) {
+      ckpt::RankFile a = ckpt::read_rank_file(ckpt::rank_file(eager.out + "/ckpt_000008", rank));
+      ckpt::RankFile b = ckpt::read_rank_file(ckpt::rank_file(run + "/ckpt_000008", rank));
+      EXPECT_EQ(a.optimizer_steps, b.optimizer_steps) << run << " rank " << rank;
+      ASSERT_EQ(a.sections.size(), b.sections.size()) << run << " rank " << rank;
+      for (size_t i = 0; i < a.sections.size(); i++) {
+        ASSERT_EQ(a.sections[i].second.size(), b.sections[i].second.size()) << run << " rank " << rank;
+        EXPECT_EQ(0, memcmp(a.sections[i].second.data(), b.sections[i].second.data(), a.sections[i].second.size() * 4))
+            << run << " rank " << rank << ": section " << a.sections[i].first;
+      }
     }
-  }
+}
+}  // namespace
+
+TEST(Trainer, CudaGraphRunIsTheEagerRunBF16) {
+  REQUIRE_GPU();
+  trainer_graph_run_is_the_eager_run(1, "", "");
+}
+
+TEST(Trainer, CudaGraphRunIsTheEagerRunBF16TwoRanksDataParallel) {
+  REQUIRE_GPU();
+  trainer_graph_run_is_the_eager_run(2, "-dp-w2", "--ep 1 --total_batch 512");  // two passes per step on each rank
 }
 
 // Routing traces through the trainer (FLATMOE_TRAIN, the FP32 build's binary), at W = 1 and W = 2:

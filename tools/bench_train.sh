@@ -10,7 +10,8 @@
 #   multi:  the default model on every GPU of the machine (2 or more) against one GPU, same flags and
 #           per-rank batch (--gpus W keeps B x T per rank: W times the tokens per step): median step time,
 #           tokens/s of all ranks, and the speed-up in tokens/s over one GPU, with expert parallelism over
-#           all ranks (the default) and without it (--ep 1: experts replicated, no dispatch exchange);
+#           all ranks (the default) and without it (--ep 1: experts replicated, no dispatch exchange; its
+#           passes captured as CUDA graphs, and once more with --cuda_graph 0, the eager baseline);
 #   ab:     BASE_TRAIN (another build's trainer, e.g. of the commit before a change) against TRAIN on one
 #           GPU, alternating base, new, base, new on the default model and B1: each run's median step
 #           time, and B1's per-operator breakdown of the last two runs side by side (what moved). Runs
@@ -85,7 +86,8 @@ if [[ " $parts " == *" multi "* ]]; then
   echo "| run | step ms (median) | tokens/s (all ranks) | MFU | pool peak MiB | speed-up in tokens/s over 1 GPU |"
   echo "|---|---|---|---|---|---|"
   one=""
-  for run in "gpus1:--gpus 1" "gpus${gpus}_ep${gpus}:--gpus $gpus" "gpus${gpus}_ep1:--gpus $gpus --ep 1"; do
+  for run in "gpus1:--gpus 1" "gpus${gpus}_ep${gpus}:--gpus $gpus" "gpus${gpus}_ep1:--gpus $gpus --ep 1" \
+             "gpus${gpus}_ep1_eager:--gpus $gpus --ep 1 --cuda_graph 0"; do
     name=${run%%:*}
     "$train" --data "$data" --steps 60 ${run#*:} $quiet --out "$out/$name" > "$out/$name.log" 2>&1 ||
       { echo "| $name | run failed (see $out/$name.log) | | | | |"; continue; }
