@@ -814,10 +814,8 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
   // Attention branch: d_x_in = d_x_mid + ln1ᵀ(wqkvᵀ(RoPEᵀ(Attnᵀ(woᵀ d_x_mid))))
   prof_mark(s, "wo matmul bwd");
   linear_backward(m, d_norm_out, G.wo, d_x, a.att, P.wo, N, H, H);
-  prof_mark(s, "attention bwd");
-  attention_backward(d_qkv, d_norm_out, a.qkv, a.att, a.lse, B, T, nh, hd, s);
-  prof_mark(s, "rope bwd", rope_bytes(N, H));
-  rope_backward(d_qkv, d_qkv, m.rope_angles, B, T, nh, hd, s);
+  prof_mark(s, "attention bwd (+ rope bwd)");
+  attention_backward(d_qkv, d_norm_out, a.qkv, a.att, a.lse, B, T, nh, hd, s, m.rope_angles);  // RoPEᵀ in its stores
   prof_mark(s, "qkv matmul bwd");
   linear_backward(m, d_norm_out, G.wqkv, d_qkv, a.ln1, P.wqkv, N, H, 3 * H);
   prof_mark(s, "weight gradients (join)");  // the layer's weight gradients done before d_x changes again

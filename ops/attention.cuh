@@ -18,6 +18,11 @@
 //   delta_i = Σ_d dout[i, d]·out[i, d],  P = exp(S − lse) (recomputed tile by tile)
 //   dV = Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − delta), dQ = dS K·scale, dK = dSᵀ Q·scale
 //   dqkv [N, 3H] (=): the q, k and v columns of every row are written (no accumulation).
+// RoPE's backward in the stores (optional, a RoPE table given): dq and dk rotated back by −angle at
+// their positions (ops/rope.cuh's rope_rotate_pair, in fp32, before the one rounding to floatX), so
+// that dqkv is the gradient of the qkv before RoPE: the model's layer then needs no rope_backward
+// launch. In the FP32 build the bits are those of rope_backward after the unrotated stores; in the BF16
+// build dq and dk are rounded once instead of twice.
 //
 // Live set: the T×T score/probability matrix never exists in device memory; each block holds
 // 64×64 tiles in shared memory and registers only. Device memory beyond inputs/outputs:
@@ -46,6 +51,7 @@
 #include "common.cuh"
 #include "../runtime/pool.cuh"
 #include "attention_mma.cuh"  // the tensor-core kernels of the BF16 build (hd 64, 128)
+#include "rope.cuh"           // RoPE's backward in the stores
 
 static const int ATTN_TILE = 64;       // query and key rows per tile
 static const int ATTN_THREADS = 256;   // 16 × 16
@@ -105,6 +111,22 @@ __device__ __forceinline__ void attention_tile_accumulate(float (&acc)[4][C], co
 #pragma unroll
       for (int c = 0; c < C; c++) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
   }
+}
+
+// One head's row of a gradient (16·C columns, the thread's tx + 16c), times scale, stored at `row`; with
+// a RoPE table (rope.cos_sin set), RoPE's backward at position t first, in fp32: the pair (i, i + HD/2)
+// is the thread's columns c and c + C/2.
+template <int C>
+__device__ __forceinline__ void attention_store_row(floatX* row, const float (&acc)[C], float scale, int t, int tx,
+                                                    const RopeAngles& rope) {
+  float v[C];
+#pragma unroll
+  for (int c = 0; c < C; c++) v[c] = acc[c] * scale;
+  if (rope.cos_sin)
+#pragma unroll
+    for (int c = 0; c < C / 2; c++) rope_backward_pair(rope, t, tx + 16 * c, v[c], v[c + C / 2]);
+#pragma unroll
+  for (int c = 0; c < C; c++) row[tx + 16 * c] = from_float<floatX>(v[c]);
 }
 
 __device__ inline float attention_row_max(float v) {
@@ -241,7 +263,7 @@ inline int attention_delta_group(int hd, int NV) {
 template <int HD>
 __global__ void __launch_bounds__(ATTN_THREADS, 2)
     attention_backward_dkdv_kernel(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                                   const float* delta, int T, int nh) {
+                                   const float* delta, int T, int nh, const RopeAngles rope) {
   constexpr int C = HD / 16;
   constexpr int LD = HD + 1;
   extern __shared__ float smem[];
@@ -314,11 +336,8 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
     const int k = k0 + ty + 16 * r;
     if (k < T) {
       floatX* row = dqkv + ((size_t)b * T + k) * stride + (size_t)h * HD;
-#pragma unroll
-      for (int c = 0; c < C; c++) {
-        row[H + tx + 16 * c] = from_float<floatX>(dk[r][c] * scale);
-        row[2 * H + tx + 16 * c] = from_float<floatX>(dv[r][c]);
-      }
+      attention_store_row<C>(row + H, dk[r], scale, k, tx, rope);
+      attention_store_row<C>(row + 2 * H, dv[r], 1.f, k, tx, RopeAngles{});
     }
   }
 }
@@ -327,7 +346,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
 template <int HD>
 __global__ void __launch_bounds__(ATTN_THREADS, 2)
     attention_backward_dq_kernel(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                                 const float* delta, int T, int nh) {
+                                 const float* delta, int T, int nh, const RopeAngles rope) {
   constexpr int C = HD / 16;
   constexpr int LD = HD + 1;
   extern __shared__ float smem[];
@@ -394,11 +413,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2)
 #pragma unroll
   for (int r = 0; r < 4; r++) {
     const int q = q0 + ty + 16 * r;
-    if (q < T) {
-      floatX* row = dqkv + ((size_t)b * T + q) * stride + (size_t)h * HD;
-#pragma unroll
-      for (int c = 0; c < C; c++) row[tx + 16 * c] = from_float<floatX>(dq[r][c] * scale);
-    }
+    if (q < T) attention_store_row<C>(dqkv + ((size_t)b * T + q) * stride + (size_t)h * HD, dq[r], scale, q, tx, rope);
   }
 }
 
@@ -445,15 +460,16 @@ inline void attention_forward_hd(floatX* out, float* lse, const floatX* qkv, int
 
 template <int HD>
 inline void attention_backward_hd(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                                  const float* delta, int B, int T, int nh, cudaStream_t stream) {
+                                  const float* delta, int B, int T, int nh, const RopeAngles& rope,
+                                  cudaStream_t stream) {
   const dim3 grid(nh, B, ceil_div(T, ATTN_TILE));
   const size_t smem_dkdv = attention_dkdv_smem<HD>();
   attention_allow_smem("attention_backward", attention_backward_dkdv_kernel<HD>, smem_dkdv, B, T, nh, HD);
-  attention_backward_dkdv_kernel<HD><<<grid, ATTN_THREADS, smem_dkdv, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  attention_backward_dkdv_kernel<HD><<<grid, ATTN_THREADS, smem_dkdv, stream>>>(dqkv, dout, qkv, lse, delta, T, nh, rope);
   launchCheck("attention_backward", "dK/dV kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
   const size_t smem_dq = attention_dq_smem<HD>();
   attention_allow_smem("attention_backward", attention_backward_dq_kernel<HD>, smem_dq, B, T, nh, HD);
-  attention_backward_dq_kernel<HD><<<grid, ATTN_THREADS, smem_dq, stream>>>(dqkv, dout, qkv, lse, delta, T, nh);
+  attention_backward_dq_kernel<HD><<<grid, ATTN_THREADS, smem_dq, stream>>>(dqkv, dout, qkv, lse, delta, T, nh, rope);
   launchCheck("attention_backward", "dQ kernel: B=%d T=%d nh=%d hd=%d", B, T, nh, HD);
 }
 
@@ -519,8 +535,9 @@ inline void attention_forward_with(AttentionKernels kernels, floatX* out, float*
 // dQ kernels.
 inline void attention_backward_with(AttentionKernels kernels, floatX* dqkv, const floatX* dout, const floatX* qkv,
                                     const floatX* out, const float* lse, int B, int T, int nh, int hd,
-                                    cudaStream_t stream) {
+                                    cudaStream_t stream, const RopeAngles& rope = RopeAngles{}) {
   attention_check_sizes("attention_backward", B, T, nh, hd);
+  if (rope.cos_sin) rope_check_table("attention_backward", rope, B, T, nh, hd);
   if (!attention_has_kernels(kernels, hd, {dqkv, dout, qkv}))
     fm_fail("attention_backward", "this build has no such kernels for this head dim",
             "kernels=%s B=%d T=%d nh=%d hd=%d", attention_kernels_name(kernels), B, T, nh, hd);
@@ -535,15 +552,15 @@ inline void attention_backward_with(AttentionKernels kernels, floatX* dqkv, cons
 #ifdef FLATMOE_BF16
 #if defined(FLATMOE_WGMMA)
   if (kernels == AttentionKernels::Wgmma)
-    return attn_mma::backward_wgmma(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream);
+    return attn_mma::backward_wgmma(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, rope, stream);
 #endif
   if (kernels == AttentionKernels::MmaSync)
-    return attn_mma::backward(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, hd, stream);
+    return attn_mma::backward(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, hd, rope, stream);
 #endif
   switch (hd) {
-    case 32: attention_backward_hd<32>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
-    case 64: attention_backward_hd<64>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
-    default: attention_backward_hd<128>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, stream); break;
+    case 32: attention_backward_hd<32>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, rope, stream); break;
+    case 64: attention_backward_hd<64>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, rope, stream); break;
+    default: attention_backward_hd<128>(dqkv, dout, qkv, lse, delta.ptr, B, T, nh, rope, stream); break;
   }
 }
 
@@ -554,8 +571,11 @@ inline void attention_forward(floatX* out, float* lse, const floatX* qkv, int B,
 }
 
 // dqkv [N, 3H] (=) from dout [N, H] and the forward's qkv, out, lse. dqkv must not alias inputs.
+// With rope (a RoPE table, ops/rope.cuh): dqkv's q and k columns are the gradients of q and k before
+// their rotation, RoPE's backward applied in the kernels' stores (the same as rope_backward after).
 inline void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
-                               const float* lse, int B, int T, int nh, int hd, cudaStream_t stream) {
+                               const float* lse, int B, int T, int nh, int hd, cudaStream_t stream,
+                               const RopeAngles& rope = RopeAngles{}) {
   attention_backward_with(attention_kernels_for(hd, {dqkv, dout, qkv}), dqkv, dout, qkv, out, lse, B, T, nh, hd,
-                          stream);
+                          stream, rope);
 }

@@ -1,6 +1,6 @@
 // attention_mma.cuh — causal multi-head self-attention on tensor cores (BF16 build only): the
 // same contract as the SIMT kernels of attention.cuh (shapes, out, lse, dqkv (=), the delta
-// workspace), computed with bf16 mma.sync (m16n8k16, fp32 accumulation) instead of fp32 FMA, and, in
+// workspace, RoPE's backward in the dq and dk stores when given a table), computed with bf16 mma.sync (m16n8k16, fp32 accumulation) instead of fp32 FMA, and, in
 // sm_90a builds at hd 64, with Hopper's warpgroup MMA (the wgmma form, at the end of this file).
 // Twin: ref/attention.hpp (the same math; tests/gpu_attention.cu holds every form to it).
 // Included by attention.cuh; attention_forward / attention_backward dispatch here for the BF16
@@ -57,6 +57,7 @@
 #include <initializer_list>
 #include "common.cuh"
 #include "mma.cuh"
+#include "rope.cuh"
 
 namespace attn_mma {
 
@@ -298,19 +299,31 @@ __device__ __forceinline__ void load_row_stats(float (&lse2)[2], float (&dlt)[2]
   }
 }
 
-// Rows row0, row0 + 8 (those < T) of a 16 × HD strip, times scale, as bf16 at dst + row · row_stride.
+// Rows row0, row0 + 8 (those < T: the positions in the sequence) of a 16 × HD strip, times scale, as
+// bf16 at dst + row · row_stride; with a RoPE table (rope.cos_sin set), RoPE's backward first, in fp32:
+// the thread holds columns 8nb + 2t + e of the strip, so each pair (i, i + HD/2) is its own (nb and
+// nb + HD/16).
 template <int HD>
 __device__ __forceinline__ void store_strip(bf16* dst, size_t row_stride, const float (&acc)[HD / 8][4], int row0,
-                                            int T, float scale, int t) {
+                                            int T, float scale, int t, const RopeAngles& rope) {
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     const int row = row0 + 8 * r;
     if (row < T) {
+      float v[HD / 8][2];
+#pragma unroll
+      for (int nb = 0; nb < HD / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) v[nb][e] = acc[nb][2 * r + e] * scale;
+      if (rope.cos_sin)
+#pragma unroll
+        for (int nb = 0; nb < HD / 16; nb++)
+#pragma unroll
+          for (int e = 0; e < 2; e++) rope_backward_pair(rope, row, nb * 8 + 2 * t + e, v[nb][e], v[nb + HD / 16][e]);
       bf16* dst_row = dst + (size_t)row * row_stride;
 #pragma unroll
       for (int nb = 0; nb < HD / 8; nb++)
-        *reinterpret_cast<__nv_bfloat162*>(dst_row + nb * 8 + 2 * t) =
-            __floats2bfloat162_rn(acc[nb][2 * r] * scale, acc[nb][2 * r + 1] * scale);
+        *reinterpret_cast<__nv_bfloat162*>(dst_row + nb * 8 + 2 * t) = __floats2bfloat162_rn(v[nb][0], v[nb][1]);
     }
   }
 }
@@ -697,7 +710,7 @@ struct WgmmaProducts {
 template <int HD, class Products>
 __global__ void __launch_bounds__(THREADS)
     backward_dkdv_kernel(bf16* dqkv, const __grid_constant__ typename Products::Tensors tensors, const float* lse,
-                         const float* delta, int T, int nh) {
+                         const float* delta, int T, int nh, const RopeAngles rope) {
   constexpr int ROW = Products::ROW, TE = TILE * ROW;
   constexpr int QC = HD == 128 ? 32 : 64;  // query columns per Sᵀ chunk
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -762,15 +775,15 @@ __global__ void __launch_bounds__(THREADS)
 
   const size_t stride = 3 * (size_t)H;                                 // of dqkv, laid out as qkv
   bf16* dk_rows = dqkv + (size_t)b * T * stride + H + (size_t)h * HD;  // dk of (b, t = 0, h)
-  store_strip<HD>(dk_rows, stride, dk, key0, T, 1.f / sqrtf((float)HD), t);
-  store_strip<HD>(dk_rows + H, stride, dv, key0, T, 1.f, t);
+  store_strip<HD>(dk_rows, stride, dk, key0, T, 1.f / sqrtf((float)HD), t, rope);
+  store_strip<HD>(dk_rows + H, stride, dv, key0, T, 1.f, t, RopeAngles{});
 }
 
 // grid (nh, B, ceil(T/64)); block 128. dQ of one 64-query tile of one head.
 template <int HD, class Products>
 __global__ void __launch_bounds__(THREADS)
     backward_dq_kernel(bf16* dqkv, const __grid_constant__ typename Products::Tensors tensors, const float* lse,
-                       const float* delta, int T, int nh) {
+                       const float* delta, int T, int nh, const RopeAngles rope) {
   constexpr int TE = TILE * Products::ROW;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t full[2];  // the TMA form's stage barriers
@@ -818,7 +831,8 @@ __global__ void __launch_bounds__(THREADS)
   }
 
   const size_t stride = 3 * (size_t)H;  // of dqkv, laid out as qkv
-  store_strip<HD>(dqkv + (size_t)b * T * stride + (size_t)h * HD, stride, dq, row0, T, 1.f / sqrtf((float)HD), t);
+  store_strip<HD>(dqkv + (size_t)b * T * stride + (size_t)h * HD, stride, dq, row0, T, 1.f / sqrtf((float)HD), t,
+                  rope);
 }
 
 // ---- shared-memory sizes ------------------------------------------------------------------
@@ -862,20 +876,21 @@ inline void forward_hd(bf16* out, float* lse, const bf16* qkv, int B, int T, int
   launchCheck("attention_forward", "tensor-core kernel: B=%d T=%d nh=%d hd=%d strips=%d", B, T, nh, HD, MB);
 }
 
-// The backward in either form (Products above): the dK/dV kernel, then the dQ kernel.
+// The backward in either form (Products above): the dK/dV kernel, then the dQ kernel (RoPE's backward
+// in their q and k stores when rope's table is set).
 template <int HD, class Products>
 inline void backward_hd(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B,
-                        int T, int nh, cudaStream_t stream) {
+                        int T, int nh, const RopeAngles& rope, cudaStream_t stream) {
   const dim3 grid(nh, B, ceil_div(T, TILE));
   const char* form = Products::FORM;
   const typename Products::Tensors tensors = Products::tensors("attention_backward", qkv, dout, B, T, nh);
   const size_t smem_dkdv = dkdv_smem<HD, Products>();
   allow_smem("attention_backward", backward_dkdv_kernel<HD, Products>, smem_dkdv, B, T, nh, HD);
-  backward_dkdv_kernel<HD, Products><<<grid, THREADS, smem_dkdv, stream>>>(dqkv, tensors, lse, delta, T, nh);
+  backward_dkdv_kernel<HD, Products><<<grid, THREADS, smem_dkdv, stream>>>(dqkv, tensors, lse, delta, T, nh, rope);
   launchCheck("attention_backward", "%s dK/dV kernel: B=%d T=%d nh=%d hd=%d", form, B, T, nh, HD);
   const size_t smem_dq = dq_smem<HD, Products>();
   allow_smem("attention_backward", backward_dq_kernel<HD, Products>, smem_dq, B, T, nh, HD);
-  backward_dq_kernel<HD, Products><<<grid, THREADS, smem_dq, stream>>>(dqkv, tensors, lse, delta, T, nh);
+  backward_dq_kernel<HD, Products><<<grid, THREADS, smem_dq, stream>>>(dqkv, tensors, lse, delta, T, nh, rope);
   launchCheck("attention_backward", "%s dQ kernel: B=%d T=%d nh=%d hd=%d", form, B, T, nh, HD);
 }
 
@@ -889,8 +904,8 @@ inline void forward_wgmma(bf16* out, float* lse, const bf16* qkv, int B, int T, 
 }
 
 inline void backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B,
-                           int T, int nh, cudaStream_t stream) {
-  backward_hd<WG_HD, WgmmaProducts>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
+                           int T, int nh, const RopeAngles& rope, cudaStream_t stream) {
+  backward_hd<WG_HD, WgmmaProducts>(dqkv, dout, qkv, lse, delta, B, T, nh, rope, stream);
 }
 #endif
 
@@ -902,9 +917,9 @@ inline void forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int nh
 }
 
 inline void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta, int B, int T,
-                     int nh, int hd, cudaStream_t stream) {
-  if (hd == 64) backward_hd<64, MmaSyncProducts<64>>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
-  else if (hd == 128) backward_hd<128, MmaSyncProducts<128>>(dqkv, dout, qkv, lse, delta, B, T, nh, stream);
+                     int nh, int hd, const RopeAngles& rope, cudaStream_t stream) {
+  if (hd == 64) backward_hd<64, MmaSyncProducts<64>>(dqkv, dout, qkv, lse, delta, B, T, nh, rope, stream);
+  else if (hd == 128) backward_hd<128, MmaSyncProducts<128>>(dqkv, dout, qkv, lse, delta, B, T, nh, rope, stream);
   else fm_fail("attention_backward", "tensor-core kernels take hd 64 or 128", "B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
 }
 

@@ -27,7 +27,8 @@
 // out of place only); consecutive threads take consecutive pieces of a head. NV = ROW_PIECE (16 bytes
 // of floatX) when hd/2 is a multiple of it, both buffers are 16-byte aligned (row_pieces) and the table
 // is aligned for NV floats, else 1.
-// Every element gets the same float operations on either path, written as explicit fmas (x1·c − x2·s
+// Every element gets the same float operations on either path (rope_rotate_pair, which attention's
+// backward also applies in its stores: attention.cuh), written as explicit fmas (x1·c − x2·s
 // = fma(x1, c, −(x2·s)), x2·c + x1·s = fma(x2, c, x1·s), s negated for the backward): left to the
 // compiler, the contraction of a·b ± c·d into an fma may pick the other product in one instantiation,
 // and the two paths would differ in the last bit.
@@ -75,6 +76,29 @@ inline RopeAngles rope_angles_fill(float* cos_sin, int T_max, int hd, float thet
   return RopeAngles{cos_sin, T_max, hd};
 }
 
+// The rotation of one pair, x1 = element i of a head's first half and x2 = element i of its second half,
+// by the angle of cos a_cos and sin signed_sin (sin for the forward, −sin for the backward): the float
+// operations of every rotation here and of the kernels that rotate in their stores (attention's backward).
+__device__ __forceinline__ void rope_rotate_pair(float& x1, float& x2, float a_cos, float signed_sin) {
+  const float a = x1, b = x2;
+  x1 = fmaf(a, a_cos, -(b * signed_sin));
+  x2 = fmaf(b, a_cos, a * signed_sin);
+}
+
+// RoPE's backward of the pair (i, i + hd/2) of a q or k head at position t, in registers: the rotation
+// by −angle with the table's cos and sin of (t, i).
+__device__ __forceinline__ void rope_backward_pair(const RopeAngles& angles, int t, int i, float& x1, float& x2) {
+  const size_t at = (size_t)t * (angles.hd / 2) + i, sin_at = (size_t)angles.T_max * (angles.hd / 2) + at;
+  rope_rotate_pair(x1, x2, angles.cos_sin[at], -angles.cos_sin[sin_at]);
+}
+
+// Refuses a table that does not hold the positions t < T or whose head dim is not hd.
+inline void rope_check_table(const char* op, const RopeAngles& angles, int B, int T, int nh, int hd) {
+  if (T > angles.T_max || hd != angles.hd)
+    fm_fail(op, "the angle table holds positions t < T_max of one head dim: T must be <= T_max and hd the table's",
+            "B=%d T=%d nh=%d hd=%d T_max=%d table hd=%d", B, T, nh, hd, angles.T_max, angles.hd);
+}
+
 // Block b: rows [b·ROPE_TOKENS_PER_BLOCK, +ROPE_TOKENS_PER_BLOCK) ∩ [0, N). cos_ti, sin_ti: the table's
 // [T_max, hd/2] halves. sin_sign = +1 rotates by +angle (forward), −1 by −angle (backward).
 template <int NV>
@@ -95,9 +119,10 @@ __global__ void rope_rotate_kernel(floatX* out, const floatX* in, const float* c
       const A c = *reinterpret_cast<const A*>(cos_ti + angle_at), s = *reinterpret_cast<const A*>(sin_ti + angle_at);
 #pragma unroll
       for (int e = 0; e < NV; e++) {
-        const float a = to_float(x1.v[e]), b = to_float(x2.v[e]), signed_sin = sin_sign * s.v[e];
-        o1.v[e] = from_float<floatX>(fmaf(a, c.v[e], -(b * signed_sin)));
-        o2.v[e] = from_float<floatX>(fmaf(b, c.v[e], a * signed_sin));
+        float a = to_float(x1.v[e]), b = to_float(x2.v[e]);
+        rope_rotate_pair(a, b, c.v[e], sin_sign * s.v[e]);
+        o1.v[e] = from_float<floatX>(a);
+        o2.v[e] = from_float<floatX>(b);
       }
     }
     *reinterpret_cast<P*>(out + at) = o1;
@@ -118,9 +143,7 @@ inline void rope_launch(const char* op, floatX* out, const floatX* in, const Rop
                         int hd, float sin_sign, cudaStream_t stream) {
   if (B <= 0 || T <= 0 || nh <= 0 || hd <= 0 || hd % 2 != 0)
     fm_fail(op, "sizes must be positive and hd even", "B=%d T=%d nh=%d hd=%d", B, T, nh, hd);
-  if (T > angles.T_max || hd != angles.hd)
-    fm_fail(op, "the angle table holds positions t < T_max of one head dim: T must be <= T_max and hd the table's",
-            "B=%d T=%d nh=%d hd=%d T_max=%d table hd=%d", B, T, nh, hd, angles.T_max, angles.hd);
+  rope_check_table(op, angles, B, T, nh, hd);
   const int N = B * T;
   if (row_pieces(hd / 2, {out, in}) && pack_aligned(angles.cos_sin, ROW_PIECE))
     rope_rotate_launch<ROW_PIECE>(out, in, angles, N, T, nh, hd, sin_sign, stream);

@@ -1,13 +1,18 @@
 // tests/gpu_attention.cu — ops/attention.cuh against ref/attention.hpp: out, lse and the q, k, v
 // gradients at several shapes (T not a multiple of the 64-row tile, every supported head dim,
-// T = 1 and 2, B > 1 and nh > 1), bitwise determinism, and the refusal of unsupported head dims.
+// T = 1 and 2, B > 1 and nh > 1), RoPE's backward in the backward's stores, bitwise determinism, and
+// the refusal of unsupported head dims and of a RoPE table too short.
 // The BF16 build runs hd 64 and 128 on the tensor-core kernels (ops/attention_mma.cuh: wgmma at hd 64
 // in sm_90a builds, mma.sync otherwise) and hd 32 on the SIMT ones; every form a build has is checked
 // at hd 64 and 128 too (EveryKernelFormMatchesReference).
+#include <cstring>
 #include <optional>
+#include <vector>
 #include "../ops/attention.cuh"
 #include "../ref/attention.hpp"
+#include "../ref/rope.hpp"
 #include "gpu_util.cuh"
+#include "rope_table.cuh"
 
 using ref::Mat;
 using testutil::download;
@@ -260,6 +265,59 @@ TEST(GpuAttention, ForwardQueryTilesOf64And128GiveTheSameBits) {
 }
 #endif
 
+// With a RoPE table the backward's q and k gradients are RoPE's backward of its plain ones (the model's
+// layer runs no rope_backward launch): against the reference's rope_backward(attention_backward) at
+// the operator tolerance, in every form the build has, at positions t < T of a longer table. dv is
+// the plain run's, bit for bit; in the FP32 build so are dq and dk after rope_backward (the same fp32
+// operations); in the BF16 build they are rounded once where rope_backward after rounds twice.
+TEST(GpuAttention, RopeBackwardInTheStoresIsRopeBackwardAfter) {
+  REQUIRE_GPU();
+  const double theta = 10000.0;
+  for (const AttentionKernels k : {AttentionKernels::Simt, AttentionKernels::MmaSync, AttentionKernels::Wgmma})
+    for (const AttnCase& c : {AttnCase{2, 37, 3, 32}, AttnCase{2, 200, 2, 64}, AttnCase{1, 130, 2, 128}}) {
+      if (!attention_has_kernels(k, c.hd, {})) continue;
+      testutil::Rng rng;
+      const int N = c.B * c.T, H = c.nh * c.hd;
+      const Mat<double> qkv = round_to_floatX(rng.mat<double>(N, 3 * H));
+      const Mat<double> dout = round_to_floatX(rng.mat<double>(N, H));
+      const Mat<double> dqkv_ref =
+          ref::rope_backward(ref::attention_backward(dout, qkv, c.B, c.T, c.nh, c.hd), c.B, c.T, c.nh, c.hd, theta);
+      const testutil::AngleTable table = testutil::angle_table(c.T + 50, c.hd, theta);
+
+      DeviceBuffer<floatX> d_qkv = upload<floatX>(qkv), d_dout = upload<floatX>(dout);
+      DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Activations, "test.attention.out");
+      DeviceBuffer<float> d_lse((size_t)c.B * c.nh * c.T, Mem::Activations, "test.attention.lse");
+      DeviceBuffer<floatX> d_fused((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv_rope_in_stores");
+      DeviceBuffer<floatX> d_after((size_t)N * 3 * H, Mem::Grads, "test.attention.dqkv_rope_after");
+      poison(d_fused.ptr, d_fused.count);
+      poison(d_after.ptr, d_after.count);
+      attention_forward_with(k, d_out.ptr, d_lse.ptr, d_qkv.ptr, c.B, c.T, c.nh, c.hd, 0);
+      attention_backward_with(k, d_fused.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0,
+                              table.angles);
+      attention_backward_with(k, d_after.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, c.B, c.T, c.nh, c.hd, 0);
+      rope_backward(d_after.ptr, d_after.ptr, table.angles, c.B, c.T, c.nh, c.hd, 0);
+      const Mat<double> fused = download(d_fused.ptr, N, 3 * H), after = download(d_after.ptr, N, 3 * H);
+
+      const std::string name = case_name("GpuAttention.RopeInTheStores", c) + " " + attention_kernels_name(k);
+      const char* parts[3] = {"dq", "dk", "dv"};
+      for (int p = 0; p < 3; p++) {
+        EXPECT_REL(name.c_str(), parts[p], testutil::rel_err(part(fused, p, H), part(dqkv_ref, p, H)), OP_TOL);
+        printf("  %s %s: rope in the stores %.3e, rope_backward after %.3e\n", name.c_str(), parts[p],
+               testutil::rel_err(part(fused, p, H), part(dqkv_ref, p, H)),
+               testutil::rel_err(part(after, p, H), part(dqkv_ref, p, H)));
+      }
+      const std::vector<floatX> fused_bits = testutil::download_vec(d_fused.ptr, d_fused.count);
+      const std::vector<floatX> after_bits = testutil::download_vec(d_after.ptr, d_after.count);
+      for (int n = 0; n < N; n++) {
+        const size_t dv_at = (size_t)n * 3 * H + 2 * H;
+        ASSERT_EQ(0, memcmp(&fused_bits[dv_at], &after_bits[dv_at], H * sizeof(floatX))) << name << ": dv of row " << n;
+      }
+      if (!BUILD_BF16)
+        EXPECT_EQ(0, memcmp(fused_bits.data(), after_bits.data(), fused_bits.size() * sizeof(floatX)))
+            << name << ": the FP32 build's bits are rope_backward's after";
+    }
+}
+
 // The backward's only device memory is delta (B·nh·T floats of workspace), released on return.
 TEST(GpuAttention, BackwardWorkspaceIsDeltaOnly) {
   REQUIRE_GPU();
@@ -289,6 +347,17 @@ TEST(GpuAttentionDeathTest, RefusesUnsupportedHeadDim) {
                "attention_forward \\(B=1 T=16 nh=2 hd=48\\): unsupported head dim");
   EXPECT_DEATH(attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 16, 2, 96, 0),
                "attention_backward \\(B=1 T=16 nh=2 hd=96\\): unsupported head dim");
+}
+
+// A RoPE table that does not hold every position t < T, or made for another head dim, is refused
+// before any device work.
+TEST(GpuAttentionDeathTest, RefusesARopeTableTooShortOrOfAnotherHeadDim) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const float* unread = reinterpret_cast<const float*>(uintptr_t(1) << 20);
+  EXPECT_DEATH(attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 16, 2, 64, 0, RopeAngles{unread, 8, 64}),
+               "attention_backward \\(B=1 T=16 nh=2 hd=64 T_max=8 table hd=64\\): .*T must be <= T_max");
+  EXPECT_DEATH(attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 16, 2, 64, 0, RopeAngles{unread, 16, 32}),
+               "attention_backward \\(B=1 T=16 nh=2 hd=64 T_max=16 table hd=32\\): .*hd the table's");
 }
 
 // Kernels the build does not have for a head dim are refused by name (wgmma only runs hd 64; the

@@ -9,8 +9,11 @@
 #include "../ops/rope.cuh"
 #include "../ref/rope.hpp"
 #include "gpu_util.cuh"
+#include "rope_table.cuh"
 
 using ref::Mat;
+using testutil::AngleTable;
+using testutil::angle_table;
 using testutil::download;
 using testutil::download_vec;
 using testutil::poison;
@@ -33,20 +36,6 @@ const RopeCase kCases[] = {
 };
 
 const double kTheta = 10000.0;
-
-// An angle table in a pool buffer, filled for positions t < T_max of head dim hd (the buffer lives
-// as long as the table is used).
-struct AngleTable {
-  DeviceBuffer<float> cos_sin;  // [2, T_max, hd/2]
-  RopeAngles angles;
-};
-
-AngleTable angle_table(int T_max, int hd, double theta) {
-  AngleTable table;
-  table.cos_sin = DeviceBuffer<float>(rope_angles_bytes(T_max, hd) / sizeof(float), Mem::Workspace, "test.rope.angles");
-  table.angles = rope_angles_fill(table.cos_sin.ptr, T_max, hd, (float)theta, 0);
-  return table;
-}
 
 std::string case_name(const char* test, const RopeCase& c) {
   char buf[128];
