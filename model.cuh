@@ -277,8 +277,9 @@ struct Model {
   float* grad_scale_dev = nullptr;  // [1] the step's clip factor, read by the optimizer (Workspace)
   cudaStream_t stream = 0;
   UpdateStream update;              // --overlap_update: the optimizer's stream and its events
-  // The weight gradients' stream (runtime/side_stream.cuh): each layer's backward forks its weight
-  // gradients onto it and joins it before the layer's last input gradient (layer_backward). Off
+  // The weight gradients' stream (runtime/side_stream.cuh: two lanes, taken in turn): each layer's
+  // backward forks its weight gradients onto it and joins it before the layer's last input gradient
+  // (layer_backward). Off
   // (--wgrad_stream 0): the compute stream itself, the same buffers held as long, the same bits.
   std::unique_ptr<SideStream> wgrad = std::make_unique<SideStream>();
   // a pass's uploads (model_pass): tokens and targets; the embedding backward's buckets
@@ -892,8 +893,8 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   const bool dense_routes = c.n_dense > 0 || c.shared_expert;
   // + the sum of squares' partials and its two floats (scalar_dev, grad_scale_dev), the step's
   // per-expert loads on the device [L·E] ints (step_loads_dev), RoPE's angle table (rope_angles)
-  // (+ the weight-gradient stream's own cuBLAS workspace, --wgrad_stream 1)
-  const size_t runtime = CublasRuntime::workspace_bytes * (seams.wgrad_stream ? 2 : 1) + 4 * (size_t)SUMSQ_BLOCKS + 8 +
+  // (+ the weight-gradient streams' own cuBLAS workspaces, --wgrad_stream 1)
+  const size_t runtime = CublasRuntime::workspace_bytes * (1 + (seams.wgrad_stream ? SideStream::LANES : 0)) + 4 * (size_t)SUMSQ_BLOCKS + 8 +
                          (dense_routes ? 8 * N : 0) + 4 * L * E + rope_angles_bytes(c.seq_len, c.head_dim());
   // the pass: tokens, targets, the embedding backward's buckets (offsets V + 1, positions N, the count of
   // used ids and room for min(N, V) of them), the loss; the final norm's output and rstd live from the

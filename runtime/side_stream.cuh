@@ -16,8 +16,13 @@
 // stream is a stream of its own or the main stream itself (off: run() enqueues on the main stream,
 // fork and join are nothing, and the frees are held the same way). So the pool's live bytes and
 // peaks, and every kernel and its bits, are the same on or off; only the order in which the GPU runs
-// independent kernels differs. On, the side stream has cuBLAS's workspace of its own (runtime/pool.cuh
-// cublas_own_workspace: 32 MiB, Workspace), since two cuBLAS GEMMs at once must not share one.
+// independent kernels differs.
+// Lanes: on, the side work goes to LANES streams in turn (run i to lane i mod LANES, counted from the
+// last join), so that a weight gradient forked while the one before still runs does not queue behind
+// it (the default model's dW2, 72 blocks, still runs when dW13 is forked; each lane's chain of short
+// kernels waits out its own latencies). Every run writes a tensor no other run of the same join writes,
+// so the lanes never race. Each lane has cuBLAS's workspace of its own (runtime/pool.cuh
+// cublas_own_workspace: 32 MiB each, Workspace), since two cuBLAS GEMMs at once must not share one.
 // Priorities: the side stream has the lowest (StreamPriority::Background), so that the block scheduler
 // gives the critical path's kernels the SMs first (the compute stream's own priority made the default
 // model's step 0.02–0.04 ms shorter and B1's 0.2–0.6 ms longer, notes/speed.md ZL); a captured graph
@@ -36,29 +41,37 @@ class SideStream {
   SideStream& operator=(const SideStream&) = delete;
   ~SideStream() { set_on(false); }
 
-  // On: a stream of its own (created here) with cuBLAS's workspace of its own; off: the main stream.
-  // Call it with nothing held (between passes).
+  static constexpr int LANES = 2;  // side streams, each with a cuBLAS workspace (on)
+
+  // On: LANES streams of its own (created here), each with cuBLAS's workspace of its own; off: the main
+  // stream. Call it with nothing held (between passes).
   void set_on(bool on) {
     if (!held_.empty())
       fm_fail("SideStream.set_on", "buffers are still held: join first", "held=%zu", held_.size());
-    if (on && side_ == nullptr) {
-      side_ = stream_create("SideStream", StreamPriority::Background);
-      cublas_own_workspace(side_, true);
-    } else if (!on && side_ != nullptr) {
-      stream_wait(side_, "SideStream", "before destroying the stream");
-      cublas_own_workspace(side_, false);
-      cudaCheck(cudaStreamDestroy(side_), "SideStream", "destroy");
-      side_ = nullptr;
+    if (on && lanes_.empty()) {
+      for (int i = 0; i < LANES; i++) {
+        lanes_.push_back(stream_create("SideStream", StreamPriority::Background));
+        cublas_own_workspace(lanes_.back(), true);
+      }
+    } else if (!on && !lanes_.empty()) {
+      for (cudaStream_t lane : lanes_) {
+        stream_wait(lane, "SideStream", "before destroying the stream");
+        cublas_own_workspace(lane, false);
+        cudaCheck(cudaStreamDestroy(lane), "SideStream", "destroy");
+      }
+      lanes_.clear();
     }
+    next_ = 0;
   }
-  bool on() const { return side_ != nullptr; }
-  cudaStream_t stream() const { return side_; }  // nullptr when off
+  bool on() const { return !lanes_.empty(); }
+  cudaStream_t stream(int lane) const { return lanes_.empty() ? nullptr : lanes_.at(lane); }  // nullptr when off
 
-  // Enqueues enqueue(s) on the side stream (or on main when off), after main's work so far; the pool
+  // Enqueues enqueue(s) on the next lane (or on main when off), after main's work so far; the pool
   // frees it makes are held until join.
   template <class F>
   void run(cudaStream_t main, const char* op, F&& enqueue) {
-    const cudaStream_t s = side_ ? side_ : main;
+    const cudaStream_t s = lanes_.empty() ? main : lanes_[next_];
+    next_ = (next_ + 1) % LANES;
     stream_after(s, main, op);
     pool().hold_frees(&held_);
     enqueue(s);
@@ -70,13 +83,15 @@ class SideStream {
   }
   // main's next work runs after all side work enqueued so far; the held buffers go back to the pool.
   void join(cudaStream_t main, const char* op) {
-    if (side_) stream_after(main, side_, op);
+    for (cudaStream_t lane : lanes_) stream_after(main, lane, op);
     for (void* p : held_) pool().free(p);
     held_.clear();
+    next_ = 0;
   }
 
  private:
-  cudaStream_t side_ = nullptr;
+  std::vector<cudaStream_t> lanes_;  // empty when off
+  int next_ = 0;                     // the lane of the next run
   std::vector<void*> held_;
 };
 

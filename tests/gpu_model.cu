@@ -423,7 +423,8 @@ TEST(GpuModel, WeightGradientStreamIsBitIdentical) {
         for (int step = 0; step < steps; step++) {
           std::thread release;
           if (side) {
-            testutil::wait_for_host_kernel<<<1, 1, 0, m.wgrad->stream()>>>(nullptr, flags[step].device, 0);
+            for (int lane = 0; lane < SideStream::LANES; lane++)
+              testutil::wait_for_host_kernel<<<1, 1, 0, m.wgrad->stream(lane)>>>(nullptr, flags[step].device, 0);
             launchCheck("test.hold_weight_gradients", "step=%d", step);
             release = std::thread([flag = &flags[step]] {
               std::this_thread::sleep_for(std::chrono::milliseconds(20));
