@@ -279,8 +279,8 @@ struct Model {
   UpdateStream update;              // --overlap_update: the optimizer's stream and its events
   // The weight gradients' stream (runtime/side_stream.cuh: two lanes, taken in turn): each layer's
   // backward forks its weight gradients onto it and joins it before the layer's last input gradient
-  // (layer_backward). Off
-  // (--wgrad_stream 0): the compute stream itself, the same buffers held as long, the same bits.
+  // (layer_backward). Off (--wgrad_stream 0): the compute stream itself, the same buffers held as
+  // long, the same bits.
   std::unique_ptr<SideStream> wgrad = std::make_unique<SideStream>();
   // a pass's uploads (model_pass): tokens and targets; the embedding backward's buckets
   std::unique_ptr<PinnedUpload> tokens_upload = std::make_unique<PinnedUpload>();

@@ -1,7 +1,8 @@
 // attention_mma.cuh — causal multi-head self-attention on tensor cores (BF16 build only): the
 // same contract as the SIMT kernels of attention.cuh (shapes, out, lse, dqkv (=), the delta
-// workspace, RoPE's backward in the dq and dk stores when given a table), computed with bf16 mma.sync (m16n8k16, fp32 accumulation) instead of fp32 FMA, and, in
-// sm_90a builds at hd 64, with Hopper's warpgroup MMA (the wgmma form, at the end of this file).
+// workspace, RoPE's backward in the dq and dk stores when given a table), computed with bf16
+// mma.sync (m16n8k16, fp32 accumulation) instead of fp32 FMA, and, in sm_90a builds at hd 64, with
+// Hopper's warpgroup MMA (the wgmma form, at the end of this file).
 // Twin: ref/attention.hpp (the same math; tests/gpu_attention.cu holds every form to it).
 // Included by attention.cuh; attention_forward / attention_backward dispatch here for the BF16
 // build and hd ∈ {64, 128} (qkv, dout, out, dqkv 16-byte aligned); everything else stays SIMT.
