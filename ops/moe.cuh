@@ -56,6 +56,7 @@
 static const int MOE_PLAN_TILE = 256;          // routes per tile of the stable sort
 static const int MOE_MAX_E = 12287;            // the plan keeps E + 1 ints in shared memory (48 KiB)
 static const int MOE_WARPS_PER_BLOCK = 8;      // routes per block in moe_combine_backward
+static const int MOE_PLAN_SCAN_IN_RANK = 16384; // at most this many (E + 1)·tiles counts: no scan launch
 
 // ---------------------------------------------------------------------------------------------
 // Kernels: routing plan (stable counting sort of the routes by expert)
@@ -137,20 +138,65 @@ moe_plan_scan_kernel(int* tile_counts, int* bin_counts, int* bin_offsets, int ti
   }
 }
 
-// Grid as moe_plan_count_kernel. Slot of route r = first slot of its bin + routes of that bin in
-// earlier tiles + routes of that bin earlier in this tile: a stable sort.
-static __global__ void moe_plan_rank_kernel(int* route_of_slot, int* slot_of_route, const int* topk_idx,
-                                            const int* tile_prefix, const int* bin_offsets, int R, int E) {
+// Grid as moe_plan_count_kernel; dynamic shared memory E + 1 ints when SCAN_HERE. Slot of route r =
+// first slot of its bin + routes of that bin in earlier tiles + routes of that bin earlier in this
+// tile: a stable sort.
+// SCAN_HERE (the plan's counts are few, moe_plan_scans_in_rank): each block finds the first two terms
+// itself from tile_counts [E+1,tiles] (the count kernel's, bin-major): the bins' totals over every
+// tile, their exclusive prefix over bins (block 0 also writes them to bin_counts and bin_offsets),
+// plus the bin's counts in the tiles before its own — one launch fewer in the chain between a layer's
+// router and its expert GEMMs (notes/speed.md ZP), for (E + 1)·tiles more loads per block.
+// Otherwise moe_plan_scan_kernel ran first: tile_counts holds each tile's prefix per bin and
+// bin_offsets the bins' first slots.
+template <bool SCAN_HERE>
+static __global__ void moe_plan_rank_kernel(int* route_of_slot, int* slot_of_route, int* bin_counts, int* bin_offsets,
+                                            const int* topk_idx, const int* tile_counts, int R, int E) {
+  extern __shared__ int bin_base[];  // [E+1] (SCAN_HERE): the first slot of each bin's routes in this tile
   __shared__ int tile_bin[MOE_PLAN_TILE];
-  int t = threadIdx.x;
-  int r = blockIdx.x * MOE_PLAN_TILE + t;
+  const int t = threadIdx.x, tile = blockIdx.x, tiles = gridDim.x, B = E + 1;
+  const int r = tile * MOE_PLAN_TILE + t;
   tile_bin[t] = r < R ? moe_plan_bin(topk_idx[r], E) : -1;
+  if (SCAN_HERE) {
+    const int warp = t / 32, lane = t % 32, warps = MOE_PLAN_TILE / 32;
+    for (int e = warp; e < B; e += warps) {  // each bin's total over every tile
+      int sum = 0;
+      for (int u = lane; u < tiles; u += 32) sum += tile_counts[(size_t)e * tiles + u];
+      sum = __reduce_add_sync(0xffffffffu, sum);
+      if (lane == 0) bin_base[e] = sum;
+    }
+    __syncthreads();
+    if (warp == 0) {  // the totals' exclusive prefix over bins, 32 at a time
+      int carry = 0;
+      for (int base = 0; base < B; base += 32) {
+        const int e = base + lane;
+        const int count = e < B ? bin_base[e] : 0;
+        int total;
+        const int before = warp_exclusive_scan(count, &total);
+        if (e < B) {
+          bin_base[e] = carry + before;
+          if (tile == 0) {
+            bin_counts[e] = count;
+            bin_offsets[e] = carry + before;
+          }
+        }
+        carry += total;
+      }
+    }
+    __syncthreads();
+    for (int e = warp; e < B; e += warps) {  // + the bin's routes in the tiles before this one
+      int sum = 0;
+      for (int u = lane; u < tile; u += 32) sum += tile_counts[(size_t)e * tiles + u];
+      sum = __reduce_add_sync(0xffffffffu, sum);
+      if (lane == 0) bin_base[e] += sum;
+    }
+  }
   __syncthreads();
   if (r >= R) return;
-  int e = tile_bin[t];
+  const int e = tile_bin[t];
   int rank = 0;
   for (int u = 0; u < t; u++) rank += tile_bin[u] == e;
-  int slot = bin_offsets[e] + tile_prefix[(size_t)e * gridDim.x + blockIdx.x] + rank;
+  const int first = SCAN_HERE ? bin_base[e] : bin_offsets[e] + tile_counts[(size_t)e * tiles + tile];
+  const int slot = first + rank;
   slot_of_route[r] = slot;
   route_of_slot[slot] = r;
 }
@@ -298,6 +344,13 @@ static __global__ void dense_routes_kernel(int* topk_idx, float* topk_w, int N) 
 // ---------------------------------------------------------------------------------------------
 // Launchers: pieces
 
+// Whether the rank kernel scans the plan's counts itself ((E + 1)·tiles of them at most
+// MOE_PLAN_SCAN_IN_RANK: each of its blocks reads them all) instead of a one-block scan launched
+// before it: two launches instead of three (the default model's 32 tiles of 9 bins, B1's 256 of 33).
+inline bool moe_plan_scans_in_rank(int R, int E) {
+  return (long long)ceil_div(R, MOE_PLAN_TILE) * (E + 1) <= MOE_PLAN_SCAN_IN_RANK;
+}
+
 // Sorts the R routes of topk_idx [R] by expert, stably: route_of_slot [R] (=) sorted position ->
 // route, slot_of_route [R] (=) route -> sorted position. Expert e owns the sorted positions
 // [offset_e, offset_e + count_e), offset = exclusive prefix of count; routes whose index is outside
@@ -325,17 +378,23 @@ inline void moe_route_sort(int* route_of_slot, int* slot_of_route, int* expert_o
   int* offsets = expert_offsets ? expert_offsets : plan_ints + bins;
   moe_plan_count_kernel<<<tiles, MOE_PLAN_TILE, (size_t)bins * sizeof(int), stream>>>(tile_counts, topk_idx, R, E);
   launchCheck("moe_route_sort.count", "R=%d E=%d", R, E);
-  moe_plan_scan_kernel<<<1, MOE_SCAN_THREADS, 0, stream>>>(tile_counts, counts, offsets, tiles, bins);
-  launchCheck("moe_route_sort.scan", "R=%d E=%d", R, E);
-  if (host_counts) {
+  if (moe_plan_scans_in_rank(R, E)) {
+    moe_plan_rank_kernel<true><<<tiles, MOE_PLAN_TILE, (size_t)bins * sizeof(int), stream>>>(
+        route_of_slot, slot_of_route, counts, offsets, topk_idx, tile_counts, R, E);
+  } else {
+    moe_plan_scan_kernel<<<1, MOE_SCAN_THREADS, 0, stream>>>(tile_counts, counts, offsets, tiles, bins);
+    launchCheck("moe_route_sort.scan", "R=%d E=%d", R, E);
+    moe_plan_rank_kernel<false><<<tiles, MOE_PLAN_TILE, 0, stream>>>(route_of_slot, slot_of_route, counts, offsets,
+                                                                     topk_idx, tile_counts, R, E);
+  }
+  launchCheck("moe_route_sort.rank", "R=%d E=%d", R, E);
+  if (host_counts) {  // slots outside [0,E) went past every expert's: the refusal below leaves the maps a permutation
     host_counts->resize(bins);
     copy_to_host(host_counts->data(), counts, bins * sizeof(int), stream, "moe_route_sort");
     if (host_counts->back() != 0)
       fm_fail("moe_route_sort", "expert index outside [0, E) in topk_idx", "R=%d E=%d bad_routes=%d", R, E, host_counts->back());
     host_counts->pop_back();
   }
-  moe_plan_rank_kernel<<<tiles, MOE_PLAN_TILE, 0, stream>>>(route_of_slot, slot_of_route, topk_idx, tile_counts, offsets, R, E);
-  launchCheck("moe_route_sort.rank", "R=%d E=%d", R, E);
   pool().free(tile_counts);
   pool().free(plan_ints);
 }

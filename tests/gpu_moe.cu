@@ -321,17 +321,29 @@ ref::MatI chosen_routes(const RouteChooser& choose, int N, int k) {
 }
 }  // namespace
 
-// Across 32 tiles, under skew, with empty experts (4, 6, 7, 10, ... get nothing).
+// Across 32 tiles, under skew, with empty experts (4, 6, 7, 10, ... get nothing); the rank kernel
+// scans the counts itself (32 tiles × 17 bins).
 TEST(MoEGpu, RoutePlanIsStableSortByExpert) {
   REQUIRE_GPU();
+  ASSERT_TRUE(moe_plan_scans_in_rank(2001 * 4, 16));
   check_route_plan(chosen_routes(skewed_routes({1, 2, 3, 5, 8, 9, 13}, 4), 2001, 4), 16);
 }
 
-// Where the plan's scan has more than one chunk of tiles per lane and the last lane fewer (1172 tiles:
-// 37 a lane, 25 for lane 31), more bins than its warps and than one round of warp 0's scan of the
-// totals (71), under skew (expert 0 and four others).
+// The rank kernel's own scan where its bins outnumber its warps and one round of warp 0's scan of
+// the totals (48 bins), over tiles more than a lane's one load (300 tiles: 300 × 48 counts, under
+// MOE_PLAN_SCAN_IN_RANK), under skew (expert 0 and three others).
+TEST(MoEGpu, RoutePlanScannedInTheRankKernelOverManyTilesAndBins) {
+  REQUIRE_GPU();
+  ASSERT_TRUE(moe_plan_scans_in_rank(300 * MOE_PLAN_TILE, 47));
+  check_route_plan(chosen_routes(skewed_routes({20, 33, 46}, 3), 25600, 3), 47);
+}
+
+// Where the plan's scan is a launch of its own, with more than one chunk of tiles per lane and the
+// last lane fewer (1172 tiles: 37 a lane, 25 for lane 31), more bins than its warps and than one
+// round of warp 0's scan of the totals (71), under skew (expert 0 and four others).
 TEST(MoEGpu, RoutePlanIsStableSortByExpertOverManyTilesAndBins) {
   REQUIRE_GPU();
+  ASSERT_FALSE(moe_plan_scans_in_rank(150001 * 2, 70));
   check_route_plan(chosen_routes(skewed_routes({33, 34, 50, 69}, 2), 150001, 2), 70);
 }
 
@@ -370,6 +382,18 @@ TEST(MoEGpu, RouteSortPutsIndicesOutsideTheExpertsAfterThem) {
   int not_inverse = 0;
   for (int s = 0; s < R; s++) not_inverse += slot_of_route[route_of_slot[s]] != s;
   EXPECT_EQ(not_inverse, 0);
+}
+
+// Which plans scan their counts in the rank kernel (two launches) and which launch the scan (three):
+// (E + 1)·tiles counts up to MOE_PLAN_SCAN_IN_RANK. The default model's 8192 routes over 8 experts
+// and B1's 65536 over 32 do; 150002 routes over 70 experts (1172 tiles) do not. Runs without a GPU (CI).
+TEST(MoEHost, RoutePlanScansInTheRankKernelUpToItsBound) {
+  EXPECT_TRUE(moe_plan_scans_in_rank(4096 * 2, 8));
+  EXPECT_TRUE(moe_plan_scans_in_rank(16384 * 4, 32));
+  EXPECT_FALSE(moe_plan_scans_in_rank(150001 * 2, 70));
+  EXPECT_TRUE(moe_plan_scans_in_rank(512 * MOE_PLAN_TILE, 31));       // 512 tiles × 32 bins = the bound
+  EXPECT_FALSE(moe_plan_scans_in_rank(512 * MOE_PLAN_TILE + 1, 31));  // one tile more
+  EXPECT_TRUE(moe_plan_scans_in_rank(1, 12287));                       // one tile of the most bins
 }
 
 // Which layers keep their per-expert counts on the device (no host wait in the layer): in the BF16
