@@ -653,22 +653,24 @@ inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) 
   a.scores = pool().alloc_t<float>((size_t)N * E, Mem::Activations, "router_scores");
   a.topk_idx = pool().alloc_t<int>((size_t)N * k, Mem::Activations, "topk_idx");
   a.topk_w = pool().alloc_t<float>((size_t)N * k, Mem::Activations, "topk_w");
-  router_logits_forward(logits, a.ln2, m.p.layers[l].router, N, c.hidden, E, s);
-  router_forward(a.topk_idx, a.topk_w, a.scores, logits, m.router_bias_dev + (size_t)l * E, N, E, k, c.score_fn,
-                 c.renorm != 0, s);
-  pool().free(logits);
   // a replayed trace records the MoE layers n_dense..L−1 in order (train.cu checked it fits this run)
   const int* traced = m.replay && m.training_pass >= 0 ? m.replay->at(m.training_pass, l - c.n_dense) : nullptr;
   if (traced && m.replay->per_layer != (size_t)N * k)
     fm_fail("router_step", "the routing trace holds another number of routes per layer", "N=%d k=%d trace=%zu", N, k,
             m.replay->per_layer);
-  if (m.routing_override || traced) {  // the profile's or the trace's experts, weighted by the router's scores for them
+  const bool chosen_elsewhere = m.routing_override || traced;
+  int* loads = count_loads ? m.step_loads_dev + (size_t)l * E : nullptr;
+  router_logits_forward(logits, a.ln2, m.p.layers[l].router, N, c.hidden, E, s);
+  router_forward(a.topk_idx, a.topk_w, a.scores, logits, m.router_bias_dev + (size_t)l * E, N, E, k, c.score_fn,
+                 c.renorm != 0, s, chosen_elsewhere ? nullptr : loads);  // the router's own choice counts itself
+  pool().free(logits);
+  if (chosen_elsewhere) {  // the profile's or the trace's experts, weighted by the router's scores for them
     const std::vector<int> profile = traced ? std::vector<int>() : routing_profile_indices(m.routing, N, E, k);
     copy_to_device(a.topk_idx, traced ? traced : profile.data(), (size_t)N * k * sizeof(int), s,
                    traced ? "routing_trace" : "routing_profile");
     router_weights(a.topk_w, a.scores, a.topk_idx, N, E, k, c.renorm != 0, s);
+    if (loads) router_add_loads(loads, a.topk_idx, N, E, k, s);
   }
-  if (count_loads) router_add_loads(m.step_loads_dev + (size_t)l * E, a.topk_idx, N, E, k, s);
 }
 
 // FFN of layer l on ln2 (N×H) onto the residual stream: out (N×H, =) = residual + FFN(ln2), a dense

@@ -46,7 +46,8 @@
 //
 // Shapes: x [N,H] floatX; W [E,H] floatX; logits [N,E] float; bias [E] float; dtopk_w [N,k] float.
 // Outputs: logits (=), topk_idx [N,k] int (=), topk_w [N,k] float (=), scores [N,E] float (=, saved
-// for backward), dlogits [N,E] float (=), dx [N,H] floatX (+=), dW [E,H] floatX (+=), loads [E] int (=).
+// for backward), dlogits [N,E] float (=), dx [N,H] floatX (+=), dW [E,H] floatX (+=), loads [E] int (=
+// router_count_loads; += router_add_loads, and router_forward when given loads).
 // Limits of the selection and its backward: E ≤ ROUTER_MAX_E (256), k ≤ ROUTER_MAX_K (8), k ≤ E;
 // larger sizes are refused.
 // Memory: router_forward, router_backward, router_weights, router_count_loads, router_add_loads allocate nothing.
@@ -143,14 +144,13 @@ struct RouterLane {
   }
 };
 
-// Grid: ceil(N·LANES / ROUTER_BLOCK) blocks of ROUTER_BLOCK threads; LANES = router_lanes(E) lanes per token.
+// Token me.n's choice: its scores, its top k experts (by score + bias) and their weights; each choice
+// counted into block_loads (shared memory) unless nullptr.
 template <int LANES>
-__global__ void __launch_bounds__(ROUTER_BLOCK) router_forward_kernel(int* topk_idx, float* topk_w, float* scores,
-                                                                      const float* logits, const float* bias, int N,
-                                                                      int E, int k, int score_fn, bool renorm) {
-  const RouterLane<LANES> me;
+__device__ inline void router_choose(int* topk_idx, float* topk_w, float* scores, int* block_loads,
+                                     const float* logits, const float* bias, const RouterLane<LANES>& me, int E,
+                                     int k, int score_fn, bool renorm) {
   const int lane = me.lane, n = me.n;
-  if (n >= N) return;  // a token's lanes leave together
   const float* row = logits + (size_t)n * E;
 
   float s[ROUTER_SLOTS];  // this lane's scores, expert e = lane + LANES·i
@@ -214,7 +214,10 @@ __global__ void __launch_bounds__(ROUTER_BLOCK) router_forward_kernel(int* topk_
       if (lane + LANES * i == best_e) key[i] = -INFINITY;
     picked[j] = best_s;
     picked_sum += best_s;
-    if (lane == 0) topk_idx[(size_t)n * k + j] = best_e;
+    if (lane == 0) {
+      topk_idx[(size_t)n * k + j] = best_e;
+      if (block_loads) atomicAdd(&block_loads[best_e], 1);
+    }
   }
   if (lane == 0) {
 #pragma unroll
@@ -222,6 +225,29 @@ __global__ void __launch_bounds__(ROUTER_BLOCK) router_forward_kernel(int* topk_
       if (j >= k) break;
       topk_w[(size_t)n * k + j] = renorm ? picked[j] / picked_sum : picked[j];
     }
+  }
+}
+
+// Grid: ceil(N·LANES / ROUTER_BLOCK) blocks of ROUTER_BLOCK threads; LANES = router_lanes(E) lanes per token.
+// loads [E] (+=, or nullptr): the block's choices counted in shared memory, then one integer atomic
+// per expert per block (router_count_loads_kernel's scheme, without a launch of its own).
+template <int LANES>
+__global__ void __launch_bounds__(ROUTER_BLOCK) router_forward_kernel(int* topk_idx, float* topk_w, float* scores,
+                                                                      int* loads, const float* logits,
+                                                                      const float* bias, int N, int E, int k,
+                                                                      int score_fn, bool renorm) {
+  __shared__ int block_loads[ROUTER_MAX_E];
+  if (loads) {
+    for (int e = threadIdx.x; e < E; e += ROUTER_BLOCK) block_loads[e] = 0;
+    __syncthreads();
+  }
+  const RouterLane<LANES> me;
+  if (me.n < N) router_choose<LANES>(topk_idx, topk_w, scores, loads ? block_loads : nullptr, logits, bias, me, E, k,
+                                     score_fn, renorm);  // a token's lanes choose together
+  if (loads) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += ROUTER_BLOCK)
+      if (block_loads[e]) atomicAdd(&loads[e], block_loads[e]);
   }
 }
 
@@ -289,14 +315,36 @@ static __global__ void router_weights_kernel(float* topk_w, const float* scores,
 // The K width of the split dlogits: 3E parts rounded up to a multiple of 8 (16-byte rows of bf16).
 inline int router_split_width(int E) { return (3 * E + 7) / 8 * 8; }
 
-// One thread per element of dlogits [N,E]: its three bf16 parts, hi + mid + lo == d exactly (d − hi
-// and d − hi − mid are exact in fp32, and the last remainder has at most 8 significant bits; values
-// below 2^-100 in magnitude would lose bits to bf16's subnormals). Row n of parts [N, K3] is
-// (hi[0..E), mid[0..E), lo[0..E), zeros up to K3): threads e in [E, E + K3 − 3E) write the zeros.
-static __global__ void router_split_dlogits_kernel(__nv_bfloat16* parts, const float* dlogits, int N, int E, int K3) {
+// The two operands of dx's product, in one launch. Threads [0, N·(K3 − 2E)): one per element of
+// dlogits [N,E], its three bf16 parts, hi + mid + lo == d exactly (d − hi and d − hi − mid are exact
+// in fp32, and the last remainder has at most 8 significant bits; values below 2^-100 in magnitude
+// would lose bits to bf16's subnormals). Row n of parts [N, K3] is (hi[0..E), mid[0..E), lo[0..E),
+// zeros up to K3): threads e in [E, E + K3 − 3E) of a row write the zeros. The threads after them:
+// [W; W; W; 0] [K3,H] (=) from W [E,H], NV consecutive elements each (ROW_PIECE: H % 8 == 0 and W
+// 16-byte aligned, which router_logits_backward demands): each of the split's three parts meets W,
+// and its zero columns meet zero rows (the pool's bytes may hold NaN patterns).
+static __global__ void router_split_kernel(__nv_bfloat16* parts, __nv_bfloat16* W_thrice, const float* dlogits,
+                                           const __nv_bfloat16* W, int N, int E, int H, int K3) {
   const int per_row = E + (K3 - 3 * E);
+  const size_t split_threads = (size_t)N * per_row;
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)N * per_row) return;
+  if (i >= split_threads) {  // a piece of [W; W; W; 0]
+    constexpr int NV = ROW_PIECE;
+    using P = Pack<__nv_bfloat16, NV>;
+    const int pieces = H / NV;  // per row
+    const size_t piece = i - split_threads;
+    if (piece >= (size_t)K3 * pieces) return;
+    const int row = (int)(piece / pieces), c = (int)(piece % pieces);
+    P v;
+    if (row < 3 * E) {
+      v = reinterpret_cast<const P*>(W)[(size_t)(row % E) * pieces + c];
+    } else {
+#pragma unroll
+      for (int e = 0; e < NV; e++) v.v[e] = __float2bfloat16_rn(0.f);
+    }
+    reinterpret_cast<P*>(W_thrice)[piece] = v;
+    return;
+  }
   const size_t n = i / per_row;
   const int e = (int)(i % per_row);
   __nv_bfloat16* row = parts + n * K3;
@@ -312,27 +360,6 @@ static __global__ void router_split_dlogits_kernel(__nv_bfloat16* parts, const f
   row[e] = hi;
   row[E + e] = mid;
   row[2 * E + e] = lo;
-}
-
-// [W; W; W; 0] [K3,H] (=) from W [E,H]: each of the split's three parts meets W, and its zero columns
-// meet zero rows (the pool's bytes may hold NaN patterns). One thread per NV consecutive elements
-// (ROW_PIECE: H % 8 == 0 and W 16-byte aligned, which router_logits_backward demands).
-static __global__ void router_stack_weight_kernel(__nv_bfloat16* W_thrice, const __nv_bfloat16* W, int E, int H,
-                                                  int K3) {
-  constexpr int NV = ROW_PIECE;
-  using P = Pack<__nv_bfloat16, NV>;
-  const int pieces = H / NV;  // per row
-  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)K3 * pieces) return;
-  const int row = (int)(i / pieces), c = (int)(i % pieces);
-  P v;
-  if (row < 3 * E) {
-    v = reinterpret_cast<const P*>(W)[(size_t)(row % E) * pieces + c];
-  } else {
-#pragma unroll
-    for (int e = 0; e < NV; e++) v.v[e] = __float2bfloat16_rn(0.f);
-  }
-  reinterpret_cast<P*>(W_thrice)[i] = v;
 }
 
 // dW [E,H] (+=): dW = bf16(float(dW) + ((ΔW_hi + ΔW_mid) + ΔW_lo)), one rounding; parts [3E,H] fp32.
@@ -406,14 +433,15 @@ inline void router_logits_forward(float* logits, const floatX* x, const floatX* 
 }
 
 // topk_idx [N,k] (=), topk_w [N,k] (=), scores [N,E] (=, saved for backward) from logits [N,E], bias [E].
+// loads [E] (+=; nullptr: none): the routes of this choice per expert, as router_add_loads adds them.
 inline void router_forward(int* topk_idx, float* topk_w, float* scores, const float* logits, const float* bias,
-                           int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream) {
+                           int N, int E, int k, int score_fn, bool renorm, cudaStream_t stream, int* loads = nullptr) {
   router_check_sizes("router_forward", N, E, k, score_fn);
   if (N == 0) return;
   auto* kernel = router_kernel_for(E, router_forward_kernel<1>, router_forward_kernel<2>, router_forward_kernel<4>,
                                    router_forward_kernel<8>, router_forward_kernel<16>, router_forward_kernel<32>);
   const dim3 grid(ceil_div((size_t)N * router_lanes(E), ROUTER_BLOCK)), block(ROUTER_BLOCK);
-  kernel<<<grid, block, 0, stream>>>(topk_idx, topk_w, scores, logits, bias, N, E, k, score_fn, renorm);
+  kernel<<<grid, block, 0, stream>>>(topk_idx, topk_w, scores, loads, logits, bias, N, E, k, score_fn, renorm);
   launchCheck("router_forward", "N=%d E=%d k=%d", N, E, k);
 }
 
@@ -451,9 +479,10 @@ inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits,
   const int K3 = router_split_width(E);
   const size_t K3H = (size_t)K3 * H, EH = (size_t)E * H;
   floatX* dlogits_parts = pool().alloc_t<floatX>((size_t)N * K3, Mem::Workspace, "router_logits_backward.dlogits_parts");
-  router_split_dlogits_kernel<<<ceil_div((size_t)N * (K3 - 2 * E), 256), 256, 0, stream>>>(dlogits_parts, dlogits,
-                                                                                            N, E, K3);
-  launchCheck(op, "split N=%d E=%d", N, E);
+  DeviceBuffer<floatX> W_thrice(K3H, Mem::Workspace, "router_logits_backward.W_thrice");
+  router_split_kernel<<<ceil_div((size_t)N * (K3 - 2 * E) + K3H / ROW_PIECE, 256), 256, 0, stream>>>(
+      dlogits_parts, W_thrice.ptr, dlogits, W, N, E, H, K3);
+  launchCheck(op, "split N=%d E=%d H=%d K3=%d", N, E, H, K3);
   // ΔW's parts [K3,H] = [hi mid lo 0]ᵀ · x (the last K3 − 3E rows zero), folded into dW
   float* dW_parts = pool().alloc_t<float>(K3H, Mem::Workspace, "router_logits_backward.dW_parts");
   side_run(weight_grads, stream, "router_logits_backward.dW", [&](cudaStream_t s) {
@@ -462,9 +491,6 @@ inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits,
     launchCheck(op, "fold E=%d H=%d", E, H);
   });
   {  // dx += [hi mid lo 0] · [W; W; W; 0]
-    DeviceBuffer<floatX> W_thrice(K3H, Mem::Workspace, "router_logits_backward.W_thrice");
-    router_stack_weight_kernel<<<ceil_div(K3H / ROW_PIECE, 256), 256, 0, stream>>>(W_thrice.ptr, W, E, H, K3);
-    launchCheck(op, "stack W E=%d H=%d K3=%d", E, H, K3);
     const GroupedGemmProblems product{{{dlogits_parts, W_thrice.ptr, dx, N, H, K3}}};
     if (!grouped_gemm_takes_kernel(product, false, false, K3, H, H))  // cuBLAS's beta = 1 would round twice
       fm_fail(op, "the grouped GEMM's kernel does not take dx's product (dx must be 4-byte aligned)",

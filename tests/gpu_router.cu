@@ -58,7 +58,8 @@ void expect_rounded_once(const char* name, const char* tensor, const Mat& gpu, c
 }
 #endif
 
-// Forward, backward and loads of one configuration against the reference, from fp32 logits.
+// Forward, backward and loads of one configuration against the reference, from fp32 logits. The
+// forward also adds its choice's loads (+=) into a buffer that starts from fresh counts.
 void check_router(const char* name, int N, int E, int k, int score_fn, bool renorm) {
   Rng rng;
   Vec bias = random_bias(rng, E, score_fn == ROUTER_SOFTMAX ? 0.3 / E : 0.2);
@@ -80,9 +81,13 @@ void check_router(const char* name, int N, int E, int k, int score_fn, bool reno
   testutil::poison(d_scores.ptr, d_scores.count);
   testutil::poison(d_dlogits.ptr, d_dlogits.count);
   testutil::poison(d_loads.ptr, d_loads.count);
+  std::vector<int> loads_before(E);
+  for (int& count : loads_before) count = rng.integer(0, 1000);
+  auto d_loads_added = testutil::upload_vec(loads_before);
   cudaCheck(cudaDeviceSynchronize(), "test", "setup");
 
-  router_forward(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, N, E, k, score_fn, renorm, 0);
+  router_forward(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, N, E, k, score_fn, renorm, 0,
+                 d_loads_added.ptr);
   router_backward(d_dlogits.ptr, d_dtopk_w.ptr, d_scores.ptr, d_idx.ptr, N, E, k, score_fn, renorm, 0);
   router_count_loads(d_loads.ptr, d_idx.ptr, N, E, k, 0);
 
@@ -90,7 +95,11 @@ void check_router(const char* name, int N, int E, int k, int score_fn, bool reno
   EXPECT_REL(name, "topk_w", testutil::rel_err(testutil::download(d_w.ptr, N, k), r.topk_w), FP32_TOL);
   EXPECT_REL(name, "scores", testutil::rel_err(testutil::download(d_scores.ptr, N, E), r.scores), FP32_TOL);
   EXPECT_REL(name, "dlogits", testutil::rel_err(testutil::download(d_dlogits.ptr, N, E), dlogits_ref), FP32_TOL);
-  EXPECT_EQ(testutil::download_vec(d_loads.ptr, E), ref::router_count_loads(r.topk_idx, E)) << name << " loads";
+  const std::vector<int> loads = ref::router_count_loads(r.topk_idx, E);
+  EXPECT_EQ(testutil::download_vec(d_loads.ptr, E), loads) << name << " loads";
+  std::vector<int> loads_after = loads_before;
+  for (int e = 0; e < E; e++) loads_after[e] += loads[e];
+  EXPECT_EQ(testutil::download_vec(d_loads_added.ptr, E), loads_after) << name << " loads added by router_forward";
 }
 
 // router_logits_forward and router_logits_backward on fresh x [N,H] and W [E,H] (floatX values),
@@ -249,7 +258,7 @@ TEST(RouterGpu, TiesGoToLowerExpertIndex) {
 // The launchers give a token router_lanes(E) lanes of a warp, fewer than the 32 that E = 256 needs:
 // the same reductions over the same tree of expert positions, so the same bits as the 32-lane kernels
 // (memcmp), at every E from one lane per token to a warp, on token counts that leave a warp's last
-// groups empty.
+// groups empty. Counting the loads in the forward (the launchers' run) leaves the choice's bits alone.
 TEST(RouterGpu, FewerLanesGiveTheSameBits) {
   REQUIRE_GPU();
   struct Case { int N, E, k, score_fn, lanes; };
@@ -265,7 +274,9 @@ TEST(RouterGpu, FewerLanesGiveTheSameBits) {
     auto d_dtopk_w = testutil::upload<float>(round_to_float(rng.mat<double>(c.N, c.k)));
     std::vector<int> idx[2];
     std::vector<float> w[2], scores[2], dlogits[2];
-    for (int run = 0; run < 2; run++) {  // run 0: the launchers; run 1: the 32-lane kernels
+    DeviceBuffer<int> d_loads(c.E, Mem::Workspace, "test.loads");
+    cudaCheck(cudaMemsetAsync(d_loads.ptr, 0, d_loads.bytes(), 0), "test", "zero loads");
+    for (int run = 0; run < 2; run++) {  // run 0: the launchers, counting loads; run 1: the 32-lane kernels, not
       DeviceBuffer<int> d_idx((size_t)c.N * c.k, Mem::Workspace, "test.topk_idx");
       DeviceBuffer<float> d_w((size_t)c.N * c.k, Mem::Workspace, "test.topk_w");
       DeviceBuffer<float> d_scores((size_t)c.N * c.E, Mem::Workspace, "test.scores");
@@ -275,12 +286,13 @@ TEST(RouterGpu, FewerLanesGiveTheSameBits) {
       testutil::poison(d_scores.ptr, d_scores.count);
       testutil::poison(d_dlogits.ptr, d_dlogits.count);
       if (run == 0) {
-        router_forward(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, c.N, c.E, c.k, c.score_fn, true, 0);
+        router_forward(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, c.N, c.E, c.k, c.score_fn, true, 0,
+                       d_loads.ptr);
         router_backward(d_dlogits.ptr, d_dtopk_w.ptr, d_scores.ptr, d_idx.ptr, c.N, c.E, c.k, c.score_fn, true, 0);
       } else {
         const dim3 grid(ceil_div((size_t)c.N * 32, ROUTER_BLOCK)), block(ROUTER_BLOCK);
-        router_forward_kernel<32><<<grid, block>>>(d_idx.ptr, d_w.ptr, d_scores.ptr, d_logits.ptr, d_bias.ptr, c.N, c.E,
-                                                   c.k, c.score_fn, true);
+        router_forward_kernel<32><<<grid, block>>>(d_idx.ptr, d_w.ptr, d_scores.ptr, nullptr, d_logits.ptr, d_bias.ptr,
+                                                   c.N, c.E, c.k, c.score_fn, true);
         router_backward_kernel<32><<<grid, block>>>(d_dlogits.ptr, d_dtopk_w.ptr, d_scores.ptr, d_idx.ptr, c.N, c.E,
                                                     c.k, c.score_fn, true);
         launchCheck("test", "32-lane router kernels");
@@ -291,6 +303,9 @@ TEST(RouterGpu, FewerLanesGiveTheSameBits) {
       dlogits[run] = testutil::download_vec(d_dlogits.ptr, d_dlogits.count);
     }
     EXPECT_EQ(idx[0], idx[1]);
+    std::vector<int> loads(c.E, 0);
+    for (int e : idx[1]) loads[e]++;
+    EXPECT_EQ(testutil::download_vec(d_loads.ptr, c.E), loads) << "loads";
     EXPECT_EQ(0, memcmp(w[0].data(), w[1].data(), w[0].size() * sizeof(float))) << "topk_w";
     EXPECT_EQ(0, memcmp(scores[0].data(), scores[1].data(), scores[0].size() * sizeof(float))) << "scores";
     EXPECT_EQ(0, memcmp(dlogits[0].data(), dlogits[1].data(), dlogits[0].size() * sizeof(float))) << "dlogits";
