@@ -16,9 +16,6 @@ using namespace testutil;
 
 namespace {
 
-// Rounds a double vector through float: the reference starts from exactly the GPU's fp32 state.
-ref::Vec<double> round_to_float(const ref::Vec<double>& v) { return v.cast<float>().cast<double>(); }
-
 struct ParamTensor {
   int n;
   ref::Vec<double> master, m, v, grad;       // reference state (double)

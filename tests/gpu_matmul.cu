@@ -20,7 +20,7 @@ void check_matmul(const char* name, int N, int IC, int OC, bool with_dx) {
   const double tol = fp32 ? FP32_TOL : OP_TOL;
   // the values a T buffer holds
   auto held = [fp32](const ref::Mat<double>& m) -> ref::Mat<double> {
-    return fp32 ? ref::Mat<double>(m.cast<float>().cast<double>()) : round_to_floatX(m);
+    return fp32 ? round_to_float(m) : round_to_floatX(m);
   };
   Rng rng;
   ref::Mat<double> x = held(rng.mat<double>(N, IC));

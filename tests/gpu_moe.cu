@@ -427,7 +427,7 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
   for (int s = 0; s < R; s++) slot_of_route[route_of_slot[s]] = s;
   const Mat x = testutil::round_to_floatX(rng.mat<double>(N, H));
   const Mat rows = testutil::round_to_floatX(rng.mat<double>(R, H));
-  const Mat acc0 = rng.mat<double>(N, H).cast<float>().cast<double>();
+  const Mat acc0 = testutil::round_to_float(rng.mat<double>(N, H));
   const Mat h13 = testutil::round_to_floatX(rng.mat<double>(R, 2 * I, 2.0));
   const Mat da = testutil::round_to_floatX(rng.mat<double>(R, I));
   Mat topk_w(N, k);

@@ -21,8 +21,7 @@ using testutil::Rng;
 using Mat = ref::Mat<double>;
 using Vec = ref::Vec<double>;
 
-// The values a float buffer holds.
-Mat round_to_float(const Mat& m) { return m.cast<float>().cast<double>(); }
+using testutil::round_to_float;  // the values a float buffer holds
 
 // A float-representable random bias (the GPU holds it as float).
 Vec random_bias(Rng& rng, int E, double stddev) {
@@ -63,7 +62,7 @@ void expect_rounded_once(const char* name, const char* tensor, const Mat& gpu, c
 void check_router(const char* name, int N, int E, int k, int score_fn, bool renorm) {
   Rng rng;
   Vec bias = random_bias(rng, E, score_fn == ROUTER_SOFTMAX ? 0.3 / E : 0.2);
-  Mat logits = testutil::well_separated_logits(rng, N, E, k, bias, score_fn, 1e-4, round_to_float);
+  Mat logits = testutil::well_separated_logits(rng, N, E, k, bias, score_fn, 1e-4, round_to_float<Mat>);
   Mat dtopk_w = round_to_float(rng.mat<double>(N, k));
   auto r = ref::router_forward(logits, bias, k, score_fn, renorm);
   Mat dlogits_ref = ref::router_backward(dtopk_w, r.scores, r.topk_idx, score_fn, renorm);

@@ -126,6 +126,12 @@ std::vector<T> download_vec(const T* dev, size_t n) {
   return host;
 }
 
+// Round through float: the values a float buffer holds, so that the reference starts from them.
+template <typename Derived>
+typename Derived::PlainObject round_to_float(const Eigen::MatrixBase<Derived>& m) {
+  return m.template cast<float>().template cast<double>();
+}
+
 // Round a double matrix through floatX so that the reference sees exactly the values the GPU sees.
 inline ref::Mat<double> round_to_floatX(const ref::Mat<double>& m) {
   ref::Mat<double> r(m.rows(), m.cols());
