@@ -71,6 +71,7 @@ struct TrainConfig {
   int timeline_step = -1;                  // write the pool timeline of this step (CSV + plot)
   int profile_step = -1;                   // print this step's GPU time per operator (runtime/profile.cuh); -1 = none
   int gpus = 1;                            // W: ranks (one process per GPU) started on this node
+  int share_gpus = 0;                      // 1: W may exceed the GPUs; ranks share them round-robin (runtime/launch.cuh)
   int ep = 0;                              // E_p: expert-parallel group size (0 = W)
   std::string routing = "router";          // "router", or what overrides its choice: "balanced", "hot:r/h", "trace:FILE"
   std::string record_routing;              // a routing trace of the training passes goes to this file ("" = none)
@@ -462,6 +463,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.wgrad_stream == 0 || t.wgrad_stream == 1, "wgrad_stream must be 0 or 1");
   need(t.cuda_graph == 0 || t.cuda_graph == 1, "cuda_graph must be 0 or 1");
   need(t.dry_run == 0 || t.dry_run == 1, "dry_run must be 0 or 1");
+  need(t.share_gpus == 0 || t.share_gpus == 1, "share_gpus must be 0 or 1");
   need(t.gpus >= 1, "gpus must be >= 1");
   const int ep = t.ep ? t.ep : t.gpus;
   need(ep >= 1 && t.gpus % ep == 0, "ep (" + std::to_string(ep) + ") must divide the number of ranks (" +
@@ -575,6 +577,8 @@ inline std::string usage() {
          "        CUDA graph and launched again, the same kernels with the same arguments; 0: every launch from\n"
          "        the host. The start-up table says which)\n"
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
+         "        --share_gpus 1 (W may exceed the node's GPUs: the ranks share them round-robin, collectives go\n"
+         "        through NCCL's sockets; for correctness and memory, never speed. FLATMOE_SHARE_GPUS=1 does the same)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
          "seams:  --moe local|ep|llep|pllep|relay (default: local at E_p = 1, else ep) --head full|chunked|ring_dtp\n"
@@ -728,6 +732,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--timeline_step", &T::timeline_step),
       int_flag("--profile_step", &T::profile_step),
       int_flag("--gpus", &T::gpus),
+      int_flag("--share_gpus", &T::share_gpus),
       int_flag("--ep", &T::ep),
       text_flag("--routing", &T::routing),
       text_flag("--record_routing", &T::record_routing),

@@ -257,26 +257,32 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
 // peak (model.cuh, Eq. 6), what the device holds outside the pool so far (the CUDA context, the
 // communicators, the cuBLAS handle: runtime/pool.cuh's ledger) and its capacity; under --device_budget,
 // the attention tensors that the budget leaves room to keep (ops/sar_plan.hpp). Refuses what cannot fit.
+// With ranks sharing the GPU (--share_gpus 1) its capacity is theirs together: `ranks_on_gpu` pools of the
+// predicted peak beside what the device holds outside the pools (every rank's context and communicators).
 struct RankMemoryPlan {
   MemoryPrediction predicted;
   SarPlan attention_kept;
   long long outside = 0, capacity = 0, budget = 0;  // budget: --device_budget in bytes (0: none)
+  int ranks_on_gpu = 1;
 };
 
-RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T) {
+RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T,
+                                int ranks_on_gpu) {
   RankMemoryPlan plan;
   size_t free_b = 0, total_b = 0;
   cudaCheck(cudaMemGetInfo(&free_b, &total_b), "train", "meminfo");
   const DeviceMemoryNow now = device_memory_now();
   plan.outside = now.used - now.reserved;
   plan.capacity = (long long)total_b;
+  plan.ranks_on_gpu = ranks_on_gpu;
   const Seams seams = seams_from(t, c);
   plan.predicted = predict_rank_memory(c, par, seams, B, T, t.recompute != 0);
   const DeviceBudget device_budget = parse_device_budget(t.device_budget);
   const auto mib = [](long long x) { return std::to_string((long long)std::llround(x / 1048576.0)) + " MiB"; };
   if (device_budget.on()) {
-    plan.budget = device_budget.bytes > 0 ? device_budget.bytes
-                                          : (long long)(device_budget.fraction * plan.capacity) - plan.outside;
+    plan.budget = device_budget.bytes > 0
+                      ? device_budget.bytes
+                      : ((long long)(device_budget.fraction * plan.capacity) - plan.outside) / plan.ranks_on_gpu;
     const long long left = plan.budget - (long long)plan.predicted.total();
     if (left < 0)
       throw std::invalid_argument("--device_budget " + t.device_budget + " (" + mib(plan.budget) +
@@ -285,20 +291,32 @@ RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, cons
     plan.attention_kept = sar_plan(c.layers, (long long)B * T, T, c.hidden, c.heads, sizeof(floatX), left);
     plan.predicted = predict_rank_memory(c, par, seams, B, T, true, &plan.attention_kept);
   }
-  if ((long long)plan.predicted.total() + plan.outside > plan.capacity)
-    throw std::invalid_argument("this configuration cannot fit on the GPU: the pool's predicted peak " +
-                                mib(plan.predicted.total()) + " at " + plan.predicted.peak_at + " (" +
-                                plan.predicted.describe() + ") + " + mib(plan.outside) +
-                                " outside the pool > the device's " + mib(plan.capacity) +
-                                " (try --recompute 1, --offload_budget, a smaller --batch, --moe pllep or --head chunked)");
+  const long long pools = (long long)plan.predicted.total() * plan.ranks_on_gpu;
+  if (pools + plan.outside > plan.capacity)
+    throw std::invalid_argument(
+        "this configuration cannot fit on the GPU: " +
+        (plan.ranks_on_gpu > 1 ? "the " + std::to_string(plan.ranks_on_gpu) + " ranks sharing it need " +
+                                     std::to_string(plan.ranks_on_gpu) + " x " : std::string()) +
+        "the pool's predicted peak " + mib(plan.predicted.total()) + " at " + plan.predicted.peak_at + " (" +
+        plan.predicted.describe() + ") + " + mib(plan.outside) + " outside the pool" +
+        (plan.ranks_on_gpu > 1 ? "s (every rank's context and communicators) = " + mib(pools + plan.outside) : "") +
+        " > the device's " + mib(plan.capacity) +
+        " (try --recompute 1, --offload_budget, a smaller --batch, --moe pllep, --head chunked" +
+        (plan.ranks_on_gpu > 1 ? " or fewer ranks per GPU)" : ")"));
   return plan;
 }
 
 void print_memory_plan(const RankMemoryPlan& plan, const ModelConfig& c) {
   printf("memory prediction (Eq. 6, rank 0): pool peak %.1f MiB at %s = %s; outside the pool %.1f MiB (measured); "
-         "device %.1f MiB\n",
+         "device %.1f MiB%s\n",
          plan.predicted.total() / 1048576.0, plan.predicted.peak_at.c_str(), plan.predicted.describe().c_str(),
-         plan.outside / 1048576.0, plan.capacity / 1048576.0);
+         plan.outside / 1048576.0, plan.capacity / 1048576.0,
+         plan.ranks_on_gpu > 1 ? (", shared by " + std::to_string(plan.ranks_on_gpu) + " ranks: " +
+                                  std::to_string(plan.ranks_on_gpu) + " pools + outside = " +
+                                  std::to_string((long long)std::llround(
+                                      (plan.predicted.total() * (double)plan.ranks_on_gpu + plan.outside) / 1048576.0)) +
+                                  " MiB").c_str()
+                                : "");
   if (plan.budget == 0) return;
   int core = 0, projection = 0;
   for (const SarChoice& x : plan.attention_kept.taken) (x.option == SarOption::Core ? core : projection)++;
@@ -417,10 +435,13 @@ int train_main(int argc, char** argv) {
       fprintf(stderr, "train: error: no CUDA device found; flatmoe trains on NVIDIA GPUs (see README)\n");
       return 1;
     }
-    // W processes, one per GPU: started here (--gpus W) or by mpirun/srun; the launching parent
-    // waits for its children and never returns from launch().
-    if (tc.gpus > gpus && getenv("FLATMOE_RANK") == nullptr)
-      throw std::invalid_argument("--gpus " + std::to_string(tc.gpus) + " but this node has " + std::to_string(gpus) + " CUDA devices");
+    // W processes, one per GPU (or sharing them: --share_gpus 1): started here (--gpus W) or by
+    // mpirun/srun; the launching parent waits for its children and never returns from launch().
+    if (tc.share_gpus && setenv("FLATMOE_SHARE_GPUS", "1", 1) != 0) throw std::runtime_error("setenv FLATMOE_SHARE_GPUS");
+    if (started.mode == LaunchMode::Launcher) {
+      const std::string refused = launcher_gpus_refusal(tc.gpus, gpus, gpu_sharing());
+      if (!refused.empty()) throw std::invalid_argument(refused);
+    }
     LaunchInfo li = launch(argc, argv, tc.gpus);
     if (tc.gpus != 1 && tc.gpus != li.world)
       throw std::invalid_argument("--gpus " + std::to_string(tc.gpus) + " differs from the " + std::to_string(li.world) +
@@ -447,7 +468,8 @@ int train_main(int argc, char** argv) {
     const int B = tc.batch, T = mc.seq_len;
     const int accum = tc.total_batch ? tc.total_batch / (B * T) : 1;
     cudaStream_t stream = stream_create("train", StreamPriority::Compute);  // each communicator has its own
-    const RankMemoryPlan memory_plan = plan_rank_memory(mc, tc, par, B, T);  // before the model allocates
+    const int ranks_on_gpu = ranks_on_this_gpu(par.world);
+    const RankMemoryPlan memory_plan = plan_rank_memory(mc, tc, par, B, T, ranks_on_gpu);  // before the model allocates
     if (tc.dry_run) {  // the prediction is the whole answer: nothing is allocated or trained
       if (main_rank) print_memory_plan(memory_plan, mc);
       parallel_destroy(par);
@@ -479,7 +501,9 @@ int train_main(int argc, char** argv) {
       m.routing_record = std::make_unique<data::RoutingTraceWriter>(
           tc.record_routing, routing_trace_shape(mc, B * T, W), (long long)st.step * accum, (int)passes);
     const double peak_flops = peak_flops_for_build() * W;
+    const bool shared = gpu_sharing() && W > 1;
     if (main_rank) {
+      if (shared) printf("%s\n", sharing_banner(W, std::min(W, gpus)).c_str());
       print_config(mc, tc, m, accum, peak_flops / W);
       print_memory_plan(memory_plan, mc);
       printf("validation: %d batches x %d ranks x %d x %d = %lld distinct tokens of the %lld in %s%s\n", val_batches, W, B, T,
@@ -497,7 +521,8 @@ int train_main(int argc, char** argv) {
       std::string log_path = tc.out_dir + "/log.csv";
       log = fopen(log_path.c_str(), st.step > 0 ? "a" : "w");
       if (!log) throw std::runtime_error("cannot write " + log_path);
-      if (st.step == 0) fprintf(log, "step,train_loss,val_loss,lr,grad_norm,ms,tokens_per_s,mfu,peak_alloc_mib,expert_load_max_mean,router_bias_min,router_bias_max\n");
+      // ranks_per_gpu > 1: ranks shared GPUs (--share_gpus 1), and ms, tokens_per_s and mfu are not GPU timings
+      if (st.step == 0) fprintf(log, "step,train_loss,val_loss,lr,grad_norm,ms,tokens_per_s,mfu,peak_alloc_mib,expert_load_max_mean,router_bias_min,router_bias_max,ranks_per_gpu\n");
     }
 
     const int first_step = st.step;
@@ -511,7 +536,7 @@ int train_main(int argc, char** argv) {
         float val_loss = validation_loss(m, val_data, val_batches, B, T);
         if (main_rank) {
           printf("step %5d | val loss %.4f\n", step, val_loss);
-          fprintf(log, "%d,nan,%.6f,nan,nan,nan,nan,nan,nan,nan,nan,nan\n", step, val_loss);
+          fprintf(log, "%d,nan,%.6f,nan,nan,nan,nan,nan,nan,nan,nan,nan,%d\n", step, val_loss, ranks_on_gpu);
         }
       }
       if (tc.sample_every > 0 && step > 0 && !resumed_here && (step % tc.sample_every == 0 || last)) {
@@ -559,11 +584,12 @@ int train_main(int argc, char** argv) {
       }
       if (step % tc.log_every == 0 || step == tc.steps - 1)
         printf("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | experts max/mean "
-               "%.2f, bias [%.3f, %.3f] | peak %.1f MiB (device used %.1f MiB)%s\n",
+               "%.2f, bias [%.3f, %.3f] | peak %.1f MiB (device used %.1f MiB)%s%s\n",
                step + 1, tc.steps, loss, lr, norm, ms, tok_s, 100 * mfu, bal.worst_max_over_mean, bal.bias_min,
-               bal.bias_max, pool().peak() / 1048576.0, (total_b - free_b) / 1048576.0, W > 1 ? " [rank 0]" : "");
-      fprintf(log, "%d,%.6f,nan,%.6e,%.6f,%.3f,%.1f,%.5f,%.2f,%.4f,%.6f,%.6f\n", step + 1, loss, lr, norm, ms, tok_s,
-              mfu, pool().peak() / 1048576.0, bal.worst_max_over_mean, bal.bias_min, bal.bias_max);
+               bal.bias_max, pool().peak() / 1048576.0, (total_b - free_b) / 1048576.0, W > 1 ? " [rank 0]" : "",
+               shared ? " [shared GPU: not GPU timings]" : "");
+      fprintf(log, "%d,%.6f,nan,%.6e,%.6f,%.3f,%.1f,%.5f,%.2f,%.4f,%.6f,%.6f,%d\n", step + 1, loss, lr, norm, ms, tok_s,
+              mfu, pool().peak() / 1048576.0, bal.worst_max_over_mean, bal.bias_min, bal.bias_max, ranks_on_gpu);
       fflush(log);
     }
     if (m.graph_passes && main_rank) {

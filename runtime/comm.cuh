@@ -401,6 +401,29 @@ inline Comm comm_world_init(const LaunchInfo& info) {
   return world;
 }
 
+// How many ranks of `world` run on this rank's GPU, this one included: 1 unless ranks share GPUs
+// (--share_gpus 1, runtime/launch.cuh). The GPUs' UUIDs, all-gathered over the world.
+inline int ranks_on_this_gpu(const Comm& world) {
+  if (world.size == 1) return 1;
+  int device = 0;
+  cudaDeviceProp prop;
+  comm_cuda_check(world, cudaGetDevice(&device), "ranks_on_this_gpu", "cudaGetDevice");
+  comm_cuda_check(world, cudaGetDeviceProperties(&prop, device), "ranks_on_this_gpu", comm_format("device %d", device));
+  constexpr int words = sizeof(prop.uuid.bytes) / sizeof(int);
+  int mine[words];
+  memcpy(mine, prop.uuid.bytes, sizeof(mine));
+  DeviceBuffer<int> sent(words, Mem::CommStaging, "ranks_on_this_gpu.sent");
+  DeviceBuffer<int> got((size_t)words * world.size, Mem::CommStaging, "ranks_on_this_gpu.got");
+  copy_to_device(sent.ptr, mine, sent.bytes(), world.stream, "ranks_on_this_gpu");
+  all_gather(world, sent.ptr, got.ptr, words, world.stream);
+  std::vector<int> all(got.count);
+  comm_sync(world, world.stream, "ranks_on_this_gpu");
+  copy_to_host(all.data(), got.ptr, got.bytes(), world.stream, "ranks_on_this_gpu");
+  int same = 0;
+  for (int r = 0; r < world.size; r++) same += memcmp(all.data() + (size_t)r * words, mine, sizeof(mine)) == 0;
+  return same;
+}
+
 // The ranks of `parent` that pass the same color (>= 0) form one new communicator, ordered by key
 // (then by parent rank). Every rank of the parent must call it. Built with ncclCommInitRankConfig
 // rather than ncclCommSplit (whose non-blocking form left the new communicator unset on NCCL here):

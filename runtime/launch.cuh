@@ -25,7 +25,8 @@
 //   * by nobody, gpus == 1: rank 0 of 1 (comm_world_init makes its own NCCL id).
 // Under mpirun/srun, gpus must be 1 (left out) or the job's size. Each rank's CUDA device (rank_device,
 // asked when the rank starts using the GPU): FLATMOE_DEVICE when set, else the only one the process
-// sees when it sees one, else its local rank. The rendezvous gives up after FLATMOE_COMM_TIMEOUT_S
+// sees when it sees one, else its local rank (its local rank mod the devices with ranks sharing GPUs,
+// --share_gpus 1: "Ranks sharing GPUs" below). The rendezvous gives up after FLATMOE_COMM_TIMEOUT_S
 // (default 600 s). Malformed variables are refused with a message naming them ("flatmoe launch: ..."),
 // exit status 1. Call launch() first in main(), before anything creates a CUDA context (the launching
 // parent needs none).
@@ -212,6 +213,32 @@ inline std::string find_job_token(const EnvLookup& env, const char* launcher, in
                      launcher, world);
 }
 
+// The launchers whose variables are read, in this order (mpirun inside a Slurm allocation sets both its
+// own and Slurm's: the MPI's describe the job). Under srun the step's task count is the world
+// (SLURM_STEP_NUM_TASKS; SLURM_NTASKS where an older Slurm does not set it).
+struct LauncherSource {
+  const char *rank, *size, *local_rank, *launcher;
+};
+
+inline std::vector<LauncherSource> launcher_sources(const EnvLookup& env) {
+  return {{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "mpirun"},
+          {"MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "mpirun (MVAPICH2)"},
+          {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "mpiexec (MPICH / Intel MPI)"},
+          {"SLURM_PROCID", env("SLURM_STEP_NUM_TASKS") != nullptr ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS",
+           "SLURM_LOCALID", "srun"}};
+}
+
+// Every variable that tells a process it is a rank of a job (ours, an external launcher's, PMIx's), and
+// NCCL_HOSTID, which a rank sharing a GPU sets for itself: a job that a rank starts (a test's sub-job)
+// is started without them, by nobody.
+inline std::vector<std::string> rank_variable_names() {
+  std::vector<std::string> names = {"FLATMOE_RANK", "FLATMOE_WORLD", "FLATMOE_LOCAL_RANK", "FLATMOE_NCCL_ID",
+                                    "PMIX_RANK", "SLURM_NTASKS", "NCCL_HOSTID"};
+  for (const LauncherSource& s : launcher_sources([](const char*) -> const char* { return "set"; }))
+    names.insert(names.end(), {s.rank, s.size, s.local_rank});
+  return names;
+}
+
 // Reads the launcher variables through `env` (getenv in launch(); tests pass a table). Returns "" and
 // fills *out, or why the variables are refused.
 inline std::string parse_launch_env(const EnvLookup& env, int gpus, LaunchEnv* out) {
@@ -233,19 +260,7 @@ inline std::string parse_launch_env(const EnvLookup& env, int gpus, LaunchEnv* o
     *out = e;
     return "";
   }
-  // The launchers whose variables are read, in this order (mpirun inside a Slurm allocation sets
-  // both its own and Slurm's: the MPI's describe the job). Under srun the step's task count is the
-  // world (SLURM_STEP_NUM_TASKS; SLURM_NTASKS where an older Slurm does not set it).
-  struct Source {
-    const char *rank, *size, *local_rank, *launcher;
-  };
-  const Source sources[] = {
-      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "mpirun"},
-      {"MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "mpirun (MVAPICH2)"},
-      {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "mpiexec (MPICH / Intel MPI)"},
-      {"SLURM_PROCID", env("SLURM_STEP_NUM_TASKS") != nullptr ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS", "SLURM_LOCALID",
-       "srun"}};
-  for (const Source& s : sources) {
+  for (const LauncherSource& s : launcher_sources(env)) {
     if (env(s.rank) == nullptr && env(s.size) == nullptr) continue;
     if (env(s.rank) == nullptr)  // a launcher is there, but which rank this is cannot be told
       return comm_format("%s is set but %s is missing: started by %s, this process cannot tell its rank", s.size, s.rank,
@@ -289,9 +304,104 @@ inline std::string parse_launch_env(const EnvLookup& env, int gpus, LaunchEnv* o
   return "";
 }
 
+// ---------------------------------------------------------------------------------------------
+// Ranks sharing GPUs (--share_gpus 1, or FLATMOE_SHARE_GPUS=1 for the tests and external launchers)
+//
+// For correctness and memory, never for speed (notes/multi-gpu.md): W ranks run on fewer GPUs, placed
+// round-robin (rank_device: local rank mod the GPUs this process sees). NCCL refuses two ranks of a
+// communicator on one GPU ("Duplicate GPU detected") unless they look like different hosts, so each
+// rank takes, before its first NCCL call, its own NCCL host identity (NCCL_HOSTID=flatmoe-rank<R>) and
+// NCCL connects the ranks through its network transport: sockets, over the loopback interface
+// (NCCL_SOCKET_IFNAME=lo) when every rank is on this host — our launcher's ranks, or an external
+// launcher's whose FLATMOE_MASTER_ADDR is a loopback address. The collectives are real NCCL
+// collectives over real data; their timings are socket timings. Variables the user has set are kept.
+// An NCCL of its own several-ranks-per-GPU mode (NCCL_MULTI_RANK_GPU_ENABLE, from 2.30 on) is used
+// instead where the installed library is that new: the ranks then keep the host they are on.
+
+// The NCCL version from which NCCL_MULTI_RANK_GPU_ENABLE lets ranks of one host share a GPU.
+static const int NCCL_MULTI_RANK_GPU_VERSION = 23000;
+
+// FLATMOE_SHARE_GPUS: unset or "0" (off), "1" (on); anything else is refused. Returns "" and sets *share.
+inline std::string parse_gpu_sharing(const EnvLookup& env, bool* share) {
+  const char* text = env("FLATMOE_SHARE_GPUS");
+  *share = text != nullptr && strcmp(text, "1") == 0;
+  if (text != nullptr && !*share && strcmp(text, "0") != 0)
+    return comm_format("FLATMOE_SHARE_GPUS='%s' must be 0 or 1 (1: ranks may share GPUs, for correctness and memory runs)",
+                       text);
+  return "";
+}
+
+// Whether this process's ranks share GPUs (FLATMOE_SHARE_GPUS; launch() has refused a malformed value).
+inline bool gpu_sharing() {
+  bool share = false;
+  parse_gpu_sharing([](const char* name) -> const char* { return getenv(name); }, &share);
+  return share;
+}
+
+// How NCCL carries the collectives of ranks sharing a GPU, from the installed NCCL's version.
+enum class SharingPath { Sockets, NcclMultiRankGpu };
+
+inline SharingPath sharing_path(int nccl_version) {
+  return nccl_version >= NCCL_MULTI_RANK_GPU_VERSION ? SharingPath::NcclMultiRankGpu : SharingPath::Sockets;
+}
+
+inline const char* sharing_path_text(SharingPath path) {
+  return path == SharingPath::Sockets ? "NCCL's socket transport (one NCCL host per rank)"
+                                      : "NCCL's several-ranks-per-GPU mode (NCCL_MULTI_RANK_GPU_ENABLE=1)";
+}
+
+// The variables (NAME=VALUE) that rank `rank` sets for sharing a GPU over `path`, less those the
+// environment already has: each is set only where the user has not set it. `all_on_this_host`: every
+// rank of the job runs on this host (then NCCL's sockets use the loopback interface).
+inline std::vector<std::string> sharing_variables(const EnvLookup& env, int rank, SharingPath path, bool all_on_this_host) {
+  std::vector<std::string> wanted;
+  if (path == SharingPath::NcclMultiRankGpu) {
+    wanted.push_back("NCCL_MULTI_RANK_GPU_ENABLE=1");
+  } else {
+    wanted.push_back("NCCL_HOSTID=flatmoe-rank" + std::to_string(rank));
+    if (all_on_this_host) wanted.push_back("NCCL_SOCKET_IFNAME=lo");
+  }
+  std::vector<std::string> set;
+  for (const std::string& v : wanted)
+    if (env(v.substr(0, v.find('=')).c_str()) == nullptr) set.push_back(v);
+  return set;
+}
+
+inline int nccl_runtime_version() {
+  int version = 0;
+  ncclResult_t r = ncclGetVersion(&version);
+  if (r != ncclSuccess) launch_fail("ncclGetVersion failed: %s", ncclGetErrorString(r));
+  return version;
+}
+
+// Sets this process's sharing variables (sharing_variables) before its first NCCL call.
+inline void apply_gpu_sharing(int rank, bool all_on_this_host) {
+  const EnvLookup env = [](const char* name) -> const char* { return getenv(name); };
+  for (const std::string& v : sharing_variables(env, rank, sharing_path(nccl_runtime_version()), all_on_this_host)) {
+    const size_t eq = v.find('=');
+    if (setenv(v.substr(0, eq).c_str(), v.substr(eq + 1).c_str(), 1) != 0)
+      launch_fail("rank %d: setenv %s: %s", rank, v.c_str(), strerror(errno));
+  }
+}
+
+// One line for rank 0's log: how W ranks share `gpus` GPUs, and that their timings are not GPU timings.
+inline std::string sharing_banner(int world, int gpus) {
+  return comm_format("%d ranks share %d GPU%s (--share_gpus 1, round-robin), collectives through %s: for correctness "
+                     "and memory; timings are not GPU timings",
+                     world, gpus, gpus == 1 ? "" : "s", sharing_path_text(sharing_path(nccl_runtime_version())));
+}
+
+// Whether `host` (FLATMOE_MASTER_ADDR) is a loopback address: "localhost" or an IPv4 literal in 127/8.
+inline bool is_loopback_host(const std::string& host) {
+  in_addr literal;
+  if (host == "localhost") return true;
+  return inet_pton(AF_INET, host.c_str(), &literal) == 1 && (ntohl(literal.s_addr) >> 24) == 127;
+}
+
 // The CUDA device of a rank that sees `visible` devices: FLATMOE_DEVICE when set; the only one when
 // the process sees exactly one (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per task); else
-// its local rank. Returns "" and sets *device, or why no device fits.
+// its local rank, or with ranks sharing GPUs (gpu_sharing) its local rank mod `visible` (round-robin).
+// Returns "" and sets *device, or why no device fits.
 inline std::string choose_device(const EnvLookup& env, int local_rank, int visible, int* device) {
   if (visible < 1) return "no CUDA device is visible to this process";
   if (const char* chosen = env("FLATMOE_DEVICE")) {
@@ -303,10 +413,18 @@ inline std::string choose_device(const EnvLookup& env, int local_rank, int visib
     *device = 0;
     return "";
   }
-  if (local_rank >= visible)
-    return comm_format("local rank %d needs CUDA device %d, but this process sees %d; give each task one GPU or set "
-                       "FLATMOE_DEVICE",
+  if (local_rank >= visible) {
+    bool share = false;
+    std::string why = parse_gpu_sharing(env, &share);
+    if (!why.empty()) return why;
+    if (share) {
+      *device = local_rank % visible;
+      return "";
+    }
+    return comm_format("local rank %d needs CUDA device %d, but this process sees %d; give each task one GPU, set "
+                       "FLATMOE_DEVICE, or let ranks share GPUs (--share_gpus 1 or FLATMOE_SHARE_GPUS=1)",
                        local_rank, local_rank, visible);
+  }
   *device = local_rank;
   return "";
 }
@@ -1034,8 +1152,11 @@ inline int wait_for_ranks(std::vector<pid_t> pids, const LauncherSignals& signal
 // Starts `world` ranks of this program (/proc/self/exe with argv[0..argc)) with the launcher variables
 // and a fresh NCCL id, each leading its own process group, and waits for them (wait_for_ranks, which
 // gives ranks that are told to stop stop_grace_s). Returns 0 or the exit code of what stopped the job.
+// With ranks sharing GPUs over sockets, the NCCL id's bootstrap address is on the loopback interface,
+// as the ranks' sockets are (unless NCCL_SOCKET_IFNAME is set).
 inline int run_local_ranks(int argc, char** argv, int world, double stop_grace_s = RANK_STOP_GRACE_S) {
   comm_set_nccl_env();
+  if (gpu_sharing() && sharing_path(nccl_runtime_version()) == SharingPath::Sockets) setenv("NCCL_SOCKET_IFNAME", "lo", 0);
   ncclUniqueId id;
   ncclResult_t r = ncclGetUniqueId(&id);
   if (r != ncclSuccess) {
@@ -1097,19 +1218,36 @@ inline int run_local_ranks(int argc, char** argv, int world, double stop_grace_s
   return wait_for_ranks(pids, signals, stop_grace_s);
 }
 
+// Why our launcher does not start `ranks` ranks on a node of `devices` CUDA devices ("" when it does):
+// more ranks than devices need the ranks to share GPUs.
+inline std::string launcher_gpus_refusal(int ranks, int devices, bool share) {
+  if (devices < 1) return "no CUDA device found; flatmoe trains on NVIDIA GPUs (see README)";
+  if (ranks <= devices || share) return "";
+  return comm_format("%d ranks requested (--gpus %d), but this node has %d CUDA device%s: --share_gpus 1 (or "
+                     "FLATMOE_SHARE_GPUS=1) runs them on %s, round-robin, for correctness and memory (not speed)",
+                     ranks, ranks, devices, devices == 1 ? "" : "s", devices == 1 ? "it" : "them");
+}
+
 // ---------------------------------------------------------------------------------------------
 
 // This process's LaunchInfo; in the launching parent (gpus > 1, started by nobody) it starts the
 // ranks, waits, and exits with their status instead of returning.
+// With ranks sharing GPUs (FLATMOE_SHARE_GPUS=1) every rank sets its sharing variables before its
+// first NCCL call, and the launching parent the loopback interface for the NCCL id it makes.
 inline LaunchInfo launch(int argc, char** argv, int gpus) {
+  const EnvLookup lookup = [](const char* name) -> const char* { return getenv(name); };
   LaunchEnv env;
-  std::string why = parse_launch_env([](const char* name) -> const char* { return getenv(name); }, gpus, &env);
+  std::string why = parse_launch_env(lookup, gpus, &env);
+  bool share = false;
+  if (why.empty()) why = parse_gpu_sharing(lookup, &share);
   if (!why.empty()) launch_fail("%s", why.c_str());
   comm_set_nccl_env();
   LaunchInfo info;
   info.rank = env.rank;
   info.world = env.world;
   info.local_rank = env.local_rank;
+  if (share && env.mode != LaunchMode::Launcher)
+    apply_gpu_sharing(env.rank, env.mode == LaunchMode::Child || is_loopback_host(env.master_addr));
   switch (env.mode) {
     case LaunchMode::Child:
       info.id = env.id;
@@ -1127,7 +1265,7 @@ inline LaunchInfo launch(int argc, char** argv, int gpus) {
       break;
   }
   if (gpus == 1) return info;
-  int devices = gpu_count();
-  if (devices < gpus) launch_fail("%d GPUs requested, but this node has %d CUDA device(s)", gpus, devices);
+  std::string refused = launcher_gpus_refusal(gpus, gpu_count(), share);
+  if (!refused.empty()) launch_fail("%s", refused.c_str());
   exit(run_local_ranks(argc, argv, gpus));
 }

@@ -61,7 +61,7 @@ const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_patte
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
                                           &T::recompute,  &T::overlap_update, &T::wgrad_stream, &T::cuda_graph, &T::val_every, &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
-                                          &T::gpus,       &T::ep,           &T::llep_min_rows, &T::token_budget,
+                                          &T::gpus,       &T::share_gpus,   &T::ep,           &T::llep_min_rows, &T::token_budget,
                                           &T::kmax,       &T::offload_bucket, &T::offload_slots, &T::vocab_group,
                                           &T::vocab_block, &T::dry_run};
 const std::vector<float T::*> kTrainFloats = {&T::lr,    &T::min_lr_frac, &T::weight_decay, &T::beta1,
@@ -434,6 +434,20 @@ TEST(ConfigTrain, WgradStreamIsZeroOrOne) {
   t.wgrad_stream = 2;
   EXPECT_EQ(validate_error(t, m), "wgrad_stream must be 0 or 1");
   EXPECT_EQ(parse_error({"--wgrad_stream", "on"}), "flag --wgrad_stream expects an integer, got 'on'");
+}
+
+// --share_gpus: off by default, 0 or 1 (what it does is runtime/launch.cuh's, tested in test_dist's
+// LaunchEnvironment and GpuSharing tests).
+TEST(ConfigTrain, ShareGpusIsZeroOrOne) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  EXPECT_EQ(t.share_gpus, 0) << "one rank per GPU by default";
+  t.gpus = 8;
+  t.share_gpus = 1;
+  EXPECT_EQ(validate_error(t, m), "");
+  t.share_gpus = 2;
+  EXPECT_EQ(validate_error(t, m), "share_gpus must be 0 or 1");
+  EXPECT_EQ(parse_error({"--share_gpus", "yes"}), "flag --share_gpus expects an integer, got 'yes'");
 }
 
 // --cuda_graph: on by default, 0 or 1; where a run cannot capture its passes, the reason (printed at

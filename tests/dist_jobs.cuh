@@ -83,9 +83,7 @@ inline JobResult run_scenario_job(const std::string& name, int world, std::vecto
                                    "--gtest_also_run_disabled_tests"};
   env_add.insert(env_add.end(), {"FLATMOE_TEST_WORLD=" + std::to_string(world), "FLATMOE_COMM_TIMEOUT_S=10",
                                  "FLATMOE_TEST_LOG_DIR=" + dir});
-  std::vector<std::string> env = environment_with(
-      {"FLATMOE_RANK", "FLATMOE_WORLD", "FLATMOE_LOCAL_RANK", "FLATMOE_NCCL_ID", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"},
-      env_add);
+  std::vector<std::string> env = environment_with(rank_variable_names(), env_add);  // started by nobody
   std::vector<char*> argv = exec_array(args), envp = exec_array(env);
   make_test_dirs(dir);
   int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

@@ -220,7 +220,8 @@ TEST(LaunchEnvironment, JobToken) {
   }
 }
 
-// A rank's device: FLATMOE_DEVICE, else the only visible one, else its local rank.
+// A rank's device: FLATMOE_DEVICE, else the only visible one, else its local rank (without sharing,
+// a local rank past the GPUs is refused).
 TEST(LaunchEnvironment, DeviceChoice) {
   auto choose = [](const Env& env, int local_rank, int visible, int* device) {
     return choose_device(env.lookup(), local_rank, visible, device);
@@ -235,7 +236,95 @@ TEST(LaunchEnvironment, DeviceChoice) {
   EXPECT_NE(choose(Env{{{"FLATMOE_DEVICE", "8"}}}, 0, 8, &device).find("FLATMOE_DEVICE='8'"), std::string::npos);
   EXPECT_NE(choose(Env{{{"FLATMOE_DEVICE", "x"}}}, 0, 8, &device).find("FLATMOE_DEVICE='x'"), std::string::npos);
   EXPECT_NE(choose(Env{}, 2, 2, &device).find("local rank 2"), std::string::npos);
+  EXPECT_NE(choose(Env{}, 2, 2, &device).find("--share_gpus 1"), std::string::npos) << "the refusal names the option";
   EXPECT_NE(choose(Env{}, 0, 0, &device).find("no CUDA device"), std::string::npos);
+}
+
+// Ranks sharing GPUs (FLATMOE_SHARE_GPUS=1): placed round-robin over the GPUs the process sees.
+TEST(GpuSharing, RanksArePlacedRoundRobin) {
+  const Env share{{{"FLATMOE_SHARE_GPUS", "1"}}};
+  int device = -1;
+  for (int visible : {1, 2, 3})
+    for (int local_rank = 0; local_rank < 8; local_rank++) {
+      EXPECT_EQ(choose_device(share.lookup(), local_rank, visible, &device), "");
+      EXPECT_EQ(device, local_rank % visible) << "local rank " << local_rank << " of 8 on " << visible << " GPUs";
+    }
+  const Env chosen{{{"FLATMOE_SHARE_GPUS", "1"}, {"FLATMOE_DEVICE", "1"}}};
+  EXPECT_EQ(choose_device(chosen.lookup(), 6, 2, &device), "");
+  EXPECT_EQ(device, 1) << "FLATMOE_DEVICE still decides";
+  const Env malformed{{{"FLATMOE_SHARE_GPUS", "yes"}}};
+  EXPECT_NE(choose_device(malformed.lookup(), 3, 2, &device).find("FLATMOE_SHARE_GPUS='yes' must be 0 or 1"),
+            std::string::npos);
+}
+
+TEST(GpuSharing, TheSwitchIsZeroOrOne) {
+  bool share = true;
+  EXPECT_EQ(parse_gpu_sharing(Env{}.lookup(), &share), "");
+  EXPECT_FALSE(share) << "off unless asked for";
+  EXPECT_EQ(parse_gpu_sharing(Env{{{"FLATMOE_SHARE_GPUS", "0"}}}.lookup(), &share), "");
+  EXPECT_FALSE(share);
+  EXPECT_EQ(parse_gpu_sharing(Env{{{"FLATMOE_SHARE_GPUS", "1"}}}.lookup(), &share), "");
+  EXPECT_TRUE(share);
+  for (const char* bad : {"", "2", "on", " 1"})
+    EXPECT_NE(parse_gpu_sharing(Env{{{"FLATMOE_SHARE_GPUS", bad}}}.lookup(), &share).find("must be 0 or 1"),
+              std::string::npos)
+        << "'" << bad << "'";
+}
+
+// Our launcher refuses more ranks than GPUs unless they may share them, naming the option.
+TEST(GpuSharing, MoreRanksThanGpusNeedTheSwitch) {
+  EXPECT_EQ(launcher_gpus_refusal(2, 2, false), "");
+  EXPECT_EQ(launcher_gpus_refusal(8, 1, true), "");
+  EXPECT_EQ(launcher_gpus_refusal(8, 3, true), "");
+  const std::string refused = launcher_gpus_refusal(8, 1, false);
+  EXPECT_NE(refused.find("8 ranks requested (--gpus 8), but this node has 1 CUDA device"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("--share_gpus 1"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("not speed"), std::string::npos) << refused;
+  EXPECT_NE(launcher_gpus_refusal(2, 0, true).find("no CUDA device"), std::string::npos);
+}
+
+// Each rank's NCCL variables: its own host identity and the loopback interface (NCCL < 2.30), or
+// NCCL's own several-ranks-per-GPU switch (2.30 on); a variable the user set is kept.
+TEST(GpuSharing, EachRankIsItsOwnNcclHostUnlessTheUserSaidOtherwise) {
+  EXPECT_EQ(sharing_path(22807), SharingPath::Sockets);
+  EXPECT_EQ(sharing_path(22900), SharingPath::Sockets);
+  EXPECT_EQ(sharing_path(23000), SharingPath::NcclMultiRankGpu);
+  using V = std::vector<std::string>;
+  EXPECT_EQ(sharing_variables(Env{}.lookup(), 3, SharingPath::Sockets, true),
+            (V{"NCCL_HOSTID=flatmoe-rank3", "NCCL_SOCKET_IFNAME=lo"}));
+  EXPECT_EQ(sharing_variables(Env{}.lookup(), 3, SharingPath::Sockets, false), (V{"NCCL_HOSTID=flatmoe-rank3"}))
+      << "ranks on other hosts: NCCL's own choice of interface";
+  EXPECT_EQ(sharing_variables(Env{{{"NCCL_SOCKET_IFNAME", "eth0"}}}.lookup(), 0, SharingPath::Sockets, true),
+            (V{"NCCL_HOSTID=flatmoe-rank0"}));
+  EXPECT_EQ(sharing_variables(Env{{{"NCCL_HOSTID", "mine"}}}.lookup(), 5, SharingPath::Sockets, true),
+            (V{"NCCL_SOCKET_IFNAME=lo"}));
+  EXPECT_EQ(sharing_variables(Env{}.lookup(), 1, SharingPath::NcclMultiRankGpu, true),
+            (V{"NCCL_MULTI_RANK_GPU_ENABLE=1"}));
+  EXPECT_TRUE(is_loopback_host("127.0.0.1"));
+  EXPECT_TRUE(is_loopback_host("127.1.2.3"));
+  EXPECT_TRUE(is_loopback_host("localhost"));
+  EXPECT_FALSE(is_loopback_host("10.0.0.1"));
+  EXPECT_FALSE(is_loopback_host("node7"));
+}
+
+// A job that a rank starts (a test's sub-job) goes without every variable that made this process a rank.
+TEST(GpuSharing, SubJobsAreStartedByNobody) {
+  const std::vector<std::string> names = rank_variable_names();
+  for (const char* name : {"FLATMOE_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+                           "MPI_LOCALRANKID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "PMIX_RANK",
+                           "NCCL_HOSTID"})
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  // a rank of mpiexec's job of 4 that shares a GPU: without those variables, a job of 2 started by nobody
+  Env rank{{{"PMI_RANK", "1"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "1"}, {"FLATMOE_MASTER_ADDR", "127.0.0.1"},
+            {"FLATMOE_MASTER_PORT", "29500"}, {"FLATMOE_JOB_TOKEN", "t"}, {"NCCL_HOSTID", "flatmoe-rank1"}}};
+  LaunchEnv e;
+  EXPECT_EQ(rank.parse(1, &e), "");
+  EXPECT_EQ(e.mode, LaunchMode::External);
+  for (const std::string& name : names) rank.vars.erase(name);
+  EXPECT_EQ(rank.parse(2, &e), "");
+  EXPECT_EQ(e.mode, LaunchMode::Launcher);
+  EXPECT_EQ(e.world, 2);
+  EXPECT_EQ(rank.vars.count("NCCL_HOSTID"), 0u) << "the sub-job's ranks take host identities of their own";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -683,8 +772,7 @@ TEST(LaunchRendezvous, ThreeProcessesOnLoopback) {
   std::vector<std::pair<pid_t, int>> procs(world);
   for (int r = world - 1; r >= 0; r--) {
     procs[r] = fork_capturing([&] {
-      for (const char* var : {"FLATMOE_RANK", "FLATMOE_WORLD", "FLATMOE_LOCAL_RANK", "FLATMOE_NCCL_ID", "SLURM_PROCID"})
-        unsetenv(var);
+      for (const std::string& var : rank_variable_names()) unsetenv(var.c_str());
       setenv("OMPI_COMM_WORLD_RANK", std::to_string(r).c_str(), 1);
       setenv("OMPI_COMM_WORLD_SIZE", std::to_string(world).c_str(), 1);
       setenv("OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r).c_str(), 1);

@@ -1,6 +1,7 @@
 // tests/dist_main.cu — main() of build/{fp32,bf16}/test_dist, whose tests are tests/dist_*.cu.
 //
-// W = FLATMOE_TEST_WORLD, or min(2, CUDA devices) when it is unset.
+// W = FLATMOE_TEST_WORLD, or min(2, CUDA devices) when it is unset; W above the CUDA devices needs the
+// ranks to share GPUs (FLATMOE_SHARE_GPUS=1, runtime/launch.cuh: each its own NCCL host, sockets).
 //   W >= 2: this process is the launcher (runtime/launch.cuh). It starts W ranks of itself and waits. Each
 //     rank makes the world communicator (test_world()), runs every test, writes its output to
 //     LOGDIR/dist_rankR.log and each test's outcome to LOGDIR/dist_rankR.results (LOGDIR =
@@ -96,6 +97,16 @@ int run_ranks_and_report(std::vector<std::string> args, int world) {
     setenv("FLATMOE_SEED", std::to_string(seed).c_str(), 1);
   }
   setenv("FLATMOE_COMM_TIMEOUT_S", "300", 0);
+  // More ranks than GPUs only when they may share them (FLATMOE_SHARE_GPUS=1); without a GPU the ranks
+  // run the host-only tests.
+  bool share = false;
+  std::string why = parse_gpu_sharing([](const char* name) -> const char* { return getenv(name); }, &share);
+  const int gpus = gpu_count();
+  if (why.empty() && gpus > 0) why = launcher_gpus_refusal(world, gpus, share);
+  if (!why.empty()) {
+    fprintf(stderr, "test_dist: FLATMOE_TEST_WORLD=%d: %s\n", world, why.c_str());
+    return EXIT_FAILURE;
+  }
   make_test_dirs(test_log_dir());
   for (int r = 0; r < world; r++) {
     remove(rank_file(r, ".log").c_str());
@@ -103,6 +114,7 @@ int run_ranks_and_report(std::vector<std::string> args, int world) {
   }
   printf("[dist] %d ranks, FLATMOE_SEED=%s, FLATMOE_COMM_TIMEOUT_S=%s; rank logs: %s/dist_rankR.log\n", world,
          getenv("FLATMOE_SEED"), getenv("FLATMOE_COMM_TIMEOUT_S"), test_log_dir().c_str());
+  if (share && gpus > 0 && gpus < world) printf("[dist] %s\n", sharing_banner(world, gpus).c_str());
   fflush(stdout);
   std::vector<char*> argv = exec_array(args);
   int status = run_local_ranks((int)args.size(), argv.data(), world);
