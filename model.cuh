@@ -485,6 +485,15 @@ inline void model_make_seams(Model& m, const Seams& seams) {
   m.sco = std::make_unique<CheckpointOffload>(seams.offload_budget);
 }
 
+// Why the model cannot be laid out over `par` ("" when it can): model_create refuses it; a test asks first,
+// so that a configuration that does not fit its W fails the test rather than ending the binary.
+inline std::string model_parallel_refusal(const ModelConfig& cfg, const Parallel& par) {
+  if (cfg.experts % par.ep.size != 0)
+    return "experts (" + std::to_string(cfg.experts) + ") must be divisible by the expert-parallel size (" +
+           std::to_string(par.ep.size) + ")";
+  return "";
+}
+
 inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const Parallel& par = Parallel(),
                           cudaStream_t stream = 0, const Seams& seams = Seams()) {
   validate(cfg);
@@ -493,8 +502,8 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   m.par = par;
   m.stream = stream;
   m.specs = param_specs(cfg);
-  if (cfg.experts % par.ep.size != 0)
-    fm_fail("model_create", "experts must be divisible by the expert-parallel size", "E=%d E_p=%d", cfg.experts, par.ep.size);
+  const std::string refused = model_parallel_refusal(cfg, par);
+  if (!refused.empty()) fm_fail("model_create", refused.c_str(), "E=%d E_p=%d", cfg.experts, par.ep.size);
   model_layout(m);
   const size_t P = m.num_params;
   m.params = pool().alloc_t<floatX>(P, Mem::Weights, "params");

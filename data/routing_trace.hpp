@@ -343,19 +343,21 @@ struct RankRoutes {
   }
 };
 
-inline RankRoutes rank_routes(const RoutingTrace& trace, int rank) {
+// The part of ranks [rank, rank + ranks) as one rank that holds their tokens in rank order: a rank's
+// own (ranks = 1), or one GPU replaying the whole global batch of a W-rank run (rank 0, ranks = W).
+inline RankRoutes rank_routes(const RoutingTrace& trace, int rank, int ranks = 1) {
   const RoutingTraceShape& s = trace.shape;
-  if (rank < 0 || rank >= s.world)
-    throw std::invalid_argument("routing trace " + trace.path + ": no rank " + std::to_string(rank) + " among its " +
-                                std::to_string(s.world));
+  if (rank < 0 || ranks < 1 || rank + ranks > s.world)
+    throw std::invalid_argument("routing trace " + trace.path + ": no ranks " + std::to_string(rank) + ".." +
+                                std::to_string(rank + ranks - 1) + " among its " + std::to_string(s.world));
   RankRoutes routes;
   routes.first = trace.first;
   routes.batches = trace.batches;
   routes.layers = (int)s.layers.size();
-  routes.per_layer = (size_t)s.tokens[rank] * s.topk;
   size_t before = 0, per_layer_all = 0;  // indices of the ranks before `rank`, and of all ranks, in one layer
   for (int r = 0; r < s.world; r++) {
     if (r < rank) before += (size_t)s.tokens[r] * s.topk;
+    if (r >= rank && r < rank + ranks) routes.per_layer += (size_t)s.tokens[r] * s.topk;
     per_layer_all += (size_t)s.tokens[r] * s.topk;
   }
   routes.indices.reserve((size_t)trace.batches * routes.layers * routes.per_layer);

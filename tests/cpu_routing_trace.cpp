@@ -297,7 +297,32 @@ TEST(RoutingTraceReplay, EachRankGetsItsOwnChoicesOfEachPass) {
       }
     }
   }
-  expect_refused([&] { data::rank_routes(t, 3); }, {"no rank 3 among its 3"});
+  expect_refused([&] { data::rank_routes(t, 3); }, {"no ranks 3..3 among its 3"});
+}
+
+// One GPU replaying a W-rank run holds every rank's tokens in rank order (tests/dist_model.cu pins the
+// routing of its W-ranks-against-one-GPU trajectories so); any run of consecutive ranks likewise.
+TEST(RoutingTraceReplay, ConsecutiveRanksAsOneHoldTheirTokensInRankOrder) {
+  const RoutingTrace t = layout_trace();  // W = 3, N_r = [4, 0, 3], k = 2, first 10, S = 3
+  for (int first = 0; first < t.shape.world; first++)
+    for (int ranks = 1; first + ranks <= t.shape.world; ranks++) {
+      const data::RankRoutes routes = data::rank_routes(t, first, ranks);
+      size_t tokens = 0;
+      for (int r = first; r < first + ranks; r++) tokens += t.shape.tokens[r];
+      EXPECT_EQ(routes.per_layer, tokens * 2);
+      for (long long pass : {10LL, 11LL, 12LL, 14LL})
+        for (int j = 0; j < 2; j++) {
+          std::vector<int32_t> expected;  // each rank's own choices, one rank after the other
+          for (int r = first; r < first + ranks; r++) {
+            const data::RankRoutes own = data::rank_routes(t, r);
+            expected.insert(expected.end(), own.at(pass, j), own.at(pass, j) + own.per_layer);
+          }
+          EXPECT_EQ(std::vector<int32_t>(routes.at(pass, j), routes.at(pass, j) + routes.per_layer), expected)
+              << "ranks " << first << ".." << first + ranks - 1 << " pass " << pass << " layer slot " << j;
+        }
+    }
+  expect_refused([&] { data::rank_routes(t, 1, 3); }, {"no ranks 1..3 among its 3"});
+  expect_refused([&] { data::rank_routes(t, 0, 0); }, {"no ranks 0..-1 among its 3"});
 }
 
 TEST(RoutingTraceReplay, LayerSlotsAreTheRecordedLayers) {

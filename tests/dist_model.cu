@@ -21,10 +21,13 @@ using testutil::as_seen_by_gpu;
 using testutil::random_master;
 using testutil::random_tokens;
 
+// The toy model at this run's W: E = 6 where E_p = W divides it, else the next multiple of W (8 at W = 4
+// and 8).
 ModelConfig dist_config() {
   ModelConfig c;
   c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;  // init_std: the trainer's (model_util.cuh)
-  c.layers = 3; c.experts = 6; c.topk = 2; c.score_fn = 0; c.n_dense = 1; c.dense_dim = 48; c.shared_expert = 1;
+  c.layers = 3; c.experts = testutil::experts_for(6, test_world_size()); c.topk = 2; c.score_fn = 0; c.n_dense = 1;
+  c.dense_dim = 48; c.shared_expert = 1;
   return c;
 }
 
@@ -45,6 +48,17 @@ void release(Parallel& par) {
   comm_destroy(par.expert_replicas);
   comm_destroy(par.vocab);
 }
+
+// A configuration that does not fit this run's layout fails the calling test on every rank alike
+// (model_create would end the whole binary).
+#define ASSERT_MODEL_FITS(c, par)                                                        \
+  do {                                                                                   \
+    const std::string refused_ = model_parallel_refusal(c, par);                         \
+    if (!refused_.empty()) {                                                             \
+      release(par);                                                                      \
+      FAIL() << "the test's model does not fit W=" << test_world_size() << ": " << refused_; \
+    }                                                                                    \
+  } while (0)
 
 // Every rank's top-k choices of every MoE layer, in global token order ([L][N_global·k]).
 std::vector<std::vector<int>> gather_routes(const std::vector<std::vector<int>>& local, const Comm& world) {
@@ -120,6 +134,7 @@ TEST(DistModel, FirstStepShardsMatchReferenceOverGlobalBatch) {
   const Comm& world = test_world();
   Parallel par = test_parallel();
   ModelConfig c = dist_config();
+  ASSERT_MODEL_FITS(c, par);
   const int B = 2, T = c.seq_len, N = B * T, N_global = N * world.size;
   testutil::Rng rng;  // the harness gives every rank the same seed
   std::vector<float> master = random_master(c, rng);
@@ -156,71 +171,88 @@ TEST(DistModel, FirstStepShardsMatchReferenceOverGlobalBatch) {
   release(par);
 }
 
+// Every rank has reached this point (an all-reduce of one int, waited for).
+void barrier(const Comm& world, const char* what) {
+  DeviceBuffer<int> one(1, Mem::Workspace, "barrier");
+  cudaCheck(cudaMemsetAsync(one.ptr, 0, sizeof(int), 0), "test", "%s", what);
+  all_reduce_sum(world, one.ptr, one.ptr, 1, 0);
+  comm_sync(world, 0, what);
+}
+
 // W ranks with B sequences each and one GPU with W·B sequences see the same global batches:
 // their losses and weights agree over ten steps (clipping, weight decay, router bias updates on),
-// with the W ranks' MoE layers dispatched by `seams.moe`.
+// with the W ranks' MoE layers dispatched by `seams.moe`. The routing is pinned: the W ranks route by
+// their router and record its choices (--record_routing's trace), and the one GPU replays them, so
+// that a near-tie that the two sides' other GEMM shapes round apart cannot send their trajectories
+// apart (one token routed differently moves that expert's bias by the whole step u on one side only,
+// and the next step routes many tokens differently). What is compared is arithmetic, step by step.
 static void ten_steps_agree_with_one_gpu(const Seams& seams) {
   const Comm& world = test_world();
-  Parallel par = test_parallel(seams.head == "ring_dtp");
   ModelConfig c = dist_config();
-  // Both sides route by themselves here (no reference to force routes from), and W ranks round
-  // differently from one GPU (other GEMM shapes): the router's scores must be well separated for
-  // them to choose alike. At the trainer's init_std (0.02) the router logits are ~0.16 and near-ties
-  // are common (measured: different loads by step 3, expert weights apart by 2.6e-2 in FP32); at 0.1
-  // they are not.
-  c.init_std = 0.1f;
   TrainConfig t;
   t.lr = 3e-3f; t.warmup = 2; t.steps = 10; t.grad_clip = 0.5f; t.bias_update = 1e-2f;
-#if defined(FLATMOE_BF16)
-  // In BF16 the two sides' bf16 activations round apart (other GEMM shapes), a near-tie can route one
-  // token differently, and the sign rule then moves that expert's bias by the whole step u on one side
-  // only: the next step routes many tokens differently. That amplifier, not the schedules, dominates
-  // the router's ten-step error (measured with u = 1e-2 under --moe llep: layer2.router 2.2e-2 against
-  // the 2e-2 tolerance; the experts' weights up to 1.4e-2). The bias update is checked at W ranks in the FP32
-  // build, where both sides route alike and the biases are asserted equal after every step.
-  t.bias_update = 0.f;
-#endif
   const int B = 2, T = c.seq_len, N = B * T, N_global = N * world.size, accum = 2;
+  Parallel par = test_parallel(seams.head == "ring_dtp");
+  ASSERT_MODEL_FITS(c, par);
   testutil::Rng rng;  // the harness gives every rank the same seed
   std::vector<float> master = random_master(c, rng);
-  Model dist = model_create(c, 1, par, 0, seams);
-  model_set_master(dist, master);
-  Model single = model_create(c, 1);  // this rank's GPU, all experts, the whole global batch
-  model_set_master(single, master);
   std::vector<std::vector<int>> xs, ys;
   for (int i = 0; i < t.steps * accum; i++) {
     xs.emplace_back(); ys.emplace_back();
     random_tokens(N_global, c.vocab, rng, xs.back(), ys.back());
   }
   const std::string moe_label = seams.moe + (seams.moe == "relay" ? std::string("_") + relay_mode_name(seams.relay_mode) : "");
+  const std::string head_label = seams.head == "ring_dtp" ? "ring_dtp_" + seams.ring_dtp : seams.head;
+  const std::string trace = test_log_dir() + "/routing_W" + std::to_string(world.size) + "_" + moe_label + "_" +
+                            head_label + ".trace";
+
+  // the W ranks, recording their routing
+  Model dist = model_create(c, 1, par, 0, seams);
+  model_set_master(dist, master);
+  dist.record_routing = true;
+  if (world.rank == 0)
+    dist.routing_record = std::make_unique<data::RoutingTraceWriter>(trace, routing_trace_shape(c, N, world.size), 0,
+                                                                     t.steps * accum);
+  std::vector<float> dist_losses;
+  std::vector<std::vector<float>> dist_biases;
+  for (int step = 0; step < t.steps; step++) {
+    int next = step * accum;
+    dist_losses.push_back(model_train_step(dist, t, step, B, T, accum, [&](int* xb, int* yb) {
+      std::copy_n(xs[next].data() + world.rank * N, N, xb);
+      std::copy_n(ys[next].data() + world.rank * N, N, yb);
+      next++;
+    }, nullptr));
+    dist_biases.push_back(dist.router_bias);
+  }
+  if (dist.routing_record) dist.routing_record->commit();
+  barrier(world, "ten_steps_agree_with_one_gpu: trace written");
+
+  // this rank's GPU alone, all experts, the whole global batch, the W ranks' routing replayed
+  Model single = model_create(c, 1);
+  model_set_master(single, master);
+  single.replay = std::make_unique<data::RankRoutes>(data::rank_routes(data::read_routing_trace(trace), 0, world.size));
   double worst = 0;
   for (int step = 0; step < t.steps; step++) {
-    int next_dist = step * accum, next_single = step * accum;
-    float dist_loss = model_train_step(dist, t, step, B, T, accum, [&](int* xb, int* yb) {
-      std::copy_n(xs[next_dist].data() + world.rank * N, N, xb);
-      std::copy_n(ys[next_dist].data() + world.rank * N, N, yb);
-      next_dist++;
+    int next = step * accum;
+    const float single_loss = model_train_step(single, t, step, world.size * B, T, accum, [&](int* xb, int* yb) {
+      std::copy_n(xs[next].data(), N_global, xb);
+      std::copy_n(ys[next].data(), N_global, yb);
+      next++;
     }, nullptr);
-    float single_loss = model_train_step(single, t, step, world.size * B, T, accum, [&](int* xb, int* yb) {
-      std::copy_n(xs[next_single].data(), N_global, xb);
-      std::copy_n(ys[next_single].data(), N_global, yb);
-      next_single++;
-    }, nullptr);
-    double e = std::fabs(dist_loss - single_loss) / single_loss;
+    const double e = std::fabs(dist_losses[step] - single_loss) / single_loss;
     worst = std::max(worst, e);
     if (world.rank == 0)
-      printf("[dist] step %d loss W=%d --moe %s --head %s %.7f one GPU %.7f rel %.2e\n", step + 1, world.size,
-             moe_label.c_str(), (seams.head + (seams.head == "ring_dtp" ? " " + seams.ring_dtp : "")).c_str(), dist_loss,
-             single_loss, e);
-#if !defined(FLATMOE_BF16)
-    // identical routing, so identical integer loads (in BF16 the two GEMM layouts round the router's
-    // bf16 input differently, and a near-tie may route differently)
-    EXPECT_EQ(dist.router_bias, single.router_bias) << "step " << step + 1;
-#endif
+      printf("[dist] step %d loss W=%d --moe %s --head %s %.7f one GPU %.7f rel %.2e (routing pinned)\n", step + 1,
+             world.size, moe_label.c_str(), (seams.head + (seams.head == "ring_dtp" ? " " + seams.ring_dtp : "")).c_str(),
+             dist_losses[step], single_loss, e);
+    EXPECT_LE(e, MODEL_TOL) << "the loss diverges at step " << step + 1
+                            << " with the routing pinned (one GPU replays the W ranks' choices)";
+    // the same choices, so the same integer loads and the same bias updates
+    EXPECT_EQ(dist_biases[step], single.router_bias)
+        << "step " << step + 1 << ": the router biases differ, so the loads did: the replayed routing differed";
   }
   char what[80];
-  snprintf(what, sizeof what, "dist_%s_%s_vs_single_rank%d", moe_label.c_str(),
-           (seams.head == "ring_dtp" ? "ring_dtp_" + seams.ring_dtp : seams.head).c_str(), world.rank);
+  snprintf(what, sizeof what, "dist_%s_%s_vs_single_rank%d", moe_label.c_str(), head_label.c_str(), world.rank);
   // whole-model training compared over ten Adam steps: the whole-model tolerance of notes/design.md §3
   EXPECT_REL(what, "max loss", worst, MODEL_TOL);
   // each tensor of this rank's master shards against the single GPU's master at the same parameters
@@ -304,6 +336,7 @@ static void state_saved_and_restored_is_bit_identical(const Seams& seams) {
   const Comm& world = test_world();
   Parallel par = test_parallel(seams.head == "ring_dtp");
   ModelConfig c = dist_config();
+  ASSERT_MODEL_FITS(c, par);
   TrainConfig t;
   t.lr = 2e-3f; t.warmup = 1; t.steps = 4; t.bias_update = 1e-2f;
   const int B = 2, T = c.seq_len, N = B * T;
@@ -377,6 +410,7 @@ static void recompute_is_bit_identical(const Seams& seams) {
   const Comm& world = test_world();
   Parallel par = test_parallel();
   ModelConfig c = dist_config();
+  ASSERT_MODEL_FITS(c, par);
   const int B = 2, T = c.seq_len, N = B * T;
   testutil::Rng rng;
   std::vector<float> master = random_master(c, rng);
@@ -426,11 +460,12 @@ TEST(DistModel, ScoAtWRanksIsBitIdenticalAndLowersTheCheckpointPeak) {
 
 // The per-rank prediction (tests/memory_prediction.cuh) at W ranks for each dispatcher and the ring head:
 // >= the pool's peak on every rank, and within 10 % where the routing attains the dispatcher's bound
-// (hot:1/2 sends every route to experts 0 and 1, on rank 0: R_d = E_p·N·k there under --moe ep).
+// (hot:1/2 sends every route to experts 0 and 1, both on rank 0 with E/W >= 2: R_d = E_p·N·k there under --moe ep).
 TEST(DistModel, MemoryPredictionHoldsForEachDispatcherAndHead) {
   REQUIRE_WORLD(2);
   ModelConfig c;
-  c.vocab = 512; c.hidden = 256; c.heads = 4; c.layers = 4; c.experts = 8; c.topk = 2; c.expert_dim = 256;
+  c.vocab = 512; c.hidden = 256; c.heads = 4; c.layers = 4; c.experts = testutil::experts_for(std::max(8, 2 * test_world_size()), test_world_size());
+  c.topk = 2; c.expert_dim = 256;
   c.n_dense = 1; c.dense_dim = 512; c.shared_expert = 1; c.seq_len = 256;
   const int B = 8, T = c.seq_len;
   for (const char* moe : {"ep", "llep", "pllep", "relay expert", "relay token"})
@@ -444,7 +479,9 @@ TEST(DistModel, MemoryPredictionHoldsForEachDispatcherAndHead) {
       Parallel par = test_parallel();
       const bool tight = std::string(moe) == "ep" && *routing && par.world.rank == 0;
       testutil::expect_prediction_holds(testutil::predict_and_measure(c, par, pc, B, T),
-                                        "W=2 rank " + std::to_string(par.world.rank) + ", " + pc.name, tight);
+                                        "W=" + std::to_string(par.world.size) + " rank " + std::to_string(par.world.rank) +
+                                            ", " + pc.name,
+                                        tight);
       release(par);
     }
   testutil::PredictionCase ring;
@@ -454,7 +491,9 @@ TEST(DistModel, MemoryPredictionHoldsForEachDispatcherAndHead) {
   ring.routing = "hot:1/2";
   Parallel par = test_parallel(true);
   testutil::expect_prediction_holds(testutil::predict_and_measure(c, par, ring, B, T),
-                                    "W=2 rank " + std::to_string(par.world.rank) + ", " + ring.name, par.world.rank == 0);
+                                    "W=" + std::to_string(par.world.size) + " rank " + std::to_string(par.world.rank) +
+                                        ", " + ring.name,
+                                    par.world.rank == 0);
   release(par);
 }
 

@@ -5,6 +5,10 @@
 
 namespace testutil {
 
+// The fewest experts, at least `at_least`, that E_p ranks hold in equal shares: a test model's E at any
+// W (E = 6 at E_p = 2 or 3, 8 at 4 or 8).
+inline int experts_for(int at_least, int ep) { return (at_least + ep - 1) / ep * ep; }
+
 // Random weights (norm gains near 1), as fp32 master weights in param_specs order; matrices at the
 // configuration's init_std, the scale the trainer starts from (0.02 by default). At a hotter 0.1 the
 // BF16 model's errors double (mean over tensors 1.2e-2 instead of 6.3e-3, measured over 40 draws ×

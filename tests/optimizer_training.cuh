@@ -27,7 +27,7 @@ struct OptimizerTraining {
 inline void optimizers_train_alike(const Parallel& par, const char* what, int accum = 2) {
   ModelConfig c;
   c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;
-  c.layers = 3; c.experts = 6; c.topk = 2; c.n_dense = 1; c.dense_dim = 48; c.shared_expert = 1;
+  c.layers = 3; c.experts = experts_for(6, par.ep.size); c.topk = 2; c.n_dense = 1; c.dense_dim = 48; c.shared_expert = 1;
   TrainConfig t;
   t.lr = 3e-3f; t.warmup = 2; t.steps = 10; t.grad_clip = 0.5f; t.weight_decay = 0.1f; t.bias_update = 1e-2f;
   const int B = 2, T = c.seq_len, N = B * T, W = par.world.size, rank = par.world.rank, half = t.steps / 2;

@@ -42,7 +42,8 @@ struct RecomputeTraining {
 
   explicit RecomputeTraining(const Parallel& parallel) : par(parallel) {
     c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;
-    c.layers = 4; c.experts = 6; c.topk = 2; c.n_dense = 1; c.dense_dim = 48; c.shared_expert = 1;
+    c.layers = 4; c.experts = experts_for(6, par.ep.size); c.topk = 2; c.n_dense = 1; c.dense_dim = 48;
+    c.shared_expert = 1;
     t.lr = 3e-3f; t.warmup = 1; t.steps = 3; t.grad_clip = 0.5f; t.bias_update = 1e-2f; t.recompute = 1;
     T = c.seq_len;
     N = B * T;
