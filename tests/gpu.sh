@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [dist] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
+#   dist: the whole test_dist at W = 2, 4 and 8 (DIST_WORLDS), both precisions, the ranks sharing the GPUs where W
+#     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
+#     (dist.md), the rank logs (dist_logs.tgz); DIST_FILTER (a gtest filter) and DIST_TIMEOUT (s per run, 600) narrow it
 #   train2: the default model on every GPU of the machine
 #   speed: issue 13's speed work (notes/speed.md): the whole test_gpu in both precisions (with 2 GPUs or more
 #     also test_dist's DistModel), compute-sanitizer memcheck and racecheck over the grouped
@@ -54,6 +57,7 @@
 #   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
 #     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
 # FLATMOE_REQUIRE_GPU=1: a GPU test that finds no usable device fails instead of skipping.
+# GPU_TARGETS: what to build instead of everything (make targets, e.g. "build/fp32/test_dist build/bf16/test_dist").
 # Exit status: non-zero when the build, a test run or a sanitizer run failed (the other parts still run).
 # Dependencies come from .deps/ (Debian packages unpacked: Eigen, GoogleTest sources, fortunes),
 # since the GPU machine has no package registry.
@@ -72,7 +76,7 @@ status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 t0=$(date +%s)
-make -j"$(nproc)" $vars all data > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+make -j"$(nproc)" $vars ${GPU_TARGETS:-all data} > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 summary+=("build: $(( $(date +%s) - t0 )) s")
 
 if [[ " $want " == *" test "* ]]; then
@@ -93,6 +97,37 @@ if [[ " $want " == *" test "* ]]; then
     grep -q '^\[  FAILED  \]' "$OUT/test_gpu_shuffled_$p.log" && summary+=("  $(grep -m1 -A2 ': Failure$' "$OUT/test_gpu_shuffled_$p.log" | tr '\n' ' ') | $(
       grep '^\[  FAILED  \] [A-Za-z]' "$OUT/test_gpu_shuffled_$p.log" | sort -u | tr '\n' ' ')")
   done
+fi
+
+# dist: the whole test_dist at W = 2, 4 and 8 in both precisions; W above the machine's GPUs with the ranks
+# sharing them (FLATMOE_SHARE_GPUS=1). One line per W and precision, and the largest measured error of each
+# suite over every rank's log (dist.md); the rank logs in dist_logs.tgz.
+if [[ " $want " == *" dist "* ]]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  rm -rf build/dist-logs && mkdir -p build/dist-logs
+  echo "| W | GPUs | precision | passed | failed | skipped | s | largest error per suite (over every rank) |" > "$OUT/dist.md"
+  echo "|---|---|---|---|---|---|---|---|" >> "$OUT/dist.md"
+  for W in ${DIST_WORLDS:-2 4 8}; do
+    for p in fp32 bf16; do
+      logs=build/dist-logs/W$W-$p
+      share=0
+      [ "$W" -gt "$gpus" ] && share=1
+      t1=$(date +%s)
+      FLATMOE_SHARE_GPUS=$share FLATMOE_TEST_WORLD=$W FLATMOE_TEST_LOG_DIR=$logs timeout "${DIST_TIMEOUT:-600}" \
+        build/$p/test_dist ${DIST_FILTER:+--gtest_filter=$DIST_FILTER} > "$logs.log" 2>&1
+      rc=$?
+      [ "$rc" -eq 0 ] || status=1
+      count() { sed -n "s/^\[  $1 *\] \([0-9]*\) test.*/\1/p" "$logs.log" | tail -1; }
+      errors=$(awk '/^\[ RUN      \] / { split($4, name, "."); suite = name[1] }
+                    /^\[err\]/ { for (i = 1; i <= NF; i++) if ($i ~ /^rel=/) { v = substr($i, 5) + 0; if (v > most[suite]) most[suite] = v } }
+                    END { for (s in most) printf "%s %.2e, ", s, most[s] }' "$logs"/dist_rank*.log 2>/dev/null | sed 's/, $//')
+      echo "| $W | $gpus | $p | $(count PASSED) | $(count FAILED) | $(count SKIPPED) | $(( $(date +%s) - t1 )) | ${errors:-none} |" >> "$OUT/dist.md"
+      summary+=("test_dist W=$W $p (share $share): exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$logs.log" | tr '\n' ' ')")
+      grep -q '^\[  FAILED  \]' "$logs.log" && summary+=("  $(grep '^\[  FAILED  \] [A-Za-z]' "$logs.log" | sort -u | tr '\n' ' ')")
+    done
+  done
+  tar czf "$OUT/dist_logs.tgz" -C build dist-logs
+  cat "$OUT/dist.md"
 fi
 
 if [[ " $want " == *" train "* ]]; then
