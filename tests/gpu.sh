@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [dist] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [dist] [toy8] [shared] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   dist: the whole test_dist at W = 2, 4 and 8 (DIST_WORLDS), both precisions, the ranks sharing the GPUs where W
 #     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
 #     (dist.md), the rank logs (dist_logs.tgz); DIST_FILTER (a gtest filter) and DIST_TIMEOUT (s per run, 600) narrow it
+#   toy8: the README's toy 8-rank run on CORPUS=large with the ranks sharing this machine's GPUs, each dispatcher and
+#     the ring head beside one rank of the same global batch, and a resume at W = 8 (TOY_STEPS, default 100)
+#   shared: the multi-rank checks that waited for several GPUs, the ranks sharing this machine's: the two-rank Trainer
+#     tests, training at W = 2 and 8 (llep, pllep, relay under --recompute 1; each optimizer) with resume, and
+#     bench_ep_moe --check 1 and bench_optimizer at W = 2, 4, 8 (shared.md)
 #   train2: the default model on every GPU of the machine
 #   speed: issue 13's speed work (notes/speed.md): the whole test_gpu in both precisions (with 2 GPUs or more
 #     also test_dist's DistModel), compute-sanitizer memcheck and racecheck over the grouped
@@ -136,6 +141,100 @@ if [[ " $want " == *" train "* ]]; then
   summary+=("train: exit $? | $(grep -c '^step' "$OUT/train.log") log lines | $(grep 'val loss' "$OUT/train.log" | sed -n '1p;$p' | tr '\n' ' ')")
   cp build/run-default/log.csv "$OUT/train_log.csv" 2>/dev/null
   cp build/run-default/timeline_step5.csv "$OUT/" 2>/dev/null
+fi
+
+# toy8: the README's toy 8-rank run on this machine's GPUs (the ranks sharing them): the default model on
+# CORPUS=large, T 1024, batch 2 per rank, TOY_STEPS steps (default 100) for each dispatcher (ep, llep, pllep, relay
+# expert and token) and the ring head, beside one rank with the same global batch (--batch 16); the ep run resumed at
+# W = 8 from its checkpoint at half the steps must log the same losses bit for bit. toy8.md: the validation losses of
+# every run side by side; toy8_logs.tgz: every log.csv and log.
+if [[ " $want " == *" toy8 "* ]]; then
+  make $vars data CORPUS=large > "$OUT/toy8_data.log" 2>&1 || { status=1; tail -5 "$OUT/toy8_data.log"; }
+  toy_steps=${TOY_STEPS:-100}
+  half=$((toy_steps / 2))
+  rm -rf build/toy8 && mkdir -p build/toy8
+  common="--data data/large --seq_len 1024 --steps $toy_steps --val_every $((toy_steps / 4)) --val_batches 10 --sample_every 0 --log_every 10"
+  toy_run() {  # NAME FLAGS...
+    local name=$1 t1
+    shift
+    t1=$(date +%s)
+    timeout "${TOY_TIMEOUT:-300}" build/bf16/train $common --out build/toy8/$name "$@" > build/toy8/$name.log 2>&1
+    local rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("toy8 $name: exit $rc, $(( $(date +%s) - t1 )) s | $(grep '^step' build/toy8/$name.log | tail -1 | cut -c1-120)")
+  }
+  toy_run one_rank --gpus 1 --batch 16
+  toy_run ep --gpus 8 --share_gpus 1 --batch 2 --moe ep --ckpt_every $half
+  toy_run ep_resumed --gpus 8 --share_gpus 1 --batch 2 --moe ep --ckpt_every $half --resume build/toy8/ep/ckpt_$(printf %06d $half)
+  toy_run llep --gpus 8 --share_gpus 1 --batch 2 --moe llep --ckpt_every 0
+  toy_run pllep --gpus 8 --share_gpus 1 --batch 2 --moe pllep --token_budget 512 --ckpt_every 0
+  toy_run relay_expert --gpus 8 --share_gpus 1 --batch 2 --moe relay --relay_mode expert --ckpt_every 0
+  toy_run relay_token --gpus 8 --share_gpus 1 --batch 2 --moe relay --relay_mode token --ckpt_every 0
+  toy_run ring_dtp --gpus 8 --share_gpus 1 --batch 2 --head ring_dtp --ckpt_every 0
+  # the resumed run's training losses against the straight run's, from step half + 1 (bit for bit: the same text)
+  resumed=$(awk -F, -v h=$half 'NR > 1 && $2 != "nan" && $1 > h { print $1 "," $2 }' build/toy8/ep_resumed/log.csv 2>/dev/null)
+  straight=$(awk -F, -v h=$half 'NR > 1 && $2 != "nan" && $1 > h { print $1 "," $2 }' build/toy8/ep/log.csv 2>/dev/null)
+  if [ -n "$resumed" ] && [ "$resumed" == "$straight" ]; then summary+=("toy8 resume at W=8: steps $((half + 1))-$toy_steps bit-identical")
+  else summary+=("toy8 resume at W=8: DIFFERS"); status=1; fi
+  {
+    echo "| run | $(awk -F, 'NR > 1 && $2 == "nan" { printf "val@%s | ", $1 }' build/toy8/one_rank/log.csv)last train loss | ms/step (shared: not GPU timings) |"
+    echo "|---|$(awk -F, 'NR > 1 && $2 == "nan" { printf "---|" }' build/toy8/one_rank/log.csv)---|---|"
+    for name in one_rank ep llep pllep relay_expert relay_token ring_dtp; do
+      awk -F, -v name=$name 'NR > 1 && $2 == "nan" { vals = vals sprintf("%.4f | ", $3) }
+        NR > 1 && $2 != "nan" { last = $2; if ($1 > 10) { ms += $6; k++ } }
+        END { printf "| %s | %s%.4f | %.1f |\n", name, vals, last, k ? ms / k : 0 }' build/toy8/$name/log.csv 2>/dev/null
+    done
+  } > "$OUT/toy8.md"
+  cat "$OUT/toy8.md"
+  tar czf "$OUT/toy8_logs.tgz" --exclude='ckpt_*' -C build toy8
+fi
+
+# shared: the multi-rank checks that waited for a machine of several GPUs, with the ranks sharing this one's
+# (correctness and memory; their timings are not GPU timings): test_gpu's two-rank Trainer tests in both precisions;
+# 20 BF16 training steps at W = 2 and 8 of --moe llep, pllep and relay (expert, token) under --recompute 1 and of
+# each optimizer, each resumed from its step-10 checkpoint (steps 11-20 bit-identical); bench_ep_moe --check 1 and
+# bench_optimizer at W = 2, 4 and 8 (shared.md; the logs in shared_logs.tgz).
+if [[ " $want " == *" shared "* ]]; then
+  rm -rf build/shared && mkdir -p build/shared
+  for p in fp32 bf16; do
+    FLATMOE_SHARE_GPUS=1 FLATMOE_BIN=build/ FLATMOE_TRAIN=build/fp32/train build/$p/test_gpu --gtest_filter='Trainer.*TwoRanks*' \
+      > build/shared/trainer_$p.log 2>&1 || status=1
+    summary+=("Trainer two-rank tests $p (shared): $(grep -h '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' build/shared/trainer_$p.log | tr '\n' ' ')")
+  done
+  echo "| W | run | exit | last logged step | resumed steps 11-20 |" > "$OUT/shared.md"
+  echo "|---|---|---|---|---|" >> "$OUT/shared.md"
+  for W in 2 8; do
+    for run in "llep --recompute 1" "pllep --token_budget 512 --recompute 1" "relay --relay_mode expert --recompute 1" \
+               "relay --relay_mode token --recompute 1" "ep --optimizer adamw" "ep --optimizer cpu_adamw" \
+               "ep --optimizer offload_adamw --offload_bucket 1048576"; do
+      name=W${W}_$(echo "$run" | tr -c 'a-z0-9' '_' | sed 's/__*/_/g; s/_$//')
+      flags="--gpus $W --share_gpus 1 --moe $run --data data/fortunes --steps 20 --val_every 0 --sample_every 0 --log_every 1 --ckpt_every 10"
+      timeout 240 build/bf16/train $flags --out build/shared/$name > build/shared/$name.log 2>&1
+      rc=$?
+      timeout 240 build/bf16/train $flags --out build/shared/${name}_resumed --resume build/shared/$name/ckpt_000010 \
+        > build/shared/${name}_resumed.log 2>&1 || rc=$((rc + 100))
+      [ "$rc" -eq 0 ] || status=1
+      same=$(diff <(awk -F, 'NR > 1 && $1 > 10 { print $1, $2, $5 }' build/shared/$name/log.csv 2>/dev/null) \
+                  <(awk -F, 'NR > 1 { print $1, $2, $5 }' build/shared/${name}_resumed/log.csv 2>/dev/null) > /dev/null &&
+             [ -s build/shared/${name}_resumed/log.csv ] && echo "bit-identical (loss, norm)" || echo DIFFER)
+      [ "$same" = DIFFER ] && status=1
+      echo "| $W | --moe $run | $rc | $(grep '^step' build/shared/$name.log | tail -1 | cut -d'|' -f1-3) | $same |" >> "$OUT/shared.md"
+    done
+  done
+  for W in 2 4 8; do
+    build/bf16/bench_ep_moe --gpus $W --share_gpus 1 --tokens 2048 --hidden 256 --inter 128 --experts 16 --topk 4 \
+      --token_budget 256 --check 1 --warmup 1 --iters 2 > build/shared/bench_ep_W$W.md 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("bench_ep_moe --check 1 W=$W (shared): exit $rc | $(grep -c '^| ' build/shared/bench_ep_W$W.md) rows | $(grep -i 'check' build/shared/bench_ep_W$W.md | tail -1 | cut -c1-100)")
+    build/bf16/bench_optimizer --gpus $W --share_gpus 1 --mparams 16 --buckets 1048576 --slots 2 --iters 2 \
+      > build/shared/bench_opt_W$W.md 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("bench_optimizer W=$W (shared): exit $rc | $(grep -c '^| [0-9]' build/shared/bench_opt_W$W.md) rows")
+  done
+  cat "$OUT/shared.md"
+  tar czf "$OUT/shared_logs.tgz" --exclude='ckpt_*' -C build shared
 fi
 
 if [[ " $want " == *" train2 "* ]]; then

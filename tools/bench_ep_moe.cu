@@ -68,7 +68,7 @@ struct BenchFlags {
 [[noreturn]] void bench_usage(const std::string& why) {
   fprintf(stderr,
           "bench_ep_moe: %s\n"
-          "usage: bench_ep_moe [--gpus W] [--tokens N per rank] [--hidden H] [--inter I] [--experts E] [--topk k]\n"
+          "usage: bench_ep_moe [--gpus W] [--share_gpus 0|1] [--tokens N per rank] [--hidden H] [--inter I] [--experts E] [--topk k]\n"
           "                    [--warmup n] [--iters n] [--seed s] [--profiles balanced,hot:r/h,trace:FILE,...]\n"
           "                    [--trace_batch b] [--trace_layer l]\n"
           "                    [--dispatchers 1gpu,ep,llep,pllep,relay_expert,relay_token,relay_auto]\n"
@@ -114,6 +114,7 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
   BenchFlags f;
   parse_flag_pairs(argc, argv, bench_usage, [&](const std::string& flag, const char* value) {
     if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
+    else if (flag == "--share_gpus") parse_share_gpus(flag, value);
     else if (flag == "--tokens") f.tokens = (int)parse_flag_int(flag, value, 1, 1 << 24);
     else if (flag == "--hidden") f.hidden = (int)parse_flag_int(flag, value, 1, 1 << 16);
     else if (flag == "--inter") f.inter = (int)parse_flag_int(flag, value, 1, 1 << 16);

@@ -39,7 +39,7 @@ struct BenchFlags {
 [[noreturn]] void bench_usage(const std::string& why) {
   fprintf(stderr,
           "bench_head: %s\n"
-          "usage: bench_head [--gpus W] [--shapes N:V:H,... (tokens per rank, vocabulary, hidden)] [--block C]\n"
+          "usage: bench_head [--gpus W] [--share_gpus 0|1] [--shapes N:V:H,... (tokens per rank, vocabulary, hidden)] [--block C]\n"
           "                  [--heads full,chunked,ring] [--modes auto,weights,activations] [--warmup n] [--iters n]\n"
           "                  [--timeline DIR]\n",
           why.c_str());
@@ -50,6 +50,7 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
   BenchFlags f;
   parse_flag_pairs(argc, argv, bench_usage, [&](const std::string& flag, const char* value) {
     if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
+    else if (flag == "--share_gpus") parse_share_gpus(flag, value);
     else if (flag == "--warmup") f.warmup = (int)parse_flag_int(flag, value, 0, 1000);
     else if (flag == "--iters") f.iters = (int)parse_flag_int(flag, value, 1, 1000);
     else if (flag == "--block") f.block = (int)parse_flag_int(flag, value, 1, 1 << 30);

@@ -42,7 +42,7 @@ struct BenchFlags {
 [[noreturn]] void bench_usage(const std::string& why) {
   fprintf(stderr,
           "bench_optimizer: %s\n"
-          "usage: bench_optimizer [--gpus W] [--mparams M,... (millions of parameters per rank)] [--buckets beta,...]\n"
+          "usage: bench_optimizer [--gpus W] [--share_gpus 0|1] [--mparams M,... (millions of parameters per rank)] [--buckets beta,...]\n"
           "                       [--slots s,...] [--optimizers offload_adamw,cpu_adamw,adamw] [--warmup n] [--iters n]\n",
           why.c_str());
   exit(EXIT_FAILURE);
@@ -58,6 +58,7 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
   BenchFlags f;
   parse_flag_pairs(argc, argv, bench_usage, [&](const std::string& flag, const char* value) {
     if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
+    else if (flag == "--share_gpus") parse_share_gpus(flag, value);
     else if (flag == "--warmup") f.warmup = (int)parse_flag_int(flag, value, 0, 1000);
     else if (flag == "--iters") f.iters = (int)parse_flag_int(flag, value, 1, 1000);
     else if (flag == "--mparams") f.mparams = int_list(flag, value, 1, 1 << 20);

@@ -48,8 +48,16 @@ inline long long parse_flag_int(const std::string& flag, const char* text, long 
   return v;
 }
 
+// --share_gpus 0|1 of the benchmarks that start ranks (--gpus W): 1 lets W exceed the GPUs, the ranks
+// sharing them (FLATMOE_SHARE_GPUS=1, which launch() reads: runtime/launch.cuh).
+inline void parse_share_gpus(const std::string& flag, const char* value) {
+  if (parse_flag_int(flag, value, 0, 1) == 1 && setenv("FLATMOE_SHARE_GPUS", "1", 1) != 0)
+    throw std::runtime_error("setenv FLATMOE_SHARE_GPUS");
+}
+
 // "DATE, W x GPU, PRECISION" (the current device's name, the build's precision): what a benchmark's
-// first line states before its own settings.
+// first line states before its own settings. Ranks sharing GPUs (--share_gpus 1) say so there: their
+// timings are not GPU timings, and no speed claim takes them.
 inline std::string bench_setting(int W, const char* op) {
   int device = 0;
   cudaDeviceProp prop;
@@ -58,6 +66,10 @@ inline std::string bench_setting(int W, const char* op) {
   char date[32];
   const time_t now = time(nullptr);
   strftime(date, sizeof(date), "%Y-%m-%d", localtime(&now));
+  const int gpus = gpu_count();
+  if (gpu_sharing() && W > gpus)
+    return std::string(date) + ", " + std::to_string(W) + " ranks sharing " + std::to_string(gpus) + " x " + prop.name +
+           ", " + FLATMOE_PRECISION_NAME + " (SHARED GPUS: collectives through sockets, not GPU timings)";
   return std::string(date) + ", " + std::to_string(W) + " x " + prop.name + ", " + FLATMOE_PRECISION_NAME;
 }
 
