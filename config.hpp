@@ -3,6 +3,7 @@
 // and the tests. Plain C++17: CPU tests check flag errors without a GPU.
 #pragma once
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cmath>
@@ -467,7 +468,8 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(ep >= 1 && t.gpus % ep == 0, "ep (" + std::to_string(ep) + ") must divide the number of ranks (" +
                                         std::to_string(t.gpus) + ")");
   need(c.n_dense == c.layers || c.experts % ep == 0,
-       "experts (" + std::to_string(c.experts) + ") must be divisible by ep (" + std::to_string(ep) + ")");
+       "experts (" + std::to_string(c.experts) + ") must be divisible by " +
+           (t.ep ? "--ep " + std::to_string(ep) : "--gpus " + std::to_string(ep) + " (E_p = W when --ep is left out)"));
   // Seams: what exists is accepted, what a paper operator will add later is refused by name.
   auto refuse_unbuilt = [&](const std::string& flag, const std::string& v, const std::vector<std::string>& built,
                             const std::vector<std::string>& planned) {
@@ -549,8 +551,8 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Flags: --name value. Unknown flags, words that are not flags, missing values and malformed
-// numbers are refused.
+// Flags: --name value. Unknown flags, words that are not flags, --name=value, missing values and
+// malformed numbers (a leading space, past the type's range) are refused.
 
 struct FlagError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
@@ -603,10 +605,15 @@ struct Flag {
   std::function<std::string(const Config&)> text;
 };
 
+// Whether a numeric flag's value starts with its number: strtol and its kin skip leading whitespace,
+// which the command line refuses (" -1" is not a number as written).
+inline bool starts_with_number(const std::string& v) { return !v.empty() && !std::isspace((unsigned char)v[0]); }
+
 inline int int_from_flag(const std::string& flag, const std::string& v) {
   char* end = nullptr;
+  errno = 0;
   long x = strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || x < -2147483647L || x > 2147483647L)
+  if (!starts_with_number(v) || *end != '\0' || errno == ERANGE || x < -2147483647L || x > 2147483647L)
     throw FlagError("flag " + flag + " expects an integer, got '" + v + "'");
   return (int)x;
 }
@@ -615,14 +622,14 @@ inline long long int64_from_flag(const std::string& flag, const std::string& v) 
   char* end = nullptr;
   errno = 0;
   long long x = strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || errno == ERANGE) throw FlagError("flag " + flag + " expects an integer, got '" + v + "'");
+  if (!starts_with_number(v) || *end != '\0' || errno == ERANGE) throw FlagError("flag " + flag + " expects an integer, got '" + v + "'");
   return x;
 }
 
 inline float float_from_flag(const std::string& flag, const std::string& v) {
   char* end = nullptr;
   float x = strtof(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !std::isfinite(x))
+  if (!starts_with_number(v) || *end != '\0' || !std::isfinite(x))
     throw FlagError("flag " + flag + " expects a number, got '" + v + "'");
   return x;
 }
@@ -750,9 +757,10 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       {"--seed", false,
        [](T& t, const std::string& v) {
          char* end = nullptr;
+         errno = 0;
          unsigned long long s = strtoull(v.c_str(), &end, 10);
-         if (v.empty() || *end != '\0' || v[0] == '-')
-           throw FlagError("flag --seed expects a non-negative integer, got '" + v + "'");
+         if (v.empty() || !std::isdigit((unsigned char)v[0]) || *end != '\0' || errno == ERANGE)
+           throw FlagError("flag --seed expects a non-negative integer below 2^64, got '" + v + "'");
          t.seed = s;
        },
        [](const T& t) { return std::to_string(t.seed); }}};
@@ -796,6 +804,9 @@ inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
     const std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") throw FlagError("help");
     if (flag.rfind("--", 0) != 0) throw FlagError("unexpected argument '" + flag + "'");
+    if (flag.find('=') != std::string::npos)
+      throw FlagError("flag " + flag + ": give the value as the next word, " + flag.substr(0, flag.find('=')) + " " +
+                      flag.substr(flag.find('=') + 1) + " (flags take no '=')");
     if (i + 1 >= argc) throw FlagError("flag " + flag + " needs a value");
     const std::string v = argv[++i];
     const auto set = [&](const auto* f, auto& config) {

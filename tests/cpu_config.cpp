@@ -124,6 +124,30 @@ TEST(ConfigFlags, RefusesUnknownMissingAndMalformed) {
   EXPECT_NE(parse_error({"--out", ""}).find("non-empty"), std::string::npos);
 }
 
+// Numbers are read as written: a seed past 2^64 − 1 is not wrapped, and a leading space is not skipped
+// (strtoull would read " -1" as 2^64 − 1); the same for every integer and float flag.
+TEST(ConfigFlags, RefusesNumbersPastTheirRangeOrWithALeadingSpace) {
+  for (const char* seed : {"99999999999999999999999", "18446744073709551616", " -1", " 5", "+5"})
+    EXPECT_NE(parse_error({"--seed", seed}).find("flag --seed expects a non-negative integer below 2^64, got '" +
+                                                std::string(seed) + "'"),
+              std::string::npos)
+        << seed;
+  EXPECT_EQ(parse_error({"--seed", "18446744073709551615"}), "");
+  EXPECT_NE(parse_error({"--steps", " 5"}).find("flag --steps expects an integer, got ' 5'"), std::string::npos);
+  EXPECT_NE(parse_error({"--steps", "99999999999"}).find("expects an integer"), std::string::npos);
+  EXPECT_NE(parse_error({"--offload_budget", " 5"}).find("expects an integer"), std::string::npos);
+  EXPECT_NE(parse_error({"--lr", " 0.1"}).find("expects a number"), std::string::npos);
+}
+
+// --name=value is refused the same way wherever it stands (the last word included), saying how to
+// write it.
+TEST(ConfigFlags, RefusesNameEqualsValueUniformly) {
+  const std::string said = "flag --steps=10: give the value as the next word, --steps 10 (flags take no '=')";
+  EXPECT_EQ(parse_error({"--steps=10"}), said);
+  EXPECT_EQ(parse_error({"--steps=10", "--batch", "2"}), said);
+  EXPECT_EQ(parse_error({"--batch", "2", "--steps=10"}), said);
+}
+
 TEST(ConfigFlags, RefusesWordsThatAreNotFlags) {
   EXPECT_EQ(parse_error({"12"}), "unexpected argument '12'");
   EXPECT_EQ(parse_error({"--steps", "5", "foo"}), "unexpected argument 'foo'");
@@ -176,7 +200,7 @@ TEST(ConfigFlags, ModelFlagValuesParseBackAsEveryField) {
 TEST(ConfigFlags, SetTrainFlagRefusesUnknownFlagsAndMalformedValues) {
   EXPECT_EQ(set_train_flag_error("--hidden", "128"), "unknown flag --hidden");  // a model flag
   EXPECT_EQ(set_train_flag_error("--lr", "fast"), "flag --lr expects a number, got 'fast'");
-  EXPECT_EQ(set_train_flag_error("--seed", "-1"), "flag --seed expects a non-negative integer, got '-1'");
+  EXPECT_EQ(set_train_flag_error("--seed", "-1"), "flag --seed expects a non-negative integer below 2^64, got '-1'");
   EXPECT_EQ(set_train_flag_error("--resume", ""), "") << "a free-text flag may be empty: an unset --resume is";
 }
 
@@ -276,6 +300,13 @@ TEST(ConfigDims, RefusesRankLayoutsThatDoNotDivide) {
   EXPECT_NO_THROW(validate(t, m));
   t.gpus = 0;
   EXPECT_THROW(validate(t, m), std::invalid_argument);
+  // E_p is --gpus when --ep is left out: the message names the flag the user set
+  t.gpus = 9999;
+  t.ep = 0;
+  EXPECT_EQ(validate_error(t, m), "experts (8) must be divisible by --gpus 9999 (E_p = W when --ep is left out)");
+  t.gpus = 6;
+  t.ep = 3;
+  EXPECT_EQ(validate_error(t, m), "experts (8) must be divisible by --ep 3");
 }
 
 // --moe llep and pllep exchange routes between ranks; their settings must make a plan possible.
