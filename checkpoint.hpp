@@ -415,8 +415,9 @@ inline std::vector<std::string> train_flag_differences(const TrainConfig& checkp
 // opens and passes every check of read_rank_file (its checksum included), holds the rank its name
 // says, was written by `world` ranks of the `bf16` (or FP32) build, and agrees with rank0.bin on E_p,
 // the step, the optimizer's step count, the data loader state, the sample draws and the model
-// configuration. Refuses naming the file and the field.
-inline void check_checkpoint_set(const std::string& dir, int world, bool bf16) {
+// configuration. Refuses naming the file and the field. Returns rank0.bin's header and training flags
+// (its sections are checked, not kept).
+inline RankFile check_checkpoint_set(const std::string& dir, int world, bool bf16) {
   const auto set_fields = [](const RankFile& f) {
     std::vector<std::pair<std::string, std::string>> fields = {
         {"E_p", std::to_string(f.ep)},
@@ -448,6 +449,7 @@ inline void check_checkpoint_set(const std::string& dir, int world, bool bf16) {
         detail::differences(set_fields(first), set_fields(f), "rank0.bin", "rank" + std::to_string(rank) + ".bin");
     if (!disagreements.empty()) throw refusal("disagrees with rank0.bin on " + detail::join(disagreements, "; "));
   }
+  return first;
 }
 
 // Whether `name` is a file that a save writes into a checkpoint folder: rank<R>.bin, or

@@ -98,6 +98,8 @@ struct TrainConfig {
   std::string device_budget = "0";         // selective attention recomputation (--recompute 1): the pool bytes a
                                            // rank may use, or a fraction (0, 1] of the GPU's memory; "0" = off
   int dry_run = 0;                         // 1: print the memory prediction (and refuse what cannot fit), then exit
+  std::string device_capacity;             // --dry_run 1 on a machine without a GPU: the GPU's memory, bytes
+                                           // or with a unit (80GiB); "" = none given
   unsigned long long seed = 1337;
 };
 
@@ -409,6 +411,25 @@ inline DeviceBudget parse_device_budget(const std::string& text) {
   return d;
 }
 
+// --device_capacity: bytes, an integer or a decimal with a unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB,
+// TB: powers of 1000), such as 81559 MiB or 80GiB. Throws naming the flag and the text when it is not.
+inline long long parse_device_capacity(const std::string& text) {
+  const std::pair<const char*, double> units[] = {{"", 1},          {"B", 1},       {"KiB", 1024.0},
+                                                  {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+                                                  {"KB", 1e3},      {"MB", 1e6},    {"GB", 1e9},
+                                                  {"TB", 1e12}};
+  char* end = nullptr;
+  const double number = !text.empty() && std::isdigit((unsigned char)text[0]) ? strtod(text.c_str(), &end) : 0;
+  if (end != nullptr) {
+    std::string unit(end);
+    unit.erase(0, unit.find_first_not_of(' '));
+    for (const auto& [name, scale] : units)
+      if (unit == name && number * scale >= 1 && number * scale < 9.2e18) return (long long)(number * scale);
+  }
+  throw std::invalid_argument("--device_capacity '" + text +
+                              "': expects the GPU's memory in bytes, or with a unit such as 80GiB or 141GB");
+}
+
 // The MoE dispatcher that --moe names, with its default resolved: local at E_p = 1, else ep.
 inline std::string moe_dispatcher(const TrainConfig& t) {
   if (!t.moe.empty()) return t.moe;
@@ -523,6 +544,10 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.profile_step == -1 || (t.profile_step >= 0 && t.profile_step < t.steps),
        "--profile_step " + std::to_string(t.profile_step) + " is not a step of this run: it must be -1 (off) or in [0, " +
            std::to_string(t.steps) + ") (--steps " + std::to_string(t.steps) + ")");
+  if (!t.device_capacity.empty()) parse_device_capacity(t.device_capacity);
+  need(t.device_capacity.empty() || t.dry_run == 1,
+       "--device_capacity " + t.device_capacity + " is the GPU's memory for --dry_run 1 without a GPU (got --dry_run " +
+           std::to_string(t.dry_run) + ")");
   const DeviceBudget device = parse_device_budget(t.device_budget);
   need(!device.on() || t.recompute == 1, "--device_budget " + t.device_budget +
                                              " chooses attention tensors to keep instead of recomputing them: it needs "
@@ -568,7 +593,8 @@ inline std::string usage() {
          "        --recompute 0|1 --offload_budget BYTES (SCO: layer boundaries in pinned host memory; needs\n"
          "        --recompute 1) --device_budget BYTES|FRACTION (the pool's bytes per rank, or a fraction of the\n"
          "        GPU: what the predicted peak leaves keeps attention tensors; needs --recompute 1) --seed S\n"
-         "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing)\n"
+         "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing;\n"
+         "        needs no GPU: --device_capacity BYTES|80GiB gives the GPU's memory where there is none)\n"
          "        --overlap_update 0|1 (1, the default: one rank's --optimizer adamw steps layer by layer beside the\n"
          "        next step's forward, BF16 build; 0: after the backward, on the compute stream)\n"
          "        --wgrad_stream 0|1 (1, the default: each layer's weight gradients on a stream of their own,\n"
@@ -754,6 +780,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int64_flag("--offload_budget", &T::offload_budget),
       text_flag("--device_budget", &T::device_budget),
       int_flag("--dry_run", &T::dry_run),
+      text_flag("--device_capacity", &T::device_capacity),
       {"--seed", false,
        [](T& t, const std::string& v) {
          char* end = nullptr;
