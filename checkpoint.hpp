@@ -5,7 +5,9 @@
 //   rank 0: make_empty_dir(DIR.tmp); barrier;
 //   every rank: write_rank_file(rank_file(DIR.tmp, rank), its RankFile); barrier;
 //   rank 0: publish_dir(DIR.tmp, DIR); barrier.
-// An interrupted save leaves the previous DIR in place. A resume: check_checkpoint_set(DIR, W, bf16)
+// An interrupted save leaves the previous DIR in place. A save removes only checkpoint folders (a
+// stale DIR.tmp, the DIR it replaces, DIR.old) that hold nothing but rank files: a link, a file or a
+// folder holding anything else there is refused, and nothing is removed. A resume: check_checkpoint_set(DIR, W, bf16)
 // before any GPU or NCCL work, then every rank read_rank_file(rank_file(DIR, rank)).
 //
 // A rank file, little-endian (offsets in bytes):
@@ -30,7 +32,7 @@
 //   ...    the sections' payloads in table order, count × f32 each
 //   end-8  u64  file checksum: FNV-1a 64 of every byte before it
 //
-// Reading refuses, in this order and naming the file: cannot open; bad magic number and unsupported
+// Reading refuses, in this order and naming the file: cannot open, or not a regular file; bad magic number and unsupported
 // version (so a foreign file or an older format is named as such); truncated (shorter than the
 // header); checksum mismatch in the header; truncated or trailing bytes (against the length the
 // header records); a malformed header (lengths that do not add up: only a hand-made file has them);
@@ -175,11 +177,14 @@ enum class Payload { keep, verify_only };
 // Reads and checks a rank file; with Payload::verify_only the sections are checksummed but not kept.
 inline RankFile load(const std::string& path, Payload payload) {
   const auto refusal = [&](const std::string& why) { return std::runtime_error("checkpoint " + path + ": " + why); };
-  std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (!file) throw refusal(std::string("cannot open: ") + std::strerror(errno));
-  struct stat st;
-  if (fstat(fileno(file.get()), &st) != 0) throw refusal(std::string("cannot stat: ") + std::strerror(errno));
-  const uint64_t size = (uint64_t)st.st_size;
+  long long file_size = 0;
+  std::unique_ptr<FILE, int (*)(FILE*)> file(nullptr, &std::fclose);
+  try {
+    file.reset(data::open_regular_file(path, &file_size));
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string("checkpoint ") + e.what());
+  }
+  const uint64_t size = (uint64_t)file_size;
   const auto read_exact = [&](void* into, size_t bytes) {
     if (bytes > 0 && std::fread(into, 1, bytes, file.get()) != bytes)
       throw refusal(std::ferror(file.get()) ? std::string("cannot read: ") + std::strerror(errno)
@@ -410,8 +415,9 @@ inline std::vector<std::string> train_flag_differences(const TrainConfig& checkp
 // opens and passes every check of read_rank_file (its checksum included), holds the rank its name
 // says, was written by `world` ranks of the `bf16` (or FP32) build, and agrees with rank0.bin on E_p,
 // the step, the optimizer's step count, the data loader state, the sample draws and the model
-// configuration. Refuses naming the file and the field.
-inline void check_checkpoint_set(const std::string& dir, int world, bool bf16) {
+// configuration. Refuses naming the file and the field. Returns rank0.bin's header and training flags
+// (its sections are checked, not kept).
+inline RankFile check_checkpoint_set(const std::string& dir, int world, bool bf16) {
   const auto set_fields = [](const RankFile& f) {
     std::vector<std::pair<std::string, std::string>> fields = {
         {"E_p", std::to_string(f.ep)},
@@ -443,39 +449,71 @@ inline void check_checkpoint_set(const std::string& dir, int world, bool bf16) {
         detail::differences(set_fields(first), set_fields(f), "rank0.bin", "rank" + std::to_string(rank) + ".bin");
     if (!disagreements.empty()) throw refusal("disagrees with rank0.bin on " + detail::join(disagreements, "; "));
   }
+  return first;
 }
 
-// Removes `path` and, when it is a directory, everything in it (links are removed, never followed).
-// A missing path is fine; anything else that fails throws naming the path.
-inline void remove_tree(const std::string& path) {
+// Whether `name` is a file that a save writes into a checkpoint folder: rank<R>.bin, or
+// rank<R>.bin.part while write_rank_file writes it.
+inline bool is_checkpoint_file_name(const std::string& name) {
+  const std::string base = name.size() > 5 && name.compare(name.size() - 5, 5, ".part") == 0 ? name.substr(0, name.size() - 5) : name;
+  if (base.size() < 9 || base.compare(0, 4, "rank") != 0 || base.compare(base.size() - 4, 4, ".bin") != 0) return false;
+  return std::all_of(base.begin() + 4, base.end() - 4, [](char c) { return c >= '0' && c <= '9'; });
+}
+
+namespace detail {
+
+// The entries of a checkpoint folder that a save wrote (or left half-written): `path` must be a
+// folder, not a link, that holds only plain files named as a save names them (is_checkpoint_file_name).
+// Throws, naming the path and what it holds, for anything else: a save never deletes what it did
+// not write.
+inline std::vector<std::string> checkpoint_dir_entries(const std::string& path) {
+  const auto refusal = [&](const std::string& why) {
+    return std::runtime_error("refusing to remove " + path + ": " + why + " (a checkpoint folder holds only rank<R>.bin files)");
+  };
   struct stat st;
-  if (lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return;
-    throw std::runtime_error("cannot remove " + path + ": " + std::strerror(errno));
-  }
-  if (!S_ISDIR(st.st_mode)) {
-    if (unlink(path.c_str()) != 0) throw std::runtime_error("cannot remove " + path + ": " + std::strerror(errno));
-    return;
-  }
+  if (lstat(path.c_str(), &st) != 0) throw std::runtime_error("cannot inspect " + path + ": " + std::strerror(errno));
+  if (!S_ISDIR(st.st_mode)) throw refusal(S_ISLNK(st.st_mode) ? "it is a link" : "it is not a folder");
   DIR* dir = opendir(path.c_str());
   if (!dir) throw std::runtime_error("cannot open directory " + path + ": " + std::strerror(errno));
   std::vector<std::string> entries;
+  std::string foreign;
   errno = 0;
   while (const dirent* entry = readdir(dir)) {
     const std::string name = entry->d_name;
-    if (name != "." && name != "..") entries.push_back(path + "/" + name);
+    if (name == "." || name == "..") continue;
+    struct stat entry_st;
+    const std::string entry_path = path + "/" + name;
+    if (!is_checkpoint_file_name(name) || lstat(entry_path.c_str(), &entry_st) != 0 || !S_ISREG(entry_st.st_mode)) {
+      foreign = name;
+      break;
+    }
+    entries.push_back(entry_path);
+    errno = 0;
   }
   const int listing_errno = errno;
   closedir(dir);
+  if (!foreign.empty()) throw refusal("it holds " + foreign + ", which a checkpoint save does not write");
   if (listing_errno != 0)
     throw std::runtime_error("cannot list directory " + path + ": " + std::strerror(listing_errno));
-  for (const std::string& entry : entries) remove_tree(entry);
+  return entries;
+}
+
+}  // namespace detail
+
+// Removes a checkpoint folder that a save wrote or left half-written (detail::checkpoint_dir_entries:
+// its rank files and nothing else); a missing path is fine. Anything else is refused before anything
+// is removed, naming the path and what it holds.
+inline void remove_checkpoint_dir(const std::string& path) {
+  if (!detail::path_exists(path)) return;
+  for (const std::string& entry : detail::checkpoint_dir_entries(path))
+    if (unlink(entry.c_str()) != 0) throw std::runtime_error("cannot remove " + entry + ": " + std::strerror(errno));
   if (rmdir(path.c_str()) != 0) throw std::runtime_error("cannot remove " + path + ": " + std::strerror(errno));
 }
 
-// `path` as a new, empty directory (whatever was there is removed).
+// `path` as a new, empty directory. A folder left there by an interrupted save is removed first;
+// anything else at `path` is refused (remove_checkpoint_dir).
 inline void make_empty_dir(const std::string& path) {
-  remove_tree(path);
+  remove_checkpoint_dir(path);
   if (mkdir(path.c_str(), 0755) != 0)
     throw std::runtime_error("cannot create directory " + path + ": " + std::strerror(errno));
 }
@@ -484,12 +522,15 @@ inline void make_empty_dir(const std::string& path) {
 // removed. When the second rename fails, dir.old goes back to dir and the call throws, so the
 // previous set stays in place. A dir.old that an earlier publish left behind is stale when dir
 // exists and removed first; when dir is missing it may be the only complete set, and it is removed
-// only once the new set is in place.
+// only once the new set is in place. A dir or dir.old that is not a checkpoint folder (its rank files
+// only: remove_checkpoint_dir) is refused before anything moves.
 inline void publish_dir(const std::string& tmp_dir, const std::string& dir) {
   const std::string old_dir = dir + ".old";
   const bool had_dir = detail::path_exists(dir);
+  for (const std::string& replaced : {dir, old_dir})
+    if (detail::path_exists(replaced)) detail::checkpoint_dir_entries(replaced);
   if (had_dir) {
-    remove_tree(old_dir);
+    remove_checkpoint_dir(old_dir);
     if (std::rename(dir.c_str(), old_dir.c_str()) != 0)
       throw std::runtime_error("cannot move " + dir + " aside to " + old_dir + ": " + std::strerror(errno));
   }
@@ -501,7 +542,7 @@ inline void publish_dir(const std::string& tmp_dir, const std::string& dir) {
     throw std::runtime_error("cannot move " + tmp_dir + " to " + dir + ": " + why +
                              (had_dir ? " (the previous set is kept)" : ""));
   }
-  remove_tree(old_dir);
+  remove_checkpoint_dir(old_dir);
 }
 
 }  // namespace ckpt

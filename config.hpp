@@ -3,6 +3,7 @@
 // and the tests. Plain C++17: CPU tests check flag errors without a GPU.
 #pragma once
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cmath>
@@ -98,6 +99,8 @@ struct TrainConfig {
   std::string device_budget = "0";         // selective attention recomputation (--recompute 1): the pool bytes a
                                            // rank may use, or a fraction (0, 1] of the GPU's memory; "0" = off
   int dry_run = 0;                         // 1: print the memory prediction (and refuse what cannot fit), then exit
+  std::string device_capacity;             // --dry_run 1 on a machine without a GPU: the GPU's memory, bytes
+                                           // or with a unit (80GiB); "" = none given
   unsigned long long seed = 1337;
 };
 
@@ -409,6 +412,25 @@ inline DeviceBudget parse_device_budget(const std::string& text) {
   return d;
 }
 
+// --device_capacity: bytes, an integer or a decimal with a unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB,
+// TB: powers of 1000), such as 81559 MiB or 80GiB. Throws naming the flag and the text when it is not.
+inline long long parse_device_capacity(const std::string& text) {
+  const std::pair<const char*, double> units[] = {{"", 1},          {"B", 1},       {"KiB", 1024.0},
+                                                  {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+                                                  {"KB", 1e3},      {"MB", 1e6},    {"GB", 1e9},
+                                                  {"TB", 1e12}};
+  char* end = nullptr;
+  const double number = !text.empty() && std::isdigit((unsigned char)text[0]) ? strtod(text.c_str(), &end) : 0;
+  if (end != nullptr) {
+    std::string unit(end);
+    unit.erase(0, unit.find_first_not_of(' '));
+    for (const auto& [name, scale] : units)
+      if (unit == name && number * scale >= 1 && number * scale < 9.2e18) return (long long)(number * scale);
+  }
+  throw std::invalid_argument("--device_capacity '" + text +
+                              "': expects the GPU's memory in bytes, or with a unit such as 80GiB or 141GB");
+}
+
 // The MoE dispatcher that --moe names, with its default resolved: local at E_p = 1, else ep.
 inline std::string moe_dispatcher(const TrainConfig& t) {
   if (!t.moe.empty()) return t.moe;
@@ -469,7 +491,8 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(ep >= 1 && t.gpus % ep == 0, "ep (" + std::to_string(ep) + ") must divide the number of ranks (" +
                                         std::to_string(t.gpus) + ")");
   need(c.n_dense == c.layers || c.experts % ep == 0,
-       "experts (" + std::to_string(c.experts) + ") must be divisible by ep (" + std::to_string(ep) + ")");
+       "experts (" + std::to_string(c.experts) + ") must be divisible by " +
+           (t.ep ? "--ep " + std::to_string(ep) : "--gpus " + std::to_string(ep) + " (E_p = W when --ep is left out)"));
   // Seams: what exists is accepted, what a paper operator will add later is refused by name.
   auto refuse_unbuilt = [&](const std::string& flag, const std::string& v, const std::vector<std::string>& built,
                             const std::vector<std::string>& planned) {
@@ -523,6 +546,10 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.profile_step == -1 || (t.profile_step >= 0 && t.profile_step < t.steps),
        "--profile_step " + std::to_string(t.profile_step) + " is not a step of this run: it must be -1 (off) or in [0, " +
            std::to_string(t.steps) + ") (--steps " + std::to_string(t.steps) + ")");
+  if (!t.device_capacity.empty()) parse_device_capacity(t.device_capacity);
+  need(t.device_capacity.empty() || t.dry_run == 1,
+       "--device_capacity " + t.device_capacity + " is the GPU's memory for --dry_run 1 without a GPU (got --dry_run " +
+           std::to_string(t.dry_run) + ")");
   const DeviceBudget device = parse_device_budget(t.device_budget);
   need(!device.on() || t.recompute == 1, "--device_budget " + t.device_budget +
                                              " chooses attention tensors to keep instead of recomputing them: it needs "
@@ -551,8 +578,8 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Flags: --name value. Unknown flags, words that are not flags, missing values and malformed
-// numbers are refused.
+// Flags: --name value. Unknown flags, words that are not flags, --name=value, missing values and
+// malformed numbers (a leading space, past the type's range) are refused.
 
 struct FlagError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
@@ -568,7 +595,8 @@ inline std::string usage() {
          "        --recompute 0|1 --offload_budget BYTES (SCO: layer boundaries in pinned host memory; needs\n"
          "        --recompute 1) --device_budget BYTES|FRACTION (the pool's bytes per rank, or a fraction of the\n"
          "        GPU: what the predicted peak leaves keeps attention tensors; needs --recompute 1) --seed S\n"
-         "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing)\n"
+         "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing;\n"
+         "        needs no GPU: --device_capacity BYTES|80GiB gives the GPU's memory where there is none)\n"
          "        --overlap_update 0|1 (1, the default: one rank's --optimizer adamw steps layer by layer beside the\n"
          "        next step's forward, BF16 build; 0: after the backward, on the compute stream)\n"
          "        --wgrad_stream 0|1 (1, the default: each layer's weight gradients on a stream of their own,\n"
@@ -607,10 +635,15 @@ struct Flag {
   std::function<std::string(const Config&)> text;
 };
 
+// Whether a numeric flag's value starts with its number: strtol and its kin skip leading whitespace,
+// which the command line refuses (" -1" is not a number as written).
+inline bool starts_with_number(const std::string& v) { return !v.empty() && !std::isspace((unsigned char)v[0]); }
+
 inline int int_from_flag(const std::string& flag, const std::string& v) {
   char* end = nullptr;
+  errno = 0;
   long x = strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || x < -2147483647L || x > 2147483647L)
+  if (!starts_with_number(v) || *end != '\0' || errno == ERANGE || x < -2147483647L || x > 2147483647L)
     throw FlagError("flag " + flag + " expects an integer, got '" + v + "'");
   return (int)x;
 }
@@ -619,14 +652,14 @@ inline long long int64_from_flag(const std::string& flag, const std::string& v) 
   char* end = nullptr;
   errno = 0;
   long long x = strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || errno == ERANGE) throw FlagError("flag " + flag + " expects an integer, got '" + v + "'");
+  if (!starts_with_number(v) || *end != '\0' || errno == ERANGE) throw FlagError("flag " + flag + " expects an integer, got '" + v + "'");
   return x;
 }
 
 inline float float_from_flag(const std::string& flag, const std::string& v) {
   char* end = nullptr;
   float x = strtof(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !std::isfinite(x))
+  if (!starts_with_number(v) || *end != '\0' || !std::isfinite(x))
     throw FlagError("flag " + flag + " expects a number, got '" + v + "'");
   return x;
 }
@@ -752,12 +785,14 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int64_flag("--offload_budget", &T::offload_budget),
       text_flag("--device_budget", &T::device_budget),
       int_flag("--dry_run", &T::dry_run),
+      text_flag("--device_capacity", &T::device_capacity),
       {"--seed", false,
        [](T& t, const std::string& v) {
          char* end = nullptr;
+         errno = 0;
          unsigned long long s = strtoull(v.c_str(), &end, 10);
-         if (v.empty() || *end != '\0' || v[0] == '-')
-           throw FlagError("flag --seed expects a non-negative integer, got '" + v + "'");
+         if (v.empty() || !std::isdigit((unsigned char)v[0]) || *end != '\0' || errno == ERANGE)
+           throw FlagError("flag --seed expects a non-negative integer below 2^64, got '" + v + "'");
          t.seed = s;
        },
        [](const T& t) { return std::to_string(t.seed); }}};
@@ -801,6 +836,9 @@ inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
     const std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") throw FlagError("help");
     if (flag.rfind("--", 0) != 0) throw FlagError("unexpected argument '" + flag + "'");
+    if (flag.find('=') != std::string::npos)
+      throw FlagError("flag " + flag + ": give the value as the next word, " + flag.substr(0, flag.find('=')) + " " +
+                      flag.substr(flag.find('=') + 1) + " (flags take no '=')");
     if (i + 1 >= argc) throw FlagError("flag " + flag + " needs a value");
     const std::string v = argv[++i];
     const auto set = [&](const auto* f, auto& config) {

@@ -76,20 +76,37 @@ void checkpoint_save(const std::string& dir, Model& m, const TrainConfig& tc, co
   barrier(m, "checkpoint_save.publish");
 }
 
-// A model from this rank's file of a checkpoint (the set was checked before the GPU started).
-// Refuses a model configuration other than the flags', naming each field that differs.
-Model checkpoint_load(const std::string& dir, const ModelConfig& flags_model, const TrainConfig& tc,
-                      const Parallel& par, cudaStream_t stream, TrainState& st) {
-  ckpt::RankFile f = ckpt::read_rank_file(ckpt::rank_file(dir, par.world.rank));
-  const std::string differs = ckpt::model_config_difference(f.model, flags_model);
+// Refuses, before the GPU starts, a checkpoint that this run cannot continue, naming what differs: a
+// model configuration other than the flags' (each field), another E_p, another vocabulary split P
+// (--head ring_dtp: each rank's file holds its interval of lm_head), a data position that the training
+// data does not hold. `saved`: the set's rank0.bin (check_checkpoint_set: the others agree with it);
+// `t`: the flags at the world that runs; `train_data`: the training data at that world.
+void check_resume_fits(const std::string& dir, const ckpt::RankFile& saved, const ModelConfig& flags_model,
+                       const TrainConfig& t, DataLoader& train_data) {
+  const std::string differs = ckpt::model_config_difference(saved.model, flags_model);
   if (!differs.empty()) throw std::invalid_argument("--resume " + dir + ": the model configuration differs from the flags: " + differs);
-  if (f.world != par.world.size || f.ep != par.ep.size)
-    throw std::invalid_argument("--resume " + dir + ": written by W=" + std::to_string(f.world) + " E_p=" + std::to_string(f.ep) +
-                                "; this run has W=" + std::to_string(par.world.size) + " E_p=" + std::to_string(par.ep.size));
-  if (vocab_group_size(f.train) != par.vocab.size)  // each rank's file holds its vocabulary interval of lm_head
+  const int ep = t.ep ? t.ep : t.gpus;
+  if (saved.ep != ep)
+    throw std::invalid_argument("--resume " + dir + ": written by W=" + std::to_string(saved.world) + " E_p=" +
+                                std::to_string(saved.ep) + "; this run has W=" + std::to_string(t.gpus) +
+                                " E_p=" + std::to_string(ep));
+  if (vocab_group_size(saved.train) != vocab_group_size(t))
     throw std::invalid_argument("--resume " + dir + ": written with lm_head split over P=" +
-                                std::to_string(vocab_group_size(f.train)) + " ranks (--head " + f.train.head +
-                                "); this run has P=" + std::to_string(par.vocab.size) + " (--head " + tc.head + ")");
+                                std::to_string(vocab_group_size(saved.train)) + " ranks (--head " + saved.train.head +
+                                "); this run has P=" + std::to_string(vocab_group_size(t)) + " (--head " + t.head + ")");
+  try {
+    train_data.set_state(saved.data);
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument("--resume " + dir + ": its data position lies past the training data " +
+                                t.train_pattern + ": " + e.what());
+  }
+}
+
+// A model from this rank's file of a checkpoint (the set was checked, and found to fit the flags, before
+// the GPU started: check_checkpoint_set, check_resume_fits).
+Model checkpoint_load(const std::string& dir, const TrainConfig& tc, const Parallel& par, cudaStream_t stream,
+                      TrainState& st) {
+  ckpt::RankFile f = ckpt::read_rank_file(ckpt::rank_file(dir, par.world.rank));
   if (par.world.rank == 0)
     for (const std::string& d : ckpt::train_flag_differences(f.train, tc)) printf("note: training flag differs from the checkpoint's: %s\n", d.c_str());
   Model m = model_create(f.model, 0, par, stream, seams_from(tc, f.model));
@@ -264,16 +281,16 @@ struct RankMemoryPlan {
   SarPlan attention_kept;
   long long outside = 0, capacity = 0, budget = 0;  // budget: --device_budget in bytes (0: none)
   int ranks_on_gpu = 1;
+  bool on_gpu = true;  // outside and capacity measured; false: no GPU, capacity from --device_capacity
 };
 
-RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T,
-                                int ranks_on_gpu) {
+// The plan from the prediction alone (host arithmetic), against a device of `capacity` bytes that
+// holds `outside` bytes outside the pool and is shared by `ranks_on_gpu` ranks.
+RankMemoryPlan plan_memory(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T,
+                           long long capacity, long long outside, int ranks_on_gpu) {
   RankMemoryPlan plan;
-  size_t free_b = 0, total_b = 0;
-  cudaCheck(cudaMemGetInfo(&free_b, &total_b), "train", "meminfo");
-  const DeviceMemoryNow now = device_memory_now();
-  plan.outside = now.used - now.reserved;
-  plan.capacity = (long long)total_b;
+  plan.outside = outside;
+  plan.capacity = capacity;
   plan.ranks_on_gpu = ranks_on_gpu;
   const Seams seams = seams_from(t, c);
   plan.predicted = predict_rank_memory(c, par, seams, B, T, t.recompute != 0);
@@ -306,17 +323,58 @@ RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, cons
   return plan;
 }
 
+// The plan on this rank's GPU: its capacity and what it holds outside the pool so far, measured.
+RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T,
+                                int ranks_on_gpu) {
+  size_t free_b = 0, total_b = 0;
+  cudaCheck(cudaMemGetInfo(&free_b, &total_b), "train", "meminfo");
+  const DeviceMemoryNow now = device_memory_now();
+  return plan_memory(c, t, par, B, T, (long long)total_b, now.used - now.reserved, ranks_on_gpu);
+}
+
+// The group sizes of rank 0 of `world` ranks as parallel_init makes them, without a communicator: what
+// the prediction reads of a Parallel (--dry_run 1 without a GPU).
+Parallel parallel_shape(int world, int ep_size, int vocab_size) {
+  Parallel par;
+  par.world.size = world;
+  par.ep.size = ep_size;
+  par.expert_replicas.size = world / ep_size;
+  par.vocab.size = vocab_size;
+  par.vocab_replicas.size = vocab_size > 1 ? world / vocab_size : 1;
+  return par;
+}
+
+// --dry_run 1 on a machine without a GPU: rank 0's plan of a run of `t.gpus` ranks against
+// --device_capacity (nothing outside the pool is measured: there is no device). Refuses a missing
+// --device_capacity, and what cannot fit.
+RankMemoryPlan plan_memory_without_gpu(const ModelConfig& c, const TrainConfig& t) {
+  if (t.device_capacity.empty())
+    throw std::invalid_argument("--dry_run 1: this machine has no GPU to take the memory from: give the GPU's "
+                                "with --device_capacity (bytes, or with a unit such as 80GiB)");
+  const Parallel par = parallel_shape(t.gpus, t.ep ? t.ep : t.gpus, vocab_group_size(t));
+  RankMemoryPlan plan = plan_memory(c, t, par, t.batch, c.seq_len, parse_device_capacity(t.device_capacity), 0, 1);
+  plan.on_gpu = false;
+  return plan;
+}
+
 void print_memory_plan(const RankMemoryPlan& plan, const ModelConfig& c) {
-  printf("memory prediction (Eq. 6, rank 0): pool peak %.1f MiB at %s = %s; outside the pool %.1f MiB (measured); "
-         "device %.1f MiB%s\n",
-         plan.predicted.total() / 1048576.0, plan.predicted.peak_at.c_str(), plan.predicted.describe().c_str(),
-         plan.outside / 1048576.0, plan.capacity / 1048576.0,
-         plan.ranks_on_gpu > 1 ? (", shared by " + std::to_string(plan.ranks_on_gpu) + " ranks: " +
-                                  std::to_string(plan.ranks_on_gpu) + " pools + outside = " +
-                                  std::to_string((long long)std::llround(
-                                      (plan.predicted.total() * (double)plan.ranks_on_gpu + plan.outside) / 1048576.0)) +
-                                  " MiB").c_str()
-                                : "");
+  if (plan.on_gpu)
+    printf("memory prediction (Eq. 6, rank 0): pool peak %.1f MiB at %s = %s; outside the pool %.1f MiB (measured); "
+           "device %.1f MiB%s\n",
+           plan.predicted.total() / 1048576.0, plan.predicted.peak_at.c_str(), plan.predicted.describe().c_str(),
+           plan.outside / 1048576.0, plan.capacity / 1048576.0,
+           plan.ranks_on_gpu > 1 ? (", shared by " + std::to_string(plan.ranks_on_gpu) + " ranks: " +
+                                    std::to_string(plan.ranks_on_gpu) + " pools + outside = " +
+                                    std::to_string((long long)std::llround(
+                                        (plan.predicted.total() * (double)plan.ranks_on_gpu + plan.outside) / 1048576.0)) +
+                                    " MiB").c_str()
+                                  : "");
+  else
+    printf("memory prediction (Eq. 6, rank 0): pool peak %.1f MiB at %s = %s; outside the pool not measured (no GPU: "
+           "the CUDA context, communicators and cuBLAS take some hundreds of MiB more); device %.1f MiB "
+           "(--device_capacity)\n",
+           plan.predicted.total() / 1048576.0, plan.predicted.peak_at.c_str(), plan.predicted.describe().c_str(),
+           plan.capacity / 1048576.0);
   if (plan.budget == 0) return;
   int core = 0, projection = 0;
   for (const SarChoice& x : plan.attention_kept.taken) (x.option == SarOption::Core ? core : projection)++;
@@ -419,16 +477,33 @@ int train_main(int argc, char** argv) {
                                   std::to_string(tok.vocab_size()));
     validate(mc);
     validate(tc, mc);
-    { DataLoader check_train(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab), check_val(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab); }
     const std::string trace_path = data::routing_trace_path(tc.routing);  // --routing trace:FILE
-    // The checkpoint set and the routing trace, whole, before any GPU or NCCL work, at the world the
-    // launcher starts (else launch() names the problem)
+    // Everything that can be checked before any GPU or NCCL work is checked here, at the world that
+    // will run: the launcher's variables (launch() would refuse the same), the flags at that world,
+    // the data (each shard holds a window of W ranks), the checkpoint set and whether it fits the
+    // flags and the data, the routing trace to replay, where --record_routing and --out will write.
     LaunchEnv started;
-    if (parse_launch_env([](const char* name) -> const char* { return getenv(name); }, tc.gpus, &started).empty()) {
-      if (!tc.resume.empty()) ckpt::check_checkpoint_set(tc.resume, started.world, sizeof(floatX) == 2);
-      if (!trace_path.empty())
-        data::check_routing_trace_fits(data::read_routing_trace(trace_path),
-                                       routing_trace_shape(mc, tc.batch * mc.seq_len, started.world));
+    const std::string launch_refusal =
+        parse_launch_env([](const char* name) -> const char* { return getenv(name); }, tc.gpus, &started);
+    if (!launch_refusal.empty()) launch_fail("%s", launch_refusal.c_str());
+    TrainConfig run_tc = tc;  // under mpirun/srun --gpus may be left out: the world is the launcher's
+    run_tc.gpus = started.world;
+    validate(run_tc, mc);
+    DataLoader check_train(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab, 0, started.world);
+    { DataLoader check_val(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab, 0, started.world); }
+    if (!tc.resume.empty())
+      check_resume_fits(tc.resume, ckpt::check_checkpoint_set(tc.resume, started.world, sizeof(floatX) == 2), mc,
+                        run_tc, check_train);
+    if (!trace_path.empty())
+      data::check_routing_trace_fits(data::read_routing_trace(trace_path),
+                                     routing_trace_shape(mc, tc.batch * mc.seq_len, started.world));
+    if (!tc.record_routing.empty()) data::check_routing_trace_target(tc.record_routing);
+    struct stat out_st;
+    if (stat(tc.out_dir.c_str(), &out_st) == 0 && !S_ISDIR(out_st.st_mode))
+      throw std::invalid_argument("--out " + tc.out_dir + " exists and is not a folder");
+    if (tc.dry_run && gpu_count() == 0) {  // the prediction is host arithmetic: no GPU needed
+      print_memory_plan(plan_memory_without_gpu(mc, run_tc), mc);
+      return 0;
     }
     const int gpus = gpu_count();
     if (gpus == 0) {
@@ -479,7 +554,7 @@ int train_main(int argc, char** argv) {
     TrainState st;
     Model m;
     if (!tc.resume.empty()) {
-      m = checkpoint_load(tc.resume, mc, tc, par, stream, st);
+      m = checkpoint_load(tc.resume, tc, par, stream, st);
       train_data.set_state(st.train_data);
       if (main_rank) printf("resumed from %s at step %d\n", tc.resume.c_str(), st.step);
     } else {

@@ -170,8 +170,7 @@ class DataLoader {
     const ShardInfo info = read_shard_header(path);
     if (info.num_tokens != shard_tokens_[s])
       throw std::runtime_error("data loader: shard " + path + " changed size since it was opened");
-    open_.file = std::fopen(path.c_str(), "rb");
-    if (!open_.file) throw std::runtime_error("shard " + path + ": cannot open");
+    open_.file = open_shard_file(path);
     open_.shard = s;
     open_.bytes_per_token = info.bytes_per_token;
   }
@@ -212,8 +211,7 @@ class DataLoader {
   // bad_position / bad_id to the first id ≥ vocab (bad_position −1 when there is none).
   static long long scan_shard(const std::string& path, int vocab, long long& bad_position, int& bad_id) {
     const ShardInfo info = read_shard_header(path);
-    FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) throw std::runtime_error("shard " + path + ": cannot open");
+    FILE* f = open_shard_file(path);
     std::vector<unsigned char> raw(size_t(std::min(info.num_tokens, kScanTokens)) * info.bytes_per_token);
     std::vector<int> tokens(size_t(std::min(info.num_tokens, kScanTokens)));
     bool ok = std::fseek(f, long(kHeaderBytes), SEEK_SET) == 0;

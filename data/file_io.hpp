@@ -1,8 +1,15 @@
 // data/file_io.hpp — byte-level file helpers shared by the tokenizer and the token shards:
-// little-endian int32 packing (the files are little-endian whatever the host), whole-file reads,
-// and AtomicFileWriter, which writes PATH.tmp and renames it over PATH only once every byte is
-// out, so a failure never leaves a half-written file and never loses the file already there.
+// little-endian int32 packing (the files are little-endian whatever the host), whole-file reads
+// (of a regular file only: a folder, a FIFO or a device such as /dev/zero is refused by name, so a
+// read is bounded by the file's size and never blocks), and AtomicFileWriter, which writes PATH.tmp
+// and renames it over PATH only once every byte is out, so a failure never leaves a half-written
+// file and never loses the file already there. PATH.tmp is created new: an existing one (a link
+// included) is refused, never truncated, written through or removed.
 #pragma once
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -26,25 +33,67 @@ inline int32_t load_i32_le(const unsigned char* p) {
   return int32_t(uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24);
 }
 
-// The whole content of `path`; throws naming the file when it cannot be opened or read.
+// `path` opened for reading when it is a regular file (a link to one is followed); throws naming the
+// file and why otherwise: it cannot be opened (strerror), or it is a folder, a FIFO, a device...
+// Opened without blocking, so that a FIFO is refused, not waited on. `*bytes`: its size.
+inline FILE* open_regular_file(const std::string& path, long long* bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error(path + ": cannot open: " + std::strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    throw std::runtime_error(path + ": cannot stat: " + why);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    const char* kind = S_ISDIR(st.st_mode)                          ? "a folder, "
+                       : S_ISFIFO(st.st_mode)                        ? "a FIFO, "
+                       : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device, "
+                                                                     : "";
+    throw std::runtime_error(path + ": is " + kind + "not a regular file");
+  }
+  FILE* f = fdopen(fd, "rb");
+  if (!f) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    throw std::runtime_error(path + ": cannot open: " + why);
+  }
+  *bytes = (long long)st.st_size;
+  return f;
+}
+
+// The whole content of the regular file `path` (open_regular_file), at most its size when opened;
+// throws naming the file when it cannot be opened or read.
 inline std::string read_whole_file(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) throw std::runtime_error(path + ": cannot open: " + std::strerror(errno));
-  std::string bytes;
-  char buf[1 << 16];
-  size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) bytes.append(buf, got);
+  long long size = 0;
+  FILE* f = open_regular_file(path, &size);
+  std::string bytes(size_t(size), '\0');
+  const size_t got = size > 0 ? std::fread(&bytes[0], 1, bytes.size(), f) : 0;
   const bool failed = std::ferror(f) != 0;
+  const std::string why = std::strerror(errno);
   std::fclose(f);
-  if (failed) throw std::runtime_error(path + ": read error");
+  if (failed) throw std::runtime_error(path + ": read error: " + why);
+  bytes.resize(got);  // a file cut while it was read: the caller's size checks name it
   return bytes;
 }
 
 class AtomicFileWriter {
  public:
   explicit AtomicFileWriter(std::string path) : path_(std::move(path)), tmp_path_(path_ + ".tmp") {
-    file_ = std::fopen(tmp_path_.c_str(), "wb");
-    if (!file_) throw std::runtime_error(path_ + ": cannot create " + tmp_path_ + ": " + std::strerror(errno));
+    const int fd = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0 && errno == EEXIST)
+      throw std::runtime_error(path_ + ": cannot create " + tmp_path_ +
+                               ": it exists (left by an interrupted run, or not this program's file); remove it or "
+                               "choose another path");
+    if (fd < 0) throw std::runtime_error(path_ + ": cannot create " + tmp_path_ + ": " + std::strerror(errno));
+    file_ = fdopen(fd, "wb");
+    if (!file_) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      std::remove(tmp_path_.c_str());
+      throw std::runtime_error(path_ + ": cannot create " + tmp_path_ + ": " + why);
+    }
   }
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;

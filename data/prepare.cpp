@@ -36,7 +36,9 @@
 // folder DIR.tmp beside DIR, which becomes DIR once every file is out (an existing DIR is moved to
 // DIR.old first and removed after). A failure removes DIR.tmp and leaves the previous DIR intact.
 // An existing DIR may hold only such files (anything else is refused before any work), and
-// a DIR.old left by an interrupted run is refused (it holds the previous set).
+// a DIR.old left by an interrupted run is refused (it holds the previous set). A DIR.tmp left by an
+// interrupted run (a folder of the files prepare writes there) is removed; any other DIR.tmp (a
+// link, a file, a folder holding anything else) is refused before any work, never emptied.
 // Progress (reading, merges, encoding) goes to stdout as it happens.
 // Build: g++ -std=c++17 -O2 -I. data/prepare.cpp -o build/prepare
 #include <sys/stat.h>
@@ -108,6 +110,9 @@ Options parse_args(int argc, char** argv) {
       std::printf("%s\n", kUsage);
       std::exit(0);
     }
+    if (flag.rfind("--", 0) == 0 && flag.find('=') != std::string::npos)
+      throw UsageError("flag " + flag + ": give the value as the next word, " + flag.substr(0, flag.find('=')) + " " +
+                       flag.substr(flag.find('=') + 1) + " (flags take no '=')");
     if (flag != "--input" && flag != "--out" && flag != "--vocab" && flag != "--val-frac" && flag != "--seed" &&
         flag != "--shard-tokens")
       throw UsageError("unknown flag '" + flag + "'");
@@ -264,10 +269,11 @@ bool is_dictionary(const fs::path& path) {
   return ends_with(name, ".dict") || ends_with(name, ".dict.dz");
 }
 
-// Whether the file starts with gzip's magic bytes (gzip and dictzip files do).
+// Whether the file starts with gzip's magic bytes (gzip and dictzip files do). Refuses, naming it, a
+// file that cannot be opened or is not a regular file (a FIFO, a device: data::open_regular_file).
 bool is_gzip(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) throw std::runtime_error("input " + path + ": cannot open: " + std::strerror(errno));
+  long long size = 0;
+  FILE* f = data::open_regular_file(path, &size);
   unsigned char magic[2] = {0, 0};
   const size_t got = std::fread(magic, 1, 2, f);
   std::fclose(f);
@@ -411,39 +417,62 @@ bool is_set_file(const std::string& name) {
   return false;
 }
 
+// Whether `name` is a file that prepare writes into DIR.tmp: a file of the set, one being written
+// (NAME.tmp, AtomicFileWriter), or a split's token spool (train.spool, val.spool: unlinked once open,
+// left only by a run killed in between).
+bool is_prepare_file(const std::string& name) {
+  if (ends_with(name, ".tmp")) return is_set_file(name.substr(0, name.size() - 4));
+  return is_set_file(name) || name == "train.spool" || name == "val.spool";
+}
+
 bool path_exists(const std::string& path) {
   std::error_code ec;
   return fs::exists(fs::symlink_status(path, ec));
 }
 
+// The entries of `folder` (called `what` in messages: "output folder", "temporary folder") when it
+// is a folder, not a link, that holds only plain files named as prepare names them (`ours`);
+// otherwise throws naming the folder and what is wrong, so that nothing of it is removed.
+std::vector<fs::path> own_files(const std::string& folder, const std::string& what, bool (*ours)(const std::string&)) {
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(folder, ec);
+  if (fs::is_symlink(status))
+    throw std::runtime_error(what + " " + folder + " is a link; prepare never writes through one nor removes it");
+  if (!fs::is_directory(status)) throw std::runtime_error(what + " " + folder + " exists and is not a folder");
+  std::vector<fs::path> files;
+  for (const fs::directory_entry& entry : fs::directory_iterator(folder, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!ours(name) || !fs::is_regular_file(entry.symlink_status(ec)))
+      throw std::runtime_error(what + " " + folder + " holds " + name +
+                               ", which is not one of the files prepare writes; refusing to replace or remove the folder");
+    files.push_back(entry.path());
+  }
+  if (ec) throw std::runtime_error(what + " " + folder + ": cannot list it: " + ec.message());
+  return files;
+}
+
 // Refuses, before any work, an output that cannot be replaced as a set: DIR that is not a folder or
-// that holds anything but files of a set (is_set_file), and a DIR.old left by a run interrupted while swapping.
+// that holds anything but files of a set (is_set_file); a DIR.tmp that is not what an interrupted
+// prepare leaves (a folder of is_prepare_file files: anything else, a link included, was not made by
+// prepare); and a DIR.old left by a run interrupted while swapping.
 void check_output(const std::string& out) {
-  const std::string old = out + ".old";
+  const std::string old = out + ".old", tmp = out + ".tmp";
   if (path_exists(old))
     throw std::runtime_error(old + " exists: an interrupted prepare left the previous set there; move it back to " +
                              out + " or remove it");
-  if (!path_exists(out)) return;
-  std::error_code ec;
-  if (!fs::is_directory(fs::symlink_status(out, ec))) throw std::runtime_error("output " + out + " exists and is not a folder");
-  for (const fs::directory_entry& entry : fs::directory_iterator(out, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (!is_set_file(name) || !fs::is_regular_file(entry.symlink_status(ec)))
-      throw std::runtime_error("output folder " + out + " holds " + name +
-                               ", which is not one of the files prepare writes; refusing to replace the folder");
-  }
-  if (ec) throw std::runtime_error("output folder " + out + ": cannot list it: " + ec.message());
+  if (path_exists(tmp)) own_files(tmp, "temporary folder", is_prepare_file);
+  if (path_exists(out)) own_files(out, "output folder", is_set_file);
 }
 
-// Unlinks every entry of `folder` (files only; a folder inside is not removed), then removes it.
-// Returns "" or what could not be removed.
-std::string remove_folder_of_files(const std::string& folder) {
-  std::error_code ec;
-  std::vector<fs::path> entries;
-  for (const fs::directory_entry& entry : fs::directory_iterator(folder, ec)) entries.push_back(entry.path());
-  if (ec) return "cannot list " + folder + ": " + ec.message();
-  for (const fs::path& path : entries)
-    if (::unlink(path.c_str()) != 0) return "cannot remove " + path.string() + ": " + std::strerror(errno);
+// Removes `folder` (called `what` in messages) when own_files accepts it: its files, then the
+// folder. Returns "" or what could not be removed (nothing is removed from a folder it refuses).
+std::string remove_own_folder(const std::string& folder, const std::string& what, bool (*ours)(const std::string&)) {
+  try {
+    for (const fs::path& path : own_files(folder, what, ours))
+      if (::unlink(path.c_str()) != 0) return "cannot remove " + path.string() + ": " + std::strerror(errno);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
   if (::rmdir(folder.c_str()) != 0) return "cannot remove the folder " + folder + ": " + std::strerror(errno);
   return "";
 }
@@ -455,7 +484,8 @@ void rename_or_throw(const std::string& from, const std::string& to) {
 
 // write_files(folder) writes the set into `folder` = OUT.tmp; then OUT.tmp becomes OUT (an existing
 // OUT goes to OUT.old first, removed once the new set is in place). On a failure OUT.tmp is removed
-// and OUT is what it was.
+// and OUT is what it was. A stale OUT.tmp is removed first only when an interrupted prepare left it
+// (check_output's rule, checked again here).
 void write_as_set(const std::string& out, const std::function<void(const std::string& folder)>& write_files) {
   const std::string tmp = out + ".tmp", old = out + ".old";
   const fs::path parent = fs::path(out).parent_path();
@@ -463,7 +493,7 @@ void write_as_set(const std::string& out, const std::function<void(const std::st
   if (!parent.empty()) fs::create_directories(parent, ec);
   if (ec) throw std::runtime_error("output folder " + out + ": cannot create " + parent.string() + ": " + ec.message());
   if (path_exists(tmp)) {  // left by an interrupted run
-    const std::string left = remove_folder_of_files(tmp);
+    const std::string left = remove_own_folder(tmp, "temporary folder", is_prepare_file);
     if (!left.empty()) throw std::runtime_error("a stale " + tmp + " is in the way: " + left);
   }
   if (::mkdir(tmp.c_str(), 0777) != 0) throw std::runtime_error("cannot create " + tmp + ": " + std::strerror(errno));
@@ -477,11 +507,11 @@ void write_as_set(const std::string& out, const std::function<void(const std::st
       throw std::runtime_error(why);
     }
   } catch (const std::exception& e) {
-    const std::string left = remove_folder_of_files(tmp);
+    const std::string left = remove_own_folder(tmp, "temporary folder", is_prepare_file);
     throw std::runtime_error(std::string(e.what()) + (left.empty() ? "" : "; and " + left));
   }
   if (replace) {
-    const std::string left = remove_folder_of_files(old);
+    const std::string left = remove_own_folder(old, "previous set", is_set_file);
     if (!left.empty()) throw std::runtime_error("the new set is in " + out + ", but the previous one stays in " + old + ": " + left);
   }
 }

@@ -27,13 +27,15 @@
 //                 then token, then the token's k choices in the router's order
 // Size: 4 · (9 + L + W) + 4 · S · L · k · ΣN_r bytes.
 //
-// Reading refuses, naming the file: cannot open; bad magic; unsupported version; truncated (shorter
+// Reading refuses, naming the file: cannot open, or not a regular file; bad magic; unsupported version; truncated (shorter
 // than its header); a malformed header (a field outside its range above); truncated or trailing bytes
 // against the size the header implies; an index outside [0, E), named by batch, layer, rank, token and
 // slot. A run refuses a trace that does not fit it (check_routing_trace_fits), naming each field that
 // differs — W, E, k, the MoE layers, N per rank — with the trace's value and the run's.
 // Writing goes to FILE.tmp, renamed to FILE once every batch is out (AtomicFileWriter): a run that
-// fails leaves FILE as it was (a process killed outright may leave FILE.tmp, never a partial FILE).
+// fails leaves FILE as it was (a process killed outright may leave FILE.tmp, never a partial FILE,
+// and the next run refuses that FILE.tmp rather than remove it). A run checks where it will record
+// before it starts (check_routing_trace_target): an existing FILE is replaced only when it is a trace.
 #pragma once
 #include <sys/stat.h>
 
@@ -228,11 +230,14 @@ inline void write_routing_trace(const std::string& path, const RoutingTrace& tra
 // Reads and checks a trace file (the refusals are listed at the top of this file).
 inline RoutingTrace read_routing_trace(const std::string& path) {
   const auto refusal = [&](const std::string& why) { return std::runtime_error("routing trace " + path + ": " + why); };
-  std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (!file) throw refusal(std::string("cannot open: ") + std::strerror(errno));
-  struct stat st;
-  if (fstat(fileno(file.get()), &st) != 0) throw refusal(std::string("cannot stat: ") + std::strerror(errno));
-  const uint64_t size = (uint64_t)st.st_size;
+  long long file_bytes = 0;
+  std::unique_ptr<FILE, int (*)(FILE*)> file(nullptr, &std::fclose);
+  try {
+    file.reset(open_regular_file(path, &file_bytes));
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string("routing trace ") + e.what());
+  }
+  const uint64_t size = (uint64_t)file_bytes;
   // Reads `words` int32 words into `out`; false when the file ends first.
   const auto read_words = [&](int32_t* out, size_t words) {
     std::vector<unsigned char> bytes(4 * words);
@@ -284,13 +289,35 @@ inline RoutingTrace read_routing_trace(const std::string& path) {
     throw refusal("trailing bytes: " + std::to_string(size - expected) + " after the " + std::to_string(expected) +
                   " its header describes");
   t.indices.resize(per_batch * t.batches);
-  for (int b = 0; b < t.batches; b++) {
+  // Batches without a token hold nothing to read or check: S alone does not bound the loop.
+  for (int b = 0; per_batch > 0 && b < t.batches; b++) {
     int32_t* batch = t.indices.data() + b * per_batch;
     if (!read_words(batch, per_batch)) throw refusal("it changed while being read");
     const std::string out_of_range = trace_detail::batch_index_problem(t.shape, batch, per_batch);
     if (!out_of_range.empty()) throw refusal("batch " + std::to_string(b) + ", " + out_of_range);
   }
   return t;
+}
+
+// Refuses, naming `path`, a trace that a run could not record there or should not replace, before the
+// run starts: a folder that does not exist; an existing `path` that is not a routing trace (a trace is
+// replaced, never a file of another kind); an existing PATH.tmp (the writer creates it new, never
+// truncates or removes one it did not make).
+inline void check_routing_trace_target(const std::string& path) {
+  const auto refusal = [&](const std::string& why) { return std::runtime_error("routing trace " + path + ": cannot record it: " + why); };
+  const size_t slash = path.find_last_of('/');
+  const std::string folder = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  struct stat st;
+  if (stat(folder.c_str(), &st) != 0) throw refusal("folder " + folder + ": " + std::strerror(errno));
+  if (!S_ISDIR(st.st_mode)) throw refusal(folder + " is not a folder");
+  if (lstat((path + ".tmp").c_str(), &st) == 0)
+    throw refusal(path + ".tmp exists (left by an interrupted run, or not this program's file); remove it");
+  if (lstat(path.c_str(), &st) != 0) return;
+  long long size = 0;
+  std::unique_ptr<FILE, int (*)(FILE*)> file(open_regular_file(path, &size), &std::fclose);
+  unsigned char magic[4] = {};
+  if (std::fread(magic, 1, 4, file.get()) != 4 || load_i32_le(magic) != kRoutingTraceMagic)
+    throw refusal("it exists and is not a routing trace: only a trace is replaced");
 }
 
 // "" when a trace of shape `trace` fits a run of shape `run`, else each field that differs with both

@@ -6,8 +6,10 @@
 //   uint32 tokens: magic 20240801, version 7 (llm.c's LLaMA-3 format; vocab > 65535)
 // A file is accepted only when its size is exactly 1024 + n · bytes per token.
 #pragma once
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <stdexcept>
@@ -97,6 +99,13 @@ inline void write_shard(const std::string& path, const std::vector<int>& tokens,
   out.commit();
 }
 
+// `path` opened for reading its tokens; refuses naming the shard and why it cannot be opened.
+inline FILE* open_shard_file(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) throw std::runtime_error("shard " + path + ": cannot open: " + std::strerror(errno));
+  return f;
+}
+
 // Validates the header and the file size of a shard without reading its tokens.
 inline ShardInfo read_shard_header(const std::string& path) {
   auto refuse = [&](const std::string& why) { return std::runtime_error("shard " + path + ": " + why); };
@@ -106,8 +115,7 @@ inline ShardInfo read_shard_header(const std::string& path) {
   if ((long long)size < kHeaderBytes)
     throw refuse("truncated header (" + std::to_string(size) + " bytes, the header alone is " +
                  std::to_string(kHeaderBytes) + ")");
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) throw refuse("cannot open");
+  FILE* f = open_shard_file(path);
   unsigned char header[kHeaderBytes];
   const size_t got = std::fread(header, 1, sizeof header, f);
   std::fclose(f);
@@ -136,8 +144,7 @@ inline ShardInfo read_shard_header(const std::string& path) {
 
 inline std::vector<int> read_shard(const std::string& path) {
   const ShardInfo info = read_shard_header(path);
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) throw std::runtime_error("shard " + path + ": cannot open");
+  FILE* f = open_shard_file(path);
   std::vector<unsigned char> raw(size_t(info.num_tokens) * info.bytes_per_token);
   const bool ok = std::fseek(f, long(kHeaderBytes), SEEK_SET) == 0 && std::fread(raw.data(), 1, raw.size(), f) == raw.size();
   std::fclose(f);

@@ -232,8 +232,16 @@ class Tokenizer {
     out.commit();
   }
 
+  // Refuses, naming the file: a path that is not a regular file (a folder, a FIFO, a device), a
+  // malformed header, and a file whose size is not what its header says (checked before anything is
+  // built from it).
   static Tokenizer load(const std::string& path) {
-    const std::string bytes = read_whole_file(path);
+    std::string bytes;
+    try {
+      bytes = read_whole_file(path);
+    } catch (const std::runtime_error& e) {
+      throw std::runtime_error(std::string("tokenizer file ") + e.what());
+    }
     auto refuse = [&](const std::string& why) { return std::runtime_error("tokenizer file " + path + ": " + why); };
     if (bytes.size() < size_t(kHeaderBytes))
       throw refuse("truncated header (" + std::to_string(bytes.size()) + " bytes, the header alone is " +
@@ -325,7 +333,9 @@ class Tokenizer {
     if (eot_id < 0 || eot_id >= vocab)
       throw refuse("EOT id " + std::to_string(eot_id) + " outside the vocabulary [0, " + std::to_string(vocab) + ")");
     Tokenizer tok;
-    tok.token_bytes_.reserve(size_t(vocab));
+    // room for the tokens the file can hold (a length byte and at least one byte each), not for what
+    // the header claims: a file too short for it is refused in the loop
+    tok.token_bytes_.reserve(size_t(std::min<long long>(vocab, ((long long)bytes.size() - kHeaderBytes) / 2)));
     size_t at = size_t(kHeaderBytes);
     for (long long id = 0; id < vocab; id++) {
       if (at >= bytes.size() || at + 1 + p[at] > bytes.size())

@@ -60,6 +60,7 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
+#include "../data/file_io.hpp"
 #include "check.cuh"
 #include "stream.cuh"
 
@@ -275,14 +276,13 @@ class Pool {
   void mark(const char* tag) { record('m', 0, Mem::Workspace, tag); }
   const std::vector<PoolEvent>& events() const { return events_; }
 
-  // CSV: t_us,action,bytes,category,tag,live_bytes — plus one column per category.
+  // CSV: t_us,action,bytes,category,tag,live_bytes — plus one column per category. Written through
+  // PATH.tmp and renamed (data/file_io.hpp's AtomicFileWriter: an existing PATH.tmp is refused, never
+  // written through); false, with the reason on stderr, when it cannot be written.
   bool write_csv(const char* path) const {
-    std::string tmp = std::string(path) + ".tmp";
-    FILE* f = fopen(tmp.c_str(), "w");
-    if (!f) return false;
-    fprintf(f, "t_us,action,bytes,category,tag,live_bytes");
-    for (int i = 0; i < NCAT; i++) fprintf(f, ",%s", mem_name((Mem)i));
-    fprintf(f, "\n");
+    std::string csv = "t_us,action,bytes,category,tag,live_bytes";
+    for (int i = 0; i < NCAT; i++) csv += std::string(",") + mem_name((Mem)i);
+    csv += "\n";
     // live bytes per category before the first event: today's live bytes minus what the window did
     long long per_cat[NCAT];
     for (int i = 0; i < NCAT; i++) per_cat[i] = (long long)live_[i];
@@ -290,17 +290,26 @@ class Pool {
       if (e.action == 'a') per_cat[(int)e.cat] -= (long long)e.bytes;
       if (e.action == 'f') per_cat[(int)e.cat] += (long long)e.bytes;
     }
+    char number[64];
     for (const PoolEvent& e : events_) {
       if (e.action == 'a') per_cat[(int)e.cat] += e.bytes;
       if (e.action == 'f') per_cat[(int)e.cat] -= e.bytes;
-      fprintf(f, "%.1f,%s,%zu,%s,%s,%zu", e.t_us,
-              e.action == 'a' ? "alloc" : e.action == 'f' ? "free" : "mark", e.bytes,
-              mem_name(e.cat), e.tag.c_str(), e.live_after);
-      for (int i = 0; i < NCAT; i++) fprintf(f, ",%lld", per_cat[i]);
-      fprintf(f, "\n");
+      snprintf(number, sizeof number, "%.1f,", e.t_us);
+      csv += number;
+      csv += std::string(e.action == 'a' ? "alloc" : e.action == 'f' ? "free" : "mark") + "," + std::to_string(e.bytes) + "," +
+             mem_name(e.cat) + "," + e.tag + "," + std::to_string(e.live_after);
+      for (int i = 0; i < NCAT; i++) csv += "," + std::to_string(per_cat[i]);
+      csv += "\n";
     }
-    bool ok = fclose(f) == 0;
-    return ok && rename(tmp.c_str(), path) == 0;
+    try {
+      data::AtomicFileWriter out(path);
+      out.write(csv);
+      out.commit();
+    } catch (const std::runtime_error& e) {
+      fprintf(stderr, "memory timeline: %s\n", e.what());
+      return false;
+    }
+    return true;
   }
 
   void print_live(FILE* f) const {

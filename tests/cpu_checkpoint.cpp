@@ -607,8 +607,9 @@ TEST(CheckpointSave, MultiRankSaveProtocolPublishesACheckedSet) {
   TempDir tmp;
   const std::string dir = tmp.file("ckpt_000100"), staging = dir + ".tmp";
   const int world = rng.integer(1, 4);
-  fs::create_directories(staging);  // left by an earlier save: its stray file must not survive
-  write_bytes(staging + "/stray", "x");
+  fs::create_directories(staging);  // left by an interrupted save: its rank files must not survive
+  write_bytes(staging + "/rank0.bin", "x");
+  write_bytes(staging + "/rank7.bin.part", "x");
   ckpt::make_empty_dir(staging);
   const std::vector<RankFile> files = write_consistent_set(rng, staging, world, false);
   ckpt::publish_dir(staging, dir);
@@ -669,54 +670,85 @@ TEST(PublishDir, SetLeftAsideByAnInterruptedPublishIsKeptUntilTheNewOneIsIn) {
   EXPECT_EQ(read_bytes(dir + "/rank0.bin"), "new");
 }
 
-TEST(RemoveTree, RemovesNestedFolders) {
-  testutil::Rng rng;
+TEST(CheckpointFileName, NamesARankFileOrOneBeingWritten) {
+  for (const char* name : {"rank0.bin", "rank17.bin", "rank3.bin.part"}) EXPECT_TRUE(ckpt::is_checkpoint_file_name(name)) << name;
+  for (const char* name : {"rank.bin", "rankx.bin", "rank0.bin.old", "rank0.binpart", "notes.txt", "rank0.bin.part.part"})
+    EXPECT_FALSE(ckpt::is_checkpoint_file_name(name)) << name;
+}
+
+TEST(RemoveCheckpointDir, RemovesAFolderOfRankFiles) {
   TempDir tmp;
-  const std::string root = tmp.file("tree");
-  std::string deepest = root;
-  for (int depth = rng.integer(2, 6); depth > 0; depth--) {
-    deepest += "/level" + std::to_string(depth);
-    fs::create_directories(deepest);
-    for (int i = rng.integer(0, 3); i > 0; i--) write_bytes(deepest + "/file" + std::to_string(i), random_text(rng, 0));
-    fs::create_directories(deepest + "/empty");
-  }
-  ckpt::remove_tree(root);
-  EXPECT_FALSE(fs::exists(root));
+  const std::string dir = tmp.file("ckpt");
+  fs::create_directories(dir);
+  write_bytes(dir + "/rank0.bin", "x");
+  write_bytes(dir + "/rank1.bin.part", "x");
+  ckpt::remove_checkpoint_dir(dir);
   EXPECT_TRUE(entries(tmp.path.string()).empty());
+  EXPECT_NO_THROW(ckpt::remove_checkpoint_dir(tmp.file("absent")));
 }
 
-TEST(RemoveTree, RemovesLinksWithoutFollowingThem) {
+// What a save did not write is never removed: a folder holding another file or a folder, a link
+// (not followed: what it points to stays), a plain file. Each is refused naming it, and left whole.
+TEST(RemoveCheckpointDir, RefusesAnythingASaveDidNotWrite) {
   TempDir tmp;
-  const std::string root = tmp.file("tree"), outside = tmp.file("outside");
-  fs::create_directories(root);
+  const std::string outside = tmp.file("outside");
   fs::create_directories(outside);
-  write_bytes(outside + "/keep", "kept");
-  fs::create_directory_symlink(outside, root + "/link");
-  ckpt::remove_tree(root);
-  EXPECT_FALSE(fs::exists(root));
-  EXPECT_EQ(read_bytes(outside + "/keep"), "kept");
+  write_bytes(outside + "/rank0.bin", "kept");
+  const std::string with_file = tmp.file("with_file"), with_folder = tmp.file("with_folder"), link = tmp.file("link"),
+                    file = tmp.file("file");
+  fs::create_directories(with_file);
+  write_bytes(with_file + "/rank0.bin", "x");
+  write_bytes(with_file + "/thesis.txt", "mine");
+  fs::create_directories(with_folder + "/rank1.bin");
+  fs::create_directory_symlink(outside, link);
+  write_bytes(file, "mine");
+  EXPECT_MENTIONS(refusal([&] { ckpt::remove_checkpoint_dir(with_file); }),
+                  "refusing to remove " + with_file + ": it holds thesis.txt, which a checkpoint save does not write");
+  EXPECT_MENTIONS(refusal([&] { ckpt::remove_checkpoint_dir(with_folder); }), "it holds rank1.bin");
+  EXPECT_MENTIONS(refusal([&] { ckpt::remove_checkpoint_dir(link); }), "refusing to remove " + link + ": it is a link");
+  EXPECT_MENTIONS(refusal([&] { ckpt::remove_checkpoint_dir(file); }), "refusing to remove " + file + ": it is not a folder");
+  EXPECT_EQ(read_bytes(with_file + "/rank0.bin"), "x");
+  EXPECT_EQ(read_bytes(with_file + "/thesis.txt"), "mine");
+  EXPECT_TRUE(fs::is_directory(with_folder + "/rank1.bin"));
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(read_bytes(outside + "/rank0.bin"), "kept");
+  EXPECT_EQ(read_bytes(file), "mine");
 }
 
-TEST(RemoveTree, MissingPathIsFine) {
+// The staging folder DIR.tmp of a save: a user's folder of that name, or a link there, is refused,
+// never emptied.
+TEST(MakeEmptyDir, RefusesAFolderASaveDidNotWrite) {
   TempDir tmp;
-  EXPECT_NO_THROW(ckpt::remove_tree(tmp.file("absent")));
+  const std::string dir = tmp.file("ckpt_000010.tmp"), target = tmp.file("mine");
+  fs::create_directories(dir);
+  write_bytes(dir + "/thesis.txt", "mine");
+  EXPECT_MENTIONS(refusal([&] { ckpt::make_empty_dir(dir); }), "refusing to remove " + dir + ": it holds thesis.txt");
+  EXPECT_EQ(read_bytes(dir + "/thesis.txt"), "mine");
+  fs::remove_all(dir);
+  fs::create_directories(target);
+  write_bytes(target + "/rank0.bin", "mine");
+  fs::create_directory_symlink(target, dir);
+  EXPECT_MENTIONS(refusal([&] { ckpt::make_empty_dir(dir); }), "it is a link");
+  EXPECT_EQ(read_bytes(target + "/rank0.bin"), "mine");
 }
 
-TEST(RemoveTree, PathThatCannotBeInspectedIsNamed) {
+// publish_dir replaces DIR (moved to DIR.old, then removed) only when DIR and DIR.old are checkpoint
+// folders: otherwise it refuses before anything moves, and the new set stays in DIR.tmp.
+TEST(PublishDir, RefusesToReplaceWhatASaveDidNotWrite) {
   TempDir tmp;
-  write_bytes(tmp.file("file"), "x");
-  const std::string path = tmp.file("file") + "/below";
-  EXPECT_MENTIONS(refusal([&] { ckpt::remove_tree(path); }), "cannot remove " + path + ": Not a directory");
-}
-
-TEST(MakeEmptyDir, ReplacesWhateverWasThere) {
-  TempDir tmp;
-  const std::string dir = tmp.file("staging");
-  fs::create_directories(dir + "/sub");
-  write_bytes(dir + "/sub/file", "x");
-  ckpt::make_empty_dir(dir);
-  EXPECT_TRUE(fs::is_directory(dir));
-  EXPECT_TRUE(entries(dir).empty());
+  const std::string dir = tmp.file("ckpt"), staging = tmp.file("ckpt.tmp"), aside = tmp.file("ckpt.old");
+  fs::create_directories(staging);
+  write_bytes(staging + "/rank0.bin", "new");
+  write_bytes(dir, "a file of the user's");
+  EXPECT_MENTIONS(refusal([&] { ckpt::publish_dir(staging, dir); }), "refusing to remove " + dir + ": it is not a folder");
+  EXPECT_EQ(read_bytes(dir), "a file of the user's");
+  fs::remove(dir);
+  fs::create_directories(aside);
+  write_bytes(aside + "/notes", "mine");
+  EXPECT_MENTIONS(refusal([&] { ckpt::publish_dir(staging, dir); }), "refusing to remove " + aside + ": it holds notes");
+  EXPECT_EQ(read_bytes(aside + "/notes"), "mine");
+  EXPECT_EQ(read_bytes(staging + "/rank0.bin"), "new");
+  EXPECT_FALSE(fs::exists(dir));
 }
 
 TEST(MakeEmptyDir, MissingParentIsNamed) {

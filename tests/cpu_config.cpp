@@ -2,13 +2,20 @@
 // trainer binary exits non-zero on it without touching the output directory.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
+#include "../checkpoint.hpp"
 #include "../config.hpp"
 #include "../data/routing_trace.hpp"
+#include "../data/shards.hpp"
+#include "../data/tokenizer.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -57,7 +64,7 @@ using T = TrainConfig;
 const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_pattern, &T::val_pattern, &T::tokenizer,
                                                    &T::out_dir,  &T::resume,        &T::routing,     &T::record_routing,
                                                    &T::moe,      &T::head,          &T::optimizer,   &T::ring_dtp,
-                                                   &T::relay_mode, &T::device_budget};
+                                                   &T::relay_mode, &T::device_budget, &T::device_capacity};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
                                           &T::recompute,  &T::overlap_update, &T::wgrad_stream, &T::cuda_graph, &T::val_every, &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
@@ -124,6 +131,30 @@ TEST(ConfigFlags, RefusesUnknownMissingAndMalformed) {
   EXPECT_NE(parse_error({"--out", ""}).find("non-empty"), std::string::npos);
 }
 
+// Numbers are read as written: a seed past 2^64 − 1 is not wrapped, and a leading space is not skipped
+// (strtoull would read " -1" as 2^64 − 1); the same for every integer and float flag.
+TEST(ConfigFlags, RefusesNumbersPastTheirRangeOrWithALeadingSpace) {
+  for (const char* seed : {"99999999999999999999999", "18446744073709551616", " -1", " 5", "+5"})
+    EXPECT_NE(parse_error({"--seed", seed}).find("flag --seed expects a non-negative integer below 2^64, got '" +
+                                                std::string(seed) + "'"),
+              std::string::npos)
+        << seed;
+  EXPECT_EQ(parse_error({"--seed", "18446744073709551615"}), "");
+  EXPECT_NE(parse_error({"--steps", " 5"}).find("flag --steps expects an integer, got ' 5'"), std::string::npos);
+  EXPECT_NE(parse_error({"--steps", "99999999999"}).find("expects an integer"), std::string::npos);
+  EXPECT_NE(parse_error({"--offload_budget", " 5"}).find("expects an integer"), std::string::npos);
+  EXPECT_NE(parse_error({"--lr", " 0.1"}).find("expects a number"), std::string::npos);
+}
+
+// --name=value is refused the same way wherever it stands (the last word included), saying how to
+// write it.
+TEST(ConfigFlags, RefusesNameEqualsValueUniformly) {
+  const std::string said = "flag --steps=10: give the value as the next word, --steps 10 (flags take no '=')";
+  EXPECT_EQ(parse_error({"--steps=10"}), said);
+  EXPECT_EQ(parse_error({"--steps=10", "--batch", "2"}), said);
+  EXPECT_EQ(parse_error({"--batch", "2", "--steps=10"}), said);
+}
+
 TEST(ConfigFlags, RefusesWordsThatAreNotFlags) {
   EXPECT_EQ(parse_error({"12"}), "unexpected argument '12'");
   EXPECT_EQ(parse_error({"--steps", "5", "foo"}), "unexpected argument 'foo'");
@@ -176,7 +207,7 @@ TEST(ConfigFlags, ModelFlagValuesParseBackAsEveryField) {
 TEST(ConfigFlags, SetTrainFlagRefusesUnknownFlagsAndMalformedValues) {
   EXPECT_EQ(set_train_flag_error("--hidden", "128"), "unknown flag --hidden");  // a model flag
   EXPECT_EQ(set_train_flag_error("--lr", "fast"), "flag --lr expects a number, got 'fast'");
-  EXPECT_EQ(set_train_flag_error("--seed", "-1"), "flag --seed expects a non-negative integer, got '-1'");
+  EXPECT_EQ(set_train_flag_error("--seed", "-1"), "flag --seed expects a non-negative integer below 2^64, got '-1'");
   EXPECT_EQ(set_train_flag_error("--resume", ""), "") << "a free-text flag may be empty: an unset --resume is";
 }
 
@@ -276,6 +307,13 @@ TEST(ConfigDims, RefusesRankLayoutsThatDoNotDivide) {
   EXPECT_NO_THROW(validate(t, m));
   t.gpus = 0;
   EXPECT_THROW(validate(t, m), std::invalid_argument);
+  // E_p is --gpus when --ep is left out: the message names the flag the user set
+  t.gpus = 9999;
+  t.ep = 0;
+  EXPECT_EQ(validate_error(t, m), "experts (8) must be divisible by --gpus 9999 (E_p = W when --ep is left out)");
+  t.gpus = 6;
+  t.ep = 3;
+  EXPECT_EQ(validate_error(t, m), "experts (8) must be divisible by --ep 3");
 }
 
 // --moe llep and pllep exchange routes between ranks; their settings must make a plan possible.
@@ -763,4 +801,185 @@ TEST(ConfigTrainBinary, RoutingTraceThatDoesNotFitRefusedBeforeTheGpu) {
   message = run();
   EXPECT_NE(message.find("routing trace " + trace_path + ": bad magic"), std::string::npos) << message;
   EXPECT_EQ(message.find("CUDA"), std::string::npos) << message;
+}
+
+// ---- what the trainer refuses before it looks for a GPU (issue 56) ----------------------------------
+// Each case runs the trainer in an empty environment that shows it no GPU (CUDA_VISIBLE_DEVICES=) on a
+// data set of its own, and expects the problem named, exit status 1, not "no CUDA device", and
+// nothing written.
+
+namespace {
+
+// A data set in `dir`: a tokenizer of 270 tokens, a train shard of `train_tokens` tokens and a
+// validation shard of `val_tokens`; returns the flags that name it, with a model and batch small
+// enough for those shards (B 1, T 64).
+std::string small_run_flags(const testutil::TempDir& dir, int train_tokens, int val_tokens) {
+  data::Tokenizer::train({"the cat sat on the mat, the end"}, 270).save(dir.file("tokenizer.bin"));
+  std::vector<int> tokens(std::max(train_tokens, val_tokens));
+  for (size_t i = 0; i < tokens.size(); i++) tokens[i] = int(i % 270);
+  data::write_shard(dir.file("train_000.bin"), std::vector<int>(tokens.begin(), tokens.begin() + train_tokens), 270);
+  data::write_shard(dir.file("val_000.bin"), std::vector<int>(tokens.begin(), tokens.begin() + val_tokens), 270);
+  return " --tokenizer " + dir.file("tokenizer.bin") + " --train " + dir.file("train_000.bin") + " --val " +
+         dir.file("val_000.bin") + " --batch 1 --seq_len 64 --out " + dir.file("out");
+}
+
+// Runs the trainer with `args` in an environment of PATH, LD_LIBRARY_PATH, CUDA_VISIBLE_DEVICES= (no
+// GPU visible) and the assignments `env`; returns its exit status, stdout and stderr in `output`.
+int run_without_gpu(const testutil::TempDir& dir, const std::string& env, const std::string& args, std::string& output) {
+  const std::string log = dir.file("train.log");
+  const std::string cmd = "env -i PATH=\"$PATH\" LD_LIBRARY_PATH=\"$LD_LIBRARY_PATH\" CUDA_VISIBLE_DEVICES= " + env + " " +
+                          trainer_path() + " " + args + " > " + log + " 2>&1";
+  const int status = system(cmd.c_str());
+  output = testutil::read_bytes(log);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// The trainer refuses `args` under `env` with a message that holds `problem`, before the GPU.
+void expect_refused_before_the_gpu(const testutil::TempDir& dir, const std::string& env, const std::string& args,
+                                   const std::string& problem) {
+  std::string output;
+  EXPECT_EQ(run_without_gpu(dir, env, args, output), 1) << env << args << "\n" << output;
+  EXPECT_NE(output.find(problem), std::string::npos) << env << args << "\n" << output;
+  EXPECT_EQ(output.find("CUDA"), std::string::npos) << env << args << "\n" << output;
+  struct stat sb;
+  EXPECT_NE(stat(dir.file("out").c_str(), &sb), 0) << "nothing is written: " << env << args;
+}
+
+// The model and training flags the trainer reads from `args`, with the vocabulary it takes from the
+// tokenizer of small_run_flags.
+void flags_of(const std::string& args, ModelConfig& m, TrainConfig& t) {
+  std::vector<std::string> words = {"train"};
+  for (size_t start = 0; start < args.size();) {
+    const size_t end = std::min(args.find(' ', start), args.size());
+    if (end > start) words.push_back(args.substr(start, end - start));
+    start = end + 1;
+  }
+  std::vector<char*> argv;
+  for (std::string& w : words) argv.push_back(&w[0]);
+  parse_flags((int)argv.size(), argv.data(), m, t);
+  m.vocab = 270;
+}
+
+// A checkpoint set of `world` ranks in `dir` for the run of `args`: the flags' model, E_p `ep`, data
+// position `position`.
+void write_checkpoint_set(const std::string& dir, const std::string& args, int world, int ep, long long position,
+                          const std::function<void(ckpt::RankFile&)>& change = [](ckpt::RankFile&) {}) {
+  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  for (int rank = 0; rank < world; rank++) {
+    ckpt::RankFile f;
+    flags_of(args, f.model, f.train);
+    f.world = world;
+    f.ep = ep;
+    f.rank = rank;
+    f.step = 5;
+    f.data = {0, position, 0};
+    f.sections = {{"router_bias", std::vector<float>(4, 0.f)}};
+    change(f);
+    ckpt::write_rank_file(ckpt::rank_file(dir, rank), f);
+  }
+}
+
+}  // namespace
+
+// parse_launch_env's refusal, as launch() would say it, before the GPU is looked for: the ten ways
+// the issue found an MPICH/Intel MPI launch to be incomplete or inconsistent.
+TEST(ConfigTrainBeforeTheGpu, LauncherVariablesAreRefusedByName) {
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, false); !why.empty()) GTEST_SKIP() << why;
+  testutil::TempDir dir;
+  const std::string flags = small_run_flags(dir, 1000, 200);
+  const std::string mpiexec = "PMI_RANK=0 PMI_SIZE=2 MPI_LOCALRANKID=0", master = " FLATMOE_MASTER_ADDR=localhost";
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {mpiexec, "", "set FLATMOE_MASTER_ADDR (rank 0's host) and FLATMOE_MASTER_PORT"},
+      {mpiexec + master + " FLATMOE_MASTER_PORT=29500", "", "there is no job token for the rendezvous"},
+      {mpiexec + master + " FLATMOE_MASTER_PORT=70000", "", "FLATMOE_MASTER_PORT='70000' is not a TCP port in [1, 65535]"},
+      {mpiexec + master + " FLATMOE_MASTER_PORT=29500 FLATMOE_JOB_TOKEN=", "", "FLATMOE_JOB_TOKEN is set but empty"},
+      {"PMIX_RANK=0", "", "PMIX_RANK=0 is set (a PMIx launcher)"},
+      {"PMI_RANK=2 PMI_SIZE=2 MPI_LOCALRANKID=0", "", "PMI_RANK='2' is not a rank in [0, 2)"},
+      {"PMI_RANK=0 PMI_SIZE=2", "", "MPI_LOCALRANKID='' is not a local rank in [0, 2)"},
+      {"PMI_SIZE=2", "", "PMI_SIZE is set but PMI_RANK is missing"},
+      {"PMI_RANK=0 PMI_SIZE=two", "", "PMI_SIZE='two' is not a world size"},
+      {mpiexec, " --gpus 4", "4 GPUs requested, but mpiexec (MPICH / Intel MPI) started 2 ranks"},
+  };
+  for (const auto& [env, args, problem] : cases) {
+    expect_refused_before_the_gpu(dir, env, flags + args, problem);
+    EXPECT_EQ(testutil::read_bytes(dir.file("train.log")).rfind("flatmoe launch: ", 0), 0u) << env;
+  }
+}
+
+// --resume: a checkpoint whose model differs from the flags, whose E_p differs from this run's, or
+// whose data position lies past the training data, is refused before the GPU, naming what differs.
+TEST(ConfigTrainBeforeTheGpu, ResumeThatDoesNotFitTheRunIsRefused) {
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, false); !why.empty()) GTEST_SKIP() << why;
+  testutil::TempDir dir;
+  const std::string flags = small_run_flags(dir, 1000, 200);
+  const std::string other_model = dir.file("other_model"), other_ep = dir.file("other_ep"), past = dir.file("past");
+  write_checkpoint_set(other_model, flags, 1, 1, 0, [](ckpt::RankFile& f) { f.model.topk = f.model.topk == 1 ? 2 : 1; });
+  expect_refused_before_the_gpu(dir, "", flags + " --resume " + other_model,
+                                "--resume " + other_model + ": the model configuration differs from the flags: topk: checkpoint");
+  write_checkpoint_set(other_ep, flags + " --gpus 2", 2, 1, 0);
+  expect_refused_before_the_gpu(dir, "", flags + " --gpus 2 --resume " + other_ep,
+                                "--resume " + other_ep + ": written by W=2 E_p=1; this run has W=2 E_p=2");
+  write_checkpoint_set(past, flags, 1, 1, 5000);
+  expect_refused_before_the_gpu(dir, "", flags + " --resume " + past,
+                                "--resume " + past + ": its data position lies past the training data");
+}
+
+// The shards are checked for the world that will run: a validation shard of 100 tokens holds a
+// window of one rank's B·T + 1 = 65 tokens, not of two ranks' 129.
+TEST(ConfigTrainBeforeTheGpu, ShardsAreCheckedForEveryRank) {
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, false); !why.empty()) GTEST_SKIP() << why;
+  testutil::TempDir dir;
+  const std::string flags = small_run_flags(dir, 1000, 100);
+  expect_refused_before_the_gpu(dir, "", flags + " --gpus 2",
+                                "shard " + dir.file("val_000.bin") + " has 100 tokens, too few for one batch: world 2");
+  std::string output;
+  EXPECT_EQ(run_without_gpu(dir, "", flags, output), 1);
+  EXPECT_NE(output.find("no CUDA device"), std::string::npos) << "one rank's window fits:\n" << output;
+}
+
+// Where the run would write: --out naming an existing file, --record_routing into a folder that does
+// not exist, or over a file that is not a routing trace. The file stays as it was.
+TEST(ConfigTrainBeforeTheGpu, OutputPathsThatCannotBeWrittenAreRefused) {
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, false); !why.empty()) GTEST_SKIP() << why;
+  testutil::TempDir dir;
+  std::string flags = small_run_flags(dir, 1000, 200);
+  const std::string file = dir.file("notes.txt");
+  testutil::write_bytes(file, "mine");
+  std::string output;
+  EXPECT_EQ(run_without_gpu(dir, "", flags + " --out " + file, output), 1);
+  EXPECT_NE(output.find("--out " + file + " exists and is not a folder"), std::string::npos) << output;
+  EXPECT_EQ(output.find("CUDA"), std::string::npos) << output;
+  EXPECT_EQ(testutil::read_bytes(file), "mine");
+  expect_refused_before_the_gpu(dir, "", flags + " --record_routing " + dir.file("absent/trace.bin"),
+                                "routing trace " + dir.file("absent/trace.bin") + ": cannot record it: folder " +
+                                    dir.file("absent") + ": No such file or directory");
+  expect_refused_before_the_gpu(dir, "", flags + " --record_routing " + file,
+                                "routing trace " + file + ": cannot record it: it exists and is not a routing trace");
+  EXPECT_EQ(testutil::read_bytes(file), "mine");
+}
+
+// --dry_run 1 is host arithmetic: without a GPU it predicts rank 0's memory against --device_capacity
+// (bytes or with a unit), exit 0 when it fits and 1 when it does not; without --device_capacity it
+// says that it needs one.
+TEST(ConfigTrainBeforeTheGpu, DryRunNeedsNoGpu) {
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, false); !why.empty()) GTEST_SKIP() << why;
+  testutil::TempDir dir;
+  const std::string flags = small_run_flags(dir, 1000, 200) + " --dry_run 1";
+  std::string output;
+  for (const std::string ranks : {"", " --gpus 2"}) {
+    EXPECT_EQ(run_without_gpu(dir, "", flags + ranks + " --device_capacity 80GiB", output), 0) << output;
+    EXPECT_NE(output.find("memory prediction (Eq. 6, rank 0): pool peak"), std::string::npos) << output;
+    EXPECT_NE(output.find("device 81920.0 MiB (--device_capacity)"), std::string::npos) << output;
+  }
+  expect_refused_before_the_gpu(dir, "", flags + " --device_capacity 1MiB", "this configuration cannot fit on the GPU");
+  expect_refused_before_the_gpu(dir, "", flags, "--dry_run 1: this machine has no GPU to take the memory from");
+  expect_refused_before_the_gpu(dir, "", flags + " --device_capacity 80parsecs",
+                                "--device_capacity '80parsecs': expects the GPU's memory");
+  expect_refused_before_the_gpu(dir, "", small_run_flags(dir, 1000, 200) + " --device_capacity 80GiB",
+                                "--device_capacity 80GiB is the GPU's memory for --dry_run 1");
 }

@@ -1,10 +1,15 @@
 // tests/cpu_data.cpp — specification of data/: the BPE tokenizer (against a plain reference
 // trainer and encoder written here), llm.c token shards, the data loader, and the prepare tool.
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -377,6 +382,54 @@ TEST(DataTokenizer, LoadRefusesDamagedLlmcTokenTables) {
   refused(llmc_tokenizer_file(1, table, 0), "vocab size 4 (version 1 is GPT-2's, 50257)");
 }
 
+// The tokenizer is read only from a regular file, and no more than the file holds: a folder, a FIFO
+// (a read would wait forever for a writer) and a device (/dev/zero never ends) are refused by name,
+// and an llm.c header that claims 2^31 − 1 tokens is refused against the file's size before anything
+// is reserved for them.
+TEST(DataTokenizer, LoadRefusesWhatIsNotARegularFileAndSizesPastTheFile) {
+  TempDir dir;
+  const std::string folder = dir.file("folder"), fifo = dir.file("fifo");
+  fs::create_directory(folder);
+  expect_refused([&] { data::Tokenizer::load(folder); }, {"tokenizer file " + folder + ": is a folder, not a regular file"});
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  expect_refused([&] { data::Tokenizer::load(fifo); }, {"tokenizer file " + fifo + ": is a FIFO, not a regular file"});
+  expect_refused([&] { data::Tokenizer::load("/dev/zero"); }, {"tokenizer file /dev/zero: is a device, not a regular file"});
+  std::string huge = llmc_tokenizer_file(2, {"a", "b", "<|endoftext|>"}, 2);
+  set_i32(huge, 2, 2147483647u);
+  const std::string path = dir.file("huge.bin");
+  write_bytes(path, huge);
+  expect_refused([&] { data::Tokenizer::load(path); },
+                 {"tokenizer file " + path, "truncated: 1042 bytes end inside token 3 of 2147483647"});
+}
+
+// AtomicFileWriter (tokenizer.bin, the shards, routing traces, the memory timeline) creates PATH.tmp
+// new: an existing PATH.tmp, a file or a link to one, was not written by it and is refused; neither it
+// nor what it points to changes, and PATH stays as it was.
+TEST(DataFileIo, AtomicWriterNeverWritesThroughOrRemovesAnExistingTmp) {
+  TempDir dir;
+  const std::string path = dir.file("tokenizer.bin"), mine = dir.file("mine.txt");
+  write_bytes(path, "old");
+  write_bytes(mine, "precious");
+  write_bytes(path + ".tmp", "also mine");
+  const auto write_new = [&] {
+    data::AtomicFileWriter out(path);
+    out.write("new");
+    out.commit();
+  };
+  expect_refused(write_new, {path + ": cannot create " + path + ".tmp: it exists"});
+  EXPECT_EQ(read_bytes(path + ".tmp"), "also mine");
+  fs::remove(path + ".tmp");
+  fs::create_symlink(mine, path + ".tmp");
+  expect_refused(write_new, {path + ": cannot create " + path + ".tmp: it exists"});
+  EXPECT_EQ(read_bytes(mine), "precious");
+  EXPECT_TRUE(fs::is_symlink(path + ".tmp"));
+  EXPECT_EQ(read_bytes(path), "old");
+  fs::remove(path + ".tmp");
+  write_new();
+  EXPECT_EQ(read_bytes(path), "new");
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shards
 
@@ -504,6 +557,35 @@ TEST(DataShards, ReadRefusesCorruptFiles) {
   set_i32(b, 2, 5);  // says 5 tokens, holds 4
   refused(b, "truncated");
   expect_refused([&] { data::read_shard(dir.file("missing.bin")); }, {dir.file("missing.bin")});
+}
+
+// A shard that cannot be opened is named with the reason (here no file descriptor is left), by
+// read_shard and by the data loader.
+TEST(DataShards, ShardThatCannotBeOpenedIsNamedWithTheReason) {
+  TempDir dir;
+  const std::string path = dir.file("train_000.bin");
+  data::write_shard(path, {1, 2, 3}, 10);
+  struct rlimit before;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
+  const int lowest_free = open("/dev/null", O_RDONLY);
+  ASSERT_GE(lowest_free, 0);
+  close(lowest_free);
+  std::vector<std::string> messages;
+  struct rlimit none_left = before;
+  none_left.rlim_cur = (rlim_t)lowest_free;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &none_left), 0);
+  for (const auto& open_it : std::vector<std::function<void()>>{[&] { data::read_shard(path); },
+                                                                [&] { data::DataLoader(path, 1, 1, 10); }}) {
+    try {
+      open_it();
+      messages.push_back("accepted");
+    } catch (const std::runtime_error& e) {
+      messages.push_back(e.what());
+    }
+  }
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &before), 0);
+  for (const std::string& message : messages)
+    EXPECT_NE(message.find("shard " + path + ": cannot open: Too many open files"), std::string::npos) << message;
 }
 
 TEST(DataShards, ReadsTheLayoutLlmcPythonWrites) {
@@ -780,6 +862,7 @@ TEST(DataPrepare, RefusesBadFlags) {
   const std::string out = "--out " + dir.file("out") + " ";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--bogus 1", "unknown flag '--bogus'"},
+      {"--vocab=300", "flag --vocab=300: give the value as the next word, --vocab 300 (flags take no '=')"},
       {"--vocab", "--vocab needs a value"},
       {"--vocab 256", "outside [257, 1000000]"},
       {"--vocab 1000001", "outside [257, 1000000]"},
@@ -938,7 +1021,7 @@ TEST(DataPrepare, AFailedRunLeavesThePreviousSetIntact) {
 
 // Before any work, prepare refuses an output folder that holds anything but its three files, and a
 // DIR.old (the previous set, left by a run interrupted between its two renames); neither is touched.
-// A stale DIR.tmp (a run killed while writing) is cleared.
+// A stale DIR.tmp (a run killed while writing: the files prepare writes there) is cleared.
 TEST(DataPrepare, ReplacesOnlyItsOwnSet) {
   if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
   testutil::Rng rng;
@@ -964,9 +1047,47 @@ TEST(DataPrepare, ReplacesOnlyItsOwnSet) {
 
   fs::create_directory(out + ".tmp");
   write_bytes(out + ".tmp/train_000.bin.tmp", "half a shard");
+  write_bytes(out + ".tmp/val.spool", "tokens");
   ASSERT_EQ(run_prepare(dir, args, output), 0) << output;
   EXPECT_EQ(read_set(out), first);
   EXPECT_EQ(names_in(dir.path.string()), (std::set<std::string>{"corpus.txt", "out", "prepare.log"}));
+}
+
+// A DIR.tmp that prepare did not leave is refused before any work and never emptied: a folder that
+// holds a file prepare does not write (issue 56: thesis.txt was deleted), a link to a folder (its
+// files were deleted through it), a plain file. Nothing of them, nor of where the link points, changes.
+TEST(DataPrepare, RefusesATemporaryFolderItDidNotMake) {
+  if (!fs::exists(prepare_binary())) GTEST_SKIP() << prepare_binary() << " not built (set FLATMOE_BIN to its folder)";
+  testutil::Rng rng;
+  TempDir dir;
+  const std::string input = write_fortune_corpus(dir, rng, 20), out = dir.file("mine"), tmp = out + ".tmp";
+  const std::string args = "--input " + input + " --out " + out + " --vocab 280 --val-frac 0.2";
+  std::string output;
+  fs::create_directory(tmp);
+  write_bytes(tmp + "/thesis.txt", "hi\n");
+  write_bytes(tmp + "/train_000.bin", "mine too");
+  EXPECT_EQ(run_prepare(dir, args, output), 1) << output;
+  EXPECT_NE(output.find("temporary folder " + tmp + " holds thesis.txt, which is not one of the files prepare writes"),
+            std::string::npos) << output;
+  EXPECT_EQ(names_in(tmp), (std::set<std::string>{"thesis.txt", "train_000.bin"}));
+  EXPECT_EQ(read_bytes(tmp + "/thesis.txt"), "hi\n");
+  fs::remove_all(tmp);
+
+  const std::string elsewhere = dir.file("u");
+  fs::create_directory(elsewhere);
+  for (const char* name : {"a", "b", "c", "tokenizer.bin"}) write_bytes(elsewhere + "/" + name, name);
+  fs::create_directory_symlink(elsewhere, tmp);
+  EXPECT_EQ(run_prepare(dir, args, output), 1) << output;
+  EXPECT_NE(output.find("temporary folder " + tmp + " is a link"), std::string::npos) << output;
+  EXPECT_EQ(names_in(elsewhere), (std::set<std::string>{"a", "b", "c", "tokenizer.bin"}));
+  EXPECT_TRUE(fs::is_symlink(tmp));
+  fs::remove(tmp);
+
+  write_bytes(tmp, "a file");
+  EXPECT_EQ(run_prepare(dir, args, output), 1) << output;
+  EXPECT_NE(output.find("temporary folder " + tmp + " exists and is not a folder"), std::string::npos) << output;
+  EXPECT_EQ(read_bytes(tmp), "a file");
+  EXPECT_FALSE(fs::exists(out));
 }
 
 // Compresses `path` with gzip into `zipped` (gzip -n: no name or time stamp in the header).

@@ -3,7 +3,10 @@
 // problem; a trace that does not fit a run is refused naming each field with both values; writing is
 // atomic (a failed write leaves the file that was there); a rank keeps its own part, and training
 // pass p replays batch (p − first) mod S.
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -190,6 +193,31 @@ TEST(RoutingTraceFile, ReadRefusesEveryDamageNamingFileAndProblem) {
   }
 }
 
+// A trace whose batches hold no token (N = 0 on every rank) has nothing to read per batch: one that
+// claims 2^31 − 1 such batches (44 bytes) is read at once, not batch by batch.
+TEST(RoutingTraceFile, BatchesWithoutTokensAreNotReadOneByOne) {
+  TempDir dir;
+  const std::string path = dir.file("empty_batches.bin");
+  std::string bytes(4 * 11, '\0');
+  const int32_t words[] = {data::kRoutingTraceMagic, data::kRoutingTraceVersion, 1, 1, 1, 1, INT32_MAX, 0, 0, 0, 0};
+  for (size_t i = 0; i < std::size(words); i++) set_word(bytes, i, words[i]);
+  write_bytes(path, bytes);
+  const auto start = std::chrono::steady_clock::now();
+  const RoutingTrace trace = data::read_routing_trace(path);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 1.0);
+  EXPECT_EQ(trace.batches, INT32_MAX);
+  EXPECT_TRUE(trace.indices.empty());
+}
+
+// A trace is read from a regular file only: a FIFO is refused, not waited on.
+TEST(RoutingTraceFile, PathThatIsNotARegularFileIsRefused) {
+  TempDir dir;
+  const std::string fifo = dir.file("fifo");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  expect_refused([&] { data::read_routing_trace(fifo); }, {"routing trace " + fifo + ": is a FIFO, not a regular file"});
+  expect_refused([&] { data::read_routing_trace(dir.path.string()); }, {"is a folder, not a regular file"});
+}
+
 // ---- writing -------------------------------------------------------------------------------------
 
 TEST(RoutingTraceWriter, RefusesWhatItCouldNotReadBackAndLeavesTheOldFile) {
@@ -248,6 +276,27 @@ TEST(RoutingTraceWriter, ReplacesAnExistingFileAndLeavesNothingElse) {
   std::vector<std::string> names;
   for (const auto& entry : fs::directory_iterator(dir.path)) names.push_back(entry.path().filename());
   EXPECT_EQ(names, std::vector<std::string>{"trace.bin"});
+}
+
+// Where a run will record (--record_routing FILE), checked before it starts: the folder must exist;
+// an existing FILE is replaced only when it is a routing trace; a FILE.tmp (left by a run killed
+// outright, or not this program's) is refused, never removed. Nothing is written or removed.
+TEST(RoutingTraceWriter, TargetIsCheckedBeforeARunRecords) {
+  TempDir dir;
+  const std::string path = dir.file("trace.bin");
+  EXPECT_NO_THROW(data::check_routing_trace_target(path));
+  expect_refused([&] { data::check_routing_trace_target(dir.file("absent/trace.bin")); },
+                 {"routing trace " + dir.file("absent/trace.bin") + ": cannot record it: folder " + dir.file("absent") +
+                  ": No such file or directory"});
+  write_bytes(path, "my notes, not a trace");
+  expect_refused([&] { data::check_routing_trace_target(path); }, {path, "it exists and is not a routing trace"});
+  EXPECT_EQ(read_bytes(path), "my notes, not a trace");
+  data::write_routing_trace(dir.file("other.bin"), layout_trace());
+  fs::rename(dir.file("other.bin"), path);
+  EXPECT_NO_THROW(data::check_routing_trace_target(path));
+  write_bytes(path + ".tmp", "x");
+  expect_refused([&] { data::check_routing_trace_target(path); }, {path + ".tmp exists"});
+  EXPECT_EQ(read_bytes(path + ".tmp"), "x");
 }
 
 // ---- a run and its trace -------------------------------------------------------------------------

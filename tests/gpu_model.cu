@@ -671,7 +671,7 @@ void trainer_resume_is_bit_identical(int gpus, const std::string& tag = "", cons
   if (gpu_count() < gpus && !gpu_sharing())
     GTEST_SKIP() << "needs " << gpus << " GPUs, or ranks sharing them (FLATMOE_SHARE_GPUS=1); this machine has " << gpu_count();
   const std::string dir = "build/test-out-trainer-resume" + tag + "-w" + std::to_string(gpus);
-  ckpt::remove_tree(dir);
+  std::filesystem::remove_all(dir);  // what an earlier run of this test left
   mkdir("build", 0755);
   ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
   TrainerRun straight = run_trainer(dir + "/straight", gpus, flags);
@@ -765,7 +765,7 @@ void trainer_graph_run_is_the_eager_run(int gpus, const std::string& tag, const 
   const std::string bin = std::string(bin_dir ? bin_dir : "build/") + "/bf16/train";
   if (access(bin.c_str(), X_OK) != 0) GTEST_SKIP() << bin << " is not built (FLATMOE_BIN names the build folder)";
   const std::string dir = "build/test-out-trainer-graph" + tag;
-  ckpt::remove_tree(dir);
+  std::filesystem::remove_all(dir);  // what an earlier run of this test left
   mkdir("build", 0755);
   ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
   const std::string flags = " --steps 8 --val_every 2 --val_batches 3 --ckpt_every 4 " + parallel_flags;
@@ -843,7 +843,7 @@ void trainer_replays_its_routing_trace(int gpus) {
   if (gpu_count() < gpus && !gpu_sharing())
     GTEST_SKIP() << "needs " << gpus << " GPUs, or ranks sharing them (FLATMOE_SHARE_GPUS=1); this machine has " << gpu_count();
   const std::string dir = "build/test-out-trainer-trace-w" + std::to_string(gpus);
-  ckpt::remove_tree(dir);
+  std::filesystem::remove_all(dir);  // what an earlier run of this test left
   mkdir("build", 0755);
   ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
   const std::string trace = dir + "/recorded.trace", replay = " --routing trace:" + trace;
