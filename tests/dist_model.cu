@@ -569,7 +569,12 @@ TEST(CommFailure, RankLeavingDuringAllToAllStopsTheOthersWithinTheTimeout) {
   EXPECT_NE(job.exit_code, 0);
   EXPECT_LT(job.seconds, 60) << "FLATMOE_COMM_TIMEOUT_S=10 in the sub-job";
   expect_contains(job, "rank 1 leaves during a MoE layer's exchange");
-  expect_contains(job, "timed out");
+  // Over NVLink or shared memory rank 0's kernels wait for the rank that left until the bounded wait
+  // times out; over NCCL's sockets (ranks sharing a GPU, or on other hosts) NCCL sees the connection
+  // close and reports the lost peer first. Either way rank 0 stops within the timeout, naming why.
+  const bool timed_out = job.output.find("timed out") != std::string::npos;
+  const bool peer_lost = job.output.find("remote process exited or there was a network error") != std::string::npos;
+  EXPECT_TRUE(timed_out || peer_lost) << "expected a timeout or NCCL's lost peer in the job's output:\n" << job.output;
   expect_contains(job, "flatmoe: rank 0: aborting 3 communicator(s): world, ep, expert_replicas");
   expect_contains(job, "flatmoe launch: rank 0 (pid ");
 }

@@ -5,7 +5,7 @@
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   dist: the whole test_dist at W = 2, 4 and 8 (DIST_WORLDS), both precisions, the ranks sharing the GPUs where W
 #     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
-#     (dist.md), the rank logs (dist_logs.tgz); DIST_FILTER (a gtest filter) and DIST_TIMEOUT (s per run, 600) narrow it
+#     (dist.md), the rank logs (dist_logs.tgz); DIST_PRECISIONS, DIST_FILTER (a gtest filter) and DIST_TIMEOUT (s per run, 600) narrow it
 #   toy8: the README's toy 8-rank run on CORPUS=large with the ranks sharing this machine's GPUs, each dispatcher and
 #     the ring head beside one rank of the same global batch, and a resume at W = 8 (TOY_STEPS, default 100)
 #   shared: the multi-rank checks that waited for several GPUs, the ranks sharing this machine's: the two-rank Trainer
@@ -113,7 +113,7 @@ if [[ " $want " == *" dist "* ]]; then
   echo "| W | GPUs | precision | passed | failed | skipped | s | largest error per suite (over every rank) |" > "$OUT/dist.md"
   echo "|---|---|---|---|---|---|---|---|" >> "$OUT/dist.md"
   for W in ${DIST_WORLDS:-2 4 8}; do
-    for p in fp32 bf16; do
+    for p in ${DIST_PRECISIONS:-fp32 bf16}; do
       logs=build/dist-logs/W$W-$p
       share=0
       [ "$W" -gt "$gpus" ] && share=1
