@@ -345,14 +345,15 @@ Parallel parallel_shape(int world, int ep_size, int vocab_size) {
 }
 
 // --dry_run 1 on a machine without a GPU: rank 0's plan of a run of `t.gpus` ranks against
-// --device_capacity (nothing outside the pool is measured: there is no device). Refuses a missing
-// --device_capacity, and what cannot fit.
+// --device_capacity (nothing outside the pool is measured: there is no device); with --share_gpus 1,
+// all of them on one device of that capacity. Refuses a missing --device_capacity, and what cannot fit.
 RankMemoryPlan plan_memory_without_gpu(const ModelConfig& c, const TrainConfig& t) {
   if (t.device_capacity.empty())
     throw std::invalid_argument("--dry_run 1: this machine has no GPU to take the memory from: give the GPU's "
                                 "with --device_capacity (bytes, or with a unit such as 80GiB)");
   const Parallel par = parallel_shape(t.gpus, t.ep ? t.ep : t.gpus, vocab_group_size(t));
-  RankMemoryPlan plan = plan_memory(c, t, par, t.batch, c.seq_len, parse_device_capacity(t.device_capacity), 0, 1);
+  RankMemoryPlan plan = plan_memory(c, t, par, t.batch, c.seq_len, parse_device_capacity(t.device_capacity), 0,
+                                    t.share_gpus ? t.gpus : 1);
   plan.on_gpu = false;
   return plan;
 }
@@ -371,10 +372,16 @@ void print_memory_plan(const RankMemoryPlan& plan, const ModelConfig& c) {
                                   : "");
   else
     printf("memory prediction (Eq. 6, rank 0): pool peak %.1f MiB at %s = %s; outside the pool not measured (no GPU: "
-           "the CUDA context, communicators and cuBLAS take some hundreds of MiB more); device %.1f MiB "
-           "(--device_capacity)\n",
+           "the CUDA context, communicators and cuBLAS take some hundreds of MiB more per rank); device %.1f MiB "
+           "(--device_capacity)%s\n",
            plan.predicted.total() / 1048576.0, plan.predicted.peak_at.c_str(), plan.predicted.describe().c_str(),
-           plan.capacity / 1048576.0);
+           plan.capacity / 1048576.0,
+           plan.ranks_on_gpu > 1 ? (", shared by " + std::to_string(plan.ranks_on_gpu) + " ranks (--share_gpus 1): " +
+                                    std::to_string((long long)std::llround(plan.predicted.total() *
+                                                                           (double)plan.ranks_on_gpu / 1048576.0)) +
+                                    " MiB of pools")
+                                       .c_str()
+                                 : "");
   if (plan.budget == 0) return;
   int core = 0, projection = 0;
   for (const SarChoice& x : plan.attention_kept.taken) (x.option == SarOption::Core ? core : projection)++;

@@ -159,16 +159,30 @@ inline size_t ep_moe_dispatch_peak_bytes(long long R, long long R_d, int H, size
 }
 inline size_t ep_moe_intermediates_peak_bytes(long long R_d, int I, size_t b) { return 5 * (size_t)R_d * I * b; }
 
+// The two categories together: they do not peak at the same moment. With the saved maps, xe [R_d,H],
+// y [R,H] and h13 [R_d,2I] live throughout, the backward holds beside them
+//   dy's rows in flight and regrouped      (R + R_d or 2·R_d more rows of H)        + nothing of I
+//   dy [R_d,H], a and da [R_d,I] each      (R_d more rows of H)                     + 2·R_d·I
+//   da and dh13 [R_d,2I], dy freed         (nothing of H)                           + 3·R_d·I
+//   dh13 and dxe [R_d,H], da freed         (R_d more rows of H)                     + 2·R_d·I
+//   dxe's rows in flight                   (R + R_d or 2·R_d more rows of H)        + nothing of I
+// so the largest sum is that of one of three moments (the forward's are below the first).
+inline size_t ep_moe_layer_peak_bytes(long long R, long long R_d, int H, int I, size_t b) {
+  const size_t maps = 4 * (size_t)(2 * R + R_d), rows = (size_t)H * b, inter = (size_t)I * b;
+  return maps + std::max({(size_t)(R + 2 * R_d + std::max(R, R_d)) * rows + 2 * (size_t)R_d * inter,
+                          (size_t)(R + 2 * R_d) * rows + 4 * (size_t)R_d * inter,
+                          (size_t)(R + R_d) * rows + 5 * (size_t)R_d * inter});
+}
+
 // What the dispatcher holds whatever the router does (model.cuh's per-rank prediction): with N tokens
 // on each of the E_p ranks, R = N·k routes leave a rank and at most R_d = E_p·R arrive (every route of
 // every source to this rank's experts). Saved: the route and receive maps, xe, y and h13; at most the
-// two peaks above plus a grouped GEMM's pointer table (3 per local expert).
+// layer's peak above plus a grouped GEMM's pointer table (3 per local expert).
 inline DispatchBound ep_moe_live_bound(long long N, int H, int I, int E_l, int k, int E_p, size_t b) {
   const long long R = N * k, R_d = (long long)E_p * R;
   DispatchBound d;
   d.saved = 4 * (size_t)(2 * R + R_d) + (size_t)(R_d + R) * H * b + 2 * (size_t)R_d * I * b;
-  d.peak = ep_moe_dispatch_peak_bytes(R, R_d, H, b) + ep_moe_intermediates_peak_bytes(R_d, I, b) +
-           3 * sizeof(void*) * (size_t)E_l;
+  d.peak = ep_moe_layer_peak_bytes(R, R_d, H, I, b) + 3 * sizeof(void*) * (size_t)E_l;
   return d;
 }
 

@@ -977,6 +977,18 @@ TEST(ConfigTrainBeforeTheGpu, DryRunNeedsNoGpu) {
     EXPECT_NE(output.find("device 81920.0 MiB (--device_capacity)"), std::string::npos) << output;
   }
   expect_refused_before_the_gpu(dir, "", flags + " --device_capacity 1MiB", "this configuration cannot fit on the GPU");
+  // ranks sharing one GPU (--share_gpus 1) need their pools together: a capacity of two ranks' peaks
+  // takes 2 ranks and refuses 8, naming the sum (a validation shard that 8 ranks can read)
+  testutil::TempDir shared_dir;
+  const std::string shared = small_run_flags(shared_dir, 1000, 1000) + " --dry_run 1";
+  ASSERT_EQ(run_without_gpu(shared_dir, "", shared + " --gpus 2 --device_capacity 80GiB", output), 0) << output;
+  double peak_mib = 0;
+  ASSERT_EQ(sscanf(output.c_str() + output.find("pool peak "), "pool peak %lf MiB", &peak_mib), 1) << output;
+  const std::string two_pools = " --device_capacity " + std::to_string((long long)(2 * peak_mib + 2)) + "MiB";
+  EXPECT_EQ(run_without_gpu(shared_dir, "", shared + " --gpus 2 --share_gpus 1" + two_pools, output), 0) << output;
+  EXPECT_NE(output.find(", shared by 2 ranks (--share_gpus 1): "), std::string::npos) << output;
+  expect_refused_before_the_gpu(shared_dir, "", shared + " --gpus 8 --share_gpus 1" + two_pools,
+                                "the 8 ranks sharing it need 8 x the pool's predicted peak");
   expect_refused_before_the_gpu(dir, "", flags, "--dry_run 1: this machine has no GPU to take the memory from");
   expect_refused_before_the_gpu(dir, "", flags + " --device_capacity 80parsecs",
                                 "--device_capacity '80parsecs': expects the GPU's memory");

@@ -200,6 +200,32 @@ TEST(EpPlan, ReceiverLoadGrowsWithGroupSizeUnderSkew) {
   }
 }
 
+// The layer's peak of Dispatch and ExpertIntermediates together (the per-rank prediction's term): the
+// largest of the backward's three moments, never above the two categories' own peaks added, and below
+// them by the rows that are not live when the intermediates peak. The model test that found it
+// (DistModel.MemoryPredictionHoldsForEachDispatcherAndHead: H = I = 256, N = 2048, k = 2, FP32, every
+// route to rank 0) measured the sum of the two peaks 2·R_d·H·b above the pool's at W = 2, 4 and 8.
+TEST(EpPlan, LayerPeakIsTheLargestMomentOfTheBackward) {
+  for (int W : {1, 2, 4, 8, 64}) {
+    const long long R = 2048 * 2, R_d = (long long)W * R;
+    const size_t b = 4, maps = 4 * (size_t)(2 * R + R_d);
+    const size_t both = ep_moe_dispatch_peak_bytes(R, R_d, 256, b) + ep_moe_intermediates_peak_bytes(R_d, 256, b);
+    EXPECT_EQ(ep_moe_layer_peak_bytes(R, R_d, 256, 256, b), both - 2 * (size_t)R_d * 256 * b) << "W=" << W;
+    EXPECT_EQ(ep_moe_layer_peak_bytes(R, R_d, 256, 256, b), maps + (size_t)(R + 6 * R_d) * 256 * b) << "W=" << W;
+  }
+  // rows of H dominate (small I: the Dispatch peak's moment, the saved h13 beside it) or the intermediates
+  // do (small H: the dh13 moment, xe and y beside it); never above the two peaks added
+  const long long R = 1000, R_d = 3000;
+  const size_t b = 2, maps = 4 * (size_t)(2 * R + R_d);
+  EXPECT_EQ(ep_moe_layer_peak_bytes(R, R_d, 4096, 8, b), ep_moe_dispatch_peak_bytes(R, R_d, 4096, b) + 2 * (size_t)R_d * 8 * b);
+  EXPECT_EQ(ep_moe_layer_peak_bytes(R, R_d, 8, 4096, b), maps + (size_t)(R + R_d) * 8 * b + ep_moe_intermediates_peak_bytes(R_d, 4096, b));
+  for (int H : {8, 256, 4096})
+    for (int I : {8, 256, 4096})
+      EXPECT_LE(ep_moe_layer_peak_bytes(R, R_d, H, I, b),
+                ep_moe_dispatch_peak_bytes(R, R_d, H, b) + ep_moe_intermediates_peak_bytes(R_d, I, b))
+          << "H=" << H << " I=" << I;
+}
+
 TEST(EpPlan, RefusesCountsThatDoNotFit) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH(ep_plan({1, 2, 3}, {1, 2, 3}, 2), "ep_plan \\(ranks=2 E=3 received_entries=3\\)");
