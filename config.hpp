@@ -100,6 +100,7 @@ struct TrainConfig {
                                            // rank may use, or a fraction (0, 1] of the GPU's memory; "0" = off
   int dry_run = 0;                         // 1: print the memory prediction (and refuse what cannot fit), then exit
   std::string device_capacity;             // --dry_run 1 on a machine without a GPU: the GPU's memory, bytes
+  std::string plan = "off";                // "auto": the memory savers that fit, the fastest (plan.hpp)
                                            // or with a unit (80GiB); "" = none given
   unsigned long long seed = 1337;
 };
@@ -485,6 +486,7 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.wgrad_stream == 0 || t.wgrad_stream == 1, "wgrad_stream must be 0 or 1");
   need(t.cuda_graph == 0 || t.cuda_graph == 1, "cuda_graph must be 0 or 1");
   need(t.dry_run == 0 || t.dry_run == 1, "dry_run must be 0 or 1");
+  need(t.plan == "off" || t.plan == "auto", "--plan must be off or auto, got '" + t.plan + "'");
   need(t.share_gpus == 0 || t.share_gpus == 1, "share_gpus must be 0 or 1");
   need(t.gpus >= 1, "gpus must be >= 1");
   const int ep = t.ep ? t.ep : t.gpus;
@@ -597,6 +599,8 @@ inline std::string usage() {
          "        GPU: what the predicted peak leaves keeps attention tensors; needs --recompute 1) --seed S\n"
          "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing;\n"
          "        needs no GPU: --device_capacity BYTES|80GiB gives the GPU's memory where there is none)\n"
+         "        --plan auto (the memory savers that fit the GPU and the host, the fastest: recomputation and kept\n"
+         "        attention, SCO, the chunked head, the offloaded optimizer; the flags given stay; prints its choice)\n"
          "        --overlap_update 0|1 (1, the default: one rank's --optimizer adamw steps layer by layer beside the\n"
          "        next step's forward, BF16 build; 0: after the backward, on the compute stream)\n"
          "        --wgrad_stream 0|1 (1, the default: each layer's weight gradients on a stream of their own,\n"
@@ -786,6 +790,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       text_flag("--device_budget", &T::device_budget),
       int_flag("--dry_run", &T::dry_run),
       text_flag("--device_capacity", &T::device_capacity),
+      text_flag("--plan", &T::plan),
       {"--seed", false,
        [](T& t, const std::string& v) {
          char* end = nullptr;
@@ -831,7 +836,8 @@ inline void set_train_flag(TrainConfig& t, const std::string& flag, const std::s
   f->set(t, value);
 }
 
-inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
+// `given` (when not null) gets each flag the command line names, in order.
+inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t, std::vector<std::string>* given = nullptr) {
   for (int i = 1; i < argc; i++) {
     const std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") throw FlagError("help");
@@ -848,6 +854,7 @@ inline void parse_flags(int argc, char** argv, ModelConfig& m, TrainConfig& t) {
     if (const Flag<ModelConfig>* model_flag = find_flag(model_flags(), flag)) set(model_flag, m);
     else if (const Flag<TrainConfig>* train_flag = find_flag(train_flags(), flag)) set(train_flag, t);
     else throw FlagError("unknown flag " + flag);
+    if (given) given->push_back(flag);
   }
   if (t.train_pattern.empty()) t.train_pattern = t.data_dir + "/train_*.bin";
   if (t.val_pattern.empty()) t.val_pattern = t.data_dir + "/val_*.bin";

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "config.hpp"
+#include "plan.hpp"
 #include "data/routing_profile.hpp"
 #include "data/routing_trace.hpp"
 #include "ops/adamw.cuh"
@@ -465,6 +466,13 @@ inline size_t optimizer_device_bytes(const Seams& seams, size_t S) {
   return 0;  // cpu_adamw: all of it in pinned host memory
 }
 
+// Pinned host bytes of the optimizer's state for a shard of S parameters (--optimizer).
+inline size_t optimizer_host_bytes(const Seams& seams, size_t S) {
+  if (seams.optimizer == "offload_adamw") return OffloadAdamW::host_bytes_for(S);
+  if (seams.optimizer == "cpu_adamw") return CpuAdamW::host_bytes_for(S);
+  return 0;  // adamw: all of it on the device
+}
+
 // The seams, from their names.
 inline void model_make_seams(Model& m, const Seams& seams) {
   m.wgrad->set_on(seams.wgrad_stream);
@@ -854,30 +862,19 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
 // layer_backward above allocation by allocation; tests/gpu_memory_prediction.cu holds it to the pool's
 // measured peak (>= it, and within 10 % where the router attains the dispatcher's bound).
 
-struct MemoryTerm {
-  std::string name;
-  size_t bytes;
-};
+// (MemoryTerm and MemoryPrediction: plan.hpp, which --plan auto searches with.)
 
-struct MemoryPrediction {
-  std::vector<MemoryTerm> terms;  // at the predicted peak
-  std::string peak_at;            // "the output head" or "layer l's backward"
-  size_t total() const {
-    size_t t = 0;
-    for (const MemoryTerm& x : terms) t += x.bytes;
-    return t;
-  }
-  std::string describe() const {
-    std::string text;
-    char buf[160];
-    for (const MemoryTerm& x : terms) {
-      if (x.bytes == 0) continue;
-      snprintf(buf, sizeof buf, "%s%s %.1f MiB", text.empty() ? "" : " + ", x.name.c_str(), x.bytes / 1048576.0);
-      text += buf;
-    }
-    return text;
-  }
-};
+// This rank's parameters of the optimizer's shard (S).
+inline size_t rank_shard_params(const ModelConfig& c, const Parallel& par) {
+  Model shape;  // the layout alone: nothing allocated
+  shape.cfg = c;
+  shape.par = par;
+  shape.specs = param_specs(c);
+  model_layout(shape);
+  size_t S = 0;
+  shard_segments(shape.specs, model_param_layout(shape), &S);
+  return S;
+}
 
 // One training micro-batch of B×T tokens on this rank (--recompute, SCO's budget, the kept attention).
 inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel& par, const Seams& seams, int B, int T,
@@ -887,8 +884,7 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   shape.par = par;
   shape.specs = param_specs(c);
   model_layout(shape);
-  size_t S = 0;  // the rank's shard of the optimizer state
-  shard_segments(shape.specs, model_param_layout(shape), &S);
+  const size_t S = rank_shard_params(c, par);  // the rank's shard of the optimizer state
   const std::unique_ptr<MoEDispatcher> moe = make_dispatcher(c, par, seams);
   SideStream weight_grads;  // off: the same buffers held until the layer's join as on (runtime/side_stream.cuh)
   moe->weight_grads = &weight_grads;
@@ -985,6 +981,25 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
     if (here.total() > best.total()) best = here;
   }
   return best;
+}
+
+// One setting's memory on this rank (plan.hpp's RankUse): the prediction, with the attention tensors that
+// a pool budget of `budget` bytes keeps under --recompute 1 (0: none kept), and the pinned host bytes of
+// SCO's boundaries and of the optimizer's state.
+inline RankUse rank_use(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T, long long budget) {
+  RankUse use;
+  const Seams seams = seams_from(t, c);
+  use.device = predict_rank_memory(c, par, seams, B, T, t.recompute != 0);
+  const long long left = budget - (long long)use.device.total();
+  if (t.recompute && budget > 0 && left >= 0) {
+    use.attention_kept = sar_plan(c.layers, (long long)B * T, T, c.hidden, c.heads, sizeof(floatX), left);
+    use.device = predict_rank_memory(c, par, seams, B, T, true, &use.attention_kept);
+  }
+  use.shard = rank_shard_params(c, par);
+  const size_t boundary = (size_t)B * T * c.hidden * sizeof(floatX);
+  use.host = (t.recompute ? sco_plan(c.layers, boundary, t.offload_budget).host_bytes : 0) +
+             optimizer_host_bytes(seams, use.shard);
+  return use;
 }
 
 // =============================================================================================

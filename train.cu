@@ -22,6 +22,7 @@
 // the model and its operators
 #include "config.hpp"
 #include "model.cuh"
+#include "rank_memory.cuh"
 // data and checkpoint files
 #include "checkpoint.hpp"
 #include "data/dataloader.hpp"
@@ -270,131 +271,6 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
            (c.layers + 1) * sco.boundary_bytes / 1048576.0);
 }
 
-// The per-rank memory plan, decided before the model allocates anything: the prediction of the pool's
-// peak (model.cuh, Eq. 6), what the device holds outside the pool so far (the CUDA context, the
-// communicators, the cuBLAS handle: runtime/pool.cuh's ledger) and its capacity; under --device_budget,
-// the attention tensors that the budget leaves room to keep (ops/sar_plan.hpp). Refuses what cannot fit.
-// With ranks sharing the GPU (--share_gpus 1) its capacity is theirs together: `ranks_on_gpu` pools of the
-// predicted peak beside what the device holds outside the pools (every rank's context and communicators).
-struct RankMemoryPlan {
-  MemoryPrediction predicted;
-  SarPlan attention_kept;
-  long long outside = 0, capacity = 0, budget = 0;  // budget: --device_budget in bytes (0: none)
-  int ranks_on_gpu = 1;
-  bool on_gpu = true;  // outside and capacity measured; false: no GPU, capacity from --device_capacity
-};
-
-// The plan from the prediction alone (host arithmetic), against a device of `capacity` bytes that
-// holds `outside` bytes outside the pool and is shared by `ranks_on_gpu` ranks.
-RankMemoryPlan plan_memory(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T,
-                           long long capacity, long long outside, int ranks_on_gpu) {
-  RankMemoryPlan plan;
-  plan.outside = outside;
-  plan.capacity = capacity;
-  plan.ranks_on_gpu = ranks_on_gpu;
-  const Seams seams = seams_from(t, c);
-  plan.predicted = predict_rank_memory(c, par, seams, B, T, t.recompute != 0);
-  const DeviceBudget device_budget = parse_device_budget(t.device_budget);
-  const auto mib = [](long long x) { return std::to_string((long long)std::llround(x / 1048576.0)) + " MiB"; };
-  if (device_budget.on()) {
-    plan.budget = device_budget.bytes > 0
-                      ? device_budget.bytes
-                      : ((long long)(device_budget.fraction * plan.capacity) - plan.outside) / plan.ranks_on_gpu;
-    const long long left = plan.budget - (long long)plan.predicted.total();
-    if (left < 0)
-      throw std::invalid_argument("--device_budget " + t.device_budget + " (" + mib(plan.budget) +
-                                  " for the pool) is below the predicted peak under full recomputation, " +
-                                  mib(plan.predicted.total()) + " (" + plan.predicted.describe() + ")");
-    plan.attention_kept = sar_plan(c.layers, (long long)B * T, T, c.hidden, c.heads, sizeof(floatX), left);
-    plan.predicted = predict_rank_memory(c, par, seams, B, T, true, &plan.attention_kept);
-  }
-  const long long pools = (long long)plan.predicted.total() * plan.ranks_on_gpu;
-  if (pools + plan.outside > plan.capacity)
-    throw std::invalid_argument(
-        "this configuration cannot fit on the GPU: " +
-        (plan.ranks_on_gpu > 1 ? "the " + std::to_string(plan.ranks_on_gpu) + " ranks sharing it need " +
-                                     std::to_string(plan.ranks_on_gpu) + " x " : std::string()) +
-        "the pool's predicted peak " + mib(plan.predicted.total()) + " at " + plan.predicted.peak_at + " (" +
-        plan.predicted.describe() + ") + " + mib(plan.outside) + " outside the pool" +
-        (plan.ranks_on_gpu > 1 ? "s (every rank's context and communicators) = " + mib(pools + plan.outside) : "") +
-        " > the device's " + mib(plan.capacity) +
-        " (try --recompute 1, --offload_budget, a smaller --batch, --moe pllep, --head chunked" +
-        (plan.ranks_on_gpu > 1 ? " or fewer ranks per GPU)" : ")"));
-  return plan;
-}
-
-// The plan on this rank's GPU: its capacity and what it holds outside the pool so far, measured.
-RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T,
-                                int ranks_on_gpu) {
-  size_t free_b = 0, total_b = 0;
-  cudaCheck(cudaMemGetInfo(&free_b, &total_b), "train", "meminfo");
-  const DeviceMemoryNow now = device_memory_now();
-  return plan_memory(c, t, par, B, T, (long long)total_b, now.used - now.reserved, ranks_on_gpu);
-}
-
-// The group sizes of rank 0 of `world` ranks as parallel_init makes them, without a communicator: what
-// the prediction reads of a Parallel (--dry_run 1 without a GPU).
-Parallel parallel_shape(int world, int ep_size, int vocab_size) {
-  Parallel par;
-  par.world.size = world;
-  par.ep.size = ep_size;
-  par.expert_replicas.size = world / ep_size;
-  par.vocab.size = vocab_size;
-  par.vocab_replicas.size = vocab_size > 1 ? world / vocab_size : 1;
-  return par;
-}
-
-// --dry_run 1 on a machine without a GPU: rank 0's plan of a run of `t.gpus` ranks against
-// --device_capacity (nothing outside the pool is measured: there is no device); with --share_gpus 1,
-// all of them on one device of that capacity. Refuses a missing --device_capacity, and what cannot fit.
-RankMemoryPlan plan_memory_without_gpu(const ModelConfig& c, const TrainConfig& t) {
-  if (t.device_capacity.empty())
-    throw std::invalid_argument("--dry_run 1: this machine has no GPU to take the memory from: give the GPU's "
-                                "with --device_capacity (bytes, or with a unit such as 80GiB)");
-  const Parallel par = parallel_shape(t.gpus, t.ep ? t.ep : t.gpus, vocab_group_size(t));
-  RankMemoryPlan plan = plan_memory(c, t, par, t.batch, c.seq_len, parse_device_capacity(t.device_capacity), 0,
-                                    t.share_gpus ? t.gpus : 1);
-  plan.on_gpu = false;
-  return plan;
-}
-
-void print_memory_plan(const RankMemoryPlan& plan, const ModelConfig& c) {
-  if (plan.on_gpu)
-    printf("memory prediction (Eq. 6, rank 0): pool peak %.1f MiB at %s = %s; outside the pool %.1f MiB (measured); "
-           "device %.1f MiB%s\n",
-           plan.predicted.total() / 1048576.0, plan.predicted.peak_at.c_str(), plan.predicted.describe().c_str(),
-           plan.outside / 1048576.0, plan.capacity / 1048576.0,
-           plan.ranks_on_gpu > 1 ? (", shared by " + std::to_string(plan.ranks_on_gpu) + " ranks: " +
-                                    std::to_string(plan.ranks_on_gpu) + " pools + outside = " +
-                                    std::to_string((long long)std::llround(
-                                        (plan.predicted.total() * (double)plan.ranks_on_gpu + plan.outside) / 1048576.0)) +
-                                    " MiB").c_str()
-                                  : "");
-  else
-    printf("memory prediction (Eq. 6, rank 0): pool peak %.1f MiB at %s = %s; outside the pool not measured (no GPU: "
-           "the CUDA context, communicators and cuBLAS take some hundreds of MiB more per rank); device %.1f MiB "
-           "(--device_capacity)%s\n",
-           plan.predicted.total() / 1048576.0, plan.predicted.peak_at.c_str(), plan.predicted.describe().c_str(),
-           plan.capacity / 1048576.0,
-           plan.ranks_on_gpu > 1 ? (", shared by " + std::to_string(plan.ranks_on_gpu) + " ranks (--share_gpus 1): " +
-                                    std::to_string((long long)std::llround(plan.predicted.total() *
-                                                                           (double)plan.ranks_on_gpu / 1048576.0)) +
-                                    " MiB of pools")
-                                       .c_str()
-                                 : "");
-  if (plan.budget == 0) return;
-  int core = 0, projection = 0;
-  for (const SarChoice& x : plan.attention_kept.taken) (x.option == SarOption::Core ? core : projection)++;
-  printf("selective attention recomputation: --device_budget %.1f MiB for the pool keeps %d core and %d projection "
-         "options of %d layers (%.1f MiB), %.0f %% of the attention recomputation's FLOPs saved\n",
-         plan.budget / 1048576.0, core, projection, c.layers, plan.attention_kept.bytes / 1048576.0,
-         100 * plan.attention_kept.flops_saved / plan.attention_kept.flops_recomputed);
-}
-
-// Dense peak of the GPU's matrix units for MFU: H100/H200 SXM datasheet (dense bf16 989 TFLOP/s,
-// fp32 67 TFLOP/s). MFU = flops_per_token · tokens/s / peak.
-double peak_flops_for_build() { return sizeof(floatX) == 2 ? 989e12 : 67e12; }
-
 // Writes the pool's event timeline of one step to OUT/timeline_stepS.csv and plots it with
 // tools/plot_timeline.sh. Only rank 0 records it (the other ranks' pools are not shown). Its time
 // axis is host time: when the host issued each alloc/free, ahead of the GPU's work (runtime/pool.cuh).
@@ -466,8 +342,9 @@ void parallel_destroy(Parallel& par) {
 int train_main(int argc, char** argv) {
   ModelConfig mc;
   TrainConfig tc;
+  std::vector<std::string> given_flags;  // --plan auto keeps these as given
   try {
-    parse_flags(argc, argv, mc, tc);
+    parse_flags(argc, argv, mc, tc, &given_flags);
   } catch (const FlagError& e) {
     if (std::string(e.what()) == "help") {
       printf("%s", usage().c_str());
@@ -509,7 +386,13 @@ int train_main(int argc, char** argv) {
     if (stat(tc.out_dir.c_str(), &out_st) == 0 && !S_ISDIR(out_st.st_mode))
       throw std::invalid_argument("--out " + tc.out_dir + " exists and is not a folder");
     if (tc.dry_run && gpu_count() == 0) {  // the prediction is host arithmetic: no GPU needed
-      print_memory_plan(plan_memory_without_gpu(mc, run_tc), mc);
+      const TrainConfig planned =
+          tc.plan == "auto" ? apply_plan_auto(mc, run_tc, given_flags, parallel_shape_of(run_tc), tc.batch, mc.seq_len,
+                                              tc.total_batch ? tc.total_batch / (tc.batch * mc.seq_len) : 1,
+                                              capacity_without_gpu(run_tc), 0, run_tc.share_gpus ? run_tc.gpus : 1, true,
+                                              argc, argv)
+                            : run_tc;
+      print_memory_plan(plan_memory_without_gpu(mc, planned), mc);
       return 0;
     }
     const int gpus = gpu_count();
@@ -551,6 +434,11 @@ int train_main(int argc, char** argv) {
     const int accum = tc.total_batch ? tc.total_batch / (B * T) : 1;
     cudaStream_t stream = stream_create("train", StreamPriority::Compute);  // each communicator has its own
     const int ranks_on_gpu = ranks_on_this_gpu(par.world);
+    if (tc.plan == "auto") {  // every rank alike: the most that any rank holds outside its pool
+      const DeviceNow now = device_now();
+      tc = apply_plan_auto(mc, tc, given_flags, par, B, T, accum, now.capacity, max_over_ranks(par.world, now.outside),
+                           ranks_on_gpu, main_rank, argc, argv);
+    }
     const RankMemoryPlan memory_plan = plan_rank_memory(mc, tc, par, B, T, ranks_on_gpu);  // before the model allocates
     if (tc.dry_run) {  // the prediction is the whole answer: nothing is allocated or trained
       if (main_rank) print_memory_plan(memory_plan, mc);

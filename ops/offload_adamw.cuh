@@ -100,7 +100,9 @@ struct HostAdamW : Optimizer {
       std::memcpy(dst, state_section(sections, section, state_count).data(), state_count * sizeof(float));
     steps = steps_taken;
   }
-  size_t host_bytes() const override { return 3 * state_count * sizeof(float); }
+  // the pinned fp32 master weights, m and v of a shard of S parameters
+  static size_t host_bytes_for(size_t S) { return 3 * S * sizeof(float); }
+  size_t host_bytes() const override { return host_bytes_for(state_count); }
 };
 
 // --optimizer cpu_adamw.
@@ -183,7 +185,9 @@ struct CpuAdamW : HostAdamW {
     };
     cpu_adamw_step(master, m, v, grad, param, segments, lr, s, (int)steps, scale, threads, pipeline);
   }
-  size_t host_bytes() const override { return HostAdamW::host_bytes() + state_count * (sizeof(float) + sizeof(HostParam)); }
+  // the state, and the gradients and weights on their way
+  static size_t host_bytes_for(size_t S) { return HostAdamW::host_bytes_for(S) + S * (sizeof(float) + sizeof(HostParam)); }
+  size_t host_bytes() const override { return host_bytes_for(state_count); }
 
  private:
   // The weights of the segments' elements [first, last) (their concatenation) H2D on `stream`.

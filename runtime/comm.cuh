@@ -401,6 +401,19 @@ inline Comm comm_world_init(const LaunchInfo& info) {
   return world;
 }
 
+// The largest of every rank's `x` (a host value), on every rank: one all-gather over `c`.
+inline long long max_over_ranks(const Comm& c, long long x) {
+  if (c.size == 1) return x;
+  DeviceBuffer<long long> sent(1, Mem::CommStaging, "max_over_ranks.sent");
+  DeviceBuffer<long long> got((size_t)c.size, Mem::CommStaging, "max_over_ranks.got");
+  copy_to_device(sent.ptr, &x, sizeof(x), c.stream, "max_over_ranks");
+  all_gather(c, sent.ptr, got.ptr, 1, c.stream);
+  std::vector<long long> all(c.size);
+  comm_sync(c, c.stream, "max_over_ranks");
+  copy_to_host(all.data(), got.ptr, got.bytes(), c.stream, "max_over_ranks");
+  return *std::max_element(all.begin(), all.end());
+}
+
 // How many ranks of `world` run on this rank's GPU, this one included: 1 unless ranks share GPUs
 // (--share_gpus 1, runtime/launch.cuh). The GPUs' UUIDs, all-gathered over the world.
 inline int ranks_on_this_gpu(const Comm& world) {

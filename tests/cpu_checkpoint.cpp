@@ -76,7 +76,7 @@ TrainConfig random_train(testutil::Rng& rng, int min_text_length) {
   TrainConfig t;
   for (std::string T::*field : {&T::data_dir, &T::train_pattern, &T::val_pattern, &T::tokenizer, &T::out_dir,
                                 &T::resume, &T::routing, &T::record_routing, &T::moe, &T::head, &T::optimizer,
-                                &T::ring_dtp, &T::relay_mode, &T::device_budget, &T::device_capacity})
+                                &T::ring_dtp, &T::relay_mode, &T::device_budget, &T::device_capacity, &T::plan})
     t.*field = random_text(rng, min_text_length);
   for (int T::*field :
        {&T::batch, &T::total_batch, &T::steps, &T::warmup, &T::recompute, &T::overlap_update, &T::wgrad_stream, &T::cuda_graph, &T::val_every,

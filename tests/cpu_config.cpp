@@ -64,7 +64,7 @@ using T = TrainConfig;
 const std::vector<std::string T::*> kTrainTexts = {&T::data_dir, &T::train_pattern, &T::val_pattern, &T::tokenizer,
                                                    &T::out_dir,  &T::resume,        &T::routing,     &T::record_routing,
                                                    &T::moe,      &T::head,          &T::optimizer,   &T::ring_dtp,
-                                                   &T::relay_mode, &T::device_budget, &T::device_capacity};
+                                                   &T::relay_mode, &T::device_budget, &T::device_capacity, &T::plan};
 const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::steps,      &T::warmup,
                                           &T::recompute,  &T::overlap_update, &T::wgrad_stream, &T::cuda_graph, &T::val_every, &T::val_batches, &T::sample_every,
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
@@ -960,6 +960,45 @@ TEST(ConfigTrainBeforeTheGpu, OutputPathsThatCannotBeWrittenAreRefused) {
   expect_refused_before_the_gpu(dir, "", flags + " --record_routing " + file,
                                 "routing trace " + file + ": cannot record it: it exists and is not a routing trace");
   EXPECT_EQ(testutil::read_bytes(file), "mine");
+}
+
+// --plan auto with the trainer's own prediction, without a GPU (--dry_run 1 --device_capacity C): from a
+// capacity where the plain run fits down to one where nothing does, it either prints the settings it
+// chose — whose prediction then fits C, as the dry run's own check says (exit 0) — or refuses before any
+// allocation naming the largest term (exit 1); a flag the user gave stays as given.
+TEST(ConfigTrainBeforeTheGpu, PlanAutoChoosesWhatFitsOrNamesTheLargestTerm) {
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, false); !why.empty()) GTEST_SKIP() << why;
+  testutil::TempDir dir;
+  const std::string flags = small_run_flags(dir, 4000, 4000) + " --seq_len 256 --batch 8 --dry_run 1 --plan auto";
+  std::string output;
+  int chose = 0, changed = 0, refused = 0;
+  for (int mib : {2000, 1200, 800, 600, 500, 450, 400, 350, 300, 250, 200, 20}) {
+    const int rc = run_without_gpu(dir, "", flags + " --device_capacity " + std::to_string(mib) + "MiB", output);
+    if (rc == 0) {
+      chose++;
+      EXPECT_NE(output.find("--plan auto: "), std::string::npos) << output;
+      double peak = 0, budget = 0;
+      ASSERT_EQ(sscanf(output.c_str() + output.find("  pool peak "), "  pool peak %lf MiB of %lf MiB", &peak, &budget), 2)
+          << output;
+      EXPECT_LE(peak, budget) << output;
+      EXPECT_LE(budget, 0.95 * mib + 0.1) << "5 % of the capacity is the margin";
+      changed += output.find("--recompute 1") != std::string::npos || output.find("--head chunked") != std::string::npos;
+    } else {
+      refused++;
+      EXPECT_EQ(rc, 1) << output;
+      EXPECT_NE(output.find("settings fits: the most frugal needs"), std::string::npos) << output;
+      EXPECT_NE(output.find("its largest term is "), std::string::npos) << output;
+    }
+  }
+  EXPECT_GT(chose, 1) << "the ample capacities fit";
+  EXPECT_GT(changed, 0) << "some capacity needs a memory saver";
+  EXPECT_GT(refused, 0) << "20 MiB holds nothing";
+  // the flags given stay: with --recompute 0 and --head full, only the optimizer can move
+  ASSERT_EQ(run_without_gpu(dir, "", flags + " --recompute 0 --head full --device_capacity 2000MiB", output), 0) << output;
+  EXPECT_EQ(output.find("--recompute 1"), std::string::npos) << output;
+  EXPECT_EQ(output.find("--head chunked"), std::string::npos) << output;
+  expect_refused_before_the_gpu(dir, "", flags + " --plan maybe --device_capacity 2000MiB", "--plan must be off or auto");
 }
 
 // --dry_run 1 is host arithmetic: without a GPU it predicts rank 0's memory against --device_capacity
