@@ -817,7 +817,7 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
 // ---------------------------------------------------------------------------------------------
 // The MoE dispatcher seam (notes/design.md §1.1): how a layer's routed experts are computed. Every
 // dispatcher (ops/moe.cuh: local; ops/ep_moe.cuh: ep; ops/llep.cuh: llep; ops/pipelined_llep.cuh:
-// pllep; later relay) has the same three entry points: forward returns its own saved state,
+// pllep; ops/relay_moe.cuh: relay) has the same three entry points: forward returns its own saved state,
 // backward reads it, and destroying the saved state frees it (back to the pool). The model picks
 // one dispatcher at start-up (--moe) and calls it in one place. Sizes H, I, E, k are fixed at
 // construction; N may change per call. forward with out = nullptr: the caller needs only the saved
