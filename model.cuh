@@ -214,14 +214,15 @@ struct PassGraph {
   CapturedWork work;         // captured at the key's second pass, again whenever its blocks are not all free
 };
 
-// The optimizer beside the next forward (--overlap_update 1; notes/speed.md R). A step's update is
-// memory-bound (AdamW: 28 bytes per parameter) and the next step's forward mostly compute-bound, and
-// layer l's forward needs only the weights of its own group (ParamSpec.forward_group: the embedding
-// with layer 0, each layer, the final norm with the head). So on one rank the update runs on a stream
-// of its own, group by group in the forward's order, an event after each; the next pass waits for
-// group g just before it reads it (model_wait_update) and everything else that reads the weights, the
-// moments or the pass's gradients waits for all of them (model_join_update). The same launches with
-// the same arguments: the weights are bit-identical to the update on the compute stream.
+// The optimizer beside the next forward (--overlap_update 1;
+// notes/speed.md, 'The update beside the next forward'). A step's update is memory-bound (AdamW: 28 bytes
+// per parameter) and the next step's forward mostly compute-bound, and layer l's forward needs only the
+// weights of its own group (ParamSpec.forward_group: the embedding with layer 0, each layer, the final norm
+// with the head). So on one rank the update runs on a stream of its own, group by group in the forward's
+// order, an event after each; the next pass waits for group g just before it reads it (model_wait_update)
+// and everything else that reads the weights, the moments or the pass's gradients waits for all of them
+// (model_join_update). The same launches with the same arguments: the weights are bit-identical to the
+// update on the compute stream.
 struct UpdateStream {
   cudaStream_t stream = nullptr;  // created on the first overlapped update
   std::vector<StreamPoint> done;  // [L + 1]: group g's weights written (and its pass grads zeroed)
@@ -1438,7 +1439,8 @@ float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, i
   o.dloss = 1.f / ((float)B * T * accum * m.par.world.size);  // the mean over the global batch
   o.recompute = t.recompute != 0;
   // One pass on one rank: main_grads would be an exact fp32 copy of its grads, so the optimizer reads
-  // those and the fold's pass over every gradient is skipped (bit-identical; notes/speed.md M).
+  // those and the fold's pass over every gradient is skipped (bit-identical;
+  // notes/speed.md, 'The update beside the next forward').
   const bool pass_grads = accum == 1 && m.par.world.size == 1 && m.opt->reads_pass_grads() &&
                           (void*)m.grads != (void*)m.main_grads;
   o.fold = !pass_grads;

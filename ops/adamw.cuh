@@ -72,7 +72,8 @@ static const int ADAMW_CHUNK = ADAMW_THREADS * ADAMW_PER_THREAD;     // elements
 // state's offset and param, grad at the parameters' offset. Every load of the chunk is issued before
 // any store, 16 independent loads in flight per thread (the compiler cannot move an element's loads
 // above the previous element's stores: it cannot prove that the arrays do not overlap). One block per
-// chunk this way moves 4.0 TB/s on an H200, one element per thread 3.3 TB/s (notes/speed.md, B).
+// chunk this way moves 4.0 TB/s on an H200, one element per thread 3.3 TB/s
+// (notes/speed.md, 'The update beside the next forward').
 template <typename T, typename G>
 __device__ inline void adamw_chunk(float* master, T* param, float* m, float* v, const G* grad, size_t count,
                                    size_t first, const AdamWCoefficients& c) {

@@ -18,7 +18,7 @@
 // Exponentials (cross_entropy_exp), two per logit (the sum, then the gradient): in the BF16 build
 // common.cuh's fast_exp, one multiply and one MUFU.EX2 (relative error ~2^-22, far below the bf16
 // rounding of the logits and of dlogits), which took the fused kernel from 2.7 to 3.5 TB/s at B1's
-// shape (notes/speed.md, T); in the FP32 build expf, the pedantic reference path.
+// shape (notes/speed.md, 'The memory-bound kernels'); in the FP32 build expf, the pedantic reference path.
 //
 // Determinism: one block per row; each thread folds its strided columns (in 16-byte pieces when the
 // rows are whole pieces and aligned, common.cuh's ROW_PIECE) into a running (max, sum-exp) pair, and

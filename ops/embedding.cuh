@@ -13,8 +13,8 @@
 // of 16 bytes, or per element), and the segments' sums are added in segment order and then once
 // into dwte. An id of at most S positions is summed in plain position order. The longest serial
 // chain is ceil(c / S) rows of the most frequent token (it was c, one thread per column: the default
-// model's backward ran 31 µs on that chain, notes/speed.md Z). Rows of ids that do not occur are not
-// touched.
+// model's backward ran 31 µs on that chain, notes/speed.md, 'The memory-bound kernels'). Rows of ids that
+// do not occur are not touched.
 // Work is proportional to N·H (no per-vocabulary-row pass). The count of used ids is read on the
 // device and the grid depends only on N and V, so that a pass launches the same kernel whatever its
 // tokens (a captured pass, runtime/graph.cuh).

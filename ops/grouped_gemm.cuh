@@ -16,17 +16,17 @@
 //     problems (transA) of ≥ GGEMM_CUBLAS_MIN_FLOP each. Two forms of the same kernel: Hopper's
 //     warpgroup MMA (wgmma, GPU_ARCH=90a, the default: FLATMOE_WGMMA) and mma.sync (any other GPU_ARCH).
 //   - otherwise, and always in the FP32 build (pedantic fp32, no TF32): one cublasGemmGroupedBatchedEx.
-// Why (notes/speed.md, F, G, J; tools/bench_expert_gemm): cublasGemmGroupedBatchedEx runs the forward
-// and input-gradient forms on an sm80 grouped kernel (240–290 TFLOP/s on B1's layer, 70–130 on the
-// default model's), where the wgmma form reaches 310–420 and the mma.sync form 260–320 (110–160 on the
-// default model's). The weight-gradient forms, whose K differs per problem, cuBLAS does not group: it
-// issues one GEMM per problem from the host, ~8 µs each, on its Hopper kernels (~340–400 TFLOP/s). The
-// wgmma form is faster at every size measured (B1's dW13, 4.3 GFLOP per expert: 430 against 340). The
-// mma.sync form is not above ~3 GFLOP per problem (8 µs at 400 TFLOP/s; B1's dW13: 250 against 400),
-// so without wgmma those go to cuBLAS; a smaller one leaves the GPU waiting on the host (the default
+// Why (notes/speed.md, 'The grouped expert GEMMs'; tools/bench_expert_gemm): cublasGemmGroupedBatchedEx
+// runs the forward and input-gradient forms on an sm80 grouped kernel (240–290 TFLOP/s on B1's layer,
+// 70–130 on the default model's), where the wgmma form reaches 310–420 and the mma.sync form 260–320
+// (110–160 on the default model's). The weight-gradient forms, whose K differs per problem, cuBLAS does not
+// group: it issues one GEMM per problem from the host, ~8 µs each, on its Hopper kernels (~340–400
+// TFLOP/s). The wgmma form is faster at every size measured (B1's dW13, 4.3 GFLOP per expert: 430 against
+// 340). The mma.sync form is not above ~3 GFLOP per problem (8 µs at 400 TFLOP/s; B1's dW13: 250 against
+// 400), so without wgmma those go to cuBLAS; a smaller one leaves the GPU waiting on the host (the default
 // model's dW: 0.3–0.6 GFLOP per expert, 30–60 TFLOP/s through cuBLAS, 70–110 on the kernel). cuBLAS's
 // per-problem choice is not steady either: in one process of B1 with recomputation its dW13 and dW2
-// took 2–3× their usual time (notes/speed.md, G).
+// took 2–3× their usual time (the same section).
 //
 // The kernel. Every problem is cut into tiles of BM × BN = 128 × 128 of C; the launch's blocks take
 // the tiles of problem 0, then of problem 1, …, each problem's tiles row by row (so neighbouring
@@ -50,9 +50,9 @@
 //     136 bf16 (272 bytes, likewise conflict-free), read with the transposed ldmatrix.
 // Shared memory: 3 stages × 2 operands × 18 KiB = 108 KiB per block, 2 blocks per SM (236–254
 // registers per thread, 128 threads). Tiles measured on B1's and the default model's layers (2026-12-01,
-// notes/speed.md): 128 × 128 × 64 with 4 warps of 64 × 64 beat 128 × 128 × 32 with 8 warps of 64 × 32
-// (the first version: 250–265 TFLOP/s, limited by L2 traffic and ldmatrix per MMA), 128 × 256 and
-// 256 × 128 (one block per SM: 190–267).
+// notes/speed.md, 'The grouped expert GEMMs'): 128 × 128 × 64 with 4 warps of 64 × 64 beat 128 × 128 × 32
+// with 8 warps of 64 × 32 (the first version: 250–265 TFLOP/s, limited by L2 traffic and ldmatrix per MMA),
+// 128 × 256 and 256 × 128 (one block per SM: 190–267).
 //
 // The wgmma form (sm_90a) keeps the tiles, the ring and the k order, and changes who multiplies:
 // two warpgroups of 4 warps (256 threads), each 64 rows × all 128 columns of the tile, four wgmma
@@ -71,13 +71,14 @@
 // before the block barrier that publishes it, and no slot is refilled before a later barrier that
 // every warpgroup reaches after waiting for the MMAs that read it.
 //
-// Two tile shapes in the wgmma form (grouped_gemm_tiles picks per call; notes/speed.md L, N, X):
+// Two tile shapes in the wgmma form (grouped_gemm_tiles picks per call;
+// notes/speed.md, 'The grouped expert GEMMs'):
 //   narrow, 128 × 128 (as above): 3 stages, 96 KiB, 2 blocks per SM of one tile each; a warpgroup
 //     waits for its MMAs at the end of each k-tile; C is stored through the ring, free by then, in
 //     16-byte pieces (store_c_staged) where N % 8 == 0 and C's rows are 16-byte aligned. Launches of
 //     fewer than 4 waves of wide tiles (2 for the weight gradients), and weight gradients whose
 //     operands are not laid out for the TMA. (A 6-deep ring, one block per SM, for launches of at
-//     most a tile per SM was measured and not kept: speed.md ZG.)
+//     most a tile per SM was measured and not kept: notes/speed.md, 'Tried and not kept'.)
 //   wide, 128 × 256: each warpgroup 64 × 256 (wgmma m64n256k16, 128 accumulators per thread);
 //     4 stages, 192 KiB, one block per SM. The grid is one block per SM, each looping over the
 //     launch's tiles (blockIdx.x, + gridDim.x, …), except for the weight gradients (below). B1's
@@ -98,8 +99,9 @@
 //     - by every thread's cp.async copies otherwise (grouped_gemm_wgmma_kernel, block barriers
 //       per k-tile, one k-tile of MMAs left running across each barrier, the next tile's first
 //       k-tiles copied while this tile's C is stored).
-//     A warp of cp.async copies in place of the TMA was measured and not kept (speed.md N): the
-//     copies' instructions, 96 per lane and k-tile, bound it at a third of the rate.
+//     A warp of cp.async copies in place of the TMA was measured and not kept
+//     (notes/speed.md, 'The grouped expert GEMMs'): the copies' instructions, 96 per lane and k-tile, bound
+//     it at a third of the rate.
 //
 // Parts of a tile past M, N or K are copied as zeros (cp.async with 0 source bytes), so the edges
 // need no branch in the MMA loop; C is written (or read and written) only inside [M, N].
@@ -702,10 +704,11 @@ __global__ void __launch_bounds__(WG_THREADS, wgmma_blocks_per_sm<Tiles>())
 // lane 0 issues each half's two boxes' stores (waiting, before the second half, until the first
 // half's have read the 4 KiB) and the warp goes on to the next tile's MMAs while the TMA writes the
 // second half out; before the warp writes its strip again, lane 0 waits until those stores have read
-// it. Without it the two warpgroups stop multiplying while they store (notes/speed.md ZD: without any
-// store the wide tiles run 16–32 % faster). A strip with rows past its problem's M (the TMA would
-// write the next problem's rows) is stored as before, through the same 4 KiB. The ring stays 4 stages
-// deep (4 × 48 + 32 KiB of C). The same values, rounded the same way: the same bits.
+// it. Without it the two warpgroups stop multiplying while they store
+// (notes/speed.md, 'The grouped expert GEMMs': without any store the wide tiles run 16–32 % faster). A
+// strip with rows past its problem's M (the TMA would write the next problem's rows) is stored as
+// before, through the same 4 KiB. The ring stays 4 stages deep (4 × 48 + 32 KiB of C). The same values,
+// rounded the same way: the same bits.
 // The weight-gradient form (TRANS_A: A [routes][M], B [routes][N], k = the problem's routes) copies
 // A's 64 k-rows × 128 m as two boxes of 64 m and B's as four of 64 n; its k loop ends inside the
 // tensor (the next problem's routes follow), so on a problem's last k-tile, when it is partial, the
@@ -991,10 +994,10 @@ inline bool grouped_gemm_tma_c_beside_a(const GroupedGemmProblems& problems, con
 // least GGEMM_WIDE_MIN_WAVES waves of them, fed by the TMA (WideTma) when the operands are laid out as
 // two tensors (grouped_gemm_tma_layout), else by every thread's copies (Wide); 128 × 128 otherwise. The
 // weight gradients (transA) take the wide tiles only fed by the TMA, a block per tile, from
-// GGEMM_WIDE_MIN_WAVES_TRANS_A waves on. Measured (notes/speed.md L, X): fed by every thread the wide
-// tiles gain 8–18 % on B1's h13, y, da and dxp, lose 5–8 % on its dW2 and dW13 and 5–30 % on the
-// default model's smaller layers; fed by the TMA, B1's dW13 (1024 wide tiles) and dW2 (512) gain 5–10
-// % over the narrow tiles, with routes even or one expert at 8× the mean, and the default model's
+// GGEMM_WIDE_MIN_WAVES_TRANS_A waves on. Measured (notes/speed.md, 'The grouped expert GEMMs'): fed by
+// every thread the wide tiles gain 8–18 % on B1's h13, y, da and dxp, lose 5–8 % on its dW2 and dW13 and
+// 5–30 % on the default model's smaller layers; fed by the TMA, B1's dW13 (1024 wide tiles) and dW2 (512)
+// gain 5–10 % over the narrow tiles, with routes even or one expert at 8× the mean, and the default model's
 // weight gradients (48 and 96 wide tiles) lose up to 15 %. The mma.sync form has only 128 × 128.
 enum class GroupedGemmTiles { Narrow, Wide, WideTma };
 static const int GGEMM_WIDE_MIN_WAVES = 4;
@@ -1198,7 +1201,7 @@ static __global__ void grouped_gemm_pointers_kernel(void** dst, GroupedGemmPoint
 // leading dimensions, transposes and alpha/beta are host arrays; the A/B/C pointer arrays are device
 // arrays (pool, Workspace), written by a kernel that takes them as launch arguments, so no host-side
 // staging buffer and no synchronisation is needed. cuBLAS issues the problems whose K differs one by
-// one from the host (notes/speed.md, F).
+// one from the host (notes/speed.md, 'The grouped expert GEMMs').
 inline void grouped_gemm_cublas(const char* op, const std::vector<GroupedGemmProblem>& problems, bool transA, bool transB,
                                 int lda, int ldb, int ldc, float beta, cudaStream_t stream) {
   const int G = (int)problems.size();

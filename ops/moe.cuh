@@ -67,7 +67,7 @@ __device__ __forceinline__ int moe_plan_bin(int expert, int E) { return expert >
 
 // Grid: one block of MOE_PLAN_TILE threads per tile of routes; dynamic shared memory E + 1 ints.
 // tile_counts [E+1,tiles] (=, bin-major): routes of each bin in each tile, a bin's tiles contiguous
-// (the scan reads a bin's column in whole sectors: notes/speed.md ZB).
+// (the scan reads a bin's column in whole sectors: notes/speed.md, 'The route plan').
 static __global__ void moe_plan_count_kernel(int* tile_counts, const int* topk_idx, int R, int E) {
   extern __shared__ int tile_hist[];
   for (int e = threadIdx.x; e <= E; e += blockDim.x) tile_hist[e] = 0;
@@ -85,11 +85,11 @@ static __global__ void moe_plan_count_kernel(int* tile_counts, const int* topk_i
 // 32)): it sums their counts (independent loads), a shuffle scan over the lanes gives the counts of
 // the tiles before its own, and it writes its tiles' prefixes in chunks (the chunk's loads first). So
 // a bin costs a few memory round trips, not one per tile: the plan sits between a layer's router and
-// its expert GEMMs, where a chain of loads waits out every trip (notes/speed.md, S). A bin's tiles are
-// contiguous (bin-major), so a lane's P counts share one or two 32-byte sectors: the scan moves each
-// sector of tile_counts once per pass, where tile-major rows (a bin's counts E + 1 ints apart) put
-// every count in a sector of its own and the one SM's traffic, 8× larger, set its time (notes/speed.md
-// ZB). Warp 0 then scans the bins' totals the same way, 32 at a time.
+// its expert GEMMs, where a chain of loads waits out every trip (notes/speed.md, 'The route plan'). A bin's
+// tiles are contiguous (bin-major), so a lane's P counts share one or two 32-byte sectors: the scan moves
+// each sector of tile_counts once per pass, where tile-major rows (a bin's counts E + 1 ints apart) put
+// every count in a sector of its own and the one SM's traffic, 8× larger, set its time. Warp 0
+// then scans the bins' totals the same way, 32 at a time.
 static const int MOE_SCAN_THREADS = 256;
 static const int MOE_SCAN_CHUNK = 8;
 
@@ -145,7 +145,7 @@ moe_plan_scan_kernel(int* tile_counts, int* bin_counts, int* bin_offsets, int ti
 // itself from tile_counts [E+1,tiles] (the count kernel's, bin-major): the bins' totals over every
 // tile, their exclusive prefix over bins (block 0 also writes them to bin_counts and bin_offsets),
 // plus the bin's counts in the tiles before its own — one launch fewer in the chain between a layer's
-// router and its expert GEMMs (notes/speed.md ZP), for (E + 1)·tiles more loads per block.
+// router and its expert GEMMs (notes/speed.md, 'The route plan'), for (E + 1)·tiles more loads per block.
 // Otherwise moe_plan_scan_kernel ran first: tile_counts holds each tile's prefix per bin and
 // bin_offsets the bins' first slots.
 template <bool SCAN_HERE>
@@ -555,8 +555,8 @@ struct ExpertRows {
 // on average), is faster on cuBLAS's per-expert GEMMs (weight_gradient_takes_kernel; only in builds
 // without wgmma): cuBLAS needs the counts on the host, and there one wait per layer costs less than
 // the mma.sync form's slower transposed form (B1's layer: 4.3 GFLOP per expert, 245 TFLOP/s on it
-// against 405 on cuBLAS, 0.22 ms more per layer against a ~0.1 ms wait; notes/speed.md, I). Otherwise
-// the counts come to the host first: one host wait.
+// against 405 on cuBLAS, 0.22 ms more per layer against a ~0.1 ms wait; notes/speed.md, 'Host waits').
+// Otherwise the counts come to the host first: one host wait.
 inline bool moe_counts_stay_on_device(int H, int I, int E, long long R) {
 #if defined(FLATMOE_BF16)
   return H % 8 == 0 && I % 8 == 0 && weight_gradient_takes_kernel(2.0 * 2 * I * H * (double)R / E);
@@ -817,7 +817,7 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
 // ---------------------------------------------------------------------------------------------
 // The MoE dispatcher seam (notes/design.md §1.1): how a layer's routed experts are computed. Every
 // dispatcher (ops/moe.cuh: local; ops/ep_moe.cuh: ep; ops/llep.cuh: llep; ops/pipelined_llep.cuh:
-// pllep; later relay) has the same three entry points: forward returns its own saved state,
+// pllep; ops/relay_moe.cuh: relay) has the same three entry points: forward returns its own saved state,
 // backward reads it, and destroying the saved state frees it (back to the pool). The model picks
 // one dispatcher at start-up (--moe) and calls it in one place. Sizes H, I, E, k are fixed at
 // construction; N may change per call. forward with out = nullptr: the caller needs only the saved

@@ -25,7 +25,7 @@
 // order, 4 loads in flight, then the warps in order). At N = 16384, H = 1024 (B1): W = 8, 32 rows per
 // block, G = 512. At N = 4096, H = 384 (the default model): W = 8, 8 rows per block (one per warp),
 // G = 512; with at least 4 rows per warp, as before, it had G = 128, a block per SM and 8 warps in
-// flight, and took 12.3 µs a call against 7.9 (notes/speed.md Z).
+// flight, and took 12.3 µs a call against 7.9 (notes/speed.md, 'The memory-bound kernels').
 //
 // Determinism: W, rows_per_block and G depend on N, H and the path (pieces or elements) only, and
 // every sum runs in a fixed order, so a replay is bit-identical.

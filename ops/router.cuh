@@ -16,10 +16,10 @@
 //                                                product and float(dx) summed in fp32, rounded once
 //     ΔW = hiᵀx + midᵀx + loᵀx                   one cuBLAS GEMM → [3E, H] fp32 parts, folded in that order
 //   dx is added into in place, not written: the model's FFN input gradient already holds the experts'
-//   part, and the add inside the GEMM's store replaces a separate add over [N,H] (notes/speed.md ZB).
-//   cuBLAS's own beta = 1 on a bf16 C is not one rounding (notes/speed.md M), so the BF16 build's dx
-//   takes the grouped GEMM's kernel, which needs H % 8 == 0: other sizes are refused (the model's
-//   hidden is a multiple of 8, config.hpp).
+//   part, and the add inside the GEMM's store replaces a separate add over [N,H]
+//   (notes/speed.md, 'The router'). cuBLAS's own beta = 1 on a bf16 C is not one rounding (the same
+//   section), so the BF16 build's dx takes the grouped GEMM's kernel, which needs H % 8 == 0: other sizes
+//   are refused (the model's hidden is a multiple of 8, config.hpp).
 //   The only difference from a SIMT fp32 GEMM is the order and rounding of the fp32 additions inside
 //   the tensor cores (tests/gpu_router.cu holds logits to 1e-5 and dx, dW to one rounding in both builds).
 //
@@ -79,7 +79,8 @@ static const int ROUTER_SLOTS = 8;                    // experts per lane: E ≤
 
 // A token's lanes: the fewest (a power of two ≤ 32) whose ROUTER_SLOTS slots cover E experts, so that
 // a warp holds 32 / lanes tokens (E = 8: 1 lane, 32 tokens; E = 32: 4 lanes; E = 256: 32 lanes, a warp
-// per token). Lane l of a token's group holds experts l, l + lanes, l + 2·lanes, ... (notes/speed.md ZA).
+// per token). Lane l of a token's group holds experts l, l + lanes, l + 2·lanes, ...
+// (notes/speed.md, 'The router').
 inline int router_lanes(int E) {
   int lanes = 1;
   while (lanes * ROUTER_SLOTS < E && lanes < 32) lanes *= 2;

@@ -1,4 +1,5 @@
-// graph.cuh — a stream's work captured once as a CUDA graph and launched again (notes/speed.md Y).
+// graph.cuh — a stream's work captured once as a CUDA graph and launched again
+// (notes/speed.md, 'CUDA graphs').
 //
 // Why: a small model's pass is hundreds of short kernels, and the host issues each through the CUDA
 // runtime (a few µs apiece, cuBLAS's more), so the GPU waits for the host between them. A graph is

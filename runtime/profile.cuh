@@ -1,5 +1,5 @@
 // profile.cuh — where a training step's GPU time goes, per operator, from CUDA events only
-// (notes/speed.md). No external profiler, no host synchronisation while the step runs.
+// (notes/speed.md, 'How to measure'). No external profiler, no host synchronisation while the step runs.
 //
 // The model and its operators call prof_mark(stream, "name", bytes) just before each operator: a
 // mark records one CUDA event on the stream and opens a range that lasts until the next mark, so the

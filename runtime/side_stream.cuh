@@ -1,5 +1,6 @@
 // side_stream.cuh — work off the critical path on a second stream, forked from and joined back into
-// a main stream (notes/design.md §5; model.cuh: the weight gradients beside the backward, notes/speed.md ZK).
+// a main stream (notes/design.md §5; model.cuh: the weight gradients beside the backward,
+// notes/speed.md, 'The weight-gradient lanes').
 //
 // In a layer's backward the chain dL/dx → dL/d(layer input) is the critical path; each weight
 // gradient (dW += doutᵀ·x) hangs off it and nothing in the layer reads it. On a small model every
@@ -25,8 +26,9 @@
 // cublas_own_workspace: 32 MiB each, Workspace), since two cuBLAS GEMMs at once must not share one.
 // Priorities: the side stream has the lowest (StreamPriority::Background), so that the block scheduler
 // gives the critical path's kernels the SMs first (the compute stream's own priority made the default
-// model's step 0.02–0.04 ms shorter and B1's 0.2–0.6 ms longer, notes/speed.md ZL); a captured graph
-// keeps each node's priority (runtime/graph.cuh instantiates with cudaGraphInstantiateFlagUseNodePriority).
+// model's step 0.02–0.04 ms shorter and B1's 0.2–0.6 ms longer,
+// notes/speed.md, 'The weight-gradient lanes'); a captured graph keeps each node's priority
+// (runtime/graph.cuh instantiates with cudaGraphInstantiateFlagUseNodePriority).
 // A captured pass (runtime/graph.cuh): the fork and join are event edges of the graph; every run()
 // must be joined before the capture ends.
 #pragma once

@@ -111,7 +111,7 @@ struct StreamPoint {
   //   * the point was recorded inside the same capture: a plain wait, which makes the captured work
   //     that follows depend on the captured work before the record. An external wait would order
   //     nothing here — the record inside a capture is no node, so the graph would wait for an
-  //     earlier, finished record (notes/speed.md ZL: two runs, two losses).
+  //     earlier, finished record (notes/speed.md, 'CUDA graphs': two runs, two losses).
   void wait_on(cudaStream_t waiter, const char* op) const {
     if (event == nullptr) fm_fail(op, "waiting for a stream point that was never recorded", "waiter=%p", (void*)waiter);
     const bool external = stream_capturing(waiter) && !recorded_in_capture;
@@ -185,7 +185,8 @@ inline std::atomic<long long>& host_waits() {
 // Returns "" then, or why it gave up: a CUDA error, what the wait watcher reports, or the timeout (both
 // asked once per millisecond of waiting). Spins, yielding the CPU between polls, however long the wait:
 // a sleep between polls returns tens of µs after the work is done (the kernel's timer slack), and the
-// GPU idles until the host wakes and queues more — after every long wait of a step (notes/speed.md, P).
+// GPU idles until the host wakes and queues more — after every long wait of a step
+// (notes/speed.md, 'Host waits').
 template <typename Query>
 inline std::string wait_why(const char* what, Query query) {
   host_waits()++;

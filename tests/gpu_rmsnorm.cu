@@ -102,7 +102,8 @@ TEST(RmsNormGpu, BackwardIsBitwiseReproducible) {
 // The backward's schedule (host only, runs without a GPU): G within the Workspace bound, covering
 // every row with no empty block; a warp's partial holds the whole row; a block's partials within the
 // shared-memory budget unless one warp's alone pass it; at B1's shape 8 warps of 4 rows each, at the
-// default model's 8 warps of one row each, 512 blocks (4 per SM of an H200: notes/speed.md Z).
+// default model's 8 warps of one row each, 512 blocks (4 per SM of an H200:
+// notes/speed.md, 'The memory-bound kernels').
 TEST(RmsNormHost, BackwardPlanBoundsBlocksAndSharedMemory) {
   for (int NV : {1, ROW_PIECE})
     for (int H : {64, 72, 1000, 1024, 3000, 16000, 40000})

@@ -26,8 +26,10 @@
 //          accumulator that follows the weights; token: relay_token_hop_bytes forward, x, dout,
 //          routing and the fp32 dx and dtopk_w accumulators in backward).
 // The GEMM rate is one number (--gemm_tflops, default 300: flatmoe's grouped GEMM kernel on B1's
-// layer, notes/speed.md); launch latencies, the combine and permute kernels and NCCL's start-up are
-// left out. A model, not a measurement: notes/relaymoe.md says where the W = 2 runs check it.
+// layer when this was written, 2026-12-01, in its mma.sync form, 225–317 TFLOP/s; the wgmma form runs
+// 472–649 as of 2026-12-03: notes/speed.md, 'The grouped expert GEMMs'); launch latencies, the combine
+// and permute kernels and NCCL's start-up are left out. A model, not a measurement: notes/relaymoe.md
+// says where the W = 2 runs check it.
 #include <algorithm>
 #include <cmath>
 #include <string>

@@ -2,7 +2,7 @@
 # Training benchmark on one GPU (notes/design.md §7, §8; notes/speed.md):
 #   speed:  the default model (recompute 0 and 1, and 0 without CUDA graphs: --cuda_graph 0, and with
 #           the weight gradients on the compute stream: --wgrad_stream 0) and config B1 (the same four;
-#           DESIGN §8): median step time,
+#           notes/design.md §8): median step time,
 #           tokens/s, MFU (train.cu's: 6 x active parameters + causal attention FLOPs per token against
 #           989 TFLOP/s bf16), pool peak and the device's used memory; then the per-operator breakdown
 #           of one step of each (--profile_step, runtime/profile.cuh: CUDA events around every operator,
@@ -16,7 +16,7 @@
 #           GPU, alternating base, new, base, new on the default model and B1: each run's median step
 #           time, and B1's per-operator breakdown of the last two runs side by side (what moved). Runs
 #           on different machines, and even device calls, differ by more than many changes gain, so a
-#           change is measured against its predecessor in one call (notes/speed.md, M);
+#           change is measured against its predecessor in one call (notes/speed.md, 'How to measure');
 #   limits: one stated larger model: the longest context (B = 1) and the largest batch (T = 1024) that
 #           fit, without and with layer recomputation, and with its best combination (recomputation, SCO
 #           on every boundary, the chunked head), found by doubling then bisecting on the trainer's memory
@@ -45,9 +45,9 @@ summarise() {  # log.csv
 # the largest "device used" of a run's step lines (cudaMemGetInfo: context, libraries, pool reserve)
 device_used() { grep -o 'device used [0-9.]*' "$1" | awk '{ if ($3 > m) m = $3 } END { printf "%.0f", m }'; }
 
-# config B1 (DESIGN §8). V 16384: the fortunes tokenizer has 4096 ids, which fill the first 4096 rows
-# of lm_head; all 16384 rows are projected (the same FLOPs as B1's vocabulary), and train.cu's MFU
-# counts them.
+# config B1 (notes/design.md §8; notes/speed.md, 'What fast means here'). V 16384: the fortunes
+# tokenizer has 4096 ids, which fill the first 4096 rows of lm_head; all 16384 rows are projected (the
+# same FLOPs as B1's vocabulary), and train.cu's MFU counts them.
 b1="--hidden 1024 --layers 8 --heads 16 --experts 32 --topk 4 --expert_dim 512 --vocab 16384 --seq_len 2048 --batch 8"
 profile_step=20  # after warm-up: the pool's blocks cached, cuBLAS's heuristics chosen
 
@@ -65,8 +65,8 @@ if [[ " $parts " == *" speed "* ]]; then
   echo "| config | step ms (median) | tokens/s | MFU | pool peak MiB | device used MiB |"
   echo "|---|---|---|---|---|---|"
   for rc in 0 1; do speed_run "default_rc$rc" --recompute $rc; done
-  speed_run "default_rc0_eager" --recompute 0 --cuda_graph 0  # every kernel issued by the host (speed.md Y)
-  speed_run "default_rc0_one_stream" --recompute 0 --wgrad_stream 0  # the weight gradients in the chain (ZK)
+  speed_run "default_rc0_eager" --recompute 0 --cuda_graph 0  # every kernel issued by the host (notes/speed.md, 'CUDA graphs')
+  speed_run "default_rc0_one_stream" --recompute 0 --wgrad_stream 0  # the weight gradients in the chain (notes/speed.md, 'The weight-gradient lanes')
   for rc in 0 1; do speed_run "B1_rc$rc" $b1 --recompute $rc; done
   speed_run "B1_rc0_eager" $b1 --recompute 0 --cuda_graph 0
   speed_run "B1_rc0_one_stream" $b1 --recompute 0 --wgrad_stream 0
