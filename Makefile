@@ -4,10 +4,11 @@
 #   make bench              training speed (default model and config B1: tokens/s, MFU, memory, per-operator
 #                           breakdown) and memory limits (needs a GPU); BENCH_PARTS="speed" or "limits" for one,
 #                           "multi" for the default model on every GPU against one (2 GPUs or more)
-#   make toy                print one toy MoE layer traced through expert parallelism (CPU)
+#   make toy                print one toy MoE layer traced through expert parallelism, forward, backward and
+#                           bytes, and the ring operators' toys (CPU: g++ and Eigen, no nvcc); TOY=ep|pllep|relay|ring_dtp: one
 #   make data [CORPUS=large] prepare the corpus: fortunes (default) or large (fortunes + GCIDE)
 # Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90a, EIGEN_DIR, GTEST_DIR, NVCC,
-#   CORPUS=fortunes|large, FORTUNES (folder), GCIDE (gcide.dict.dz), DATA_DIR, BENCH_PARTS.
+#   CORPUS=fortunes|large, FORTUNES (folder), GCIDE (gcide.dict.dz), DATA_DIR, BENCH_PARTS, TOY.
 
 PRECISION ?= BF16
 GPU_ARCH  ?= 90a
@@ -59,7 +60,7 @@ GPU_TESTS := $(wildcard tests/gpu_*.cu)
 DIST_TESTS := $(wildcard tests/dist_*.cu)
 BENCHES := $(patsubst tools/%.cu,%,$(wildcard tools/bench_*.cu))
 
-.PHONY: all deps data train test bench toy clean
+.PHONY: all deps cpu-deps data train test bench toy clean
 all: $(BUILD)/prepare $(BUILD)/synthetic_tokens $(BUILD)/toy_trace $(BUILD)/test_cpu $(BUILD)/bench_cpu_adamw $(foreach p,fp32 bf16,$(BUILD)/$(p)/train $(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist $(addprefix $(BUILD)/$(p)/,$(BENCHES)))
 
 # ---- dependencies (Debian packages), installed only when missing --------------------------
@@ -79,11 +80,15 @@ OPT_PKGS := gnuplot-nox
 endif
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-deps:
+# cpu-deps: what the CPU-only targets (test_cpu, toy_trace, prepare, ...) need: g++ and the packages
+# above. deps: the GPU targets' (train, test, bench), the CUDA Toolkit and the plots' gnuplot too.
+cpu-deps:
 ifneq ($(strip $(DEB_PKGS)),)
 	@echo "installing Debian packages: $(DEB_PKGS)"
 	$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(DEB_PKGS)
 endif
+
+deps: cpu-deps
 ifneq ($(strip $(OPT_PKGS)),)
 	-@DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(OPT_PKGS) > /dev/null 2>&1 || \
 	  echo "note: could not install $(OPT_PKGS): memory timeline plots will be skipped"
@@ -91,24 +96,24 @@ endif
 	@command -v $(NVCC) > /dev/null || { echo "error: $(NVCC) not found: install the CUDA Toolkit (nvcc, cuBLAS, NCCL)"; exit 1; }
 
 # ---- GoogleTest from source (the Debian package ships it as source) -----------------------
-$(BUILD)/gtest/gtest-all.o: | deps
+$(BUILD)/gtest/gtest-all.o: | cpu-deps
 	@mkdir -p $(@D)
 	$(CXX) -std=c++17 -O2 $(GTEST_INC) -c $(GTEST_DIR)/src/gtest-all.cc -o $@
-$(BUILD)/gtest/gtest_main.o: | deps
+$(BUILD)/gtest/gtest_main.o: | cpu-deps
 	@mkdir -p $(@D)
 	$(CXX) -std=c++17 -O2 $(GTEST_INC) -c $(GTEST_DIR)/src/gtest_main.cc -o $@
 GTEST_OBJS := $(BUILD)/gtest/gtest-all.o $(BUILD)/gtest/gtest_main.o
 
 # ---- CPU: data tool and CPU tests ----------------------------------------------------------
-$(BUILD)/prepare: data/prepare.cpp | deps
+$(BUILD)/prepare: data/prepare.cpp | cpu-deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $< -o $@
 
-$(BUILD)/synthetic_tokens: tools/synthetic_tokens.cpp | deps
+$(BUILD)/synthetic_tokens: tools/synthetic_tokens.cpp | cpu-deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $< -o $@
 
-$(BUILD)/toy_trace: tools/toy_trace.cpp | deps
+$(BUILD)/toy_trace: tools/toy_trace.cpp | cpu-deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $< -o $@
 
@@ -116,7 +121,7 @@ $(BUILD)/toy_trace: tools/toy_trace.cpp | deps
 # make build/cpu_adamw.vec: the compiler's vectorisation report and the packed instructions in the object.
 CPU_ADAMW_FLAGS := -O3 -march=native -fno-math-errno -ffp-contract=off
 CPU_ADAMW := $(BUILD)/cpu_adamw.o
-$(CPU_ADAMW): ops/cpu_adamw.cpp | deps
+$(CPU_ADAMW): ops/cpu_adamw.cpp | cpu-deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $(CPU_ADAMW_FLAGS) -c $< -o $@
 $(BUILD)/cpu_adamw.vec: ops/cpu_adamw.cpp $(CPU_ADAMW)
@@ -126,10 +131,10 @@ $(BUILD)/cpu_adamw.vec: ops/cpu_adamw.cpp $(CPU_ADAMW)
 	cat $@
 
 # the CPU AdamW loop alone (no GPU): scalar vs vectorised, 1 thread to all
-$(BUILD)/bench_cpu_adamw: tools/bench_cpu_adamw.cpp $(CPU_ADAMW) | deps
+$(BUILD)/bench_cpu_adamw: tools/bench_cpu_adamw.cpp $(CPU_ADAMW) | cpu-deps
 	$(CXX) $(CXXFLAGS) $< $(CPU_ADAMW) -pthread -o $@
 
-$(BUILD)/cpu/%.o: tests/%.cpp | deps
+$(BUILD)/cpu/%.o: tests/%.cpp | cpu-deps
 	@mkdir -p $(@D)
 	$(CXX) $(CXXFLAGS) $(GTEST_INC) -c $< -o $@
 
@@ -186,9 +191,11 @@ train: deps $(BUILD)/$(P)/train data
 test: deps all data
 	FLATMOE_BIN=$(BUILD)/ FLATMOE_TRAIN=$(BUILD)/fp32/train tests/run_tests.sh $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist)
 
-# one toy MoE layer traced through expert parallelism on the CPU (tools/toy_trace.hpp)
+# one toy MoE layer traced through expert parallelism on the CPU, then the ring operators' toys
+# (tools/toy_trace.hpp); TOY= one of them
+TOY ?=
 toy: $(BUILD)/toy_trace
-	$(BUILD)/toy_trace
+	$(BUILD)/toy_trace $(TOY)
 
 bench: deps $(BUILD)/$(P)/train $(BUILD)/synthetic_tokens data
 	tools/bench_train.sh $(BUILD)/$(P)/train $(DATA_DIR) $(BUILD)/bench "$(BENCH_PARTS)"

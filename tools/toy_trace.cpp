@@ -1,11 +1,31 @@
-// tools/toy_trace.cpp — prints one toy MoE layer traced through standard expert parallelism
-// (tools/toy_trace.hpp: 2 simulated ranks on the CPU, the arrays of ops/ep_moe.cuh at each step).
-//   make toy        (or build/toy_trace)
-// Exits non-zero when the ranks' outputs differ from the single-process reference by more than 1e-12.
+// tools/toy_trace.cpp — prints one toy MoE layer traced through standard expert parallelism, forward
+// and backward, with the bytes each rank holds per step (tools/toy_trace.hpp: 2 simulated ranks on the
+// CPU, the arrays of ops/ep_moe.cuh at each step), then the ring operators' toys on the same inputs.
+//   make toy [TOY=ep|pllep|relay|ring_dtp]     (or build/toy_trace [all|ep|pllep|relay|ring_dtp])
+// Exits non-zero when a toy differs from its single-process reference by more than 1e-12, or when a
+// PipelinedLLEP chunk exceeds its bound.
+#include <cstdio>
 #include <iostream>
+#include <sstream>
 #include "tools/toy_trace.hpp"
 
-int main() {
-  toy::Result res = toy::toy_trace(std::cout);
-  return res.max_diff <= 1e-12 ? 0 : 1;
+int main(int argc, char** argv) {
+  const std::string which = argc > 1 ? argv[1] : "all";
+  if (argc > 2 || (which != "all" && which != "ep" && which != "pllep" && which != "relay" && which != "ring_dtp")) {
+    fprintf(stderr, "usage: toy_trace [all|ep|pllep|relay|ring_dtp] (got '%s'%s)\n", which.c_str(),
+            argc > 2 ? " and more" : "");
+    return 2;
+  }
+  auto shown = [&](const char* toy) { return which == "all" || which == toy; };
+  std::ostringstream unshown;  // the EP toy's inputs and results feed the ring toys; printed when asked for
+  const toy::Result res = toy::toy_trace(shown("ep") ? std::cout : unshown);
+  bool ok = res.max_diff <= 1e-12 && res.grad_max_diff <= 1e-12;
+  if (shown("pllep")) {
+    const toy::PllepToy t = toy::toy_pllep(std::cout, res);
+    for (const auto& chunk : t.received)
+      for (long long received : chunk) ok = ok && received <= t.bound;
+  }
+  if (shown("relay")) ok = toy::toy_relay(std::cout, res).max_diff <= 1e-12 && ok;
+  if (shown("ring_dtp")) ok = toy::toy_ring_dtp(std::cout, res).max_diff <= 1e-12 && ok;
+  return ok ? 0 : 1;
 }
