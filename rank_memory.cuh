@@ -147,14 +147,14 @@ inline void print_memory_plan(const RankMemoryPlan& plan, const ModelConfig& c) 
          100 * plan.attention_kept.flops_saved / plan.attention_kept.flops_recomputed);
 }
 
-// --plan auto (plan.hpp): the fastest setting that fits this rank's pool — the device's capacity less what
-// lies outside the pool (the most any rank measured, so that every rank chooses alike) and 5 % of the
-// capacity as a margin, shared by the ranks on the GPU; or the --device_budget the user gave — and its
-// share of 80 % of the host's memory (W ranks on the node). The step-time estimate takes 40 % of the
-// build's peak for the GEMMs and 55 GB/s each way for the host link (an H200's pinned copies). Prints the
-// choice (when `print`) as the command that trains with it (without --plan, --dry_run and
-// --device_capacity), with each term of its prediction;
-// refuses, naming the largest term, when nothing fits.
+// --plan auto (plan.hpp): the fastest setting that fits the pool — the device's capacity less what lies
+// outside the pool and 5 % of the capacity as a margin, shared by the ranks on the GPU; or the
+// --device_budget the user gave — and its share of 80 % of the host's memory (W ranks on the node). The
+// step-time estimate takes 40 % of the build's peak for the GEMMs and 55 GB/s each way for the host link
+// (an H200's pinned copies). Prints the choice (when `print`) as the command that trains with it
+// (without --plan, --dry_run and --device_capacity), with each term of its prediction; refuses, naming
+// the largest term, when nothing fits. Every rank must choose alike: the caller gives every rank the
+// same inputs (rank 0's shape, the smallest capacity, the most outside a pool).
 inline TrainConfig apply_plan_auto(const ModelConfig& c, const TrainConfig& t, const std::vector<std::string>& given_flags,
                                    const Parallel& par, int B, int T, int accum, long long capacity, long long outside,
                                    int ranks_on_gpu, bool print, int argc, char** argv) {

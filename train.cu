@@ -434,10 +434,10 @@ int train_main(int argc, char** argv) {
     const int accum = tc.total_batch ? tc.total_batch / (B * T) : 1;
     cudaStream_t stream = stream_create("train", StreamPriority::Compute);  // each communicator has its own
     const int ranks_on_gpu = ranks_on_this_gpu(par.world);
-    if (tc.plan == "auto") {  // every rank alike: the most that any rank holds outside its pool
+    if (tc.plan == "auto") {  // every rank alike: rank 0's shape, the smallest capacity, the most outside a pool
       const DeviceNow now = device_now();
-      tc = apply_plan_auto(mc, tc, given_flags, par, B, T, accum, now.capacity, max_over_ranks(par.world, now.outside),
-                           ranks_on_gpu, main_rank, argc, argv);
+      tc = apply_plan_auto(mc, tc, given_flags, parallel_shape_of(tc), B, T, accum, -max_over_ranks(par.world, -now.capacity),
+                           max_over_ranks(par.world, now.outside), ranks_on_gpu, main_rank, argc, argv);
     }
     const RankMemoryPlan memory_plan = plan_rank_memory(mc, tc, par, B, T, ranks_on_gpu);  // before the model allocates
     if (tc.dry_run) {  // the prediction is the whole answer: nothing is allocated or trained
