@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -175,6 +176,33 @@ float validation_loss(Model& m, DataLoader& val, int batches, int B, int T) {
 
 // =============================================================================================
 // 3. The training loop
+
+// The files a run writes into --out under fixed names, with how each begins when flatmoe wrote it: an
+// existing one that begins otherwise is not the project's, and the run refuses it (before the GPU)
+// rather than overwrite it. A timeline plot is the project's when its CSV beside it is.
+void refuse_foreign_outputs(const TrainConfig& t) {
+  auto ours = [](const std::string& path, const std::string& start) {
+    std::ifstream in(path, std::ios::binary);
+    std::string head(start.size(), '\0');
+    return in.read(&head[0], (std::streamsize)head.size()) && head == start;
+  };
+  auto check = [&](const std::string& name, const std::string& start, const std::string& sibling) {
+    const std::string path = t.out_dir + "/" + name;
+    struct stat st;
+    if (lstat(path.c_str(), &st) != 0) return;
+    if (S_ISREG(st.st_mode) && ours(sibling.empty() ? path : t.out_dir + "/" + sibling, start)) return;
+    throw std::invalid_argument("--out " + t.out_dir + " holds " + name + ", which this run would overwrite and which "
+                                "flatmoe did not write: choose another --out, or move it away");
+  };
+  check("log.csv", "step,train_loss,", "");
+  if (t.timeline_step >= 0) {
+    const std::string csv = "timeline_step" + std::to_string(t.timeline_step) + ".csv";
+    check(csv, "t_us,action,bytes,", "");
+    check("timeline_step" + std::to_string(t.timeline_step) + ".png", "t_us,action,bytes,", csv);
+  }
+  if (t.profile_step >= 0)
+    check("profile_step" + std::to_string(t.profile_step) + ".md", "per-operator GPU time of step ", "");
+}
 
 void make_dirs(const std::string& path) {
   std::string cur;
@@ -385,6 +413,7 @@ int train_main(int argc, char** argv) {
     struct stat out_st;
     if (stat(tc.out_dir.c_str(), &out_st) == 0 && !S_ISDIR(out_st.st_mode))
       throw std::invalid_argument("--out " + tc.out_dir + " exists and is not a folder");
+    refuse_foreign_outputs(tc);
     if (tc.dry_run && gpu_count() == 0) {  // the prediction is host arithmetic: no GPU needed
       const TrainConfig planned =
           tc.plan == "auto" ? apply_plan_auto(mc, run_tc, given_flags, parallel_shape_of(run_tc), tc.batch, mc.seq_len,

@@ -960,6 +960,25 @@ TEST(ConfigTrainBeforeTheGpu, OutputPathsThatCannotBeWrittenAreRefused) {
   expect_refused_before_the_gpu(dir, "", flags + " --record_routing " + file,
                                 "routing trace " + file + ": cannot record it: it exists and is not a routing trace");
   EXPECT_EQ(testutil::read_bytes(file), "mine");
+  // a file the run would write under its fixed name in --out, which flatmoe did not write: refused, kept
+  testutil::TempDir out;
+  const std::string flags_out = small_run_flags(dir, 1000, 200) + " --out " + out.file("");
+  testutil::write_bytes(out.file("log.csv"), "my own table\n");
+  EXPECT_EQ(run_without_gpu(dir, "", flags_out, output), 1);
+  EXPECT_NE(output.find("holds log.csv, which this run would overwrite and which flatmoe did not write"), std::string::npos)
+      << output;
+  EXPECT_EQ(output.find("CUDA"), std::string::npos) << output;
+  EXPECT_EQ(testutil::read_bytes(out.file("log.csv")), "my own table\n");
+  testutil::write_bytes(out.file("log.csv"), "step,train_loss,val_loss\n");  // an earlier run's: overwritten
+  EXPECT_EQ(run_without_gpu(dir, "", flags_out, output), 1);
+  EXPECT_NE(output.find("no CUDA device"), std::string::npos) << "only the GPU is missing: " << output;
+  testutil::write_bytes(out.file("timeline_step3.png"), "a picture");
+  EXPECT_EQ(run_without_gpu(dir, "", flags_out + " --timeline_step 3 --steps 5", output), 1);
+  EXPECT_NE(output.find("holds timeline_step3.png"), std::string::npos) << "its CSV is not flatmoe's: " << output;
+  testutil::write_bytes(out.file("profile_step2.md"), "notes");
+  EXPECT_EQ(run_without_gpu(dir, "", flags_out + " --profile_step 2 --steps 5", output), 1);
+  EXPECT_NE(output.find("holds profile_step2.md"), std::string::npos) << output;
+  EXPECT_EQ(testutil::read_bytes(out.file("profile_step2.md")), "notes");
 }
 
 // --plan auto with the trainer's own prediction, without a GPU (--dry_run 1 --device_capacity C): from a
