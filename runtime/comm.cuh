@@ -401,16 +401,24 @@ inline Comm comm_world_init(const LaunchInfo& info) {
   return world;
 }
 
-// The largest of every rank's `x` (a host value), on every rank: one all-gather over `c`.
+// Every rank's `count` host values, rank by rank ([c.size · count]), on every rank: one all-gather over
+// `c` on its stream, waited for. `tag` names it in the pool and in errors.
+template <typename T>
+inline std::vector<T> all_gather_host(const Comm& c, const T* mine, size_t count, const char* tag) {
+  DeviceBuffer<T> sent(count, Mem::CommStaging, tag);
+  DeviceBuffer<T> got(count * c.size, Mem::CommStaging, tag);
+  copy_to_device(sent.ptr, mine, sent.bytes(), c.stream, tag);
+  all_gather(c, sent.ptr, got.ptr, count, c.stream);
+  std::vector<T> all(got.count);
+  comm_sync(c, c.stream, tag);
+  copy_to_host(all.data(), got.ptr, got.bytes(), c.stream, tag);
+  return all;
+}
+
+// The largest of every rank's `x` (a host value), on every rank.
 inline long long max_over_ranks(const Comm& c, long long x) {
   if (c.size == 1) return x;
-  DeviceBuffer<long long> sent(1, Mem::CommStaging, "max_over_ranks.sent");
-  DeviceBuffer<long long> got((size_t)c.size, Mem::CommStaging, "max_over_ranks.got");
-  copy_to_device(sent.ptr, &x, sizeof(x), c.stream, "max_over_ranks");
-  all_gather(c, sent.ptr, got.ptr, 1, c.stream);
-  std::vector<long long> all(c.size);
-  comm_sync(c, c.stream, "max_over_ranks");
-  copy_to_host(all.data(), got.ptr, got.bytes(), c.stream, "max_over_ranks");
+  const std::vector<long long> all = all_gather_host(c, &x, 1, "max_over_ranks");
   return *std::max_element(all.begin(), all.end());
 }
 
@@ -425,13 +433,7 @@ inline int ranks_on_this_gpu(const Comm& world) {
   constexpr int words = sizeof(prop.uuid.bytes) / sizeof(int);
   int mine[words];
   memcpy(mine, prop.uuid.bytes, sizeof(mine));
-  DeviceBuffer<int> sent(words, Mem::CommStaging, "ranks_on_this_gpu.sent");
-  DeviceBuffer<int> got((size_t)words * world.size, Mem::CommStaging, "ranks_on_this_gpu.got");
-  copy_to_device(sent.ptr, mine, sent.bytes(), world.stream, "ranks_on_this_gpu");
-  all_gather(world, sent.ptr, got.ptr, words, world.stream);
-  std::vector<int> all(got.count);
-  comm_sync(world, world.stream, "ranks_on_this_gpu");
-  copy_to_host(all.data(), got.ptr, got.bytes(), world.stream, "ranks_on_this_gpu");
+  const std::vector<int> all = all_gather_host(world, mine, words, "ranks_on_this_gpu");
   int same = 0;
   for (int r = 0; r < world.size; r++) same += memcmp(all.data() + (size_t)r * words, mine, sizeof(mine)) == 0;
   return same;
