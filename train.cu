@@ -521,7 +521,9 @@ int train_main(int argc, char** argv) {
       log = fopen(log_path.c_str(), st.step > 0 ? "a" : "w");
       if (!log) throw std::runtime_error("cannot write " + log_path);
       // ranks_per_gpu > 1: ranks shared GPUs (--share_gpus 1), and ms, tokens_per_s and mfu are not GPU timings
-      if (st.step == 0) fprintf(log, "step,train_loss,val_loss,lr,grad_norm,ms,tokens_per_s,mfu,peak_alloc_mib,expert_load_max_mean,router_bias_min,router_bias_max,ranks_per_gpu\n");
+      // a header in a new file, a resumed run's log in a new --out folder included
+      if (fseek(log, 0, SEEK_END) != 0) throw std::runtime_error("cannot seek in " + log_path);
+      if (ftell(log) == 0) fprintf(log, "step,train_loss,val_loss,lr,grad_norm,ms,tokens_per_s,mfu,peak_alloc_mib,expert_load_max_mean,router_bias_min,router_bias_max,ranks_per_gpu\n");
     }
 
     const int first_step = st.step;

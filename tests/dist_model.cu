@@ -227,18 +227,41 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
   if (dist.routing_record) dist.routing_record->commit();
   barrier(world, "ten_steps_agree_with_one_gpu: trace written");
 
-  // this rank's GPU alone, all experts, the whole global batch, the W ranks' routing replayed
-  Model single = model_create(c, 1);
-  model_set_master(single, master);
-  single.replay = std::make_unique<data::RankRoutes>(data::rank_routes(data::read_routing_trace(trace), 0, world.size));
+  // rank 0's GPU alone, all experts, the whole global batch, the W ranks' routing replayed; every rank
+  // receives its per-step losses and router biases and its final master weights (one all-gather of host
+  // values: W ranks sharing a GPU would otherwise run W copies of the same single-GPU training)
+  const size_t nbias = dist.router_bias.size();
+  std::vector<float> single_result;  // [steps] losses, [steps × nbias] router biases, then the master weights
+  if (world.rank == 0) {
+    Model single = model_create(c, 1);
+    model_set_master(single, master);
+    single.replay = std::make_unique<data::RankRoutes>(data::rank_routes(data::read_routing_trace(trace), 0, world.size));
+    std::vector<float> biases;
+    for (int step = 0; step < t.steps; step++) {
+      int next = step * accum;
+      single_result.push_back(model_train_step(single, t, step, world.size * B, T, accum, [&](int* xb, int* yb) {
+        std::copy_n(xs[next].data(), N_global, xb);
+        std::copy_n(ys[next].data(), N_global, yb);
+        next++;
+      }, nullptr));
+      biases.insert(biases.end(), single.router_bias.begin(), single.router_bias.end());
+    }
+    const std::vector<float> single_master = master_as_local(single);
+    single_result.insert(single_result.end(), biases.begin(), biases.end());
+    single_result.insert(single_result.end(), single_master.begin(), single_master.end());
+    model_destroy(single);
+  }
+  {
+    const size_t n = (size_t)max_over_ranks(world, (long long)single_result.size());
+    single_result.resize(n);
+    const std::vector<float> all = all_gather_host(world, single_result.data(), n, "ten_steps_agree_with_one_gpu");
+    std::copy_n(all.begin(), n, single_result.begin());  // rank 0's part
+  }
   double worst = 0;
   for (int step = 0; step < t.steps; step++) {
-    int next = step * accum;
-    const float single_loss = model_train_step(single, t, step, world.size * B, T, accum, [&](int* xb, int* yb) {
-      std::copy_n(xs[next].data(), N_global, xb);
-      std::copy_n(ys[next].data(), N_global, yb);
-      next++;
-    }, nullptr);
+    const float single_loss = single_result[step];
+    const std::vector<float> single_bias(single_result.begin() + t.steps + step * nbias,
+                                         single_result.begin() + t.steps + (step + 1) * nbias);
     const double e = std::fabs(dist_losses[step] - single_loss) / single_loss;
     worst = std::max(worst, e);
     if (world.rank == 0)
@@ -248,7 +271,7 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
     EXPECT_LE(e, MODEL_TOL) << "the loss diverges at step " << step + 1
                             << " with the routing pinned (one GPU replays the W ranks' choices)";
     // the same choices, so the same integer loads and the same bias updates
-    EXPECT_EQ(dist_biases[step], single.router_bias)
+    EXPECT_EQ(dist_biases[step], single_bias)
         << "step " << step + 1 << ": the router biases differ, so the loads did: the replayed routing differed";
   }
   char what[80];
@@ -256,9 +279,9 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
   // whole-model training compared over ten Adam steps: the whole-model tolerance of notes/design.md §3
   EXPECT_REL(what, "max loss", worst, MODEL_TOL);
   // each tensor of this rank's master shards against the single GPU's master at the same parameters
-  std::vector<float> single_local = local_from_global(dist, master_as_local(single));
+  const std::vector<float> single_master(single_result.begin() + t.steps * (1 + nbias), single_result.end());
+  std::vector<float> single_local = local_from_global(dist, single_master);
   expect_shards_match(what, "master ", dist, master_as_local(dist), single_local);
-  model_destroy(single);
   model_destroy(dist);
   release(par);
 }

@@ -1,9 +1,26 @@
 #!/usr/bin/env bash
-# Plots a training log (OUT/log.csv written by train) — train loss per step and validation loss —
-# with Debian's gnuplot. Usage: tools/plot_loss.sh log.csv out.png [title]
+# Plots training logs (OUT/log.csv written by train) with Debian's gnuplot.
+# Usage: tools/plot_loss.sh out.png TITLE log.csv [log.csv ...]
+#   one log:   its train loss per logged step and its validation loss
+#   several:   every run's train loss (thin) and validation loss (points), each run named by its folder
+#              (runs/ep/log.csv is "ep"), in one plot: the runs' curves side by side
 set -euo pipefail
-csv=$1; png=$2; title=${3:-$csv}
+[ $# -ge 3 ] || { echo "usage: tools/plot_loss.sh out.png TITLE log.csv [log.csv ...]" >&2; exit 1; }
+png=$1; title=$2; shift 2
 command -v gnuplot > /dev/null || { echo "gnuplot not found (apt-get install gnuplot-nox)" >&2; exit 1; }
+for csv in "$@"; do [ -s "$csv" ] || { echo "plot_loss: $csv is missing or empty" >&2; exit 1; }; done
+colors=("#7570b3" "#d95f02" "#1b9e77" "#e7298a" "#66a61e" "#e6ab02" "#a6761d" "#666666")
+plots=()
+i=0
+for csv in "$@"; do
+  c=${colors[$((i % ${#colors[@]}))]}
+  if [ $# -eq 1 ]; then train="train (per step)"; val="validation"
+  else name=$(basename "$(dirname "$csv")"); train="$name train"; val="$name validation"; fi
+  plots+=("\"$csv\" using 1:(\$2 == \$2 ? \$2 : 1/0) every ::1 with lines lw 1 lc rgb \"$c\" title \"$train\"")
+  plots+=("\"$csv\" using 1:(\$3 == \$3 ? \$3 : 1/0) every ::1 with linespoints pt $((5 + i % 4)) ps 0.9 lw 2 lc rgb \"$c\" title \"$val\"")
+  i=$((i + 1))
+done
+joined=$(printf '%s, ' "${plots[@]}")
 gnuplot <<GP
 set terminal pngcairo size 1000,560 noenhanced font ",11"
 set output "$png"
@@ -14,7 +31,6 @@ set xlabel "step"
 set ylabel "loss (nats/token)"
 set grid
 set key top right
-plot "$csv" using 1:(\$2 == \$2 ? \$2 : 1/0) every ::1 with lines lw 1 lc rgb "#7570b3" title "train (per step)", \
-     "$csv" using 1:(\$3 == \$3 ? \$3 : 1/0) every ::1 with linespoints pt 7 ps 0.8 lw 2 lc rgb "#d95f02" title "validation"
+plot ${joined%, }
 GP
 echo "wrote $png"
