@@ -1,6 +1,7 @@
 # flatmoe — build, train, test, bench.
 #   make train              install what is missing, build, prepare the default data, train (needs a GPU)
-#   make test               install what is missing, build everything (both precisions), run all tests
+#   make test               install what is missing, build the tests (both precisions) and what they drive, run them all
+#   make all                every binary: the tests, both trainers, the benchmarks, the toy (CI builds it first)
 #   make bench              training speed (default model and config B1: tokens/s, MFU, memory, per-operator
 #                           breakdown) and memory limits (needs a GPU); BENCH_PARTS="speed" or "limits" for one,
 #                           "multi" for the default model on every GPU against one (2 GPUs or more)
@@ -38,6 +39,10 @@ TRAIN_FLAGS ?=
 BENCH_PARTS ?= speed limits
 
 BUILD := build
+# every core unless the command line says -jN: a fresh `make test` compiles ~60 CUDA files
+ifeq (,$(filter -j%,$(MAKEFLAGS)))
+MAKEFLAGS += -j$(shell nproc)
+endif
 CXXFLAGS := -std=c++17 -O2 -Wall -Wextra -I. -isystem $(EIGEN_DIR) -MMD -MP
 # EIGEN_NO_CUDA: Eigen is the tests' host-side reference, never device code; without it, Eigen marks its
 # functions __host__ __device__ and nvcc warns about those marks in Eigen's headers (#20012, ~18 per file).
@@ -61,7 +66,11 @@ DIST_TESTS := $(wildcard tests/dist_*.cu)
 BENCHES := $(patsubst tools/%.cu,%,$(wildcard tools/bench_*.cu))
 
 .PHONY: all deps cpu-deps data train test bench toy clean
-all: $(BUILD)/prepare $(BUILD)/synthetic_tokens $(BUILD)/toy_trace $(BUILD)/test_cpu $(BUILD)/bench_cpu_adamw $(foreach p,fp32 bf16,$(BUILD)/$(p)/train $(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist $(addprefix $(BUILD)/$(p)/,$(BENCHES)))
+# what `make test` runs: the test binaries and the tools the CPU tests drive (prepare, synthetic_tokens, the
+# FP32 trainer); `all` adds the BF16 trainer, the benchmarks and the toy
+TEST_BINS := $(BUILD)/prepare $(BUILD)/synthetic_tokens $(BUILD)/test_cpu $(BUILD)/fp32/train \
+             $(foreach p,fp32 bf16,$(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist)
+all: $(TEST_BINS) $(BUILD)/toy_trace $(BUILD)/bench_cpu_adamw $(BUILD)/bf16/train $(foreach p,fp32 bf16,$(addprefix $(BUILD)/$(p)/,$(BENCHES)))
 
 # ---- dependencies (Debian packages), installed only when missing --------------------------
 DEB_PKGS :=
@@ -188,7 +197,7 @@ endif
 train: deps $(BUILD)/$(P)/train data
 	$(BUILD)/$(P)/train --data $(DATA_DIR) $(TRAIN_FLAGS)
 
-test: deps all data
+test: deps $(TEST_BINS) data
 	FLATMOE_BIN=$(BUILD)/ FLATMOE_TRAIN=$(BUILD)/fp32/train tests/run_tests.sh $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist)
 
 # one toy MoE layer traced through expert parallelism on the CPU, then the ring operators' toys
