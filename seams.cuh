@@ -189,7 +189,7 @@ template <typename Factory>
 const Factory& factory_of(const std::vector<Factory>& factories, const char* flag, const std::string& name) {
   for (const Factory& f : factories)
     if (f.name == name) return f;
-  fm_fail("model_create", (std::string(flag) + " " + name + " has no factory in model.cuh (config.hpp registers the choices)").c_str(),
+  fm_fail("model_create", (std::string(flag) + " " + name + " has no factory in seams.cuh (config.hpp registers the choices)").c_str(),
           "factories=%zu", factories.size());
 }
 
