@@ -386,12 +386,6 @@ inline void validate(const ModelConfig& c) {
   need(c.rope_theta > 0 && c.norm_eps > 0 && c.init_std > 0, "rope_theta, norm_eps and init_std must be positive");
 }
 
-// P, the ranks of a vocabulary group: --vocab_group (0 = W) under --head ring_dtp, else 1.
-inline int vocab_group_size(const TrainConfig& t) {
-  if (t.head != "ring_dtp") return 1;
-  return t.vocab_group ? t.vocab_group : t.gpus;
-}
-
 // --device_budget: "0" (off), an integer number of bytes (> 1), or a fraction of the GPU's memory in (0, 1]
 // (a decimal such as 0.9). Throws naming the flag and the text when it is neither.
 struct DeviceBudget {
@@ -437,6 +431,182 @@ inline std::string moe_dispatcher(const TrainConfig& t) {
   if (!t.moe.empty()) return t.moe;
   const int ep = t.ep ? t.ep : t.gpus;
   return ep == 1 ? "local" : "ep";
+}
+
+// ------------------------------------------------------------------------------------------
+// The seams' registries (notes/seams.md): each seam that a flag chooses (--moe, --head, --optimizer)
+// is one table, a line per choice: its name, what it is, where it is built, what it needs of the
+// ranks, the flags it reads and the checks of those it brings. validate() and --help (usage) read
+// the tables, and so do the start-up table (train.cu), tools/bench_ep_moe and tests/dist_model.cu.
+// Each line's other half, the choice's factory, is model.cuh's (dispatcher_factories, head_factories,
+// optimizer_factories): a test of both builds (tests/gpu_model.cu) holds the halves to the same names.
+
+// What a choice needs of the run beyond its flags; validate() refuses a run that lacks it.
+enum class SeamNeeds {
+  Nothing,
+  EveryExpert,      // every routed expert on each rank: E_p = 1
+  ExpertGroup,      // routes exchanged over the expert-parallel group: W > 1
+  VocabularyGroup,  // lm_head's rows split over the P ranks of a vocabulary group: P divides W, P <= V
+};
+
+struct SeamChoice {
+  std::string name;     // the seam flag's value: --moe llep
+  std::string summary;  // what it is, in one line (--help)
+  std::string file;     // where it is built
+  SeamNeeds needs;
+  std::string flags;    // the flags it reads beyond the seam's own, as --help shows them ("" = none)
+  // Why the values of the flags it brings are refused ("" = they are not), checked whichever choice
+  // runs; nullptr: it brings none. A flag read by several choices is checked by the first.
+  std::string (*refuse_flags)(const SeamChoice& self, const TrainConfig& t);
+  // Its mode flag (as set_train_flag names it) and every value that flag takes: the benchmarks and
+  // the distributed tests run the choice once in each mode ("" and none: it has one way to run).
+  std::string mode_flag;
+  std::vector<std::string> modes;
+};
+
+inline bool has_name(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+// "a, b, c" (sep ", "), "a|b|c" (sep "|").
+inline std::string joined(const std::vector<std::string>& names, const std::string& sep) {
+  std::string text;
+  for (const std::string& n : names) text += (text.empty() ? "" : sep) + n;
+  return text;
+}
+
+// "a, b or c".
+inline std::string either(const std::vector<std::string>& names) {
+  if (names.size() < 2) return joined(names, "");
+  return joined(std::vector<std::string>(names.begin(), names.end() - 1), ", ") + " or " + names.back();
+}
+
+// --moe: how a layer's routed experts are computed (MoEDispatcher, ops/moe.cuh).
+inline const std::vector<SeamChoice>& moe_choices() {
+  static const std::vector<SeamChoice> choices = {
+      {"local", "every expert on each rank, no exchange", "ops/moe.cuh", SeamNeeds::EveryExpert, "", nullptr, "", {}},
+      {"ep", "standard expert parallelism: routes to their expert's rank and back", "ops/ep_moe.cuh",
+       SeamNeeds::ExpertGroup, "", nullptr, "", {}},
+      {"llep", "LLEP: an overloaded rank lends experts' routes and weights to helpers", "ops/llep.cuh",
+       SeamNeeds::ExpertGroup, "--llep_alpha a --llep_min_rows n",
+       [](const SeamChoice&, const TrainConfig& t) -> std::string {
+         if (!(t.llep_alpha >= 1.0f && std::isfinite(t.llep_alpha)))
+           return "llep_alpha must be >= 1 (the ranks' capacities must hold every route), got " +
+                  std::to_string(t.llep_alpha);
+         if (t.llep_min_rows < 1) return "llep_min_rows must be >= 1, got " + std::to_string(t.llep_min_rows);
+         return "";
+       },
+       "", {}},
+      {"pllep", "PipelinedLLEP: LLEP in chunks of c tokens per rank, pipelined", "ops/pipelined_llep.cuh",
+       SeamNeeds::ExpertGroup, "--token_budget c --kmax K --llep_alpha a --llep_min_rows n",
+       [](const SeamChoice&, const TrainConfig& t) -> std::string {
+         if (t.token_budget < 1 || t.kmax < 1)
+           return "token_budget and kmax must be >= 1, got " + std::to_string(t.token_budget) + " and " +
+                  std::to_string(t.kmax);
+         return "";
+       },
+       "", {}},
+      {"relay", "RelayMoE: expert partitions or token blocks travel a ring", "ops/relay_moe.cuh",
+       SeamNeeds::ExpertGroup, "--relay_mode auto|expert|token (auto: the smaller per-hop volume)",
+       [](const SeamChoice& self, const TrainConfig& t) -> std::string {
+         if (!has_name(self.modes, t.relay_mode))
+           return "--relay_mode expects one of " + joined(self.modes, ", ") + ", got '" + t.relay_mode + "'";
+         if (t.relay_mode != "auto" && t.moe != "relay")
+           return "--relay_mode " + t.relay_mode + " chooses what travels the ring of --moe relay (this run has --moe " +
+                  moe_dispatcher(t) + ")";
+         return "";
+       },
+       "--relay_mode", {"expert", "token", "auto"}}};
+  return choices;
+}
+
+// --head: the vocabulary projection and the loss (OutputHead, ops/cross_entropy.cuh).
+inline const std::vector<SeamChoice>& head_choices() {
+  static const std::vector<SeamChoice> choices = {
+      {"full", "the logits [N,V] inside the head, then cross-entropy", "ops/cross_entropy.cuh", SeamNeeds::Nothing, "",
+       nullptr, "", {}},
+      {"chunked", "the same loss over vocabulary blocks, no [N,V]", "ops/ring_dtp.cuh", SeamNeeds::Nothing,
+       "--vocab_block C",
+       [](const SeamChoice&, const TrainConfig& t) -> std::string {
+         if (t.vocab_block < 1)
+           return "vocab_block (logits columns per block) must be >= 1, got " + std::to_string(t.vocab_block);
+         return "";
+       },
+       "", {}},
+      {"ring_dtp", "Ring-DTP: lm_head's rows over P ranks; weights or activations travel a ring",
+       "ops/ring_dtp.cuh", SeamNeeds::VocabularyGroup, "--vocab_group P --ring_dtp auto|weights|activations --vocab_block C",
+       [](const SeamChoice& self, const TrainConfig& t) -> std::string {
+         if (t.vocab_group < 0) return "vocab_group must be >= 0 (0 = every rank), got " + std::to_string(t.vocab_group);
+         if (t.vocab_group != 0 && t.head != "ring_dtp")
+           return "--vocab_group " + std::to_string(t.vocab_group) +
+                  " splits the vocabulary of --head ring_dtp (this run has --head " + t.head + ")";
+         if (!has_name(self.modes, t.ring_dtp))
+           return "--ring_dtp expects " + either(self.modes) + ", got '" + t.ring_dtp + "'";
+         return "";
+       },
+       "--ring_dtp", {"auto", "weights", "activations"}}};
+  return choices;
+}
+
+// --optimizer: the fp32 master weights and moments of this rank's shard (Optimizer, ops/adamw.cuh).
+inline const std::vector<SeamChoice>& optimizer_choices() {
+  static const std::vector<SeamChoice> choices = {
+      {"adamw", "AdamW, its state on the GPU", "ops/adamw.cuh", SeamNeeds::Nothing, "", nullptr, "", {}},
+      {"cpu_adamw", "AdamW, its state in pinned host memory, updated by the CPU", "ops/offload_adamw.cuh",
+       SeamNeeds::Nothing, "--offload_bucket β (parameters per chunk of its copy-update-copy pipeline)",
+       [](const SeamChoice&, const TrainConfig& t) -> std::string {
+         if (t.offload_bucket < 1)
+           return "offload_bucket (β, parameters per bucket of offload_adamw and cpu_adamw) must be >= 1, got " +
+                  std::to_string(t.offload_bucket);
+         return "";
+       },
+       "", {}},
+      {"offload_adamw", "AdamW, its state in pinned host memory, streamed through the GPU",
+       "ops/offload_adamw.cuh", SeamNeeds::Nothing, "--offload_bucket β --offload_slots s (s·β·12 bytes on the GPU)",
+       [](const SeamChoice&, const TrainConfig& t) -> std::string {
+         if (t.offload_slots < 1 || t.offload_slots > 16)
+           return "offload_slots (s, offload_adamw's staging slots on the GPU) must be in [1, 16], got " +
+                  std::to_string(t.offload_slots) + " (2 already overlap both copies with the update)";
+         return "";
+       },
+       "", {}}};
+  return choices;
+}
+
+// The line of `name` in a seam's table, or nullptr.
+inline const SeamChoice* find_choice(const std::vector<SeamChoice>& choices, const std::string& name) {
+  for (const SeamChoice& c : choices)
+    if (c.name == name) return &c;
+  return nullptr;
+}
+
+inline std::vector<std::string> choice_names(const std::vector<SeamChoice>& choices) {
+  std::vector<std::string> names;
+  for (const SeamChoice& c : choices) names.push_back(c.name);
+  return names;
+}
+
+// Each way a seam's choices run: a choice without modes once (label = its name), one with modes once
+// in each (label NAME_MODE: relay_expert, relay_token, relay_auto). tools/bench_ep_moe measures, and
+// tests/dist_model.cu trains with, each run of the dispatchers that exchange routes.
+struct SeamRun {
+  std::string label, choice, mode;
+};
+inline std::vector<SeamRun> seam_runs(const std::vector<SeamChoice>& choices, SeamNeeds needs) {
+  std::vector<SeamRun> runs;
+  for (const SeamChoice& c : choices) {
+    if (c.needs != needs) continue;
+    if (c.modes.empty()) runs.push_back({c.name, c.name, ""});
+    for (const std::string& mode : c.modes) runs.push_back({c.name + "_" + mode, c.name, mode});
+  }
+  return runs;
+}
+
+// P, the ranks of a vocabulary group: --vocab_group (0 = W) under a head that splits the vocabulary, else 1.
+inline int vocab_group_size(const TrainConfig& t) {
+  const SeamChoice* head = find_choice(head_choices(), t.head);
+  if (head == nullptr || head->needs != SeamNeeds::VocabularyGroup) return 1;
+  return t.vocab_group ? t.vocab_group : t.gpus;
 }
 
 // Why this run's passes are not captured as CUDA graphs (--cuda_graph 1, model.cuh's model_pass), or
@@ -495,50 +665,38 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(c.n_dense == c.layers || c.experts % ep == 0,
        "experts (" + std::to_string(c.experts) + ") must be divisible by " +
            (t.ep ? "--ep " + std::to_string(ep) : "--gpus " + std::to_string(ep) + " (E_p = W when --ep is left out)"));
-  // Seams: what exists is accepted, what a paper operator will add later is refused by name.
-  auto refuse_unbuilt = [&](const std::string& flag, const std::string& v, const std::vector<std::string>& built,
-                            const std::vector<std::string>& planned) {
-    for (const std::string& b : built)
-      if (v == b) return;
-    std::string list;
-    for (const std::string& b : built) list += (list.empty() ? "" : ", ") + b;
-    for (const std::string& p : planned)
-      if (v == p) throw std::invalid_argument(flag + " " + v + " is not built yet (available: " + list + ")");
-    throw std::invalid_argument(flag + " expects one of " + list + ", got '" + v + "'");
+  // Seams (their registries above): a choice its seam's table names; every choice's flags; then what
+  // the chosen one needs of the ranks.
+  auto check_seam = [&](const std::string& flag, const std::string& name, const std::vector<SeamChoice>& choices) {
+    const SeamChoice* chosen = find_choice(choices, name);
+    need(chosen != nullptr, flag + " expects one of " + joined(choice_names(choices), ", ") + ", got '" + name + "'");
+    for (const SeamChoice& choice : choices)
+      if (choice.refuse_flags != nullptr) {
+        const std::string refused = choice.refuse_flags(choice, t);
+        need(refused.empty(), refused);
+      }
+    const int P = vocab_group_size(t);
+    switch (chosen->needs) {
+      case SeamNeeds::Nothing: break;
+      case SeamNeeds::EveryExpert:
+        need(ep == 1, flag + " " + name + " keeps every expert on each rank: it needs --ep 1 (got ep " +
+                          std::to_string(ep) + ")");
+        break;
+      case SeamNeeds::ExpertGroup:
+        need(t.gpus > 1, flag + " " + name + " exchanges routes between ranks: it needs --gpus > 1 (got " +
+                             std::to_string(t.gpus) + ")");
+        break;
+      case SeamNeeds::VocabularyGroup:
+        need(t.gpus % P == 0, "vocab_group (" + std::to_string(P) + ") must divide the number of ranks (" +
+                                  std::to_string(t.gpus) + ")");
+        need(P <= c.vocab, "vocab_group (" + std::to_string(P) + ") must be at most the vocabulary (" +
+                               std::to_string(c.vocab) + "): every rank holds at least one row");
+        break;
+    }
   };
-  refuse_unbuilt("--moe", t.moe.empty() ? "ep" : t.moe, {"local", "ep", "llep", "pllep", "relay"}, {});
-  need(t.moe.empty() || t.moe == "local" || t.gpus > 1,
-       "--moe " + t.moe + " exchanges routes between ranks: it needs --gpus > 1 (got " + std::to_string(t.gpus) + ")");
-  need(t.llep_alpha >= 1.0f && std::isfinite(t.llep_alpha),
-       "llep_alpha must be >= 1 (the ranks' capacities must hold every route), got " + std::to_string(t.llep_alpha));
-  need(t.llep_min_rows >= 1, "llep_min_rows must be >= 1, got " + std::to_string(t.llep_min_rows));
-  need(t.token_budget >= 1 && t.kmax >= 1, "token_budget and kmax must be >= 1, got " + std::to_string(t.token_budget) +
-                                               " and " + std::to_string(t.kmax));
-  refuse_unbuilt("--relay_mode", t.relay_mode, {"expert", "token", "auto"}, {});
-  need(t.relay_mode == "auto" || t.moe == "relay",
-       "--relay_mode " + t.relay_mode + " chooses what travels the ring of --moe relay (this run has --moe " +
-           moe_dispatcher(t) + ")");
-  need(t.moe != "local" || ep == 1, "--moe local keeps every expert on each rank: it needs --ep 1 (got ep " +
-                                        std::to_string(ep) + ")");
-  refuse_unbuilt("--head", t.head, {"full", "chunked", "ring_dtp"}, {});
-  need(t.vocab_group >= 0, "vocab_group must be >= 0 (0 = every rank), got " + std::to_string(t.vocab_group));
-  need(t.vocab_group == 0 || t.head == "ring_dtp",
-       "--vocab_group " + std::to_string(t.vocab_group) + " splits the vocabulary of --head ring_dtp (this run has --head " +
-           t.head + ")");
-  const int P = vocab_group_size(t);
-  need(t.gpus % P == 0, "vocab_group (" + std::to_string(P) + ") must divide the number of ranks (" +
-                            std::to_string(t.gpus) + ")");
-  need(P <= c.vocab, "vocab_group (" + std::to_string(P) + ") must be at most the vocabulary (" +
-                         std::to_string(c.vocab) + "): every rank holds at least one row");
-  need(t.ring_dtp == "auto" || t.ring_dtp == "weights" || t.ring_dtp == "activations",
-       "--ring_dtp expects auto, weights or activations, got '" + t.ring_dtp + "'");
-  need(t.vocab_block >= 1, "vocab_block (logits columns per block) must be >= 1, got " + std::to_string(t.vocab_block));
-  refuse_unbuilt("--optimizer", t.optimizer, {"adamw", "cpu_adamw", "offload_adamw"}, {});
-  need(t.offload_bucket >= 1, "offload_bucket (β, parameters per bucket of offload_adamw and cpu_adamw) must be >= 1, got " +
-                                  std::to_string(t.offload_bucket));
-  need(t.offload_slots >= 1 && t.offload_slots <= 16,
-       "offload_slots (s, offload_adamw's staging slots on the GPU) must be in [1, 16], got " +
-           std::to_string(t.offload_slots) + " (2 already overlap both copies with the update)");
+  check_seam("--moe", moe_dispatcher(t), moe_choices());
+  check_seam("--head", t.head, head_choices());
+  check_seam("--optimizer", t.optimizer, optimizer_choices());
   need(t.offload_budget >= 0, "offload_budget (SCO's pinned host bytes for layer boundaries) must be >= 0, got " +
                                   std::to_string(t.offload_budget));
   need(t.offload_budget == 0 || t.recompute == 1,
@@ -587,6 +745,16 @@ struct FlagError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// --help's lines of one seam: its flag and choices, then each choice's summary and the flags it reads.
+inline std::string seam_usage(const std::string& flag, const std::vector<SeamChoice>& choices, const std::string& note) {
+  std::string text = "        " + flag + " " + joined(choice_names(choices), "|") + note + "\n";
+  for (const SeamChoice& c : choices) {
+    text += "          " + c.name + ": " + c.summary + " (" + c.file + ")\n";
+    if (!c.flags.empty()) text += "            " + c.flags + "\n";
+  }
+  return text;
+}
+
 inline std::string usage() {
   return "usage: train [--flag value]...\n"
          "model:  --hidden H --layers L --heads nh --experts E --topk k --expert_dim I\n"
@@ -613,12 +781,9 @@ inline std::string usage() {
          "        through NCCL's sockets; for correctness and memory, never speed. FLATMOE_SHARE_GPUS=1 does the same)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
-         "seams:  --moe local|ep|llep|pllep|relay (default: local at E_p = 1, else ep) --head full|chunked|ring_dtp\n"
-         "        --vocab_group P --ring_dtp auto|weights|activations (ring_dtp) --vocab_block C (chunked, ring_dtp)\n"
-         "        --optimizer adamw|cpu_adamw|offload_adamw --offload_bucket β (offload_adamw, cpu_adamw)\n"
-         "        --offload_slots s (offload_adamw)\n"
-         "        --llep_alpha a --llep_min_rows n (llep, pllep) --token_budget c --kmax K (pllep)\n"
-         "        --relay_mode auto|expert|token (relay: what travels the ring; auto: the smaller per-hop volume)\n"
+         "seams:  one choice each, from its table (notes/seams.md), with the flags it reads\n" +
+         seam_usage("--moe", moe_choices(), " (default: local at E_p = 1, else ep)") + seam_usage("--head", head_choices(), "") +
+         seam_usage("--optimizer", optimizer_choices(), "") +
          "data:   --data DIR --train PATTERN --val PATTERN --tokenizer FILE\n"
          "output: --out DIR --val_every S --val_batches N --sample_every S --sample_len N\n"
          "        --ckpt_every S --log_every S --timeline_step S --resume DIR (a checkpoint folder)\n"

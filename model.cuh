@@ -9,11 +9,10 @@
 //   update:   gradients reduce-scattered per region (ZeRO-1), global-norm clipping, the optimizer on
 //             this rank's shards, weights all-gathered per region, aux-loss-free router-bias update
 //
-// Seams (notes/design.md §1.1), each chosen once at model_create from the flags: the MoE dispatcher
-// (--moe: ops/moe.cuh local, ops/ep_moe.cuh ep, ops/llep.cuh llep, ops/pipelined_llep.cuh pllep, ops/relay_moe.cuh relay), the output head (--head: ops/cross_entropy.cuh
-// full, ops/ring_dtp.cuh chunked and ring_dtp), the optimizer (--optimizer: ops/adamw.cuh adamw,
-// ops/offload_adamw.cuh cpu_adamw and offload_adamw) and the layer boundaries (--offload_budget: ops/sco.cuh
-// places some in pinned host memory).
+// Seams (notes/design.md §1.1, notes/seams.md), each chosen once at model_create from the flags: the MoE
+// dispatcher (--moe), the output head (--head) and the optimizer (--optimizer), each made by its
+// registered factory (config.hpp names the choices, seams.cuh makes them), and the layer boundaries
+// (--offload_budget: ops/sco.cuh places some in pinned host memory).
 // The model calls each in one place.
 //
 // Parallel layout (notes/design.md §5): W ranks, one process per GPU. Dense tensors are replicated over
@@ -36,15 +35,10 @@
 #include "data/routing_profile.hpp"
 #include "data/routing_trace.hpp"
 #include "ops/adamw.cuh"
-#include "ops/offload_adamw.cuh"
 #include "ops/attention.cuh"
 #include "ops/common.cuh"
 #include "ops/cross_entropy.cuh"
 #include "ops/embedding.cuh"
-#include "ops/ep_moe.cuh"
-#include "ops/pipelined_llep.cuh"
-#include "ops/relay_moe.cuh"
-#include "ops/ring_dtp.cuh"
 #include "ops/matmul.cuh"
 #include "ops/moe.cuh"
 #include "ops/rmsnorm.cuh"
@@ -57,6 +51,7 @@
 #include "runtime/graph.cuh"
 #include "runtime/pool.cuh"
 #include "runtime/profile.cuh"
+#include "seams.cuh"
 
 // =============================================================================================
 // Parameters
@@ -83,37 +78,6 @@ struct Parallel {
   Comm vocab;            // the P ranks that hold disjoint vocabulary intervals of lm_head (--head ring_dtp)
   Comm vocab_replicas;   // the W/P ranks that hold the same interval (same rank in their vocab group)
 };
-
-// The seams' choices (--moe, --head, --optimizer, --offload_budget); moe "" = local at E_p = 1, else ep.
-// The llep settings serve llep and pllep, the chunking pllep, relay_mode relay, the bucket offload_adamw and
-// cpu_adamw, the slots offload_adamw, the offload budget (host bytes for layer boundaries, 0 = none) SCO.
-struct Seams {
-  std::string moe, head = "full", optimizer = "adamw";
-  std::string ring_dtp = "auto";
-  int vocab_block = 4096;
-  double llep_alpha = 1.0;
-  long long llep_min_rows = 32;
-  int token_budget = 4096, kmax = 10;
-  int offload_bucket = 1 << 22, offload_slots = 2;
-  long long offload_budget = 0;
-  RelayMode relay_mode = RelayMode::Expert;  // relay: what travels the ring (auto resolved by relay_choice)
-  bool wgrad_stream = true;  // the weight gradients on a stream of their own beside the backward (Model::wgrad)
-};
-
-// --moe relay's mode and both per-hop volumes, from sizes every rank knows: N = batch·seq_len tokens
-// per rank of a training micro-batch, E_l = E/E_p experts per partition, fp32 output accumulators.
-inline RelayChoice relay_choice(const TrainConfig& t, const ModelConfig& c) {
-  const int ep = t.ep ? t.ep : t.gpus;
-  return relay_choose(t.relay_mode, (long long)t.batch * c.seq_len, c.hidden, c.expert_dim, c.experts / ep, c.topk,
-                      sizeof(floatX), sizeof(float));
-}
-
-inline Seams seams_from(const TrainConfig& t, const ModelConfig& c) {
-  return Seams{moe_dispatcher(t), t.head,           t.optimizer,     t.ring_dtp,       t.vocab_block,  t.llep_alpha,
-               t.llep_min_rows,   t.token_budget,   t.kmax,          t.offload_bucket, t.offload_slots, t.offload_budget,
-               moe_dispatcher(t) == "relay" ? relay_choice(t, c).mode : RelayMode::Expert,
-               t.wgrad_stream != 0};
-}
 
 // Host ints to the device in stream order without a host wait (a pass's tokens and targets, the
 // embedding backward's buckets): stage() writes them into pinned host memory, then enqueue_copy()
@@ -433,45 +397,28 @@ inline void model_layout(Model& m) {
   m.vocab_first_row = layout.vocab_first_row;
 }
 
-// The MoE dispatcher and the output head, from their names (validate(TrainConfig) has refused unknown or
-// unbuilt ones); neither allocates when made, so the per-rank prediction asks them for their bounds.
+// The MoE dispatcher that seams.moe names ("": local at E_p = 1, else ep), where this layout gives
+// what it needs (validate(TrainConfig) has refused what a run cannot use).
 inline std::unique_ptr<MoEDispatcher> make_dispatcher(const ModelConfig& c, const Parallel& par, const Seams& seams) {
   const std::string moe = seams.moe.empty() ? (par.ep.size == 1 ? "local" : "ep") : seams.moe;
-  if (moe == "local" && par.ep.size == 1) return std::make_unique<LocalDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk);
-  if (moe == "ep" && par.world.size > 1) return std::make_unique<EPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, par.ep);
-  if (moe == "llep" && par.world.size > 1)
-    return std::make_unique<LLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, par.ep, seams.llep_alpha,
-                                            seams.llep_min_rows);
-  if (moe == "pllep" && par.world.size > 1)
-    return std::make_unique<PLLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, par.ep, seams.token_budget,
-                                             seams.kmax, seams.llep_alpha, seams.llep_min_rows);
-  if (moe == "relay" && par.world.size > 1)
-    return std::make_unique<RelayDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, par.ep, seams.relay_mode);
-  fm_fail("model_create",
-          ("--moe " + moe + " does not fit this layout (local needs E_p = 1, ep, llep, pllep and relay W > 1)").c_str(),
-          "W=%d E_p=%d", par.world.size, par.ep.size);
+  const SeamChoice* choice = find_choice(moe_choices(), moe);
+  if (choice == nullptr) fm_fail("model_create", ("--moe " + moe + " is not a registered dispatcher").c_str(), "W=%d", par.world.size);
+  if ((choice->needs == SeamNeeds::EveryExpert && par.ep.size != 1) || (choice->needs == SeamNeeds::ExpertGroup && par.world.size == 1))
+    fm_fail("model_create",
+            ("--moe " + moe + " does not fit this layout (" +
+             (choice->needs == SeamNeeds::EveryExpert ? "it needs E_p = 1" : "it needs W > 1") + ")").c_str(),
+            "W=%d E_p=%d", par.world.size, par.ep.size);
+  return factory_of(dispatcher_factories(), "--moe", moe).make(c, par.ep, seams);
 }
 
+// The output head that seams.head names, where this layout gives what it needs.
 inline std::unique_ptr<OutputHead> make_head(const ModelConfig& c, const Parallel& par, const Seams& seams) {
-  if (seams.head == "full" && par.vocab.size == 1) return std::make_unique<FullHead>();
-  if (seams.head == "chunked" && par.vocab.size == 1) return std::make_unique<RingDTPHead>(Comm(), "auto", seams.vocab_block);
-  if (seams.head == "ring_dtp") return std::make_unique<RingDTPHead>(par.vocab, seams.ring_dtp, seams.vocab_block);
-  fm_fail("model_create", ("--head " + seams.head + " does not fit this layout (full and chunked need P = 1)").c_str(),
-          "V=%d P=%d", c.vocab, par.vocab.size);
-}
-
-// Device bytes of the optimizer's state for a shard of S parameters (--optimizer).
-inline size_t optimizer_device_bytes(const Seams& seams, size_t S) {
-  if (seams.optimizer == "adamw") return DeviceAdamW::device_bytes(S);
-  if (seams.optimizer == "offload_adamw") return OffloadAdamW::device_bytes(S, (size_t)seams.offload_bucket, seams.offload_slots);
-  return 0;  // cpu_adamw: all of it in pinned host memory
-}
-
-// Pinned host bytes of the optimizer's state for a shard of S parameters (--optimizer).
-inline size_t optimizer_host_bytes(const Seams& seams, size_t S) {
-  if (seams.optimizer == "offload_adamw") return OffloadAdamW::host_bytes_for(S);
-  if (seams.optimizer == "cpu_adamw") return CpuAdamW::host_bytes_for(S);
-  return 0;  // adamw: all of it on the device
+  const SeamChoice* choice = find_choice(head_choices(), seams.head);
+  if (choice == nullptr) fm_fail("model_create", ("--head " + seams.head + " is not a registered head").c_str(), "V=%d", c.vocab);
+  if (choice->needs != SeamNeeds::VocabularyGroup && par.vocab.size != 1)
+    fm_fail("model_create", ("--head " + seams.head + " does not fit this layout (it needs P = 1)").c_str(), "V=%d P=%d",
+            c.vocab, par.vocab.size);
+  return factory_of(head_factories(), "--head", seams.head).make(par.vocab, seams);
 }
 
 // The seams, from their names.
@@ -482,15 +429,7 @@ inline void model_make_seams(Model& m, const Seams& seams) {
   m.head = make_head(m.cfg, m.par, seams);
   size_t S = 0;
   std::vector<ShardSegment> segments = shard_segments(m.specs, model_param_layout(m), &S);
-  if (seams.optimizer == "adamw") m.opt = std::make_unique<DeviceAdamW>(std::move(segments), S, m.stream);
-  else if (seams.optimizer == "offload_adamw")
-    m.opt = std::make_unique<OffloadAdamW>(std::move(segments), S, (size_t)seams.offload_bucket, seams.offload_slots,
-                                           m.stream);
-  else if (seams.optimizer == "cpu_adamw")  // the node's cores shared by its W ranks
-    m.opt = std::make_unique<CpuAdamW>(std::move(segments), S,
-                                       std::max(1, (int)std::thread::hardware_concurrency() / m.par.world.size),
-                                       (size_t)seams.offload_bucket, m.stream);
-  else fm_fail("model_create", ("--optimizer " + seams.optimizer + " is not built").c_str(), "P=%zu", m.num_params);
+  m.opt = factory_of(optimizer_factories(), "--optimizer", seams.optimizer).make(std::move(segments), S, m.par.world.size, seams, m.stream);
   m.sco = std::make_unique<CheckpointOffload>(seams.offload_budget);
 }
 
@@ -897,7 +836,7 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   // alive the whole step
   const size_t weights = P * b + 4 * L * E;
   const size_t grads = P * b + (fp32_sum ? P * 4 : 0);
-  const size_t optimizer = optimizer_device_bytes(seams, S);
+  const size_t optimizer = factory_of(optimizer_factories(), "--optimizer", seams.optimizer).device_bytes(seams, S);
   const bool dense_routes = c.n_dense > 0 || c.shared_expert;
   // + the sum of squares' partials and its two floats (scalar_dev, grad_scale_dev), the step's
   // per-expert loads on the device [L·E] ints (step_loads_dev), RoPE's angle table (rope_angles)
@@ -999,7 +938,7 @@ inline RankUse rank_use(const ModelConfig& c, const TrainConfig& t, const Parall
   use.shard = rank_shard_params(c, par);
   const size_t boundary = (size_t)B * T * c.hidden * sizeof(floatX);
   use.host = (t.recompute ? sco_plan(c.layers, boundary, t.offload_budget).host_bytes : 0) +
-             optimizer_host_bytes(seams, use.shard);
+             factory_of(optimizer_factories(), "--optimizer", seams.optimizer).host_bytes(seams, use.shard);
   return use;
 }
 

@@ -263,28 +263,7 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("routing", t.routing);
   row("record routing", t.record_routing.empty() ? "off" : t.record_routing);
   row("seams moe/head/opt", moe_dispatcher(t) + " / " + t.head + " / " + t.optimizer);
-  if (moe_dispatcher(t) == "llep" || moe_dispatcher(t) == "pllep")
-    row("llep alpha/min_rows", std::to_string(t.llep_alpha).substr(0, 5) + " / " + std::to_string(t.llep_min_rows));
-  if (moe_dispatcher(t) == "pllep")
-    row("pllep c/K_max", std::to_string(t.token_budget) + " / " + std::to_string(t.kmax));
-  if (moe_dispatcher(t) == "relay") {  // the mode and both per-hop volumes, from sizes every rank knows
-    const RelayChoice relay = relay_choice(t, c);
-    row("relay E_p / moves", std::to_string(m.par.ep.size) + " / " + relay_mode_name(relay.mode) + " (" + t.relay_mode + ")");
-    snprintf(buf, sizeof buf, "%.2f / %.2f MiB", relay.expert_bytes / 1048576.0, relay.token_bytes / 1048576.0);
-    row("hop experts / tokens", buf);
-  }
-  if (t.head == "chunked") row("vocab block", std::to_string(t.vocab_block) + " columns");
-  if (t.head == "ring_dtp") {  // the branch and both per-hop volumes, from sizes every rank knows
-    const int P = m.par.vocab.size;
-    const RingDTPChoice ring = ring_dtp_choose(t.ring_dtp, (long long)t.batch * c.seq_len, c.vocab, P, c.hidden, sizeof(floatX));
-    row("ring_dtp P / moves", std::to_string(P) + " / " + ring_dtp_branch_name(ring.branch) + " (" + t.ring_dtp + ")");
-    snprintf(buf, sizeof buf, "%.2f / %.2f MiB", ring.weight_bytes / 1048576.0, ring.activation_bytes / 1048576.0);
-    row("hop weights / acts", buf);
-    row("vocab block", std::to_string(t.vocab_block) + " columns");
-  }
-  if (t.optimizer == "offload_adamw")
-    row("offload beta/slots", std::to_string(t.offload_bucket) + " / " + std::to_string(t.offload_slots));
-  if (t.optimizer == "cpu_adamw") row("cpu_adamw chunk", std::to_string(t.offload_bucket) + " parameters");
+  for (const auto& [name, value] : seam_startup_rows(t, c)) row(name.c_str(), value);  // the chosen ones' settings
   snprintf(buf, sizeof buf, "%.0f TFLOP/s", peak_flops / 1e12);
   row("MFU peak basis", buf);
   row("out dir", t.out_dir);
@@ -344,7 +323,7 @@ void write_profile(const std::string& out_dir, int step, double step_ms, long lo
 // the vocabulary groups (contiguous blocks of P ranks) and, when W > P, the ranks that hold the
 // same vocabulary interval. A group of one rank that nothing exchanges over gets no NCCL
 // communicator (a Comm of size 1): each costs some 390 MiB of device memory (notes/sco.md, the device
-// ledger). ep_exchanges: the MoE dispatcher exchanges over the ep group (every one but local).
+// ledger). ep_exchanges: the MoE dispatcher exchanges over the ep group (config.hpp: SeamNeeds::ExpertGroup).
 Parallel parallel_init(const LaunchInfo& li, int ep_size, bool ep_exchanges, int vocab_size) {
   Parallel par;
   if (li.world == 1) {
@@ -449,7 +428,9 @@ int train_main(int argc, char** argv) {
       data::check_routing_trace_fits(trace, routing_trace_shape(mc, tc.batch * mc.seq_len, li.world));
       replay = std::make_unique<data::RankRoutes>(data::rank_routes(trace, li.rank));
     }
-    Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus, moe_dispatcher(tc) != "local", vocab_group_size(tc));
+    Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus,
+                                 find_choice(moe_choices(), moe_dispatcher(tc))->needs == SeamNeeds::ExpertGroup,
+                                 vocab_group_size(tc));
     runtime_prepare();  // the cuBLAS handle and its pooled workspace, before anything is measured
     const bool main_rank = par.world.rank == 0;
     const int W = par.world.size;

@@ -219,12 +219,25 @@ inline void adamw_multi_update(float* master, floatX* param, float* m, float* v,
 }
 
 // ---------------------------------------------------------------------------------------------
-// The optimizer seam (notes/design.md §1.1): one unit owns the fp32 master weights and the moments of this
-// rank's shards (ZeRO-1), steps them, and saves/loads them in the one checkpoint format (named
-// sections "master", "adam_m", "adam_v", each [S] floats, S = the shard's element count, and the
+// The optimizer seam (notes/design.md §1.1, notes/seams.md): one unit owns the fp32 master weights and the
+// moments of this rank's shards (ZeRO-1), steps them, and saves/loads them in the one checkpoint format
+// (named sections "master", "adam_m", "adam_v", each [S] floats, S = the shard's element count, and the
 // step count). The shard is a list of segments of the local flat parameter buffer, each one
 // tensor's part of this rank's shard (so that weight decay is per tensor): config.hpp's ShardSegment
 // and shard_segments, pure functions of the layout that the CPU tests check at any size.
+// Each optimizer is a class derived from Optimizer (ops/adamw.cuh: adamw; ops/offload_adamw.cuh:
+// cpu_adamw, offload_adamw), registered by one line of config.hpp's optimizer_choices (its name and
+// flags) and made by its line of seams.cuh's optimizer_factories, which also gives its state's device
+// and pinned host bytes for a shard of S parameters (the per-rank prediction). The model makes one at
+// start-up (--optimizer). The contract, the whole of it (each virtual below says its part):
+//   made      with its state allocated and zeroed on the stream it is given; Optimizer::steps = 0.
+//   the model's calls: set_master once the weights are set (model_set_local_master), write_weights,
+//             step once per optimizer step on the gradients summed over the step's micro-batches and
+//             reduced over the ranks that share each region (main_grads; step_from_pass_grads instead
+//             where reads_pass_grads()), save and load for checkpoints (the same sections from any
+//             optimizer: a run may resume with another).
+//   every call in the order of the stream it is given; a step adds 1 to `steps` and writes params at
+//             the segments only (the model all-gathers the rest).
 
 using StateSections = std::vector<std::pair<std::string, std::vector<float>>>;
 

@@ -313,20 +313,31 @@ inline void loss_sum(float* out, const float* losses, int N, cudaStream_t stream
 }
 
 // ---------------------------------------------------------------------------------------------
-// The output head seam (notes/design.md §1.1): from the final normed hidden states x [N,H], the vocabulary
-// projection W [V,H] and the targets [N] (device), the summed token loss *loss_sum (=, device fp32);
-// with dx != nullptr also the backward of the objective dloss · Σ_n loss_n: dx [N,H] (=) and
-// dW [V,H] (+=). Logits exist only inside a head. A head is chosen once (--head).
+// The output head seam (notes/design.md §1.1, notes/seams.md): the vocabulary projection and the loss.
+// Each head is a class derived from OutputHead (ops/cross_entropy.cuh: full; ops/ring_dtp.cuh: chunked,
+// ring_dtp), registered by one line of config.hpp's head_choices (its name, needs and flags) and made by
+// its line of seams.cuh's head_factories. The model makes one at start-up (--head) and calls it in one
+// place (model.cuh). The contract, the whole of it:
+//   made      allocating nothing. V is always the whole vocabulary. W and dW are lm_head [V,H], or,
+//             for a head that splits the vocabulary (SeamNeeds::VocabularyGroup), this rank's interval
+//             of its rows (ring_dtp_vocab_interval); such a head is collective over its vocabulary
+//             group: every rank of it calls it in the same order.
+//   forward_backward: from the final normed hidden states x [N,H] and the targets [N] (device), the
+//             summed token loss *loss_sum (=, device fp32); with dx != nullptr also the backward of the
+//             objective dloss · Σ_n loss_n: dx [N,H] (=) and dW (+=: the model sums a step's
+//             micro-batches in it). dx == nullptr: the loss alone. The logits exist only inside, for
+//             as long as the call.
+//   logits_rows: logits [n,V] (=) of a few rows x [n,H] over the whole vocabulary (sampling: n = 1).
+//   live_bytes(N, H, V): the most bytes forward_backward holds in the pool at once for N tokens (the
+//             per-rank prediction adds it).
 
 struct OutputHead {
   virtual ~OutputHead() = default;
   virtual void forward_backward(float* loss_sum, floatX* dx, floatX* dW, const floatX* x, const floatX* W,
                                 const int* targets, float dloss, int N, int H, int V, cudaStream_t stream) = 0;
-  // logits [n, V] (=) of a few rows x [n, H] over the whole vocabulary (sampling: n = 1).
   virtual void logits_rows(floatX* logits, const floatX* x, const floatX* W, int n, int H, int V, cudaStream_t stream) {
     matmul_forward(logits, x, W, n, H, V, stream);
   }
-  // The most bytes forward_backward holds in the pool at once for N tokens (the per-rank prediction).
   virtual size_t live_bytes(int N, int H, int V) const = 0;
 };
 

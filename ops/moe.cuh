@@ -815,19 +815,38 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The MoE dispatcher seam (notes/design.md §1.1): how a layer's routed experts are computed. Every
-// dispatcher (ops/moe.cuh: local; ops/ep_moe.cuh: ep; ops/llep.cuh: llep; ops/pipelined_llep.cuh:
-// pllep; ops/relay_moe.cuh: relay) has the same three entry points: forward returns its own saved state,
-// backward reads it, and destroying the saved state frees it (back to the pool). The model picks
-// one dispatcher at start-up (--moe) and calls it in one place. Sizes H, I, E, k are fixed at
-// construction; N may change per call. forward with out = nullptr: the caller needs only the saved
-// state (a layer's recomputation, whose output is already kept).
-//   forward:  out [N,H] (=) = Σ_j topk_w[n,j] · expert_{topk_idx[n,j]}(x[n])
-//   forward_residual: out [N,H] (=) = residual + forward's out, for the layer's residual stream
-//             (model.cuh). By default forward, then a residual add (two roundings); a dispatcher may
-//             fold the add into its combine (one rounding, and the [N,H] output never goes to
-//             memory on its own): --moe local does.
-//   backward: dx [N,H] (=), dtopk_w [N,k] (=), dW13 (+=), dW2 (+=) on this rank's experts
+// The MoE dispatcher seam (notes/design.md §1.1, notes/seams.md): how a layer's routed experts are
+// computed. Each dispatcher is a class derived from MoEDispatcher in its own ops file (ops/moe.cuh: local;
+// ops/ep_moe.cuh: ep; ops/llep.cuh: llep; ops/pipelined_llep.cuh: pllep; ops/relay_moe.cuh: relay),
+// registered by one line of config.hpp's moe_choices (its name, needs and flags) and made by its line
+// of seams.cuh's dispatcher_factories. The model makes one at start-up (--moe) and calls it in one
+// place (model.cuh). The contract, the whole of it:
+//   sizes     H, I, E, k fixed when made (which allocates nothing); N, this rank's tokens, may change
+//             per call and differ between ranks. W13 [E_l,2I,H] and W2 [E_l,H,I] are this rank's E_l
+//             experts (E_l = E/E_p; all E where E_p = 1). A dispatcher that exchanges routes is
+//             collective over its expert-parallel group: every rank of it calls forward and backward in
+//             the same order.
+//   forward:  out [N,H] (=) = Σ_j topk_w[n,j] · expert_{topk_idx[n,j]}(x[n]), and returns the
+//             dispatcher's own saved state: what its backward needs, held in the pool until the state
+//             is destroyed (which frees it).
+//             out == nullptr: a layer's recomputation (--recompute), whose output is already kept: only
+//             the saved state is wanted, and backward from it gives the same bits as from a forward
+//             with out. A dispatcher may then skip the combine, or only plan where its backward
+//             recomputes anyway (pllep, relay).
+//   forward_residual: out [N,H] (=) = residual + forward's out, for the layer's residual stream.
+//             By default forward, then a residual add (two roundings); a dispatcher may fold the add
+//             into its combine (one rounding, and the [N,H] output never goes to memory on its own):
+//             --moe local does. out == nullptr as in forward.
+//   backward: once per saved state, with the forward's x, topk_idx, topk_w and weights: dx [N,H] (=),
+//             dtopk_w [N,k] (=), and this rank's expert gradients dW13 (+=) and dW2 (+=): they
+//             accumulate, since the model sums a step's micro-batches in them.
+//   weight_grads: the layer's weight-gradient stream (nullptr: none), set by the model after making
+//             the dispatcher. backward may enqueue its weight gradients there (side_run) and keep
+//             their inputs until the model joins the stream at the end of the layer's backward
+//             (side_hold); --moe local does. Otherwise it computes everything on `stream`.
+//   live_bound(N): what it holds in the pool for one layer with N tokens on every rank, whatever the
+//             routing (DispatchBound: saved, peak, held); the per-rank prediction (Eq. 6) adds it, and
+//             the tests hold the measured peaks to it.
 
 struct DispatchSaved {
   virtual ~DispatchSaved() = default;  // frees the dispatcher's saved buffers
@@ -875,10 +894,7 @@ struct MoEDispatcher {
   virtual void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout,
                         const DispatchSaved& saved, const floatX* x, const int* topk_idx, const float* topk_w,
                         const floatX* W13, const floatX* W2, cudaStream_t stream) = 0;
-  virtual DispatchBound live_bound(int N) const = 0;  // N tokens on every rank
-  // The layer's weight-gradient stream (model.cuh; nullptr: none), which backward may enqueue its
-  // weight gradients on (--moe local does) and which the model joins at the end of the layer's
-  // backward; live_bound's `held` says what stays live until then.
+  virtual DispatchBound live_bound(int N) const = 0;
   SideStream* weight_grads = nullptr;
 };
 

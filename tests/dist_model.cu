@@ -286,43 +286,36 @@ static void ten_steps_agree_with_one_gpu(const Seams& seams) {
   release(par);
 }
 
-static Seams moe_seams(const std::string& moe) {
-  Seams seams;
-  seams.moe = moe;
+// The W ranks' seams with dispatcher `moe` in `mode` ("": its default) for model c at B sequences per
+// rank, made as the trainer makes them from its flags (seams_from).
+static Seams dispatcher_seams(const std::string& moe, const std::string& mode, const ModelConfig& c, int B) {
+  TrainConfig t;
+  t.gpus = test_world().size;
+  t.batch = B;  // relay's auto mode chooses from B·T
+  t.moe = moe;
+  if (!mode.empty()) set_train_flag(t, find_choice(moe_choices(), moe)->mode_flag, mode);
+  return seams_from(t, c);
+}
+
+// The toy model's (ten_steps_agree_with_one_gpu: B = 2), with small LLEP pieces and PipelinedLLEP chunks.
+static Seams moe_seams(const std::string& moe, const std::string& mode = "") {
+  Seams seams = dispatcher_seams(moe, mode, dist_config(), 2);
   seams.llep_min_rows = 4;  // small pieces, so that helpers compute some routes of the toy model
   seams.token_budget = 20;  // pllep: B·T = 74 tokens per rank in 4 chunks
   return seams;
 }
 
-TEST(DistModel, TenStepsAgreeWithOneGpuOnTheSameGlobalBatch) {
+// Every registered dispatcher that exchanges routes (config.hpp's moe_choices), once in each of its
+// modes (seam_runs: ep, llep, pllep, relay_expert, relay_token, relay_auto).
+class DistModelTenSteps : public testing::TestWithParam<SeamRun> {};
+
+TEST_P(DistModelTenSteps, AgreeWithOneGpu) {
   REQUIRE_WORLD(2);
-  ten_steps_agree_with_one_gpu(moe_seams("ep"));
+  ten_steps_agree_with_one_gpu(moe_seams(GetParam().choice, GetParam().mode));
 }
 
-TEST(DistModel, TenStepsWithLLEPAgreeWithOneGpu) {
-  REQUIRE_WORLD(2);
-  ten_steps_agree_with_one_gpu(moe_seams("llep"));
-}
-
-TEST(DistModel, TenStepsWithPipelinedLLEPAgreeWithOneGpu) {
-  REQUIRE_WORLD(2);
-  ten_steps_agree_with_one_gpu(moe_seams("pllep"));
-}
-
-// --moe relay (ops/relay_moe.cuh), both modes: the expert partitions travel the ring, or the token blocks.
-TEST(DistModel, TenStepsWithRelayExpertModeAgreeWithOneGpu) {
-  REQUIRE_WORLD(2);
-  Seams seams = moe_seams("relay");
-  seams.relay_mode = RelayMode::Expert;
-  ten_steps_agree_with_one_gpu(seams);
-}
-
-TEST(DistModel, TenStepsWithRelayTokenModeAgreeWithOneGpu) {
-  REQUIRE_WORLD(2);
-  Seams seams = moe_seams("relay");
-  seams.relay_mode = RelayMode::Token;
-  ten_steps_agree_with_one_gpu(seams);
-}
+INSTANTIATE_TEST_SUITE_P(Dispatchers, DistModelTenSteps, testing::ValuesIn(seam_runs(moe_choices(), SeamNeeds::ExpertGroup)),
+                         [](const testing::TestParamInfo<SeamRun>& run) { return run.param.label; });
 
 // --head ring_dtp (lm_head split over the W ranks) against one GPU's full head, in both branches:
 // B·T = 74 tokens per rank against shards of 33 and 34 rows (V = 67), in blocks of 16 columns.
@@ -417,10 +410,8 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
   REQUIRE_WORLD(2);
   state_saved_and_restored_is_bit_identical(Seams());
   state_saved_and_restored_is_bit_identical(ring_seams("auto"));
-  state_saved_and_restored_is_bit_identical(moe_seams("relay"));
-  Seams token = moe_seams("relay");
-  token.relay_mode = RelayMode::Token;
-  state_saved_and_restored_is_bit_identical(token);
+  state_saved_and_restored_is_bit_identical(moe_seams("relay", "expert"));
+  state_saved_and_restored_is_bit_identical(moe_seams("relay", "token"));
 }
 
 // Layer-level recomputation with expert parallelism: the backward reruns each layer's forward,
@@ -463,10 +454,8 @@ static void recompute_is_bit_identical(const Seams& seams) {
 TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
   REQUIRE_WORLD(2);
   recompute_is_bit_identical(Seams());
-  recompute_is_bit_identical(moe_seams("relay"));
-  Seams token = moe_seams("relay");
-  token.relay_mode = RelayMode::Token;
-  recompute_is_bit_identical(token);
+  recompute_is_bit_identical(moe_seams("relay", "expert"));
+  recompute_is_bit_identical(moe_seams("relay", "token"));
 }
 
 // SCO (--offload_budget) at W ranks with expert parallelism: each rank offloads its own boundaries
@@ -491,16 +480,15 @@ TEST(DistModel, MemoryPredictionHoldsForEachDispatcherAndHead) {
   c.topk = 2; c.expert_dim = 256;
   c.n_dense = 1; c.dense_dim = 512; c.shared_expert = 1; c.seq_len = 256;
   const int B = 8, T = c.seq_len;
-  for (const char* moe : {"ep", "llep", "pllep", "relay expert", "relay token"})
+  for (const SeamRun& run : seam_runs(moe_choices(), SeamNeeds::ExpertGroup))  // every dispatcher in each mode
     for (const char* routing : {"hot:1/2", ""}) {
       testutil::PredictionCase pc;
-      pc.name = std::string("--moe ") + moe + (*routing ? std::string(", ") + routing : ", the router");
-      pc.seams.moe = std::string(moe).substr(0, std::string(moe).find(' '));
-      pc.seams.relay_mode = std::string(moe) == "relay token" ? RelayMode::Token : RelayMode::Expert;
+      pc.name = "--moe " + run.label + (*routing ? std::string(", ") + routing : ", the router");
+      pc.seams = dispatcher_seams(run.choice, run.mode, c, B);
       pc.seams.token_budget = 512;
       pc.routing = routing;
       Parallel par = test_parallel();
-      const bool tight = std::string(moe) == "ep" && *routing && par.world.rank == 0;
+      const bool tight = run.label == "ep" && *routing && par.world.rank == 0;
       testutil::expect_prediction_holds(testutil::predict_and_measure(c, par, pc, B, T),
                                         "W=" + std::to_string(par.world.size) + " rank " + std::to_string(par.world.rank) +
                                             ", " + pc.name,

@@ -121,6 +121,20 @@ void first_step_matches_reference(int variant) {
 
 }  // namespace
 
+// The two halves of each seam's registry hold the same names in the same order: every choice that
+// config.hpp registers has its factory in seams.cuh, and no factory is left without a choice. Host code
+// only: it runs with or without a GPU.
+TEST(SeamFactories, EveryRegisteredChoiceHasItsFactoryAndNoOther) {
+  auto names_of = [](const auto& factories) {
+    std::vector<std::string> names;
+    for (const auto& f : factories) names.push_back(f.name);
+    return names;
+  };
+  EXPECT_EQ(names_of(dispatcher_factories()), choice_names(moe_choices()));
+  EXPECT_EQ(names_of(head_factories()), choice_names(head_choices()));
+  EXPECT_EQ(names_of(optimizer_factories()), choice_names(optimizer_choices()));
+}
+
 TEST(GpuModel, FirstStepLossAndEveryGradientMatchReference) {
   REQUIRE_GPU();
   first_step_matches_reference(0);

@@ -16,10 +16,13 @@
 // the first recorded; the trace must have been recorded by W ranks of --tokens tokens, with --experts
 // and --topk, else it is refused before the GPU starts), then runs forward + backward with each of:
 //   1gpu    moe_forward + moe_backward of the same N tokens with all E experts, on every rank at once
-//   ep      standard EP over the group of all W ranks (E_p = W, E/W experts each)
-//   llep    LLEP over the same group (--llep_alpha, --llep_min_rows)
+//           (--moe local)
+//   then every registered dispatcher that exchanges routes (config.hpp's moe_choices), over the group
+//   of all W ranks (E_p = W, E/W experts each), once in each of its modes (seam_runs):
+//   ep      standard EP
+//   llep    LLEP (--llep_alpha, --llep_min_rows)
 //   pllep   PipelinedLLEP (--token_budget c, --kmax K_max, and LLEP's settings for each chunk)
-//   relay_expert  RelayMoE in expert mode over the same group (the partitions travel the ring)
+//   relay_expert  RelayMoE in expert mode (the partitions travel the ring)
 //   relay_token   RelayMoE in token mode (the token blocks travel, with their routing and accumulators)
 //   relay_auto    RelayMoE with the mode auto picks for this shape (relay_choose; the pick is printed)
 // Latency: CUDA events around three passes, each the median of `iters` runs after `warmup`, the
@@ -44,11 +47,9 @@
 #include <string>
 #include <vector>
 #include "../runtime/comm.cuh"
-#include "../ops/pipelined_llep.cuh"
-#include "../ops/relay_moe.cuh"
 #include "../runtime/launch.cuh"
+#include "../seams.cuh"
 #include "bench_util.cuh"
-#include "../ops/moe.cuh"
 #include "../ops/router.cuh"
 #include "../data/routing_profile.hpp"
 #include "../data/routing_trace.hpp"
@@ -59,11 +60,25 @@ struct BenchFlags {
   std::vector<std::string> profiles = {"balanced", "hot:0.25/1", "hot:0.5/2", "hot:1/4"};
   int trace_batch = 0;   // the batch of a trace:FILE profile
   int trace_layer = -1;  // its MoE layer (the model's layer index); -1: the first the trace records
-  std::vector<std::string> dispatchers = {"1gpu", "ep", "llep", "pllep", "relay_expert", "relay_token", "relay_auto"};
+  std::vector<std::string> dispatchers;  // labels of bench_dispatchers(); default: all of them
   double llep_alpha = 1.0;
   int llep_min_rows = 32, token_budget = 4096, kmax = 10, check = 0;
   std::string timeline_dir;  // "": no timelines
 };
+
+// What it runs: 1gpu (the local dispatcher with all E experts on each rank), then each run of the
+// registered dispatchers that exchange routes (config.hpp: seam_runs), labelled NAME or NAME_MODE.
+std::vector<SeamRun> bench_dispatchers() {
+  std::vector<SeamRun> runs = {{"1gpu", "local", ""}};
+  for (const SeamRun& run : seam_runs(moe_choices(), SeamNeeds::ExpertGroup)) runs.push_back(run);
+  return runs;
+}
+
+std::vector<std::string> bench_dispatcher_labels() {
+  std::vector<std::string> labels;
+  for (const SeamRun& run : bench_dispatchers()) labels.push_back(run.label);
+  return labels;
+}
 
 [[noreturn]] void bench_usage(const std::string& why) {
   fprintf(stderr,
@@ -71,10 +86,10 @@ struct BenchFlags {
           "usage: bench_ep_moe [--gpus W] [--share_gpus 0|1] [--tokens N per rank] [--hidden H] [--inter I] [--experts E] [--topk k]\n"
           "                    [--warmup n] [--iters n] [--seed s] [--profiles balanced,hot:r/h,trace:FILE,...]\n"
           "                    [--trace_batch b] [--trace_layer l]\n"
-          "                    [--dispatchers 1gpu,ep,llep,pllep,relay_expert,relay_token,relay_auto]\n"
+          "                    [--dispatchers %s]\n"
           "                    [--llep_alpha a] [--llep_min_rows n] [--token_budget c] [--kmax K] [--check 0|1]\n"
           "                    [--timeline DIR]\n",
-          why.c_str());
+          why.c_str(), joined(bench_dispatcher_labels(), ",").c_str());
   exit(EXIT_FAILURE);
 }
 
@@ -112,6 +127,7 @@ RelayChoice bench_relay_choice(const BenchFlags& f) {
 
 BenchFlags parse_bench_flags(int argc, char** argv) {
   BenchFlags f;
+  f.dispatchers = bench_dispatcher_labels();
   parse_flag_pairs(argc, argv, bench_usage, [&](const std::string& flag, const char* value) {
     if (flag == "--gpus") f.gpus = (int)parse_flag_int(flag, value, 1, 1024);
     else if (flag == "--share_gpus") parse_share_gpus(flag, value);
@@ -139,10 +155,8 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
     else if (flag == "--dispatchers") {
       f.dispatchers = split_list(value);
       for (const std::string& d : f.dispatchers)
-        if (d != "1gpu" && d != "ep" && d != "llep" && d != "pllep" && d != "relay_expert" && d != "relay_token" &&
-            d != "relay_auto")
-          bench_usage("--dispatchers: unknown dispatcher '" + d +
-                      "' (1gpu, ep, llep, pllep, relay_expert, relay_token, relay_auto)");
+        if (!has_name(bench_dispatcher_labels(), d))
+          bench_usage("--dispatchers: unknown dispatcher '" + d + "' (" + joined(bench_dispatcher_labels(), ", ") + ")");
     } else bench_usage("unknown flag " + flag);
   });
   if (f.check && std::find(f.dispatchers.begin(), f.dispatchers.end(), "ep") == f.dispatchers.end())
@@ -254,16 +268,22 @@ int main(int argc, char** argv) {
     fflush(stdout);
   }
 
-  // the dispatchers of the MoE seam, by name ("1gpu" runs moe_forward/moe_backward with all E experts)
-  auto make_dispatcher = [&](const std::string& name) -> std::unique_ptr<MoEDispatcher> {
-    if (name == "ep") return std::make_unique<EPDispatcher>(H, I, E, k, world);
-    if (name == "llep") return std::make_unique<LLEPDispatcher>(H, I, E, k, world, f.llep_alpha, f.llep_min_rows);
-    if (name == "pllep")
-      return std::make_unique<PLLEPDispatcher>(H, I, E, k, world, f.token_budget, f.kmax, f.llep_alpha, f.llep_min_rows);
-    if (name == "relay_expert") return std::make_unique<RelayDispatcher>(H, I, E, k, world, RelayMode::Expert);
-    if (name == "relay_token") return std::make_unique<RelayDispatcher>(H, I, E, k, world, RelayMode::Token);
-    if (name == "relay_auto") return std::make_unique<RelayDispatcher>(H, I, E, k, world, bench_relay_choice(f).mode);
-    return std::make_unique<LocalDispatcher>(H, I, E, k);
+  // the dispatchers of the MoE seam by label, each made by its registered factory (seams.cuh) for this
+  // layer as a model of one sequence of N tokens per rank; 1gpu (local) holds all E experts, the others
+  // exchange over the world (E_p = W)
+  auto make_dispatcher = [&](const std::string& label) -> std::unique_ptr<MoEDispatcher> {
+    const std::vector<SeamRun> runs = bench_dispatchers();
+    const SeamRun& run = *std::find_if(runs.begin(), runs.end(), [&](const SeamRun& r) { return r.label == label; });
+    ModelConfig c;
+    c.hidden = H, c.expert_dim = I, c.experts = E, c.topk = k, c.seq_len = N;
+    TrainConfig t;
+    t.gpus = t.ep = W;
+    t.batch = 1;
+    t.moe = run.choice;
+    if (!run.mode.empty()) set_train_flag(t, find_choice(moe_choices(), run.choice)->mode_flag, run.mode);
+    Seams s = seams_from(t, c);
+    s.llep_alpha = f.llep_alpha, s.llep_min_rows = f.llep_min_rows, s.token_budget = f.token_budget, s.kmax = f.kmax;
+    return factory_of(dispatcher_factories(), "--moe", run.choice).make(c, world, s);
   };
   const double MiB = 1048576.0;
   int status = EXIT_SUCCESS;
