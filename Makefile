@@ -63,6 +63,20 @@ P := $(call prec,$(PRECISION))
 CPU_TESTS := $(wildcard tests/cpu_*.cpp)
 GPU_TESTS := $(wildcard tests/gpu_*.cu)
 DIST_TESTS := $(wildcard tests/dist_*.cu)
+# Test files compiled together, as one translation unit per precision (build/unity/NAME.cu includes
+# them), so that the headers and kernels they share compile once, not once per file: the GPU tests that
+# build the whole model (model.cuh; a seventh of their CPU time) and the multi-rank tests. The files
+# of a group share one scope: each names its helpers for itself.
+GPU_MODEL_TESTS := $(addprefix tests/,gpu_adamw.cu gpu_memory_prediction.cu gpu_model.cu gpu_moe.cu gpu_profile.cu \
+                                      gpu_router.cu gpu_sco.cu)
+GPU_TEST_OBJS = $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(filter-out $(GPU_MODEL_TESTS),$(GPU_TESTS))) \
+                $(BUILD)/$(1)/gpu_model_tests.o
+# written at parse time, and only when its list changes (so that its object is not rebuilt for nothing)
+unity_source = $(shell mkdir -p $(BUILD)/unity && printf '\043include "%s"\n' $(2) > $(BUILD)/unity/$(1).new && \
+                 { cmp -s $(BUILD)/unity/$(1).new $(BUILD)/unity/$(1) || mv $(BUILD)/unity/$(1).new $(BUILD)/unity/$(1); } && \
+                 rm -f $(BUILD)/unity/$(1).new)
+$(call unity_source,gpu_model_tests.cu,$(GPU_MODEL_TESTS))
+$(call unity_source,dist_tests.cu,$(DIST_TESTS))
 BENCHES := $(patsubst tools/%.cu,%,$(wildcard tools/bench_*.cu))
 
 .PHONY: all deps cpu-deps data train test bench toy clean
@@ -160,11 +174,15 @@ $(BUILD)/$(1)/%.o: tests/%.cu | deps
 	@mkdir -p $$(@D)
 	$(NVCC) $(NVFLAGS) $(2) $(GTEST_INC) -c $$< -o $$@
 
-$(BUILD)/$(1)/test_gpu: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(GPU_TESTS)) $(CPU_ADAMW) $(GTEST_OBJS)
+$(BUILD)/$(1)/%.o: $(BUILD)/unity/%.cu | deps
+	@mkdir -p $$(@D)
+	$(NVCC) $(NVFLAGS) $(2) $(GTEST_INC) -c $$< -o $$@
+
+$(BUILD)/$(1)/test_gpu: $(call GPU_TEST_OBJS,$(1)) $(CPU_ADAMW) $(GTEST_OBJS)
 	$(NVCC) $(ARCH_FLAGS) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
 
 # multi-rank tests: dist_main.cu is their main (it starts the ranks), so no gtest_main
-$(BUILD)/$(1)/test_dist: $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(DIST_TESTS)) $(CPU_ADAMW) $(BUILD)/gtest/gtest-all.o
+$(BUILD)/$(1)/test_dist: $(BUILD)/$(1)/dist_tests.o $(CPU_ADAMW) $(BUILD)/gtest/gtest-all.o
 	$(NVCC) $(ARCH_FLAGS) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
 
 $(BUILD)/$(1)/bench_%: tools/bench_%.cu $(CPU_ADAMW) | deps

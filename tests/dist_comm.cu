@@ -15,6 +15,7 @@
 namespace {
 
 using testutil::Rng;
+using testutil::TestStream;
 
 // ---------------------------------------------------------------------------------------------
 // Host-only
@@ -146,13 +147,6 @@ size_t count_bit_mismatches(const std::vector<T>& got, const std::vector<T>& exp
     EXPECT_EQ(bad_, 0u) << what << " on rank " << test_world().rank << " of " << test_world().size << ": " \
                         << bad_ << " wrong elements; first at " << first_;                                 \
   } while (0)
-
-// A stream for one test, destroyed at its end.
-struct TestStream {
-  cudaStream_t stream = nullptr;
-  TestStream() { cudaCheck(cudaStreamCreate(&stream), "test.stream", "create"); }
-  ~TestStream() { cudaCheck(cudaStreamDestroy(stream), "test.stream", "destroy"); }
-};
 
 template <typename T>
 std::vector<T> download_after(const Comm& c, cudaStream_t stream, const char* op, const T* dev, size_t n) {

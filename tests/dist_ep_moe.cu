@@ -53,9 +53,9 @@ void check_case(const std::string& label, const GlobalCase& c, const Comm& ep, c
 TEST(EpMoEDist, BalancedRouting) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 37, 64, 40, 2, 2, profile_routing("balanced"));
-  check_case("ep balanced N=37 E_l=2 k=2", c, world, stream.s);
+  check_case("ep balanced N=37 E_l=2 k=2", c, world, stream.stream);
 }
 
 // hot:0.5/2 with k = 3: a hot token's slots go to experts 0, 1, 0 (both on rank 0), the rest walk
@@ -63,9 +63,9 @@ TEST(EpMoEDist, BalancedRouting) {
 TEST(EpMoEDist, HotRoutingWithRepeatedExperts) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 53, 128, 96, 4, 3, profile_routing("hot:0.5/2"));
-  check_case("ep hot:0.5/2 N=53 E_l=4 k=3", c, world, stream.s);
+  check_case("ep hot:0.5/2 N=53 E_l=4 k=3", c, world, stream.stream);
 }
 
 // hot:1/2 with E_l = 3: every token of every rank picks experts 0 and 1, so rank 0 receives all
@@ -73,18 +73,18 @@ TEST(EpMoEDist, HotRoutingWithRepeatedExperts) {
 TEST(EpMoEDist, AllRoutesToRankZero) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 29, 64, 48, 3, 2, profile_routing("hot:1/2"));
-  check_case("ep all to rank 0 N=29 E_l=3 k=2", c, world, stream.s);
+  check_case("ep all to rank 0 N=29 E_l=3 k=2", c, world, stream.stream);
 }
 
 TEST(EpMoEDist, RandomRoutingReplaysBitForBit) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 45, 64, 40, 2, 2, random_routing());
-  check_case("ep random N=45 E_l=2 k=2", c, world, stream.s);
-  Shard first = run_ep(c, world, stream.s), second = run_ep(c, world, stream.s);
+  check_case("ep random N=45 E_l=2 k=2", c, world, stream.stream);
+  Shard first = run_ep(c, world, stream.stream), second = run_ep(c, world, stream.stream);
   EXPECT_EQ(first.out, second.out);
   EXPECT_EQ(first.dx, second.dx);
   EXPECT_EQ(first.dtopk_w, second.dtopk_w);
@@ -179,35 +179,35 @@ void check_llep_case(const std::string& label, const GlobalCase& c, double alpha
 TEST(LlepDist, AllRoutesToRankZeroAreSpreadOverTheGroup) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 29, 64, 48, 3, 2, profile_routing("hot:1/2"));
-  check_llep_case("hot:1/2 N=29 E_l=3 k=2", c, 1.0, 4, {1, 2, 3, 7}, world, stream.s);
+  check_llep_case("hot:1/2 N=29 E_l=3 k=2", c, 1.0, 4, {1, 2, 3, 7}, world, stream.stream);
 }
 
 // hot:0.5/2 with k = 3 (a hot token's routes repeat expert 0), α = 1.1, pieces of any size.
 TEST(LlepDist, HotRoutingWithRepeatedExperts) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 53, 128, 96, 4, 3, profile_routing("hot:0.5/2"));
-  check_llep_case("hot:0.5/2 N=53 E_l=4 k=3", c, 1.1, 1, {2, 7}, world, stream.s);
+  check_llep_case("hot:0.5/2 N=53 E_l=4 k=3", c, 1.1, 1, {2, 7}, world, stream.stream);
 }
 
 TEST(LlepDist, BalancedRouting) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 37, 64, 40, 2, 2, profile_routing("balanced"));
-  check_llep_case("balanced N=37 E_l=2 k=2", c, 1.0, 1, {3}, world, stream.s);
+  check_llep_case("balanced N=37 E_l=2 k=2", c, 1.0, 1, {3}, world, stream.stream);
 }
 
 TEST(LlepDist, PipelinedReplaysBitForBit) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 45, 64, 40, 2, 2, random_routing());
   PLLEPDispatcher pllep(c.H, c.I, c.E, c.k, world, 1, 3, 1.0, 2);
-  Shard first = run_dispatch(c, pllep, world.rank, stream.s), second = run_dispatch(c, pllep, world.rank, stream.s);
+  Shard first = run_dispatch(c, pllep, world.rank, stream.stream), second = run_dispatch(c, pllep, world.rank, stream.stream);
   EXPECT_EQ(first.out, second.out);
   EXPECT_EQ(first.dx, second.dx);
   EXPECT_EQ(first.dtopk_w, second.dtopk_w);
@@ -222,14 +222,14 @@ TEST(LlepDist, PipelinedReplaysBitForBit) {
 TEST(LlepDist, RecomputedForwardGivesTheSameGradients) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 41, 64, 40, 2, 2, profile_routing("hot:0.5/2"));
   EPDispatcher ep(c.H, c.I, c.E, c.k, world);
   LLEPDispatcher llep(c.H, c.I, c.E, c.k, world, 1.0, 2);
   PLLEPDispatcher pllep(c.H, c.I, c.E, c.k, world, 1, 3, 1.0, 2);
   for (MoEDispatcher* d : std::vector<MoEDispatcher*>{&ep, &llep, &pllep}) {
-    const Shard once = run_dispatch(c, *d, world.rank, stream.s);
-    const Shard twice = run_dispatch(c, *d, world.rank, stream.s, true);
+    const Shard once = run_dispatch(c, *d, world.rank, stream.stream);
+    const Shard twice = run_dispatch(c, *d, world.rank, stream.stream, true);
     const std::string name = d == &ep ? "ep" : d == &llep ? "llep" : "pllep";
     SCOPED_TRACE(name);
     EXPECT_EQ(once.out, twice.out);

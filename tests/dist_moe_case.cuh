@@ -224,11 +224,4 @@ void expect_shard_near(const std::string& name, const Shard& got, const Shard& w
   EXPECT_REL(name.c_str(), "dW2 (+=)", testutil::rel_err(got.dW2, want.dW2), tol_w);
 }
 
-// A stream for one test, destroyed at the end.
-struct TestStream {
-  cudaStream_t s;
-  TestStream() { cudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "test", "stream"); }
-  ~TestStream() { cudaCheck(cudaStreamDestroy(s), "test", "stream"); }
-};
-
 }  // namespace

@@ -110,18 +110,18 @@ void check_relay_case(const std::string& label, const GlobalCase& c, const Comm&
 TEST(RelayMoEDist, BalancedRouting) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 37, 64, 40, 2, 2, profile_routing("balanced"));
-  check_relay_case("balanced N=37 E_l=2 k=2", c, world, stream.s);
+  check_relay_case("balanced N=37 E_l=2 k=2", c, world, stream.stream);
 }
 
 // hot:0.5/2 with k = 3: a hot token's slots go to experts 0, 1, 0 (a repeated expert in one hop).
 TEST(RelayMoEDist, HotRoutingWithRepeatedExperts) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 53, 128, 96, 4, 3, profile_routing("hot:0.5/2"));
-  check_relay_case("hot:0.5/2 N=53 E_l=4 k=3", c, world, stream.s);
+  check_relay_case("hot:0.5/2 N=53 E_l=4 k=3", c, world, stream.stream);
 }
 
 // hot:1/1 with k = 2: every route of every rank goes to expert 0 (both of a token's routes): in expert
@@ -131,28 +131,28 @@ TEST(RelayMoEDist, HotRoutingWithRepeatedExperts) {
 TEST(RelayMoEDist, EveryRouteToOneExpert) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 29, 64, 48, 2, 2, profile_routing("hot:1/1"));
-  check_relay_case("hot:1/1 N=29 E_l=2 k=2", c, world, stream.s);
+  check_relay_case("hot:1/1 N=29 E_l=2 k=2", c, world, stream.stream);
 }
 
 // hot:1/2 with E_l = 3: every token picks experts 0 and 1, both in rank 0's partition.
 TEST(RelayMoEDist, EveryRouteToRankZero) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 29, 64, 48, 3, 2, profile_routing("hot:1/2"));
-  check_relay_case("hot:1/2 N=29 E_l=3 k=2", c, world, stream.s);
+  check_relay_case("hot:1/2 N=29 E_l=3 k=2", c, world, stream.stream);
 }
 
 TEST(RelayMoEDist, RandomRoutingReplaysBitForBit) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 45, 64, 40, 2, 2, random_routing());
-  check_relay_case("random N=45 E_l=2 k=2", c, world, stream.s);
+  check_relay_case("random N=45 E_l=2 k=2", c, world, stream.stream);
   for (RelayMode mode : {RelayMode::Expert, RelayMode::Token}) {
-    const Shard first = run_relay(c, world, stream.s, mode), second = run_relay(c, world, stream.s, mode);
+    const Shard first = run_relay(c, world, stream.stream, mode), second = run_relay(c, world, stream.stream, mode);
     expect_bitwise_equal(std::string("relay ") + relay_mode_name(mode) + " replay rank " + std::to_string(world.rank), first,
                          second);
   }
@@ -165,10 +165,10 @@ TEST(RelayMoEDist, RandomRoutingReplaysBitForBit) {
 TEST(RelayMoEDist, RecomputedForwardGivesTheSameGradients) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  TestStream stream;
+  testutil::TestStream stream;
   GlobalCase c = make_case(testutil::fresh_seed(), world.size, 41, 64, 40, 2, 2, profile_routing("hot:0.5/2"));
   for (RelayMode mode : {RelayMode::Expert, RelayMode::Token}) {
-    const Shard once = run_relay(c, world, stream.s, mode), twice = run_relay(c, world, stream.s, mode, true);
+    const Shard once = run_relay(c, world, stream.stream, mode), twice = run_relay(c, world, stream.stream, mode, true);
     const std::string name = std::string("relay ") + relay_mode_name(mode) + " recomputed rank " + std::to_string(world.rank);
     EXPECT_TRUE(memcmp(once.dx.data(), twice.dx.data(), once.dx.size() * sizeof(double)) == 0) << name << ": dx";
     EXPECT_TRUE(memcmp(once.dtopk_w.data(), twice.dtopk_w.data(), once.dtopk_w.size() * sizeof(double)) == 0)

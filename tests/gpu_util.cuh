@@ -154,6 +154,15 @@ static __global__ void wait_for_host_kernel(int* out, const volatile int* releas
   if (out) out[0] = value;
 }
 
+// A stream for one test, destroyed at the end.
+struct TestStream {
+  cudaStream_t stream = nullptr;
+  TestStream() { cudaCheck(cudaStreamCreate(&stream), "test.stream", "create"); }
+  ~TestStream() { cudaCheck(cudaStreamDestroy(stream), "test.stream", "destroy"); }
+  TestStream(const TestStream&) = delete;
+  TestStream& operator=(const TestStream&) = delete;
+};
+
 // A host flag the GPU can read while a kernel runs.
 struct HostFlag {
   int* host = nullptr;
