@@ -255,7 +255,7 @@ TEST(GpuModel, RecomputeIsBitIdenticalAndLowersPeak) {
 // --moe local --token_budget c (ops/moe.cuh's LocalDispatcher): the routed experts in chunks of at most c
 // tokens, nothing kept from the forward, each chunk recomputed in the backward. With and without
 // recomputation, on the plain and the dense-layer + shared-expert variants (B·T = 74 tokens, c = 16: 5
-// chunks of 15): a pass's loss and every gradient, and four training steps' losses, within the model
+// chunks, of 15 tokens but the last of 14): a pass's loss and every gradient, and four training steps' losses, within the model
 // tolerance of the unchunked run's (the chunks' expert GEMMs and weight-gradient sums round otherwise;
 // ops/moe.cuh), and the pass's dispatch peak (Dispatch + ExpertIntermediates) below the unchunked one's.
 TEST(GpuModel, LocalTokenBudgetTrainsAsTheUnchunkedLayer) {
