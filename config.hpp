@@ -80,7 +80,8 @@ struct TrainConfig {
   std::string moe = "";                    // MoE dispatcher: local (E_p = 1) | ep | llep | pllep | relay; "" = local at E_p = 1, else ep
   float llep_alpha = 1.0f;                 // llep, pllep: capacity cap = ⌈α·routes/E_p⌉ per rank (α >= 1)
   int llep_min_rows = 32;                  // llep, pllep: the smallest helper piece (one weight transfer + one GEMM)
-  int token_budget = 4096;                 // pllep: c, tokens per rank per chunk
+  int token_budget = 0;                    // local, pllep: c, tokens per rank per chunk; 0 = the dispatcher's
+                                           // default (local: no chunks; pllep: 4096)
   int kmax = 10;                           // pllep: K_max, the most chunks
   std::string relay_mode = "auto";         // relay: what travels the ring: auto | expert | token
   std::string head = "full";               // output head: full (logits [N,V] inside the head) | chunked (the
@@ -484,7 +485,20 @@ inline std::string either(const std::vector<std::string>& names) {
 // --moe: how a layer's routed experts are computed (MoEDispatcher, ops/moe.cuh).
 inline const std::vector<SeamChoice>& moe_choices() {
   static const std::vector<SeamChoice> choices = {
-      {"local", "every expert on each rank, no exchange", "ops/moe.cuh", SeamNeeds::EveryExpert, "", nullptr, "", {}},
+      {"local", "every expert on each rank, no exchange; with --token_budget c, in chunks of at most c tokens",
+       "ops/moe.cuh", SeamNeeds::EveryExpert, "--token_budget c (0: no chunks)",
+       [](const SeamChoice&, const TrainConfig& t) -> std::string {  // --token_budget, for every dispatcher that reads it
+         if (t.token_budget < 0)
+           return "token_budget must be >= 0 (0: the dispatcher's default), got " + std::to_string(t.token_budget);
+         std::vector<std::string> readers;
+         for (const SeamChoice& c : moe_choices())
+           if (c.flags.find("--token_budget") != std::string::npos) readers.push_back(c.name);
+         if (t.token_budget > 0 && !has_name(readers, moe_dispatcher(t)))
+           return "--token_budget " + std::to_string(t.token_budget) + " chunks the routes of --moe " + either(readers) +
+                  " (this run has --moe " + moe_dispatcher(t) + ")";
+         return "";
+       },
+       "", {}},
       {"ep", "standard expert parallelism: routes to their expert's rank and back", "ops/ep_moe.cuh",
        SeamNeeds::ExpertGroup, "", nullptr, "", {}},
       {"llep", "LLEP: an overloaded rank lends experts' routes and weights to helpers", "ops/llep.cuh",
@@ -498,11 +512,9 @@ inline const std::vector<SeamChoice>& moe_choices() {
        },
        "", {}},
       {"pllep", "PipelinedLLEP: LLEP in chunks of c tokens per rank, pipelined", "ops/pipelined_llep.cuh",
-       SeamNeeds::ExpertGroup, "--token_budget c --kmax K --llep_alpha a --llep_min_rows n",
+       SeamNeeds::ExpertGroup, "--token_budget c (0: 4096) --kmax K --llep_alpha a --llep_min_rows n",
        [](const SeamChoice&, const TrainConfig& t) -> std::string {
-         if (t.token_budget < 1 || t.kmax < 1)
-           return "token_budget and kmax must be >= 1, got " + std::to_string(t.token_budget) + " and " +
-                  std::to_string(t.kmax);
+         if (t.kmax < 1) return "kmax must be >= 1, got " + std::to_string(t.kmax);
          return "";
        },
        "", {}},

@@ -8,7 +8,9 @@
 //     selective attention recomputation keeps what fits (ops/sar_plan.hpp);
 //   --offload_budget: SCO's boundaries in pinned host memory, 0..L of them (under --recompute 1);
 //   --head full | chunked with --vocab_block 8192, 4096, 2048, 1024 (one rank of the vocabulary);
-//   --optimizer adamw | offload_adamw (β = 2^22, 2 slots) | cpu_adamw.
+//   --optimizer adamw | offload_adamw (β = 2^22, 2 slots) | cpu_adamw;
+//   --token_budget (--moe local: the routed experts in chunks, ops/moe.cuh's LocalDispatcher): none, or
+//     16384, 8192, 4096, 2048, 1024, 512 tokens (below the rank's B·T), the outermost choice.
 // A setting fits when the prediction's pool peak is within the device budget and its pinned host bytes
 // within the host budget. Among those that fit it takes the one of the smallest estimated step time
 // (plan_step_seconds), the first in the order above on a tie: the FLOPs the step computes at the GPU's
@@ -18,7 +20,10 @@
 //   the chunked head: the logits' GEMM once more in the backward (2·N·V·H per micro-batch);
 //   SCO: 2 % of the step per L offloaded boundaries (paper: < 2 %, the copies hidden behind compute);
 //   offload_adamw: 12 bytes per parameter of the shard each way over the host link (notes/design.md
-//     §6.7's floor); cpu_adamw: 2.05 times that (paper: OffloadStreamAdamW 2.05x faster than CPU Adam).
+//     §6.7's floor); cpu_adamw: 2.05 times that (paper: OffloadStreamAdamW 2.05x faster than CPU Adam);
+//   the local token budget (in more than one chunk): the routed experts' forward GEMMs once more in the
+//     backward, 6·N·k·H·I per MoE layer — but under recomputation, whose recomputed layers then skip
+//     them (the same FLOPs: a tie, which the unchunked setting wins by coming first).
 // Nothing fits: the refusal names the largest term of the most frugal setting's prediction.
 #pragma once
 #include <algorithm>
@@ -87,6 +92,11 @@ struct PlanResult {
   std::string refusal;  // !fits: why, naming the largest term
 };
 
+// Whether setting `t` runs the local dispatcher's routed experts in more than one chunk of its N tokens.
+inline bool local_chunked(const TrainConfig& t, long long N) {
+  return moe_dispatcher(t) == "local" && t.token_budget > 0 && N > t.token_budget;
+}
+
 // The estimated step time of setting `t` (the header's cost model); B, T, accum: one rank's batch; b:
 // bytes per activation.
 inline double plan_step_seconds(const ModelConfig& c, const TrainConfig& t, const RankUse& use, const PlanLimits& limits,
@@ -95,6 +105,8 @@ inline double plan_step_seconds(const ModelConfig& c, const TrainConfig& t, cons
   double flops = flops_per_token(c) * N;
   if (t.recompute) flops += (flops_per_token(c) - head) / 3 * N - use.attention_kept.flops_saved;
   if (t.head == "chunked") flops += 2.0 * N * c.vocab * c.hidden;
+  if (local_chunked(t, (long long)N) && !t.recompute)
+    flops += 6.0 * N * c.topk * c.hidden * (double)c.expert_dim * (c.layers - c.n_dense);
   double seconds = flops * accum / limits.gemm_flops;
   const double base = seconds;
   if (t.recompute && t.offload_budget > 0) {
@@ -125,23 +137,29 @@ inline std::vector<TrainConfig> plan_settings(const ModelConfig& c, const TrainC
                                                          {"offload_adamw", 1 << 22},
                                                          {"cpu_adamw", 1 << 22}};
   if (fixed("--optimizer") || fixed("--offload_bucket")) optimizers = {{given.optimizer, given.offload_bucket}};
+  std::vector<int> token_budgets = {given.token_budget};
+  if (moe_dispatcher(given) == "local" && !fixed("--token_budget"))
+    for (int budget : {16384, 8192, 4096, 2048, 1024, 512})
+      if (budget < (long long)B * T) token_budgets.push_back(budget);
   const long long boundary = (long long)B * T * c.hidden * (long long)b;
   std::vector<TrainConfig> settings;
-  for (int r : recompute)
-    for (const auto& [head, block] : heads)
-      for (const auto& [optimizer, bucket] : optimizers)
-        for (int offloaded = 0; offloaded <= (r ? c.layers : 0); offloaded++) {
-          if (fixed("--offload_budget") && offloaded > 0) break;
-          TrainConfig t = given;
-          t.recompute = r;
-          t.head = head;
-          t.vocab_block = block;
-          t.optimizer = optimizer;
-          t.offload_bucket = bucket;
-          if (!fixed("--offload_budget")) t.offload_budget = offloaded * boundary;
-          if (!fixed("--device_budget")) t.device_budget = r ? std::to_string(std::max(2LL, device_budget)) : "0";
-          settings.push_back(t);
-        }
+  for (int token_budget : token_budgets)
+    for (int r : recompute)
+      for (const auto& [head, block] : heads)
+        for (const auto& [optimizer, bucket] : optimizers)
+          for (int offloaded = 0; offloaded <= (r ? c.layers : 0); offloaded++) {
+            if (fixed("--offload_budget") && offloaded > 0) break;
+            TrainConfig t = given;
+            t.token_budget = token_budget;
+            t.recompute = r;
+            t.head = head;
+            t.vocab_block = block;
+            t.optimizer = optimizer;
+            t.offload_bucket = bucket;
+            if (!fixed("--offload_budget")) t.offload_budget = offloaded * boundary;
+            if (!fixed("--device_budget")) t.device_budget = r ? std::to_string(std::max(2LL, device_budget)) : "0";
+            settings.push_back(t);
+          }
   return settings;
 }
 

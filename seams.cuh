@@ -24,7 +24,8 @@
 #include "runtime/comm.cuh"
 
 // The seams' choices (--moe, --head, --optimizer, --offload_budget); moe "" = local at E_p = 1, else ep.
-// The llep settings serve llep and pllep, the chunking pllep, relay_mode relay, the bucket offload_adamw and
+// The llep settings serve llep and pllep, the token budget local and pllep (0: the dispatcher's default), the
+// chunk ceiling pllep, relay_mode relay, the bucket offload_adamw and
 // cpu_adamw, the slots offload_adamw, the offload budget (host bytes for layer boundaries, 0 = none) SCO.
 struct Seams {
   std::string moe, head = "full", optimizer = "adamw";
@@ -32,7 +33,7 @@ struct Seams {
   int vocab_block = 4096;
   double llep_alpha = 1.0;
   long long llep_min_rows = 32;
-  int token_budget = 4096, kmax = 10;
+  int token_budget = 0, kmax = 10;
   int offload_bucket = 1 << 22, offload_slots = 2;
   long long offload_budget = 0;
   RelayMode relay_mode = RelayMode::Expert;  // relay: what travels the ring (auto resolved by relay_choice)
@@ -83,6 +84,9 @@ struct OptimizerFactory {
   StartupRows (*rows)(const TrainConfig& t, const ModelConfig& c);
 };
 
+// pllep's token budget c: --token_budget, or PLLEP_TOKEN_BUDGET where it is 0 (not given).
+inline int pllep_token_budget(int token_budget) { return token_budget > 0 ? token_budget : PLLEP_TOKEN_BUDGET; }
+
 // llep's settings, which pllep shares.
 inline StartupRows llep_rows(const TrainConfig& t, const ModelConfig&) {
   return {{"llep alpha/min_rows", std::to_string(t.llep_alpha).substr(0, 5) + " / " + std::to_string(t.llep_min_rows)}};
@@ -92,10 +96,15 @@ inline const std::vector<DispatcherFactory>& dispatcher_factories() {
   using Made = std::unique_ptr<MoEDispatcher>;
   static const std::vector<DispatcherFactory> factories = {
       {"local",
-       [](const ModelConfig& c, const Comm&, const Seams&) -> Made {
-         return std::make_unique<LocalDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk);
+       [](const ModelConfig& c, const Comm&, const Seams& s) -> Made {
+         return std::make_unique<LocalDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, s.token_budget);
        },
-       nullptr},
+       [](const TrainConfig& t, const ModelConfig& c) {  // the chunks of a training micro-batch, when there is a budget
+         if (t.token_budget == 0) return StartupRows{};
+         const TokenChunks chunks = token_chunks(t.batch * c.seq_len, t.token_budget);
+         return StartupRows{{"local c/K", std::to_string(t.token_budget) + " / " + std::to_string(chunks.count) + " (" +
+                                              std::to_string(chunks.size) + " tokens a chunk)"}};
+       }},
       {"ep",
        [](const ModelConfig& c, const Comm& ep, const Seams&) -> Made {
          return std::make_unique<EPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, ep);
@@ -108,12 +117,12 @@ inline const std::vector<DispatcherFactory>& dispatcher_factories() {
        llep_rows},
       {"pllep",
        [](const ModelConfig& c, const Comm& ep, const Seams& s) -> Made {
-         return std::make_unique<PLLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, ep, s.token_budget, s.kmax,
+         return std::make_unique<PLLEPDispatcher>(c.hidden, c.expert_dim, c.experts, c.topk, ep, pllep_token_budget(s.token_budget), s.kmax,
                                                   s.llep_alpha, s.llep_min_rows);
        },
        [](const TrainConfig& t, const ModelConfig& c) {
          StartupRows rows = llep_rows(t, c);
-         rows.push_back({"pllep c/K_max", std::to_string(t.token_budget) + " / " + std::to_string(t.kmax)});
+         rows.push_back({"pllep c/K_max", std::to_string(pllep_token_budget(t.token_budget)) + " / " + std::to_string(t.kmax)});
          return rows;
        }},
       {"relay",

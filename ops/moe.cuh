@@ -34,7 +34,7 @@
 // over da, so the backward consumes y and h13 and a is not computed on its own. All temporaries are
 // freed before each launcher returns, but for moe_backward's da and xp when its dW2 and dW13 run on a
 // weight-gradient stream (held until the caller joins it). Under skew nothing here is bounded except
-// by R = N·k.
+// by R = N·k; --moe local's token budget c bounds it by one chunk's, R = c·k (LocalDispatcher, below).
 // Determinism: integer atomics only (counting); every float sum has a fixed order; the grouped GEMMs
 // are deterministic for a fixed problem list.
 // Profiling (runtime/profile.cuh): each piece below opens a sub-range of its caller's range with
@@ -843,7 +843,7 @@ inline void moe_backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, 
 //   weight_grads: the layer's weight-gradient stream (nullptr: none), set by the model after making
 //             the dispatcher. backward may enqueue its weight gradients there (side_run) and keep
 //             their inputs until the model joins the stream at the end of the layer's backward
-//             (side_hold); --moe local does. Otherwise it computes everything on `stream`.
+//             (side_hold); --moe local does, unless in chunks. Otherwise it computes everything on `stream`.
 //   live_bound(N): what it holds in the pool for one layer with N tokens on every rank, whatever the
 //             routing (DispatchBound: saved, peak, held); the per-rank prediction (Eq. 6) adds it, and
 //             the tests hold the measured peaks to it.
@@ -898,13 +898,56 @@ struct MoEDispatcher {
   SideStream* weight_grads = nullptr;
 };
 
-// --moe local: every expert on this rank (moe_forward / moe_backward).
+// --moe local with a token budget c (--token_budget; 0 = none): a layer of N > c tokens computed in K =
+// ⌈N/c⌉ chunks of s = ⌈N/K⌉ ≤ c consecutive tokens (chunk i: tokens [i·s, min(N, (i+1)·s)), the last
+// shorter; none empty since (K−1)·s < N). At N ≤ c, or c = 0, one chunk: the whole layer at once.
+struct TokenChunks {
+  int count = 1;  // K
+  int size = 0;   // s, the tokens of every chunk but the last
+};
+inline TokenChunks token_chunks(int N, int token_budget) {
+  if (N < 0 || token_budget < 0)
+    fm_fail("token_chunks", "need N >= 0 and a token budget >= 0 (0: one chunk)", "N=%d c=%d", N, token_budget);
+  TokenChunks chunks;
+  if (token_budget > 0 && N > token_budget) chunks.count = (int)(((long long)N + token_budget - 1) / token_budget);
+  chunks.size = (int)(((long long)N + chunks.count - 1) / chunks.count);
+  return chunks;
+}
+
+// --moe local: every expert on this rank (moe_forward / moe_backward), in chunks of at most c tokens
+// when a token budget c < N is given (--token_budget; token_chunks).
+// One chunk (c = 0 or N ≤ c): moe_forward's saved state kept to the backward (moe_live_bound at N).
+// K > 1 chunks: forward computes each chunk's out rows (moe_forward with the chunk's rows of x, topk_idx,
+//   topk_w, out and residual) and frees its state before the next; nothing is kept, the layer's x,
+//   topk_idx and topk_w being the routing its backward replays. backward recomputes each chunk's
+//   forward (moe_forward, out = nullptr) and runs its moe_backward: dx and dtopk_w chunk rows (=), dW13
+//   and dW2 (+=, over the chunks in order). forward with out = nullptr (a layer's recomputation) does
+//   nothing: backward recomputes anyway. The price: the experts' forward GEMMs run once more, which a
+//   layer under --recompute pays anyway (its recomputation skips them here).
+//   Contiguous chunks, not PipelinedLLEP's strided ones (ops/pipelined_llep.cuh): strides spread an
+//   expert's relocated routes over LLEP's helpers, and one rank has no helpers; a contiguous chunk's
+//   rows of x, out, dout, dx, topk_idx, topk_w and dtopk_w are slices of the layer's (pointer offsets),
+//   so nothing is gathered or scattered, and every row's arithmetic is the unchunked one's but for the
+//   expert GEMMs' cut into problems (which may change their kernel: out, dx, dtopk_w within the
+//   operator tolerance, not bit for bit) and the weight gradients, summed chunk by chunk (K roundings
+//   of the += in the BF16 build).
+//   Weight gradients on `stream`, not on the layer's weight-gradient stream: a chunk's dW13 and dW2 read
+//   its saved state, xp and da, which would stay held until the layer's join — K chunks of them, the
+//   live set the chunks bound. So backward holds nothing after it returns (held = 0).
+//   Live set: one chunk's moe_live_bound at s tokens, without a weight-gradient stream — saved 0, peak
+//   8·R_s + 4·(E+1) + 2·R_s·H·b + 3·R_s·I·b + 3·8·E B (R_s = s·k routes), held 0 — whatever the routing:
+//   the chunk loop holds nothing beside it. The forward's chunks hold at most the backward's (moe_live_bound).
 struct LocalDispatcher : MoEDispatcher {
   struct Saved : DispatchSaved {
-    MoESaved moe;
+    MoESaved moe;            // one chunk: moe_forward's state; K > 1: empty
+    int chunked_tokens = 0;  // K > 1: N, the tokens backward recomputes in chunks; one chunk: 0
     ~Saved() override { moe_saved_free(moe); }
   };
-  using MoEDispatcher::MoEDispatcher;
+  int token_budget = 0;  // c; 0: none
+  LocalDispatcher(int H_, int I_, int E_, int k_, int token_budget_ = 0)
+      : MoEDispatcher(H_, I_, E_, k_), token_budget(token_budget_) {
+    if (token_budget < 0) fm_fail("LocalDispatcher", "the token budget must be >= 0 (0: none)", "c=%d", token_budget);
+  }
   std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
                                          const floatX* W13, const floatX* W2, int N, cudaStream_t stream) override {
     return forward_residual(out, nullptr, x, topk_idx, topk_w, W13, W2, N, stream);
@@ -913,16 +956,54 @@ struct LocalDispatcher : MoEDispatcher {
                                                   const int* topk_idx, const float* topk_w, const floatX* W13,
                                                   const floatX* W2, int N, cudaStream_t stream) override {
     auto saved = std::make_unique<Saved>();
-    moe_forward(out, saved->moe, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, stream, false, residual);
+    const TokenChunks chunks = token_chunks(N, token_budget);
+    if (chunks.count == 1) {
+      moe_forward(out, saved->moe, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, stream, false, residual);
+      return saved;
+    }
+    saved->chunked_tokens = N;
+    if (out == nullptr) return saved;  // a recomputation: backward recomputes every chunk
+    for_each_chunk(N, chunks, [&](size_t first, int n) {
+      MoESaved chunk;
+      moe_forward(out + first * H, chunk, x + first * H, topk_idx + first * k, topk_w + first * k, W13, W2, n, H, I, E,
+                  k, stream, false, residual ? residual + first * H : nullptr);
+      moe_saved_free(chunk);
+    });
     return saved;
   }
   void backward(floatX* dx, float* dtopk_w, floatX* dW13, floatX* dW2, const floatX* dout, const DispatchSaved& saved,
                 const floatX* x, const int* topk_idx, const float* topk_w, const floatX* W13, const floatX* W2,
                 cudaStream_t stream) override {
-    moe_backward(dx, dtopk_w, dW13, dW2, dout, static_cast<const Saved&>(saved).moe, x, topk_idx, topk_w, W13, W2,
-                 stream, weight_grads);
+    const Saved& local = static_cast<const Saved&>(saved);
+    if (local.chunked_tokens == 0) {
+      moe_backward(dx, dtopk_w, dW13, dW2, dout, local.moe, x, topk_idx, topk_w, W13, W2, stream, weight_grads);
+      return;
+    }
+    const int N = local.chunked_tokens;
+    for_each_chunk(N, token_chunks(N, token_budget), [&](size_t first, int n) {
+      MoESaved chunk;
+      const floatX* x_chunk = x + first * H;
+      const int* idx_chunk = topk_idx + first * k;
+      const float* w_chunk = topk_w + first * k;
+      moe_forward(nullptr, chunk, x_chunk, idx_chunk, w_chunk, W13, W2, n, H, I, E, k, stream);
+      moe_backward(dx + first * H, dtopk_w + first * k, dW13, dW2, dout + first * H, chunk, x_chunk, idx_chunk, w_chunk,
+                   W13, W2, stream, nullptr);
+      moe_saved_free(chunk);
+    });
   }
   DispatchBound live_bound(int N) const override {
-    return moe_live_bound(N, H, I, E, k, sizeof(floatX), weight_grads != nullptr);
+    const TokenChunks chunks = token_chunks(N, token_budget);
+    if (chunks.count == 1) return moe_live_bound(N, H, I, E, k, sizeof(floatX), weight_grads != nullptr);
+    return DispatchBound{0, moe_live_bound(chunks.size, H, I, E, k, sizeof(floatX), false).peak, 0};
+  }
+
+ private:
+  // f(first token, tokens) for each chunk, in order.
+  template <typename F>
+  static void for_each_chunk(int N, const TokenChunks& chunks, F f) {
+    for (int i = 0; i < chunks.count; i++) {
+      const size_t first = (size_t)i * chunks.size;
+      f(first, (int)std::min<size_t>(chunks.size, N - first));
+    }
   }
 };

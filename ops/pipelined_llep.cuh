@@ -78,6 +78,8 @@
 // ---------------------------------------------------------------------------------------------
 // Host-side plan (pure C++: no CUDA call)
 
+static const int PLLEP_TOKEN_BUDGET = 4096;  // c where --token_budget is not given (0)
+
 struct PLLEPChunking {
   int chunks = 0;                    // K
   int c_eff = 0;                     // ⌈max_r N_r / K⌉

@@ -335,10 +335,38 @@ TEST(ConfigSeams, RefusesLLEPSettingsThatCannotRun) {
   EXPECT_EQ(validate_error(t, m), "llep_min_rows must be >= 1, got 0");
   t.llep_min_rows = 1;
   t.kmax = 0;
-  EXPECT_EQ(validate_error(t, m), "token_budget and kmax must be >= 1, got 4096 and 0");
+  EXPECT_EQ(validate_error(t, m), "kmax must be >= 1, got 0");
   t.kmax = 1;
   t.moe = "ring";
   EXPECT_EQ(validate_error(t, m), "--moe expects one of local, ep, llep, pllep, relay, got 'ring'");
+}
+
+// --token_budget c: 0 (not given) is every dispatcher's default; c > 0 chunks the routes of --moe local
+// and pllep, the dispatchers that read it, and is refused with any other, naming the flag and those that
+// read it, before the GPU starts; a negative budget is refused whichever dispatcher runs.
+TEST(ConfigSeams, TokenBudgetIsReadByLocalAndPllepAlone) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  EXPECT_EQ(t.token_budget, 0) << "not given by default";
+  for (const char* moe : {"", "local", "ep", "llep", "pllep", "relay"}) {
+    t.moe = moe;
+    t.gpus = std::string(moe).empty() || std::string(moe) == "local" ? 1 : 2;
+    t.token_budget = 0;
+    EXPECT_EQ(validate_error(t, m), "") << moe;
+    t.token_budget = 512;
+    const bool reads = moe_dispatcher(t) == "local" || moe_dispatcher(t) == "pllep";
+    EXPECT_EQ(validate_error(t, m), reads ? "" : "--token_budget 512 chunks the routes of --moe local or pllep (this run has --moe " +
+                                                     moe_dispatcher(t) + ")")
+        << moe;
+    t.token_budget = -1;
+    EXPECT_EQ(validate_error(t, m), "token_budget must be >= 0 (0: the dispatcher's default), got -1") << moe;
+  }
+  t = TrainConfig();
+  t.gpus = 2;  // --moe left out at E_p = 2: ep, which does not read it
+  t.token_budget = 64;
+  EXPECT_EQ(validate_error(t, m), "--token_budget 64 chunks the routes of --moe local or pllep (this run has --moe ep)");
+  t.ep = 1;  // E_p = 1: local
+  EXPECT_EQ(validate_error(t, m), "");
 }
 
 // --moe relay and --relay_mode: expert, token and auto run; --relay_mode belongs to --moe relay alone;

@@ -26,9 +26,11 @@ PlanLimits limits_of(long long device, long long host) {
 
 // A memory model that every saver lowers: the activations (halved by the chunked head's logits, an
 // eighth kept under recomputation plus the kept attention), the optimizer's state (to the host), the
-// boundaries (to the host under SCO).
+// boundaries (to the host under SCO), the routed experts' dispatch (16 KiB a token of a chunk: 64 MiB
+// unchunked at B·T = 4096, 8 MiB at a local token budget of 512).
 RankUse made_up_use(const ModelConfig& c, const TrainConfig& t, int B, int T) {
   const size_t MiB = 1 << 20, boundary = (size_t)B * T * c.hidden * 2;
+  const size_t dispatch = (size_t)(local_chunked(t, (long long)B * T) ? t.token_budget : B * T) * 16 * 1024;
   RankUse use;
   use.shard = 10'000'000;
   const size_t logits = t.head == "chunked" ? (size_t)t.vocab_block * B * T * 4 / 4 : 64 * MiB;
@@ -37,7 +39,7 @@ RankUse made_up_use(const ModelConfig& c, const TrainConfig& t, int B, int T) {
   const size_t boundaries = t.recompute ? (c.layers + 1 - offloaded) * boundary : 0;
   const size_t optimizer = t.optimizer == "adamw" ? 12 * use.shard : t.optimizer == "offload_adamw" ? 8 * MiB : 0;
   use.device.terms = {{"weights", 20 * MiB}, {"optimizer", optimizer}, {"kept activations", activations},
-                      {"boundaries", boundaries}, {"output head", logits}};
+                      {"boundaries", boundaries}, {"output head", logits}, {"dispatch", dispatch}};
   use.device.peak_at = "the output head";
   use.host = offloaded * boundary + (t.optimizer == "adamw" ? 0 : t.optimizer == "offload_adamw" ? 12 : 20) * use.shard;
   if (t.recompute && parse_device_budget(t.device_budget).bytes > (long long)use.device.total())
@@ -163,6 +165,57 @@ TEST(PlanAuto, EstimateOrdersTheSavers) {
   EXPECT_LT(seconds(offload), seconds(cpu));
   EXPECT_DOUBLE_EQ(seconds(sco), 1.02 * seconds(recompute)) << "every boundary offloaded";
   EXPECT_DOUBLE_EQ(seconds(offload) - seconds(plain), 12.0 * use.shard / limits.link_bytes_per_s);
+}
+
+// --moe local's token budget is searched where the unchunked MoE does not fit: at 100 MiB only a chunked
+// setting fits (the most frugal unchunked one needs 131 MiB), and with the rest of the choice the largest
+// budget that fits is taken (budgets below B·T = 4096 only); with room for the plain run, none. (Between
+// the two it may chunk to keep a faster saver's setting: at 300 MiB, Adam's state on the device.) It is not searched for a
+// dispatcher that does not read it, nor when the user gave it. Its cost: the experts' forward once more,
+// but under recomputation (a tie, which the unchunked setting wins by coming first).
+TEST(PlanAuto, ChoosesALocalTokenBudgetWhenNothingElseFits) {
+  const ModelConfig c = plan_model();
+  const TrainConfig given;
+  const int B = 16, T = 256;
+  const PlanLimits tight_limits = limits_of(100LL << 20, 4000LL << 20);
+  const PlanResult tight = plan_with(c, given, {}, tight_limits);
+  ASSERT_TRUE(tight.fits) << tight.refusal;
+  const int chosen_budget = tight.chosen.train.token_budget;
+  EXPECT_GT(chosen_budget, 0);
+  EXPECT_NE(plan_flags(given, tight.chosen.train).find("--token_budget " + std::to_string(chosen_budget)), std::string::npos)
+      << plan_flags(given, tight.chosen.train);
+  for (int larger : {0, 2048, 1024}) {  // the same choice with no budget or a larger one does not fit
+    if (larger != 0 && larger <= chosen_budget) continue;
+    TrainConfig t = tight.chosen.train;
+    t.token_budget = larger;
+    EXPECT_GT((long long)made_up_use(c, t, B, T).device.total(), tight_limits.device) << "--token_budget " << larger;
+  }
+  const PlanResult roomy = plan_with(c, given, {}, limits_of(1LL << 40, 1LL << 40));
+  ASSERT_TRUE(roomy.fits) << roomy.refusal;
+  EXPECT_EQ(roomy.chosen.train.token_budget, 0) << "the unchunked MoE fits";
+  std::vector<int> searched;
+  for (const TrainConfig& t : plan_settings(c, given, {}, B, T, 2, 100LL << 20))
+    if (searched.empty() || searched.back() != t.token_budget) searched.push_back(t.token_budget);
+  EXPECT_EQ(searched, (std::vector<int>{0, 2048, 1024, 512})) << "none first, then the budgets below B·T, largest first";
+
+  TrainConfig ep = given;
+  ep.gpus = 2;  // --moe left out at E_p = 2: ep
+  for (const TrainConfig& t : plan_settings(c, ep, {}, B, T, 2, 100LL << 20)) EXPECT_EQ(t.token_budget, 0);
+  TrainConfig fixed = given;
+  fixed.token_budget = 1024;
+  for (const TrainConfig& t : plan_settings(c, fixed, {"--token_budget"}, B, T, 2, 100LL << 20))
+    EXPECT_EQ(t.token_budget, 1024);
+
+  const PlanLimits limits = limits_of(1LL << 30, 1LL << 30);
+  RankUse use;
+  TrainConfig plain, chunked = given, recompute, recompute_chunked;
+  chunked.token_budget = 512;
+  recompute.recompute = recompute_chunked.recompute = 1;
+  recompute_chunked.token_budget = 512;
+  auto seconds = [&](const TrainConfig& t) { return plan_step_seconds(c, t, use, limits, B, T, 1, 2); };
+  const double expert_forward = 6.0 * B * T * c.topk * c.hidden * c.expert_dim * c.layers / limits.gemm_flops;
+  EXPECT_DOUBLE_EQ(seconds(chunked) - seconds(plain), expert_forward);
+  EXPECT_DOUBLE_EQ(seconds(recompute_chunked), seconds(recompute));
 }
 
 TEST(PlanAuto, FlagsAreTheChangedOnesAsACommandLine) {

@@ -252,6 +252,76 @@ TEST(GpuModel, RecomputeIsBitIdenticalAndLowersPeak) {
   model_destroy(m);
 }
 
+// --moe local --token_budget c (ops/moe.cuh's LocalDispatcher): the routed experts in chunks of at most c
+// tokens, nothing kept from the forward, each chunk recomputed in the backward. With and without
+// recomputation, on the plain and the dense-layer + shared-expert variants (B·T = 74 tokens, c = 16: 5
+// chunks, of 15 tokens but the last of 14): a pass's loss and every gradient, and four training steps' losses, within the model
+// tolerance of the unchunked run's (the chunks' expert GEMMs and weight-gradient sums round otherwise;
+// ops/moe.cuh), and the pass's dispatch peak (Dispatch + ExpertIntermediates) below the unchunked one's.
+TEST(GpuModel, LocalTokenBudgetTrainsAsTheUnchunkedLayer) {
+  REQUIRE_GPU();
+  struct Run {
+    float loss = 0;
+    std::vector<float> grads;
+    size_t dispatch_peak = 0;
+    std::vector<float> losses;
+    std::vector<ParamSpec> specs;
+    std::vector<size_t> offsets;  // each tensor's place in the gradients
+  };
+  for (int variant : {0, 1})
+    for (int recompute : {0, 1}) {
+      const ModelConfig c = config_variant(variant);
+      const int B = 2, T = c.seq_len, N = B * T, steps = 4;
+      testutil::Rng rng;
+      const std::vector<float> master = random_master(c, rng);
+      std::vector<std::vector<int>> xs(steps), ys(steps);
+      for (int i = 0; i < steps; i++) random_tokens(N, c.vocab, rng, xs[i], ys[i]);
+      auto train = [&](int token_budget) {
+        TrainConfig t;
+        t.lr = 2e-3f; t.warmup = 1; t.steps = steps; t.recompute = recompute; t.token_budget = token_budget;
+        cudaStream_t stream = stream_create("test.compute", StreamPriority::Compute);
+        Model m = model_create(c, 11, Parallel(), stream, seams_from(t, c));
+        model_set_master(m, master);
+        Run r;
+        model_zero_grads(m);
+        cudaCheck(cudaDeviceSynchronize(), "test", "sync");
+        const size_t dispatch_before = pool().live(Mem::Dispatch) + pool().live(Mem::ExpertIntermediates);
+        pool().reset_peak();
+        PassOptions o;
+        o.dloss = 1.f / N;
+        o.recompute = recompute == 1;
+        r.loss = model_pass(m, xs[0].data(), ys[0].data(), B, T, o);
+        r.dispatch_peak = pool().peak(Mem::Dispatch) + pool().peak(Mem::ExpertIntermediates) - dispatch_before;
+        r.grads = download_grads(m);
+        r.specs = m.specs;
+        r.offsets = m.offsets;
+        for (int step = 0; step < steps; step++)
+          r.losses.push_back(model_train_step(m, t, step, B, T, 1, [&](int* xb, int* yb) {
+            std::copy(xs[step].begin(), xs[step].end(), xb);
+            std::copy(ys[step].begin(), ys[step].end(), yb);
+          }, nullptr));
+        model_join_update(m);
+        model_destroy(m);
+        cudaCheck(cudaStreamDestroy(stream), "test", "stream");
+        return r;
+      };
+      const Run whole = train(0), chunked = train(16);
+      char what[96];
+      snprintf(what, sizeof what, "model_v%d_recompute%d_token_budget16", variant, recompute);
+      EXPECT_REL(what, "loss", std::fabs(chunked.loss - whole.loss) / std::fabs(whole.loss), MODEL_TOL);
+      const std::vector<double> whole_grads(whole.grads.begin(), whole.grads.end());
+      for (size_t i = 0; i < whole.specs.size(); i++)
+        EXPECT_REL(what, ("d" + whole.specs[i].name).c_str(),
+                   tensor_err(chunked.grads, whole_grads, whole.offsets[i], whole.specs[i].numel()), MODEL_TOL);
+      for (int step = 0; step < steps; step++)
+        EXPECT_REL(what, ("loss at step " + std::to_string(step)).c_str(),
+                   std::fabs(chunked.losses[step] - whole.losses[step]) / std::fabs(whole.losses[step]), MODEL_TOL);
+      EXPECT_LT(chunked.dispatch_peak, whole.dispatch_peak) << what;
+      printf("[mem] %s: dispatch peak %.1f KiB in chunks, %.1f KiB unchunked\n", what, chunked.dispatch_peak / 1024.0,
+             whole.dispatch_peak / 1024.0);
+    }
+}
+
 // One GPU's MoE layers do not wait for the host in the BF16 build (the per-expert counts stay on the
 // device, ops/moe.cuh): a pass — forward and backward, with or without recomputation — over 4 MoE
 // layers waits for the GPU exactly as often as one over 2, for the pass's uploads and its loss only.

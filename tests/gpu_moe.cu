@@ -567,3 +567,261 @@ TEST(MoEGpu, RowKernelsGiveTheSameBitsInPiecesAndByElement) {
   EXPECT_REL("row kernels", "combine bwd dtopk_w, pieces", testutil::rel_err(as_mat(pieces.dtopk_w, N, k), dtopk_w_want), OP_TOL);
   EXPECT_REL("row kernels", "combine bwd dtopk_w, elements", testutil::rel_err(as_mat(elements.dtopk_w, N, k), dtopk_w_want), OP_TOL);
 }
+
+// ---------------------------------------------------------------------------------------------
+// --moe local with a token budget c (ops/moe.cuh's LocalDispatcher): the layer in K = ⌈N/c⌉ chunks of
+// consecutive tokens, nothing kept from the forward, each chunk recomputed in the backward. Against the
+// reference and against the unchunked dispatcher (c = 0) on the same inputs: out, dx and dtopk_w are
+// computed row by row as unchunked, but by expert GEMMs cut into other problems, whose kernel may differ
+// (cuBLAS's choice in the FP32 build, the tile shape in the BF16 build's): within the operator
+// tolerance, the count of elements whose bits differ printed; dW13 and dW2 sum the chunks one after the
+// other (K roundings of the += in the BF16 build): within the operator tolerance of the reference.
+namespace {
+
+// What one forward + backward through LocalDispatcher gave (the bits of each output), and the pool's
+// bytes above what was live before it: after forward (saved), at the forward's and the backward's peaks,
+// and after backward with the saved state still alive (saved + held).
+struct LocalRun {
+  std::vector<floatX> out, dx, dW13, dW2;
+  std::vector<float> dtopk_w;
+  size_t saved = 0, forward_peak = 0, backward_peak = 0, after_backward = 0;
+  DispatchBound bound;  // the dispatcher's live_bound(N)
+};
+
+// LocalDispatcher(H, I, E, k, token_budget) on case c, on a non-default stream, with poisoned outputs
+// and weight gradients starting at dW*_init. recomputation: forward with out = nullptr (a layer under
+// --recompute), out left poisoned. weight_grads: the layer's weight-gradient stream (on), joined after
+// the backward. Checks that the pool returns to its starting bytes.
+LocalRun run_local(const MoECase& c, int token_budget, bool recomputation = false, bool weight_grads = false) {
+  const int N = c.N, H = c.H, I = c.I, E = c.E, k = c.k;
+  auto d_x = testutil::upload<floatX>(c.x);
+  auto d_dout = testutil::upload<floatX>(c.dout);
+  auto d_idx = testutil::upload_vec(flat(c.topk_idx));
+  auto d_w = testutil::upload<float>(c.topk_w);
+  auto d_W13 = testutil::upload<floatX>(stack(c.W13));
+  auto d_W2 = testutil::upload<floatX>(stack(c.W2));
+  auto d_dW13 = testutil::upload<floatX>(stack(c.dW13_init));
+  auto d_dW2 = testutil::upload<floatX>(stack(c.dW2_init));
+  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Workspace, "test.out");
+  DeviceBuffer<floatX> d_dx((size_t)N * H, Mem::Workspace, "test.dx");
+  DeviceBuffer<float> d_dtopk_w((size_t)N * k, Mem::Workspace, "test.dtopk_w");
+  testutil::poison(d_out.ptr, d_out.count);
+  testutil::poison(d_dx.ptr, d_dx.count);
+  testutil::poison(d_dtopk_w.ptr, d_dtopk_w.count);
+  SideStream side;
+  side.set_on(weight_grads);  // its lanes' cuBLAS workspaces before the measurement
+  cudaStream_t stream;
+  cudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "test", "stream");
+  cudaCheck(cudaDeviceSynchronize(), "test", "setup");
+
+  LocalDispatcher local(H, I, E, k, token_budget);
+  if (weight_grads) local.weight_grads = &side;
+  LocalRun r;
+  r.bound = local.live_bound(N);
+  const size_t live_start = pool().live_total();
+  pool().reset_peak();
+  std::unique_ptr<DispatchSaved> saved =
+      local.forward(recomputation ? nullptr : d_out.ptr, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, stream);
+  r.saved = pool().live_total() - live_start;
+  r.forward_peak = pool().peak() - live_start;
+  pool().reset_peak();
+  local.backward(d_dx.ptr, d_dtopk_w.ptr, d_dW13.ptr, d_dW2.ptr, d_dout.ptr, *saved, d_x.ptr, d_idx.ptr, d_w.ptr,
+                 d_W13.ptr, d_W2.ptr, stream);
+  r.backward_peak = pool().peak() - live_start;
+  r.after_backward = pool().live_total() - live_start;
+  side.join(stream, "test.local");
+  saved.reset();
+  EXPECT_EQ(pool().live_total(), live_start) << "LocalDispatcher c=" << token_budget << " leaked pool bytes";
+  r.out = testutil::download_vec(d_out.ptr, d_out.count);
+  r.dx = testutil::download_vec(d_dx.ptr, d_dx.count);
+  r.dtopk_w = testutil::download_vec(d_dtopk_w.ptr, d_dtopk_w.count);
+  r.dW13 = testutil::download_vec(d_dW13.ptr, (size_t)E * 2 * I * H);
+  r.dW2 = testutil::download_vec(d_dW2.ptr, (size_t)E * H * I);
+  cudaCheck(cudaStreamDestroy(stream), "test", "stream");
+  return r;
+}
+
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+template <typename T>
+long long bits_that_differ(const std::vector<T>& a, const std::vector<T>& b) {
+  long long n = 0;
+  for (size_t i = 0; i < a.size(); i++) n += std::memcmp(&a[i], &b[i], sizeof(T)) != 0;
+  return n;
+}
+
+template <typename T>
+Mat as_mat(const std::vector<T>& v, Eigen::Index rows, Eigen::Index cols) {
+  Mat m(rows, cols);
+  for (Eigen::Index i = 0; i < m.size(); i++) m.data()[i] = to_float(v[i]);
+  return m;
+}
+
+// The chunked layer (budget c < N) against the reference and the unchunked layer, and its live set:
+// nothing saved, the forward's and the backward's peaks within live_bound(N) — one chunk's
+// moe_live_bound — which is below the unchunked bound.
+void check_chunked(const char* name, const MoECase& c, int token_budget) {
+  ASSERT_GT(token_budget, 0);
+  ASSERT_LT(token_budget, c.N);
+  const Mat out_ref = ref::moe_forward(c.x, c.topk_idx, c.topk_w, c.W13, c.W2);
+  const auto g = ref::moe_backward(c.dout, c.x, c.topk_idx, c.topk_w, c.W13, c.W2);
+  const LocalRun whole = run_local(c, 0), chunked = run_local(c, token_budget);
+  const int N = c.N, H = c.H, I = c.I, E = c.E, k = c.k;
+  EXPECT_REL(name, "out", testutil::rel_err(as_mat(chunked.out, N, H), out_ref), OP_TOL);
+  EXPECT_REL(name, "dx", testutil::rel_err(as_mat(chunked.dx, N, H), g.dx), OP_TOL);
+  EXPECT_REL(name, "dtopk_w", testutil::rel_err(as_mat(chunked.dtopk_w, N, k), g.dtopk_w), OP_TOL);
+  EXPECT_REL(name, "dW13 (+=)", testutil::rel_err(as_mat(chunked.dW13, E * 2 * I, H), Mat(stack(c.dW13_init) + stack(g.dW13))), OP_TOL);
+  EXPECT_REL(name, "dW2 (+=)", testutil::rel_err(as_mat(chunked.dW2, E * H, I), Mat(stack(c.dW2_init) + stack(g.dW2))), OP_TOL);
+  EXPECT_REL(name, "out against unchunked", testutil::rel_err(as_mat(chunked.out, N, H), as_mat(whole.out, N, H)), OP_TOL);
+  EXPECT_REL(name, "dx against unchunked", testutil::rel_err(as_mat(chunked.dx, N, H), as_mat(whole.dx, N, H)), OP_TOL);
+  printf("[bits] %s: out %lld of %zu, dx %lld of %zu, dtopk_w %lld of %zu elements differ from the unchunked layer's\n",
+         name, bits_that_differ(chunked.out, whole.out), whole.out.size(), bits_that_differ(chunked.dx, whole.dx),
+         whole.dx.size(), bits_that_differ(chunked.dtopk_w, whole.dtopk_w), whole.dtopk_w.size());
+
+  const TokenChunks chunks = token_chunks(N, token_budget);
+  const DispatchBound chunk = moe_live_bound(chunks.size, H, I, E, k, sizeof(floatX));
+  EXPECT_EQ(chunked.bound.saved, 0u);
+  EXPECT_EQ(chunked.bound.peak, chunk.peak) << "one chunk's moe_live_bound";
+  EXPECT_EQ(chunked.bound.held, 0u);
+  EXPECT_EQ(chunked.saved, 0u) << "nothing kept from the forward";
+  EXPECT_LE(chunked.forward_peak, chunked.bound.peak);
+  EXPECT_LE(chunked.backward_peak, chunked.bound.peak);
+  EXPECT_EQ(chunked.after_backward, 0u) << "nothing held after the backward";
+  EXPECT_LT(chunked.bound.peak, whole.bound.peak);
+  EXPECT_EQ(whole.saved, whole.bound.saved);
+  EXPECT_LE(whole.backward_peak, whole.bound.peak);
+  printf("[mem] %s: K=%d chunks of %d tokens: peak fwd %.1f / bwd %.1f KiB <= bound %.1f KiB; unchunked saved %.1f, "
+         "peak %.1f KiB <= bound %.1f KiB\n",
+         name, chunks.count, chunks.size, chunked.forward_peak / 1024.0, chunked.backward_peak / 1024.0,
+         chunked.bound.peak / 1024.0, whole.saved / 1024.0, whole.backward_peak / 1024.0, whole.bound.peak / 1024.0);
+}
+
+}  // namespace
+
+// N = 300 in chunks of at most 64 (K = 5 chunks of 60: N not a multiple of c), skewed onto expert 0.
+TEST(LocalTokenBudget, ChunksMatchTheReferenceAndTheUnchunkedLayer) {
+  REQUIRE_GPU();
+  Rng rng;
+  const MoECase c = make_case(rng, 300, 128, 96, 8, 3, skewed_routes({1, 2, 3, 4, 5}, 3));  // experts 6, 7 get nothing
+  check_chunked("local c=64 N=300 E=8 k=3 skewed", c, 64);
+}
+
+// c = 1: every token a chunk of its own (K = N = 13), most experts without a route in each.
+TEST(LocalTokenBudget, OneTokenAChunk) {
+  REQUIRE_GPU();
+  Rng rng;
+  const MoECase c = make_case(rng, 13, 72, 40, 5, 2, uniform_routes({0, 1, 2, 3, 4}, 2));
+  check_chunked("local c=1 N=13 E=5 k=2", c, 1);
+}
+
+// Hot routing: every route to one expert (k = 1), the others idle in every chunk.
+TEST(LocalTokenBudget, EveryRouteToOneExpert) {
+  REQUIRE_GPU();
+  Rng rng;
+  const MoECase c = make_case(rng, 200, 64, 48, 4, 1, uniform_routes({2}, 1));
+  check_chunked("local c=48 N=200 E=4 k=1 hot", c, 48);
+}
+
+// A budget of at least N tokens is the unchunked layer: the same bits, the same saved state and bound.
+TEST(LocalTokenBudget, AtLeastNTokensIsTheUnchunkedLayer) {
+  REQUIRE_GPU();
+  Rng rng;
+  const MoECase c = make_case(rng, 211, 64, 48, 6, 2, skewed_routes({1, 2, 3, 4, 5}, 2));
+  const LocalRun whole = run_local(c, 0);
+  for (int budget : {211, 268}) {
+    const LocalRun r = run_local(c, budget);
+    EXPECT_TRUE(same_bits(r.out, whole.out)) << budget;
+    EXPECT_TRUE(same_bits(r.dx, whole.dx)) << budget;
+    EXPECT_TRUE(same_bits(r.dtopk_w, whole.dtopk_w)) << budget;
+    EXPECT_TRUE(same_bits(r.dW13, whole.dW13)) << budget;
+    EXPECT_TRUE(same_bits(r.dW2, whole.dW2)) << budget;
+    EXPECT_EQ(r.saved, whole.saved) << budget;
+    EXPECT_EQ(r.bound.saved, whole.bound.saved) << budget;
+    EXPECT_EQ(r.bound.peak, whole.bound.peak) << budget;
+  }
+}
+
+// A layer under --recompute calls forward with out = nullptr: in chunks it allocates nothing, and the
+// backward, which recomputes every chunk anyway, gives the bits of a backward after a forward with out.
+TEST(LocalTokenBudget, ARecomputationHoldsNothingAndBackwardGivesTheSameBits) {
+  REQUIRE_GPU();
+  Rng rng;
+  const MoECase c = make_case(rng, 150, 64, 48, 6, 2, uniform_routes({0, 1, 2, 3, 4, 5}, 2));
+  const LocalRun with_out = run_local(c, 32), recomputed = run_local(c, 32, /*recomputation=*/true);
+  EXPECT_EQ(recomputed.saved, 0u);
+  EXPECT_EQ(recomputed.forward_peak, 0u) << "forward with out = nullptr allocates nothing";
+  EXPECT_TRUE(same_bits(recomputed.dx, with_out.dx));
+  EXPECT_TRUE(same_bits(recomputed.dtopk_w, with_out.dtopk_w));
+  EXPECT_TRUE(same_bits(recomputed.dW13, with_out.dW13));
+  EXPECT_TRUE(same_bits(recomputed.dW2, with_out.dW2));
+}
+
+// With the layer's weight-gradient stream on, the chunked backward computes its weight gradients on the
+// compute stream: nothing is held after it returns (live_bound's held = 0), and the bits are the same.
+TEST(LocalTokenBudget, HoldsNothingForTheWeightGradientStream) {
+  REQUIRE_GPU();
+  Rng rng;
+  const MoECase c = make_case(rng, 150, 64, 48, 6, 2, uniform_routes({0, 1, 2, 3, 4, 5}, 2));
+  const LocalRun alone = run_local(c, 40), beside = run_local(c, 40, false, /*weight_grads=*/true);
+  EXPECT_EQ(beside.after_backward, 0u);
+  EXPECT_EQ(beside.bound.held, 0u);
+  EXPECT_TRUE(same_bits(beside.dx, alone.dx));
+  EXPECT_TRUE(same_bits(beside.dW13, alone.dW13));
+  EXPECT_TRUE(same_bits(beside.dW2, alone.dW2));
+}
+
+// forward_residual in chunks (the model's x_out = x_mid + FFN(ln2)): each chunk's combine adds its
+// rows of the residual, into a separate buffer or in place (the same bits), within the operator
+// tolerance of residual + the reference.
+TEST(LocalTokenBudget, ForwardOntoAResidualInChunks) {
+  REQUIRE_GPU();
+  Rng rng;
+  const MoECase c = make_case(rng, 101, 72, 40, 5, 2, uniform_routes({0, 1, 2, 3, 4}, 2));
+  const int N = c.N, H = c.H;
+  const Mat out_ref = ref::moe_forward(c.x, c.topk_idx, c.topk_w, c.W13, c.W2);
+  const Mat residual = testutil::round_to_floatX(rng.mat<double>(N, H, out_ref.norm() / std::sqrt((double)out_ref.size())));
+  auto d_x = testutil::upload<floatX>(c.x);
+  auto d_idx = testutil::upload_vec(flat(c.topk_idx));
+  auto d_w = testutil::upload<float>(c.topk_w);
+  auto d_W13 = testutil::upload<floatX>(stack(c.W13));
+  auto d_W2 = testutil::upload<floatX>(stack(c.W2));
+  auto d_residual = testutil::upload<floatX>(residual);
+  auto d_in_place = testutil::upload<floatX>(residual);
+  DeviceBuffer<floatX> d_out((size_t)N * H, Mem::Workspace, "test.out");
+  testutil::poison(d_out.ptr, d_out.count);
+  LocalDispatcher local(H, c.I, c.E, c.k, 16);  // K = 7 chunks of 15 tokens, the last 11
+  local.forward_residual(d_out.ptr, d_residual.ptr, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, 0);
+  local.forward_residual(d_in_place.ptr, d_in_place.ptr, d_x.ptr, d_idx.ptr, d_w.ptr, d_W13.ptr, d_W2.ptr, N, 0);
+  const std::vector<floatX> out = testutil::download_vec(d_out.ptr, d_out.count);
+  EXPECT_EQ(testutil::download(d_residual.ptr, N, H), residual) << "the residual is read, not written";
+  EXPECT_TRUE(same_bits(testutil::download_vec(d_in_place.ptr, d_in_place.count), out)) << "in place: the same bits";
+  EXPECT_REL("local c=16 onto a residual", "out", testutil::rel_err(as_mat(out, N, H), Mat(residual + out_ref)), OP_TOL);
+}
+
+// The chunks (host arithmetic; runs without a GPU): K = ⌈N/c⌉ chunks of ⌈N/K⌉ ≤ c consecutive tokens,
+// none empty, covering [0, N); one chunk of N for c = 0 or c ≥ N. A negative budget is refused.
+TEST(LocalTokenBudgetHost, ChunksAreAtMostCConsecutiveTokensNoneEmpty) {
+  for (int N = 1; N <= 130; N++)
+    for (int c = 0; c <= 140; c++) {
+      const TokenChunks chunks = token_chunks(N, c);
+      if (c == 0 || c >= N) {
+        EXPECT_EQ(chunks.count, 1) << N << " " << c;
+        EXPECT_EQ(chunks.size, N) << N << " " << c;
+        continue;
+      }
+      EXPECT_EQ(chunks.count, (N + c - 1) / c) << N << " " << c;
+      EXPECT_LE(chunks.size, c) << N << " " << c;
+      const int last = N - (chunks.count - 1) * chunks.size;
+      EXPECT_GE(last, 1) << N << " " << c << ": the last chunk is empty";
+      EXPECT_LE(last, chunks.size) << N << " " << c;
+    }
+}
+
+TEST(LocalTokenBudgetDeathTest, ANegativeBudgetIsRefused) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(LocalDispatcher(64, 48, 4, 2, -1), "LocalDispatcher \\(c=-1\\): the token budget must be >= 0");
+  EXPECT_DEATH(token_chunks(10, -3), "token_chunks \\(N=10 c=-3\\): need N >= 0 and a token budget >= 0");
+}

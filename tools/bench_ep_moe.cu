@@ -282,7 +282,8 @@ int main(int argc, char** argv) {
     t.moe = run.choice;
     if (!run.mode.empty()) set_train_flag(t, find_choice(moe_choices(), run.choice)->mode_flag, run.mode);
     Seams s = seams_from(t, c);
-    s.llep_alpha = f.llep_alpha, s.llep_min_rows = f.llep_min_rows, s.token_budget = f.token_budget, s.kmax = f.kmax;
+    s.llep_alpha = f.llep_alpha, s.llep_min_rows = f.llep_min_rows, s.kmax = f.kmax;
+    s.token_budget = run.choice == "pllep" ? f.token_budget : 0;  // pllep's c; the 1gpu baseline is the unchunked layer
     return factory_of(dispatcher_factories(), "--moe", run.choice).make(c, world, s);
   };
   const double MiB = 1048576.0;
