@@ -6,7 +6,8 @@
 #                           breakdown) and memory limits (needs a GPU); BENCH_PARTS="speed" or "limits" for one,
 #                           "multi" for the default model on every GPU against one (2 GPUs or more)
 #   make toy                print one toy MoE layer traced through expert parallelism, forward, backward and
-#                           bytes, and the ring operators' toys (CPU: g++ and Eigen, no nvcc); TOY=ep|pllep|relay|ring_dtp: one
+#                           bytes, the ring operators' toys and Ulysses' all-to-all (CPU: g++ and Eigen, no nvcc);
+#                           TOY=ep|pllep|relay|ring_dtp|ulysses: one
 #   make data [CORPUS=large] prepare the corpus: fortunes (default) or large (fortunes + GCIDE)
 # Variables: PRECISION=BF16|FP32 (for train/bench), GPU_ARCH=90a, EIGEN_DIR, GTEST_DIR, NVCC,
 #   CORPUS=fortunes|large, FORTUNES (folder), GCIDE (gcide.dict.dz), DATA_DIR, BENCH_PARTS, TOY.
@@ -218,8 +219,8 @@ train: deps $(BUILD)/$(P)/train data
 test: deps $(TEST_BINS) data
 	FLATMOE_BIN=$(BUILD)/ FLATMOE_TRAIN=$(BUILD)/fp32/train tests/run_tests.sh $(BUILD)/test_cpu $(foreach p,fp32 bf16,$(BUILD)/$(p)/test_gpu $(BUILD)/$(p)/test_dist)
 
-# one toy MoE layer traced through expert parallelism on the CPU, then the ring operators' toys
-# (tools/toy_trace.hpp); TOY= one of them
+# one toy MoE layer traced through expert parallelism on the CPU, then the ring operators' toys and
+# Ulysses' all-to-all (tools/toy_trace.hpp); TOY= one of them
 TOY ?=
 toy: $(BUILD)/toy_trace
 	$(BUILD)/toy_trace $(TOY)

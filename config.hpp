@@ -192,6 +192,55 @@ struct VocabSplit {
   RegionGroup replicas;
 };
 
+// The sequence split (Ulysses sequence parallelism, notes/design.md §5; ops/ulysses.cuh): the W ranks
+// form W/D sequence groups, contiguous blocks of D ranks (the places comm_block_group gives: group =
+// world rank / D, rank within it = world rank mod D). The D ranks of a group read the same sequences
+// (the W/D groups read distinct ones, group g as data-parallel rank g of W/D), and rank r of a group
+// holds the tokens [r·T/D, (r+1)·T/D) of each sequence, at those global positions (RoPE's); in
+// attention, after the all-to-all, it holds all T tokens of the heads [r·nh/D, (r+1)·nh/D).
+// D = 1: every rank holds whole sequences and every head.
+struct SequenceSplit {
+  int size = 1, rank = 0;                // D, and this rank's place in its sequence group
+  int group = 0, groups = 1;             // which sequence group (what it reads), and W/D of them
+  int first_token = 0, end_token = 0;    // [t0, t1): this rank's tokens of each sequence
+  int first_head = 0, end_head = 0;      // [h0, h1): this rank's heads in attention
+  int first_world_rank() const { return group * size; }  // the group's rank 0; its D ranks follow it
+};
+
+// "" when sequence groups of D ranks can split W ranks, nh heads and sequences of T tokens evenly,
+// else why not, naming each of them that D does not divide.
+inline std::string sequence_split_refusal(int W, int heads, int T, int D) {
+  if (W < 1 || heads < 1 || T < 1)
+    return "the sequence split needs W, nh and T >= 1, got W = " + std::to_string(W) + ", nh = " +
+           std::to_string(heads) + ", T = " + std::to_string(T);
+  if (D < 1) return "the sequence-parallel group size D must be >= 1, got " + std::to_string(D);
+  std::string undivided;
+  for (const std::pair<const char*, int>& n : {std::pair<const char*, int>{"the ranks W", W}, {"the heads nh", heads},
+                                               {"the sequence length T", T}})
+    if (n.second % D != 0) undivided += (undivided.empty() ? "" : ", ") + std::string(n.first) + " = " + std::to_string(n.second);
+  if (undivided.empty()) return "";
+  return "the sequence-parallel group size D = " + std::to_string(D) + " does not divide " + undivided;
+}
+
+// World rank `world_rank`'s place in the sequence split of W ranks into groups of D (refused, naming
+// what D does not divide, by std::invalid_argument).
+inline SequenceSplit sequence_split(int world_rank, int W, int heads, int T, int D) {
+  const std::string refused = sequence_split_refusal(W, heads, T, D);
+  if (!refused.empty()) throw std::invalid_argument(refused);
+  if (world_rank < 0 || world_rank >= W)
+    throw std::invalid_argument("rank " + std::to_string(world_rank) + " is not one of the " + std::to_string(W) + " ranks");
+  SequenceSplit s;
+  s.size = D;
+  s.rank = world_rank % D;
+  s.group = world_rank / D;
+  s.groups = W / D;
+  s.first_token = s.rank * (T / D);
+  s.end_token = s.first_token + T / D;
+  s.first_head = s.rank * (heads / D);
+  s.end_head = s.first_head + heads / D;
+  return s;
+}
+
 // One rank's local flat parameter buffer.
 struct ParamLayout {
   std::vector<size_t> offsets;       // element offset of each spec in the local flat buffer

@@ -1,8 +1,8 @@
 // tests/cpu_toy_trace.cpp — the toy expert-parallel trace (tools/toy_trace.hpp, `make toy`) stays
 // true: its ranks' outputs and gradients equal the single-process MoE, it prints every step, its
 // bookkeeping moves every route exactly once, in the orders ref/ep_moe.hpp specifies, the bytes it
-// prints peak at ops/ep_moe.cuh's closed forms, and the ring operators' toys keep their bounds and
-// agree with plain computations.
+// prints peak at ops/ep_moe.cuh's closed forms, the ring operators' toys keep their bounds and
+// agree with plain computations, and the Ulysses toy trades tokens for heads and back.
 #include <algorithm>
 #include <sstream>
 #include <string>
@@ -135,6 +135,32 @@ TEST(ToyTrace, RingDtpMeetingsGiveTheFullLogitsLoss) {
   EXPECT_EQ(t.weights_move, toy::N > (toy::V + toy::RANKS - 1) / toy::RANKS);
   EXPECT_LE(t.run.widest_block, 2);
   EXPECT_EQ(t.run.forward.size(), (size_t)toy::RANKS * toy::RANKS) << "every batch meets every shard";
+}
+
+// After the exchange rank p holds every token of the heads [2p, 2p + 2), each once; the reverse gives
+// back the sequence shards; the printed messages are the pack's contiguous blocks.
+TEST(ToyTrace, UlyssesTradesTokensForHeadsAndBack) {
+  std::ostringstream os;
+  const toy::UlyssesToy t = toy::toy_ulysses(os);
+  ASSERT_EQ(t.heads.size(), (size_t)toy::UL_RANKS);
+  for (int p = 0; p < toy::UL_RANKS; p++) {
+    std::vector<int> seen(toy::UL_T * toy::UL_HEADS, 0);
+    for (double v : t.heads[p]) {
+      const int token = (int)v / 10, head = (int)v % 10;
+      EXPECT_EQ(head / (toy::UL_HEADS / toy::UL_RANKS), p) << "rank " << p << " holds t" << token << "h" << head;
+      seen[token * toy::UL_HEADS + head]++;
+    }
+    int held = 0;
+    for (int n : seen) held += n;
+    EXPECT_EQ(held, toy::UL_T * toy::UL_HEADS / toy::UL_RANKS) << "rank " << p;
+    for (int n : seen) EXPECT_LE(n, 1) << "rank " << p;
+  }
+  EXPECT_EQ(t.back, t.sequence);
+  EXPECT_EQ(t.staging_bytes, 2 * (toy::UL_T / toy::UL_RANKS) * toy::UL_HEADS * toy::B);
+  const std::string text = os.str();
+  EXPECT_NE(text.find("rank 0 sends to rank 0: t0h0 t0h1 | t1h0 t1h1; to rank 1: t0h2 t0h3 | t1h2 t1h3"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("rank 1, heads [2, 4): t0h2 t0h3 | t1h2 t1h3 | t2h2 t2h3 | t3h2 t3h3"), std::string::npos) << text;
 }
 
 TEST(ToyTrace, PrintsEveryStep) {

@@ -24,7 +24,7 @@
 // each rank's out, dx, dtopk_w and its experts' dW13, dW2 equal its shard of ref::moe_forward /
 // moe_backward over the global batch (ref/ep_moe.hpp's ep_moe_shard), to 1e-12.
 // Then the ring operators' toys on the same inputs, one line per step (toy_pllep, toy_relay,
-// toy_ring_dtp, below).
+// toy_ring_dtp, below), and Ulysses' all-to-all on 2 ranks and 4 heads (toy_ulysses).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -43,6 +43,7 @@
 #include "ref/pipelined_llep.hpp"
 #include "ref/relay_moe.hpp"
 #include "ref/ring_dtp.hpp"
+#include "ref/ulysses.hpp"
 
 namespace toy {
 
@@ -700,6 +701,66 @@ inline RingDTPToy toy_ring_dtp(std::ostream& os, const Result& res) {
   }
   os << fmt("  loss sums [%s]; loss sums, dx and dW shards against full logits (ref/cross_entropy.hpp): max |diff| = %.3g\n",
             losses.c_str(), t.max_diff);
+  return t;
+}
+
+// Ulysses (ops/ulysses.cuh) through its twin ref/ulysses.hpp: 2 ranks share one sequence of T = 4
+// tokens with 4 heads of one element (config.hpp's sequence_split: rank r holds tokens [2r, 2r + 2),
+// and the heads [2r, 2r + 2) in attention). Each element is labelled by its token and head ("t2h1"); the
+// toy prints who holds which before the exchange, the message each rank sends each peer (the pack's
+// contiguous blocks), who holds which after it, and after the reverse exchange.
+const int UL_RANKS = 2, UL_T = 4, UL_HEADS = 4;
+struct UlyssesToy {
+  ref::UlyssesShape shape{1, UL_T, 1, UL_HEADS, 1, UL_RANKS};
+  std::vector<std::vector<double>> sequence, heads, back;  // [rank]: before, after to_heads, after to_sequence
+  long long staging_bytes = 0;                             // per rank, either direction: 2·B·(T/D)·G·nh·hd·b
+};
+inline std::string ulysses_cells(const std::vector<double>& values, size_t from, size_t to, size_t per_token) {
+  std::string s;
+  for (size_t i = from; i < to; i++) {
+    const int v = (int)values[i];
+    s += fmt("%st%dh%d", i == from ? "" : i % per_token == 0 ? " | " : " ", v / 10, v % 10);
+  }
+  return s;
+}
+inline UlyssesToy toy_ulysses(std::ostream& os) {
+  UlyssesToy t;
+  const ref::UlyssesShape& s = t.shape;
+  std::vector<double> global;  // 10·t + h
+  for (int tok = 0; tok < UL_T; tok++)
+    for (int h = 0; h < UL_HEADS; h++) global.push_back(10 * tok + h);
+  t.sequence = ref::ulysses_sequence_shards(global, s);
+  t.heads = ref::ulysses_to_heads(t.sequence, s);
+  t.back = ref::ulysses_to_sequence(t.heads, s);
+  t.staging_bytes = 2LL * s.B * (s.T / s.D) * s.parts * s.heads * s.head_dim * B;
+  const size_t T_local = UL_T / UL_RANKS, heads_local = UL_HEADS / UL_RANKS, message = T_local * heads_local;
+  auto split = [](int r) { return sequence_split(r, UL_RANKS, UL_HEADS, UL_T, UL_RANKS); };
+  os << fmt("\nUlysses (ops/ulysses.cuh): %d ranks share a sequence of T = %d tokens with nh = %d heads (tNhM: token N,\n"
+            "  head M). Attention needs whole sequences: an all-to-all trades tokens for heads, and back.\n"
+            "  before: sequence shards [T/D = %zu tokens, nh = %d heads], each rank's tokens from config.hpp's sequence_split\n",
+            UL_RANKS, UL_T, UL_HEADS, T_local, UL_HEADS);
+  for (int r = 0; r < UL_RANKS; r++)
+    os << fmt("    rank %d, tokens [%d, %d): %s\n", r, split(r).first_token, split(r).end_token,
+              ulysses_cells(t.sequence[r], 0, t.sequence[r].size(), UL_HEADS).c_str());
+  os << fmt("  pack: the message to each peer p contiguous, [p, T/D tokens, nh/D heads]: peer p's heads of my tokens\n");
+  for (int r = 0; r < UL_RANKS; r++) {
+    std::string line;
+    for (int p = 0; p < UL_RANKS; p++)  // the block of peer p's head shard that came from rank r
+      line += fmt("%sto rank %d: %s", p ? "; " : "", p,
+                  ulysses_cells(t.heads[p], r * message, (r + 1) * message, heads_local).c_str());
+    os << fmt("    rank %d sends %s\n", r, line.c_str());
+  }
+  os << fmt("  all-to-all, unpack: head shards [T = %d tokens, nh/D = %zu heads]\n", UL_T, heads_local);
+  for (int r = 0; r < UL_RANKS; r++)
+    os << fmt("    rank %d, heads [%d, %d): %s\n", r, split(r).first_head, split(r).end_head,
+              ulysses_cells(t.heads[r], 0, t.heads[r].size(), heads_local).c_str());
+  os << "  attention runs here, on whole sequences of each rank's heads; the reverse exchange (ulysses_to_sequence,\n"
+        "  also the forward's backward) brings its output back to the sequence shards:\n";
+  for (int r = 0; r < UL_RANKS; r++)
+    os << fmt("    rank %d, tokens [%d, %d): %s\n", r, split(r).first_token, split(r).end_token,
+              ulysses_cells(t.back[r], 0, t.back[r].size(), UL_HEADS).c_str());
+  os << fmt("  [bytes] each rank, either direction: comm_staging %lld (send + receive buffers, 2·B·(T/D)·G·nh·hd·b)\n",
+            t.staging_bytes);
   return t;
 }
 
