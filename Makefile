@@ -66,17 +66,17 @@ GPU_TESTS := $(wildcard tests/gpu_*.cu)
 DIST_TESTS := $(wildcard tests/dist_*.cu)
 # Test files compiled together, as one translation unit per precision (build/unity/NAME.cu includes
 # them), so that the headers and kernels they share compile once, not once per file: the GPU tests that
-# build the whole model (model.cuh; a seventh of their CPU time) and the multi-rank tests. The files
-# of a group share one scope: each names its helpers for itself.
+# build the whole model (model.cuh), the other GPU tests, and the multi-rank tests. The files of a group
+# share one scope: each names its helpers for itself.
 GPU_MODEL_TESTS := $(addprefix tests/,gpu_adamw.cu gpu_memory_prediction.cu gpu_model.cu gpu_moe.cu gpu_profile.cu \
                                       gpu_router.cu gpu_sco.cu)
-GPU_TEST_OBJS = $(patsubst tests/%.cu,$(BUILD)/$(1)/%.o,$(filter-out $(GPU_MODEL_TESTS),$(GPU_TESTS))) \
-                $(BUILD)/$(1)/gpu_model_tests.o
+GPU_OP_TESTS := $(filter-out $(GPU_MODEL_TESTS),$(GPU_TESTS))
 # written at parse time, and only when its list changes (so that its object is not rebuilt for nothing)
 unity_source = $(shell mkdir -p $(BUILD)/unity && printf '\043include "%s"\n' $(2) > $(BUILD)/unity/$(1).new && \
                  { cmp -s $(BUILD)/unity/$(1).new $(BUILD)/unity/$(1) || mv $(BUILD)/unity/$(1).new $(BUILD)/unity/$(1); } && \
                  rm -f $(BUILD)/unity/$(1).new)
 $(call unity_source,gpu_model_tests.cu,$(GPU_MODEL_TESTS))
+$(call unity_source,gpu_op_tests.cu,$(GPU_OP_TESTS))
 $(call unity_source,dist_tests.cu,$(DIST_TESTS))
 BENCHES := $(patsubst tools/%.cu,%,$(wildcard tools/bench_*.cu))
 
@@ -171,15 +171,16 @@ $(BUILD)/$(1)/train: train.cu $(CPU_ADAMW) | deps
 	@mkdir -p $$(@D)
 	$(NVCC) $(NVFLAGS) $(2) $$< $(CPU_ADAMW) $(CUDA_LIBS) -o $$@
 
-$(BUILD)/$(1)/%.o: tests/%.cu | deps
-	@mkdir -p $$(@D)
-	$(NVCC) $(NVFLAGS) $(2) $(GTEST_INC) -c $$< -o $$@
-
+# a test group's object; a test file's alone (make build/fp32/gpu_rope.o) is a quicker compile check
 $(BUILD)/$(1)/%.o: $(BUILD)/unity/%.cu | deps
 	@mkdir -p $$(@D)
 	$(NVCC) $(NVFLAGS) $(2) $(GTEST_INC) -c $$< -o $$@
 
-$(BUILD)/$(1)/test_gpu: $(call GPU_TEST_OBJS,$(1)) $(CPU_ADAMW) $(GTEST_OBJS)
+$(BUILD)/$(1)/%.o: tests/%.cu | deps
+	@mkdir -p $$(@D)
+	$(NVCC) $(NVFLAGS) $(2) $(GTEST_INC) -c $$< -o $$@
+
+$(BUILD)/$(1)/test_gpu: $(BUILD)/$(1)/gpu_model_tests.o $(BUILD)/$(1)/gpu_op_tests.o $(CPU_ADAMW) $(GTEST_OBJS)
 	$(NVCC) $(ARCH_FLAGS) $$^ $(CUDA_LIBS) -Xcompiler -pthread -o $$@
 
 # multi-rank tests: dist_main.cu is their main (it starts the ranks), so no gtest_main

@@ -26,7 +26,7 @@ struct AttnCase {
   int B, T, nh, hd;
 };
 
-const AttnCase kCases[] = {
+const AttnCase kAttentionCases[] = {
     {2, 37, 3, 32},   // one partial tile
     {1, 200, 4, 64},  // 4 tiles, the last partial
     {2, 130, 2, 128}, // 3 tiles, the last with 2 rows
@@ -52,7 +52,7 @@ Mat<double> part(const Mat<double>& m, int p, int H) { return m.middleCols(p * H
 
 TEST(GpuAttention, ForwardMatchesReference) {
   REQUIRE_GPU();
-  for (const AttnCase& c : kCases) {
+  for (const AttnCase& c : kAttentionCases) {
     testutil::Rng rng;
     const int N = c.B * c.T, H = c.nh * c.hd;
     const Mat<double> qkv = round_to_floatX(rng.mat<double>(N, 3 * H));
@@ -138,7 +138,7 @@ void check_case(const AttnCase& c, std::optional<AttentionKernels> kernels, cons
 
 TEST(GpuAttention, BackwardMatchesReference) {
   REQUIRE_GPU();
-  for (const AttnCase& c : kCases) check_case(c, std::nullopt, "GpuAttention");
+  for (const AttnCase& c : kAttentionCases) check_case(c, std::nullopt, "GpuAttention");
 }
 
 // Every form of the kernels the build has, at the head dims with tensor-core forms, also those

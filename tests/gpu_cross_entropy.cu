@@ -17,12 +17,6 @@ std::vector<int> random_targets(Rng& rng, int N, int V) {
   return t;
 }
 
-ref::MatI as_column(const std::vector<int>& v) {
-  ref::MatI m((int)v.size(), 1);
-  for (size_t i = 0; i < v.size(); i++) m((int)i, 0) = v[i];
-  return m;
-}
-
 void check_cross_entropy(const char* name, int N, int V) {
   REQUIRE_GPU();
   Rng rng;

@@ -15,12 +15,6 @@ std::vector<int> random_token_list(Rng& rng, int N, int V) {
   return tokens;
 }
 
-ref::MatI as_column(const std::vector<int>& v) {
-  ref::MatI m((int)v.size(), 1);
-  for (size_t i = 0; i < v.size(); i++) m((int)i, 0) = v[i];
-  return m;
-}
-
 void check_embedding(const char* name, int N, int H, int V) {
   REQUIRE_GPU();
   Rng rng;

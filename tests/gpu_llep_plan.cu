@@ -27,7 +27,7 @@ namespace {
 
 // A simulated EP group: every rank's routing, topk_idx [N_r·k] (global expert ids, slot j of token n
 // at n·k + j). N_r may differ between ranks and be 0.
-struct SimGroup {
+struct RaggedGroup {
   std::string routing;  // names the case in failures and [plan] lines
   int ranks = 0, E = 0, k = 0;
   std::vector<std::vector<int>> topk_idx;
@@ -39,7 +39,7 @@ struct SimGroup {
 };
 
 // counts[s][e]: routes of source s to expert e, each source counting its own routes.
-std::vector<std::vector<long long>> count_matrix(const SimGroup& g) {
+std::vector<std::vector<long long>> count_matrix(const RaggedGroup& g) {
   std::vector<std::vector<long long>> counts(g.ranks, std::vector<long long>(g.E, 0));
   for (int s = 0; s < g.ranks; s++)
     for (int e : g.topk_idx[s]) counts[s][e]++;
@@ -69,11 +69,11 @@ long long ep_max_received(const std::vector<std::vector<long long>>& counts) {
 // ---------------------------------------------------------------------------------------------
 // Routings
 
-struct GroupShape {
+struct LlepGroupShape {
   int ranks, E_l;
 };
-const GroupShape kShapes[] = {{1, 4}, {2, 4}, {3, 5}, {5, 2}, {8, 4}, {12, 3}, {63, 1}, {64, 4}};
-const int kTopK = 4, kMaxTokens = 48;
+const LlepGroupShape kLlepShapes[] = {{1, 4}, {2, 4}, {3, 5}, {5, 2}, {8, 4}, {12, 3}, {63, 1}, {64, 4}};
+const int kLlepTopK = 4, kMaxTokens = 48;
 
 // N_r for every rank, drawn in [max_tokens/2, max_tokens].
 std::vector<int> drawn_tokens(testutil::Rng& rng, int ranks, int max_tokens) {
@@ -82,18 +82,18 @@ std::vector<int> drawn_tokens(testutil::Rng& rng, int ranks, int max_tokens) {
   return tokens;
 }
 
-SimGroup empty_group(const std::string& routing, const GroupShape& shape) {
-  SimGroup g;
+RaggedGroup empty_group(const std::string& routing, const LlepGroupShape& shape) {
+  RaggedGroup g;
   g.routing = routing;
   g.ranks = shape.ranks;
   g.E = shape.ranks * shape.E_l;
-  g.k = kTopK;
+  g.k = kLlepTopK;
   return g;
 }
 
 // Every rank routes by the profile over its own N_r tokens.
-SimGroup profile_group(const std::string& name, testutil::Rng& rng, const GroupShape& shape) {
-  SimGroup g = empty_group(name, shape);
+RaggedGroup profile_group(const std::string& name, testutil::Rng& rng, const LlepGroupShape& shape) {
+  RaggedGroup g = empty_group(name, shape);
   const RoutingProfile p = parse_routing_profile(name);
   for (int N : drawn_tokens(rng, g.ranks, kMaxTokens)) g.topk_idx.push_back(routing_profile_indices(p, N, g.E, g.k));
   return g;
@@ -101,8 +101,8 @@ SimGroup profile_group(const std::string& name, testutil::Rng& rng, const GroupS
 
 // Each route's expert drawn by `pick` (called once per route).
 template <typename Pick>
-SimGroup drawn_group(const std::string& routing, const GroupShape& shape, const std::vector<int>& tokens, Pick pick) {
-  SimGroup g = empty_group(routing, shape);
+RaggedGroup drawn_group(const std::string& routing, const LlepGroupShape& shape, const std::vector<int>& tokens, Pick pick) {
+  RaggedGroup g = empty_group(routing, shape);
   for (int N : tokens) {
     std::vector<int> idx((size_t)N * g.k);
     for (int& e : idx) e = pick();
@@ -112,14 +112,14 @@ SimGroup drawn_group(const std::string& routing, const GroupShape& shape, const 
 }
 
 // Every route of every rank to one expert, drawn.
-SimGroup one_expert_group(testutil::Rng& rng, const GroupShape& shape) {
+RaggedGroup one_expert_group(testutil::Rng& rng, const LlepGroupShape& shape) {
   const int expert = rng.integer(0, shape.ranks * shape.E_l - 1);
   return drawn_group("one expert (" + std::to_string(expert) + ")", shape, drawn_tokens(rng, shape.ranks, kMaxTokens),
                      [&] { return expert; });
 }
 
 // Every route to the experts of one rank, drawn; each route picks one of them.
-SimGroup one_rank_group(testutil::Rng& rng, const GroupShape& shape) {
+RaggedGroup one_rank_group(testutil::Rng& rng, const LlepGroupShape& shape) {
   const int rank = rng.integer(0, shape.ranks - 1);
   return drawn_group("one rank (" + std::to_string(rank) + ")", shape, drawn_tokens(rng, shape.ranks, kMaxTokens),
                      [&] { return rank * shape.E_l + rng.integer(0, shape.E_l - 1); });
@@ -127,7 +127,7 @@ SimGroup one_rank_group(testutil::Rng& rng, const GroupShape& shape) {
 
 // About half of the ranks hold no token (with E_p = 1, the only rank: no route at all); the others
 // route uniformly.
-SimGroup empty_ranks_group(testutil::Rng& rng, const GroupShape& shape) {
+RaggedGroup empty_ranks_group(testutil::Rng& rng, const LlepGroupShape& shape) {
   std::vector<int> tokens = drawn_tokens(rng, shape.ranks, kMaxTokens);
   for (int& N : tokens)
     if (shape.ranks == 1 || rng.integer(0, 1) == 0) N = 0;
@@ -137,7 +137,7 @@ SimGroup empty_ranks_group(testutil::Rng& rng, const GroupShape& shape) {
 
 // Every route to the experts of one rank that holds no token itself; about half of the others hold
 // none either.
-SimGroup to_empty_rank_group(testutil::Rng& rng, const GroupShape& shape) {
+RaggedGroup to_empty_rank_group(testutil::Rng& rng, const LlepGroupShape& shape) {
   const int target = rng.integer(0, shape.ranks - 1);
   std::vector<int> tokens = drawn_tokens(rng, shape.ranks, kMaxTokens);
   for (int r = 0; r < shape.ranks; r++)
@@ -147,7 +147,7 @@ SimGroup to_empty_rank_group(testutil::Rng& rng, const GroupShape& shape) {
 }
 
 // A random power-law skew: expert rank u³ of a random permutation of the experts, u uniform in [0, 1).
-SimGroup skewed_group(testutil::Rng& rng, const GroupShape& shape) {
+RaggedGroup skewed_group(testutil::Rng& rng, const LlepGroupShape& shape) {
   const int E = shape.ranks * shape.E_l;
   std::vector<int> permutation(E);
   std::iota(permutation.begin(), permutation.end(), 0);
@@ -159,8 +159,8 @@ SimGroup skewed_group(testutil::Rng& rng, const GroupShape& shape) {
 }
 
 // Every routing of the tests for one group shape.
-std::vector<SimGroup> adversarial_groups(testutil::Rng& rng, const GroupShape& shape) {
-  std::vector<SimGroup> groups;
+std::vector<RaggedGroup> adversarial_groups(testutil::Rng& rng, const LlepGroupShape& shape) {
+  std::vector<RaggedGroup> groups;
   for (const char* profile : {"balanced", "hot:0.25/1", "hot:0.5/2", "hot:1/4"})
     groups.push_back(profile_group(profile, rng, shape));
   groups.push_back(one_expert_group(rng, shape));
@@ -174,7 +174,7 @@ std::vector<SimGroup> adversarial_groups(testutil::Rng& rng, const GroupShape& s
 // min_rows: none, small, drawn, and beyond any expert's routes (every overflow one piece).
 std::vector<long long> min_rows_values(testutil::Rng& rng) { return {1, 2, rng.integer(3, 64), 1000000}; }
 
-std::string case_name(const SimGroup& g, double alpha, long long min_rows) {
+std::string case_name(const RaggedGroup& g, double alpha, long long min_rows) {
   return "W=" + std::to_string(g.ranks) + " E=" + std::to_string(g.E) + " " + g.routing +
          " alpha=" + std::to_string(alpha).substr(0, 4) + " min_rows=" + std::to_string(min_rows);
 }
@@ -252,7 +252,7 @@ void check_capacity_rule(const LLEPPlan& plan) {
 // one after the other), the piece that holds it. Each position must be hit exactly once, the pieces
 // must tile the list on distinct ranks, and the rows per (source, destination) and per (piece, source)
 // must be the plan's.
-void check_every_route_once(const SimGroup& g, const LLEPPlan& plan) {
+void check_every_route_once(const RaggedGroup& g, const LLEPPlan& plan) {
   const std::vector<std::vector<long long>> counts = count_matrix(g);
   for (int e = 0; e < g.E; e++) {
     SCOPED_TRACE("expert " + std::to_string(e));
@@ -329,7 +329,7 @@ void check_against_twin(const std::vector<std::vector<long long>>& counts, const
 }
 
 // All checks of one plan of group g's routes. Returns the most routes any rank computes.
-long long check_plan(const SimGroup& g, const LLEPPlan& plan, double alpha, long long min_rows) {
+long long check_plan(const RaggedGroup& g, const LLEPPlan& plan, double alpha, long long min_rows) {
   const std::vector<std::vector<long long>> counts = count_matrix(g);
   EXPECT_EQ(plan.ranks, g.ranks);
   EXPECT_EQ(plan.experts, g.E);
@@ -382,7 +382,7 @@ bool same_plan(const LLEPPlan& a, const LLEPPlan& b) {
 
 // Rank v's view of the all-gather: its own counts as it computed them, the others' as they arrived
 // (each source counted its own routes).
-std::vector<long long> view_of_rank(const SimGroup& g, int v) {
+std::vector<long long> view_of_rank(const RaggedGroup& g, int v) {
   std::vector<std::vector<long long>> counts = count_matrix(g);
   std::vector<long long> own(g.E, 0);
   for (int e : g.topk_idx[v]) own[e]++;
@@ -392,8 +392,8 @@ std::vector<long long> view_of_rank(const SimGroup& g, int v) {
 
 // Chunk i of the group under K chunks: every rank's chunk-i tokens in member order (positions i, i+K, ...),
 // found with the ops-side membership (pllep_chunk_tokens, pllep_chunk_token) as the device will.
-SimGroup chunk_group(const SimGroup& g, int chunks, int chunk) {
-  SimGroup c = g;
+RaggedGroup chunk_group(const RaggedGroup& g, int chunks, int chunk) {
+  RaggedGroup c = g;
   c.routing = g.routing + " chunk " + std::to_string(chunk);
   for (int s = 0; s < g.ranks; s++) {
     const int N = (int)g.topk_idx[s].size() / g.k;
@@ -494,8 +494,8 @@ TEST(LlepPlan, CapacityRoundsUpTheStatedProduct) {
 // its most loaded rank for each min_rows (in brackets): cap at min_rows = 1, more as min_rows grows.
 TEST(LlepPlan, AdversarialRoutingEveryGroupSize) {
   testutil::Rng rng;
-  for (const GroupShape& shape : kShapes)
-    for (const SimGroup& g : adversarial_groups(rng, shape)) {
+  for (const LlepGroupShape& shape : kLlepShapes)
+    for (const RaggedGroup& g : adversarial_groups(rng, shape)) {
       const std::vector<std::vector<long long>> counts = count_matrix(g);
       std::string line;
       for (double alpha : {1.0, 1.1}) {
@@ -520,8 +520,8 @@ TEST(LlepPlan, AdversarialRoutingEveryGroupSize) {
 // plans are identical, field by field; so are PipelinedLLEP's K and every chunk's plan.
 TEST(LlepPlan, SamePlanOnEveryRank) {
   testutil::Rng rng;
-  for (const GroupShape& shape : kShapes)
-    for (const SimGroup& g : adversarial_groups(rng, shape)) {
+  for (const LlepGroupShape& shape : kLlepShapes)
+    for (const RaggedGroup& g : adversarial_groups(rng, shape)) {
       const double alpha = rng.integer(0, 1) ? 1.1 : 1.0;
       const long long min_rows = rng.integer(1, 16);
       SCOPED_TRACE(case_name(g, alpha, min_rows));
@@ -553,8 +553,8 @@ TEST(LlepPlan, SamePlanOnEveryRank) {
 // another rank.
 TEST(LlepPlan, RankPlansDeliverEveryRouteToItsPiece) {
   testutil::Rng rng;
-  for (const GroupShape& shape : kShapes)
-    for (const SimGroup& g : adversarial_groups(rng, shape)) {
+  for (const LlepGroupShape& shape : kLlepShapes)
+    for (const RaggedGroup& g : adversarial_groups(rng, shape)) {
       const double alpha = rng.integer(0, 1) ? 1.1 : 1.0;
       const long long min_rows = rng.integer(1, 16);
       SCOPED_TRACE(case_name(g, alpha, min_rows));
@@ -687,8 +687,8 @@ TEST(PipelinedLlepPlan, ReceiverBoundPerChunk) {
     int c, K_max;
   };
   const Budget budgets[] = {{kMaxTokens, 10}, {10, 10}, {3, 7}};
-  for (const GroupShape& shape : kShapes)
-    for (const SimGroup& g : adversarial_groups(rng, shape)) {
+  for (const LlepGroupShape& shape : kLlepShapes)
+    for (const RaggedGroup& g : adversarial_groups(rng, shape)) {
       const std::vector<int> tokens = g.tokens_per_rank();
       const std::vector<std::vector<long long>> whole = count_matrix(g);
       std::string line;
@@ -698,7 +698,7 @@ TEST(PipelinedLlepPlan, ReceiverBoundPerChunk) {
         ASSERT_EQ(K, ref::pllep_chunks(tokens, b.c, b.K_max));
         ASSERT_EQ(chunking.c_eff, ref::pllep_largest_chunk(tokens, K));
         const auto twin_counts = ref::pllep_chunk_counts(g.topk_idx, g.k, g.E, K);
-        std::vector<SimGroup> chunks;
+        std::vector<RaggedGroup> chunks;
         std::vector<std::vector<long long>> chunk_counts;
         std::vector<std::vector<long long>> summed(g.ranks, std::vector<long long>(g.E, 0));
         for (int i = 0; i < K; i++) {
@@ -739,10 +739,10 @@ TEST(PipelinedLlepPlan, ReceiverBoundPerChunk) {
 // The budget sweep on skewed routing at W = 8 (N = 2048 per rank, k = 4, E = 32): the per-chunk
 // receive count falls with c, against standard EP's and whole-layer LLEP's.
 TEST(PipelinedLlepPlan, ReceiveCountFallsWithTheBudget) {
-  const GroupShape shape{8, 4};
+  const LlepGroupShape shape{8, 4};
   const int N = 2048;
   for (const char* profile : {"hot:1/4", "hot:0.5/2", "balanced"}) {
-    SimGroup g = empty_group(profile, shape);
+    RaggedGroup g = empty_group(profile, shape);
     for (int r = 0; r < shape.ranks; r++)
       g.topk_idx.push_back(routing_profile_indices(parse_routing_profile(profile), N, g.E, g.k));
     const std::vector<std::vector<long long>> whole = count_matrix(g);

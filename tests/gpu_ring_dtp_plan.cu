@@ -14,7 +14,7 @@
 #include "../ref/cross_entropy.hpp"
 #include "../ref/ring_dtp.hpp"
 
-using Mat = ref::Mat<double>;
+using MatD = ref::Mat<double>;
 
 TEST(RingDTPPlan, RingMatchesTheFullHeadRoundByRound) {
   testutil::Rng rng;
@@ -26,8 +26,8 @@ TEST(RingDTPPlan, RingMatchesTheFullHeadRoundByRound) {
         if (P > V) continue;
         std::vector<std::pair<int, int>> intervals;
         for (int r = 0; r < P; r++) intervals.push_back(ring_dtp_vocab_interval(V, P, r));
-        const Mat W = rng.mat<double>(V, H);
-        std::vector<Mat> x;
+        const MatD W = rng.mat<double>(V, H);
+        std::vector<MatD> x;
         std::vector<ref::MatI> targets;
         for (int r = 0; r < P; r++) {
           const int rows = N + (r % 2);  // unequal batches
@@ -40,18 +40,18 @@ TEST(RingDTPPlan, RingMatchesTheFullHeadRoundByRound) {
         const double dloss = rng.uniform(0.5, 2.0);
         // the full head over the global batch
         int total = 0;
-        for (const Mat& xr : x) total += (int)xr.rows();
-        Mat X(total, H);
+        for (const MatD& xr : x) total += (int)xr.rows();
+        MatD X(total, H);
         ref::MatI T(total, 1);
         for (int r = 0, row = 0; r < P; row += (int)x[r].rows(), r++) {
           X.middleRows(row, x[r].rows()) = x[r];
           T.middleRows(row, x[r].rows()) = targets[r];
         }
-        const Mat logits = X * W.transpose();
+        const MatD logits = X * W.transpose();
         ref::Vec<double> lse;
         const ref::Vec<double> losses = ref::cross_entropy_forward(logits, T, lse);
-        const Mat dlogits = ref::cross_entropy_backward(logits, T, dloss);
-        const Mat dX = dlogits * W, dW = dlogits.transpose() * X;
+        const MatD dlogits = ref::cross_entropy_backward(logits, T, dloss);
+        const MatD dX = dlogits * W, dW = dlogits.transpose() * X;
 
         const int widest = ring_dtp_widest_shard(V, P);
         for (int block_cols : {1, 4, widest + 3})
@@ -66,13 +66,13 @@ TEST(RingDTPPlan, RingMatchesTheFullHeadRoundByRound) {
             for (int r = 0, row = 0; r < P; row += (int)x[r].rows(), r++) {
               worst = std::max(worst, std::abs(run.loss_sum[r] - losses.segment(row, x[r].rows()).sum()) /
                                           std::abs(losses.segment(row, x[r].rows()).sum()));
-              worst = std::max(worst, testutil::rel_err(run.dx[r], Mat(dX.middleRows(row, x[r].rows()))));
-              worst = std::max(worst, testutil::rel_err(run.dW[r], Mat(dW.middleRows(intervals[r].first,
+              worst = std::max(worst, testutil::rel_err(run.dx[r], MatD(dX.middleRows(row, x[r].rows()))));
+              worst = std::max(worst, testutil::rel_err(run.dW[r], MatD(dW.middleRows(intervals[r].first,
                                                                                    intervals[r].second - intervals[r].first))));
             }
             EXPECT_LE(worst, 1e-12) << name;
             long long N_max = 0;
-            for (const Mat& xr : x) N_max = std::max<long long>(N_max, xr.rows());
+            for (const MatD& xr : x) N_max = std::max<long long>(N_max, xr.rows());
             EXPECT_EQ(run.widest_block * N_max, ring_dtp_block_elems(N_max, V, P, block_cols)) << name;
             ASSERT_EQ(run.forward.size(), (size_t)P * P);
             for (size_t i = 0; i < run.forward.size(); i++) {

@@ -11,7 +11,6 @@
 #include "gpu_util.cuh"
 #include "rope_table.cuh"
 
-using ref::Mat;
 using testutil::AngleTable;
 using testutil::angle_table;
 using testutil::download;
@@ -27,7 +26,7 @@ struct RopeCase {
   int B, T, nh, hd;
 };
 
-const RopeCase kCases[] = {
+const RopeCase kRopeCases[] = {
     {2, 37, 3, 32},
     {1, 200, 4, 64},
     {2, 67, 2, 128},
@@ -46,7 +45,7 @@ std::string case_name(const char* test, const RopeCase& c) {
 // Fresh qkv and dqkv of a case, rounded to what a floatX buffer holds, and the reference's results.
 struct RopeData {
   int N, cols;  // rows B·T, row width 3·nh·hd
-  Mat<double> x, dy, y_ref, dx_ref;
+  ref::Mat<double> x, dy, y_ref, dx_ref;
 };
 
 RopeData rope_data(const RopeCase& c, testutil::Rng& rng) {
@@ -67,7 +66,7 @@ RopeData rope_data(const RopeCase& c, testutil::Rng& rng) {
 // ~1e-5 of zero, where a float ulp is smaller than that).
 TEST(GpuRope, AngleTableMatchesHostDoubleWithinOneUlp) {
   REQUIRE_GPU();
-  for (const RopeCase& c : kCases) {
+  for (const RopeCase& c : kRopeCases) {
     testutil::Rng rng;
     const float theta = (float)rng.uniform(100, 1e6);
     const AngleTable table = angle_table(c.T, c.hd, theta);
@@ -100,7 +99,7 @@ TEST(GpuRope, AngleTableMatchesHostDoubleWithinOneUlp) {
 
 TEST(GpuRope, ForwardAndBackwardMatchReference) {
   REQUIRE_GPU();
-  for (const RopeCase& c : kCases) {
+  for (const RopeCase& c : kRopeCases) {
     testutil::Rng rng;
     const RopeData d = rope_data(c, rng);
     const int N = d.N, cols = d.cols;
@@ -123,7 +122,7 @@ TEST(GpuRope, ForwardAndBackwardMatchReference) {
 // In place, from a table made for longer sequences (T_max = 2T: a pass shorter than the model's seq_len).
 TEST(GpuRope, InPlaceMatchesReference) {
   REQUIRE_GPU();
-  for (const RopeCase& c : {kCases[0], kCases[1]}) {
+  for (const RopeCase& c : {kRopeCases[0], kRopeCases[1]}) {
     testutil::Rng rng;
     const RopeData d = rope_data(c, rng);
     DeviceBuffer<floatX> d_x = upload<floatX>(d.x);
@@ -147,7 +146,7 @@ TEST(GpuRope, PiecesAndElementsGiveTheSameBits) {
   testutil::Rng rng;
   const RopeData d = rope_data(c, rng);
   const int N = d.N, cols = d.cols;
-  auto placed = [&](const Mat<double>& m, int offset) {  // m at `offset` elements past a pool address
+  auto placed = [&](const ref::Mat<double>& m, int offset) {  // m at `offset` elements past a pool address
     std::vector<floatX> host(offset + m.size(), from_float<floatX>((float)rng.normal()));
     for (Eigen::Index i = 0; i < m.size(); i++) host[offset + i] = from_float<floatX>((float)m.data()[i]);
     return upload_vec(host, Mem::Activations, "test.rope.placed");

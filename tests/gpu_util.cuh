@@ -154,6 +154,13 @@ static __global__ void wait_for_host_kernel(int* out, const volatile int* releas
   if (out) out[0] = value;
 }
 
+// A vector of token ids or targets as a column, the form the references take.
+inline ref::MatI as_column(const std::vector<int>& v) {
+  ref::MatI m((int)v.size(), 1);
+  for (size_t i = 0; i < v.size(); i++) m((int)i, 0) = v[i];
+  return m;
+}
+
 // A stream for one test, destroyed at the end.
 struct TestStream {
   cudaStream_t stream = nullptr;
