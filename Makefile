@@ -62,7 +62,9 @@ prec = $(if $(filter BF16,$(1)),bf16,$(if $(filter FP32,$(1)),fp32,$(error PRECI
 P := $(call prec,$(PRECISION))
 
 CPU_TESTS := $(wildcard tests/cpu_*.cpp)
-GPU_TESTS := $(wildcard tests/gpu_*.cu)
+# tests/cpu_*.cu need no GPU but nvcc: they test an operator's host-side plan, which lives beside its kernels
+# in ops/NAME.cuh; test_gpu holds them, and they run on every machine
+GPU_TESTS := $(wildcard tests/gpu_*.cu tests/cpu_*.cu)
 DIST_TESTS := $(wildcard tests/dist_*.cu)
 # Test files compiled together, as one translation unit per precision (build/unity/NAME.cu includes
 # them), so that the headers and kernels they share compile once, not once per file: the GPU tests that

@@ -31,7 +31,7 @@
 // route order (token n, slot j at n·k + j), then source 1's, and so on; the home's piece comes first.
 // From the pieces: the rows each source sends to each rank, what each rank receives, and one weight
 // transfer (expert, home → helper) per helper piece.
-// Guarantees (asserted by tests/gpu_llep_plan.cu for E_p up to 64, adversarial routing):
+// Guarantees (asserted by tests/cpu_llep_plan.cu for E_p up to 64, adversarial routing):
 //   - every route is placed exactly once; an expert's pieces lie on distinct ranks (a helper borrows
 //     an expert's weights once);
 //   - while an expert has routes left, Σ_r eff(r) = T − remaining < E_p·cap and the home is at or

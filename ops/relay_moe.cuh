@@ -29,7 +29,7 @@
 //               tokens   N·H·b + N·H·b_acc + N·k·8         (rows, output accumulator, routing)
 //             b = bytes per floatX, b_acc = bytes per accumulator element.
 // Every (token, expert) pair is computed exactly once: a token's route to expert e meets e's
-// partition e / E_l at exactly one hop (tests/gpu_relay_plan.cu checks it for E_p up to 64).
+// partition e / E_l at exactly one hop (tests/cpu_relay_plan.cu checks it for E_p up to 64).
 //
 // Built: both modes, forward and backward (RelayDispatcher: --moe relay --relay_mode expert|token|auto).
 //

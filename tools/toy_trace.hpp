@@ -529,7 +529,7 @@ inline std::vector<std::vector<int>> flat_routes(const Result& res) {
 
 // PipelinedLLEP (ops/pipelined_llep.cuh) on the toy's routing: K chunks of strided tokens, each with
 // its own LLEP plan. The schedule is ref/pipelined_llep.hpp's and ref/llep.hpp's, the twins that
-// tests/gpu_llep_plan.cu checks the operator's host-side plan (pllep_plan, llep_plan) against.
+// tests/cpu_llep_plan.cu checks the operator's host-side plan (pllep_plan, llep_plan) against.
 struct PllepToy {
   int chunks = 0, c_eff = 0;
   long long bound = 0;                         // E_p · k · c_eff: routes any rank receives in one chunk

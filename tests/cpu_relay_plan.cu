@@ -1,4 +1,4 @@
-// tests/gpu_relay_plan.cu — the host side of RelayMoE (ops/relay_moe.cuh), without a GPU: the ring's
+// tests/cpu_relay_plan.cu — the host side of RelayMoE (ops/relay_moe.cuh), without a GPU: the ring's
 // schedule and the mode choice, against the twin ref/relay_moe.hpp, which runs the ring hop by hop
 // (each rank handing what travels to its right neighbour) in double precision.
 //   - The twin, both modes, E_p ∈ {1, 2, 3, 5}, unequal token counts (0 included): every route

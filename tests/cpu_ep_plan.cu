@@ -1,4 +1,4 @@
-// tests/gpu_ep_plan.cu — the host side of standard expert parallelism (ops/ep_moe.cuh) and the
+// tests/cpu_ep_plan.cu — the host side of standard expert parallelism (ops/ep_moe.cuh) and the
 // routing profiles (ops/router.cuh), without a GPU: W ∈ {1, 2, 3, 8, 64} ranks are simulated on the
 // host. Each rank's sort of its routes by expert (what moe_route_plan computes, checked on the GPU
 // in gpu_moe.cu) is a std::stable_sort; the exchange of counts is a transpose; rows "sent" are route

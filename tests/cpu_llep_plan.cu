@@ -1,4 +1,4 @@
-// tests/gpu_llep_plan.cu — the host side of LLEP (ops/llep.cuh) and PipelinedLLEP
+// tests/cpu_llep_plan.cu — the host side of LLEP (ops/llep.cuh) and PipelinedLLEP
 // (ops/pipelined_llep.cuh), without a GPU: EP groups of E_p ∈ {1, 2, 3, 5, 8, 12, 63, 64} ranks are
 // simulated on the host, each rank with its own token count N_r (0 included) and its own routing
 // (topk_idx). Routings: the paper's profiles (balanced, hot:r/h), every route to one expert, every

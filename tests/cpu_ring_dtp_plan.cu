@@ -1,4 +1,4 @@
-// tests/gpu_ring_dtp_plan.cu — the host side of Ring-DTP (ops/ring_dtp.cuh), without a GPU: the ring's
+// tests/cpu_ring_dtp_plan.cu — the host side of Ring-DTP (ops/ring_dtp.cuh), without a GPU: the ring's
 // schedule, the branch rule and the widest logits block, against the twin ref/ring_dtp.hpp, which runs
 // the ring round by round (each rank handing what travels to its right neighbour) in double precision.
 //   - The twin, both branches, P ∈ {1, 2, 3, 5}, V not divisible by P, N on both sides of V/P,
