@@ -74,6 +74,7 @@ struct TrainConfig {
   int gpus = 1;                            // W: ranks (one process per GPU) started on this node
   int share_gpus = 0;                      // 1: W may exceed the GPUs; ranks share them round-robin (runtime/launch.cuh)
   int ep = 0;                              // E_p: expert-parallel group size (0 = W)
+  int sp = 1;                              // D: sequence-parallel group size (Ulysses; 1 = every rank whole sequences)
   std::string routing = "router";          // "router", or what overrides its choice: "balanced", "hot:r/h", "trace:FILE"
   std::string record_routing;              // a routing trace of the training passes goes to this file ("" = none)
   // Seams (notes/design.md §1.1): which implementation serves each; chosen once, at start-up.
@@ -682,9 +683,30 @@ inline std::string cuda_graph_refusal(const TrainConfig& t, bool bf16_build) {
   if (t.gpus > 1 && (moe_dispatcher(t) != "local" || vocab_group_size(t) > 1))
     return "off: with " + std::to_string(t.gpus) + " ranks only data parallelism is captured (--ep 1, --moe local, the full or "
            "chunked head): a pass's collectives and their bounded waits stay on the host";
+  if (t.sp > 1) return "off: --sp " + std::to_string(t.sp) + " exchanges q, k, v and attention's output inside every pass";
   if (t.offload_budget > 0) return "off: SCO's copies to and from the host follow a plan the host keeps (--offload_budget)";
   if (t.routing != "router") return "off: --routing " + t.routing + " sets each pass's experts from the host";
   if (!t.record_routing.empty()) return "off: --record_routing downloads each pass's choices";
+  return "";
+}
+
+// Why --sp D cannot run with these flags ("" when it can): D must divide the ranks, the heads and the
+// sequence (sequence_split_refusal); and what does not compose with the sequence split yet is refused
+// by name: the kept attention (--device_budget, --plan auto) sizes its tensors for whole sequences, and
+// a routing trace (--routing trace:FILE, --record_routing) holds each rank's tokens in world-rank order.
+inline std::string sequence_parallel_refusal(const TrainConfig& t, const ModelConfig& c) {
+  if (t.sp < 1) return "--sp must be >= 1 (the ranks of a sequence group), got " + std::to_string(t.sp);
+  if (t.sp == 1) return "";
+  const std::string refused = sequence_split_refusal(t.gpus, c.heads, c.seq_len, t.sp);
+  if (!refused.empty()) return "--sp " + std::to_string(t.sp) + ": " + refused;
+  const std::string sp = "--sp " + std::to_string(t.sp);
+  if (parse_device_budget(t.device_budget).on())
+    return sp + " with --device_budget " + t.device_budget +
+           ": the kept attention is not built for sequence groups yet (use --device_budget 0)";
+  if (t.plan == "auto") return sp + " with --plan auto: the plan's kept attention is not built for sequence groups yet";
+  if (!data::routing_trace_path(t.routing).empty() || !t.record_routing.empty())
+    return sp + " with " + (t.record_routing.empty() ? "--routing " + t.routing : "--record_routing " + t.record_routing) +
+           ": routing traces are not built for sequence groups yet";
   return "";
 }
 
@@ -796,6 +818,8 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
            std::to_string(c.layers) + " layers)");
   need(t.record_routing.empty() || t.steps > 0,
        "--record_routing " + t.record_routing + ": --steps 0 has no training step to record");
+  const std::string sequence_refused = sequence_parallel_refusal(t, c);
+  need(sequence_refused.empty(), sequence_refused);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -838,6 +862,8 @@ inline std::string usage() {
          "        CUDA graph and launched again, the same kernels with the same arguments; 0: every launch from\n"
          "        the host. The start-up table says which)\n"
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
+         "        --sp D (sequence-parallel group, default 1: its D ranks share each sequence, T/D tokens each,\n"
+         "        attention over all T through an all-to-all of heads; D divides W, nh and T)\n"
          "        --share_gpus 1 (W may exceed the node's GPUs: the ranks share them round-robin, collectives go\n"
          "        through NCCL's sockets; for correctness and memory, never speed. FLATMOE_SHARE_GPUS=1 does the same)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
@@ -997,6 +1023,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--gpus", &T::gpus),
       int_flag("--share_gpus", &T::share_gpus),
       int_flag("--ep", &T::ep),
+      int_flag("--sp", &T::sp),
       text_flag("--routing", &T::routing),
       text_flag("--record_routing", &T::record_routing),
       text_flag("--moe", &T::moe),

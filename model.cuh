@@ -18,7 +18,9 @@
 // Parallel layout (notes/design.md §5): W ranks, one process per GPU. Dense tensors are replicated over
 // the world; routed experts are split over the E_p ranks of an expert-parallel group (contiguous
 // blocks of E_p ranks) and replicated over the W/E_p groups; under --head ring_dtp lm_head's rows are
-// split over the P ranks of a vocabulary group (contiguous blocks of P ranks) in the same way.
+// split over the P ranks of a vocabulary group (contiguous blocks of P ranks) in the same way. Under
+// --sp D the D ranks of a sequence group (contiguous blocks of D ranks) hold T/D tokens of each of the
+// group's sequences, and attention trades tokens for heads with them (attention_step; notes/sequence_parallel.md).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -46,6 +48,7 @@
 #include "ops/router.cuh"
 #include "ops/sco.cuh"
 #include "ops/sar_plan.hpp"
+#include "ops/ulysses.cuh"
 #include "runtime/comm.cuh"
 #include "runtime/side_stream.cuh"
 #include "runtime/graph.cuh"
@@ -77,6 +80,7 @@ struct Parallel {
   Comm expert_replicas;  // the W/E_p ranks that hold the same expert shard (same rank in their ep group)
   Comm vocab;            // the P ranks that hold disjoint vocabulary intervals of lm_head (--head ring_dtp)
   Comm vocab_replicas;   // the W/P ranks that hold the same interval (same rank in their vocab group)
+  Comm seq;              // the D ranks that share each sequence, T/D tokens each (--sp; contiguous block of ranks)
 };
 
 // Host ints to the device in stream order without a host wait (a pass's tokens and targets, the
@@ -439,6 +443,7 @@ inline std::string model_parallel_refusal(const ModelConfig& cfg, const Parallel
   if (cfg.experts % par.ep.size != 0)
     return "experts (" + std::to_string(cfg.experts) + ") must be divisible by the expert-parallel size (" +
            std::to_string(par.ep.size) + ")";
+  if (par.seq.size > 1) return sequence_split_refusal(par.world.size, cfg.heads, cfg.seq_len, par.seq.size);
   return "";
 }
 
@@ -451,7 +456,7 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   m.stream = stream;
   m.specs = param_specs(cfg);
   const std::string refused = model_parallel_refusal(cfg, par);
-  if (!refused.empty()) fm_fail("model_create", refused.c_str(), "E=%d E_p=%d", cfg.experts, par.ep.size);
+  if (!refused.empty()) fm_fail("model_create", refused.c_str(), "E=%d E_p=%d D=%d", cfg.experts, par.ep.size, par.seq.size);
   model_layout(m);
   const size_t P = m.num_params;
   m.params = pool().alloc_t<floatX>(P, Mem::Weights, "params");
@@ -510,9 +515,10 @@ inline void ensure_dense_routes(Model& m, int N) {
 struct LayerActs {
   floatX* ln1 = nullptr;        // [N, H]
   float* ln1_rstd = nullptr;    // [N]
-  floatX* qkv = nullptr;        // [N, 3H] after RoPE
+  floatX* qkv = nullptr;        // [N, 3H] after RoPE; under --sp D the head shard [B, T·D, 3, nh/D, hd] (as many)
   floatX* att = nullptr;        // [N, H] attention output (before wo)
-  float* lse = nullptr;         // [B, nh, T]
+  floatX* att_heads = nullptr;  // --sp D > 1: the same output in the head shard [B, T·D, nh/D, hd], attention's own
+  float* lse = nullptr;         // [B, nh, T]; under --sp D [B, nh/D, T·D] (as many)
   floatX* x_mid = nullptr;      // [N, H] residual after attention
   floatX* ln2 = nullptr;        // [N, H]
   float* ln2_rstd = nullptr;    // [N]
@@ -525,12 +531,12 @@ struct LayerActs {
 };
 
 // Frees a layer's activations, except the attention tensors that selective attention recomputation
-// keeps for the backward (ops/sar_plan.hpp: core = att + lse, projection = ln1 + ln1_rstd + qkv).
+// keeps for the backward (ops/sar_plan.hpp: core = att (+ att_heads) + lse, projection = ln1 + ln1_rstd + qkv).
 inline void free_acts(LayerActs& a, bool keep_core = false, bool keep_projection = false) {
   LayerActs kept;
-  if (keep_core) std::swap(kept.att, a.att), std::swap(kept.lse, a.lse);
+  if (keep_core) std::swap(kept.att, a.att), std::swap(kept.att_heads, a.att_heads), std::swap(kept.lse, a.lse);
   if (keep_projection) std::swap(kept.ln1, a.ln1), std::swap(kept.ln1_rstd, a.ln1_rstd), std::swap(kept.qkv, a.qkv);
-  for (void* p : {(void*)a.ln1, (void*)a.ln1_rstd, (void*)a.qkv, (void*)a.att, (void*)a.lse, (void*)a.x_mid,
+  for (void* p : {(void*)a.ln1, (void*)a.ln1_rstd, (void*)a.qkv, (void*)a.att, (void*)a.att_heads, (void*)a.lse, (void*)a.x_mid,
                   (void*)a.ln2, (void*)a.ln2_rstd, (void*)a.scores, (void*)a.topk_idx, (void*)a.topk_w})
     pool().free(p);
   a.routed.reset();
@@ -660,27 +666,46 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, const floatX
 // before wo). It computes what `a` does not hold yet: a recomputation under selective attention
 // recomputation (ops/sar_plan.hpp) finds ln1, ln1_rstd and qkv (projection) and/or att and lse (core)
 // kept from the forward.
-inline void attention_step(Model& m, int l, LayerActs& a, const floatX* x_in, int B, int T) {
+// `seq`: the ranks that share each of the B sequences (--sp D = seq.size; notes/sequence_parallel.md).
+// x_in holds this rank's T tokens of each, [r·T, (r+1)·T) of T·D. With D > 1 the projected q, k, v
+// [B, T, 3, nh, hd] go through ulysses_to_heads to the head shard [B, T·D, 3, nh/D, hd] (a.qkv): every
+// token of the rank's nh/D heads, so RoPE there rotates each at its global position and attention runs
+// on whole sequences; its output [B, T·D, nh/D, hd] (a.att_heads, which attention's backward reads)
+// comes back by ulysses_to_sequence as a.att [B, T, nh, hd], which wo reads. A recomputation reruns the
+// exchanges: they are permutations, so it rebuilds the same bits. D = 1: no exchange.
+inline void attention_step(Model& m, int l, LayerActs& a, const floatX* x_in, int B, int T, const Comm& seq) {
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
-  const int N = B * T, H = c.hidden;
+  const int N = B * T, H = c.hidden, D = seq.size, T_seq = T * D, heads_here = c.heads / D, hd = c.head_dim();
   cudaStream_t s = m.stream;
   if (a.qkv == nullptr) {
     a.ln1 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln1");
     a.ln1_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln1_rstd");
     a.qkv = pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Activations, "qkv");
+    // [B, T, 3, nh, hd]: this rank's tokens, every head (D > 1: until the exchange has read them)
+    floatX* projected = D == 1 ? a.qkv : pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Activations, "qkv_tokens");
     prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
     rmsnorm_forward(a.ln1, a.ln1_rstd, x_in, P.ln1, N, H, c.norm_eps, s);
     prof_mark(s, "qkv matmul fwd");
-    matmul_forward(a.qkv, a.ln1, P.wqkv, N, H, 3 * H, s);
+    matmul_forward(projected, a.ln1, P.wqkv, N, H, 3 * H, s);
+    if (D > 1) {
+      prof_mark(s, "ulysses to heads (q, k, v)");
+      ulysses_to_heads(a.qkv, projected, B, T_seq, 3, c.heads, hd, seq, s);
+      pool().free(projected);
+    }
     prof_mark(s, "rope fwd", rope_bytes(N, H));
-    rope_forward(a.qkv, a.qkv, m.rope_angles, B, T, c.heads, c.head_dim(), s);
+    rope_forward(a.qkv, a.qkv, m.rope_angles, B, T_seq, heads_here, hd, s);
   }
   if (a.att == nullptr) {
     a.att = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att");
+    if (D > 1) a.att_heads = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att_heads");
     a.lse = pool().alloc_t<float>((size_t)N * c.heads, Mem::Activations, "att_lse");
     prof_mark(s, "attention fwd");
-    attention_forward(a.att, a.lse, a.qkv, B, T, c.heads, c.head_dim(), s);
+    attention_forward(D == 1 ? a.att : a.att_heads, a.lse, a.qkv, B, T_seq, heads_here, hd, s);
+    if (D > 1) {
+      prof_mark(s, "ulysses to sequence (attention output)");
+      ulysses_to_sequence(a.att, a.att_heads, B, T_seq, 1, c.heads, hd, seq, s);
+    }
   }
 }
 
@@ -688,13 +713,14 @@ inline void attention_step(Model& m, int l, LayerActs& a, const floatX* x_in, in
 // x_out = nullptr: a recomputation, whose output is already kept (the next layer's boundary): the
 // FFN rebuilds only what its backward needs, and a dispatcher that recomputes in its own backward
 // (--moe pllep, relay) only plans.
-inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, LayerActs& a, int B, int T, bool count_loads) {
+inline void layer_forward(Model& m, int l, const floatX* x_in, floatX* x_out, LayerActs& a, int B, int T, const Comm& seq,
+                          bool count_loads) {
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
   const int N = B * T, H = c.hidden;
   cudaStream_t s = m.stream;
   ProfPrefix recompute_names(x_out ? "" : "recompute ");  // runtime/profile.cuh: a recomputation's ranges
-  attention_step(m, l, a, x_in, B, T);
+  attention_step(m, l, a, x_in, B, T, seq);
   a.x_mid = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "x_mid");
   a.ln2 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln2");
   a.ln2_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln2_rstd");
@@ -755,12 +781,40 @@ inline void linear_backward(Model& m, floatX* dx, floatX* dW, const floatX* dout
   matmul_backward_dx(dx, dout, W, N, IC, OC, m.stream);
 }
 
+// The attention step's backward: d_qkv [N, 3H] (=) from d_att [N, H], RoPEᵀ in attention's stores (the
+// gradients of q and k before RoPE). Under --sp D > 1 it mirrors attention_step's exchanges: d_att goes
+// to the head shard by ulysses_to_heads (the backward of ulysses_to_sequence), attention's backward runs
+// on whole sequences of nh/D heads, and d_qkv comes back by ulysses_to_sequence (the backward of
+// ulysses_to_heads).
+inline void attention_step_backward(Model& m, const LayerActs& a, floatX* d_qkv, const floatX* d_att, int B, int T,
+                                    const Comm& seq) {
+  const ModelConfig& c = m.cfg;
+  const int N = B * T, H = c.hidden, D = seq.size, T_seq = T * D, heads_here = c.heads / D, hd = c.head_dim();
+  cudaStream_t s = m.stream;
+  if (D == 1) {
+    prof_mark(s, "attention bwd (+ rope bwd)");
+    attention_backward(d_qkv, d_att, a.qkv, a.att, a.lse, B, T, c.heads, hd, s, m.rope_angles);
+    return;
+  }
+  floatX* d_att_heads = pool().alloc_t<floatX>((size_t)N * H, Mem::Workspace, "d_att_heads");  // [B, T·D, nh/D, hd]
+  prof_mark(s, "ulysses to heads (attention output grad)");
+  ulysses_to_heads(d_att_heads, d_att, B, T_seq, 1, c.heads, hd, seq, s);
+  floatX* d_qkv_heads = pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Workspace, "d_qkv_heads");  // [B, T·D, 3, nh/D, hd]
+  prof_mark(s, "attention bwd (+ rope bwd)");
+  attention_backward(d_qkv_heads, d_att_heads, a.qkv, a.att_heads, a.lse, B, T_seq, heads_here, hd, s, m.rope_angles);
+  pool().free(d_att_heads);
+  prof_mark(s, "ulysses to sequence (q, k, v grads)");
+  ulysses_to_sequence(d_qkv, d_qkv_heads, B, T_seq, 3, c.heads, hd, seq, s);
+  pool().free(d_qkv_heads);
+}
+
 // d_x (in: gradient of the layer output; out: gradient of the layer input).
-inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_in, floatX* d_x, int B, int T) {
+inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_in, floatX* d_x, int B, int T,
+                           const Comm& seq) {
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
   const LayerTensors& G = m.g.layers[l];
-  const int N = B * T, H = c.hidden, nh = c.heads, hd = c.head_dim();
+  const int N = B * T, H = c.hidden;
   const size_t NH = (size_t)N * H;
   cudaStream_t s = m.stream;
   floatX* d_norm_out = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_norm_out");
@@ -774,8 +828,7 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
   // Attention branch: d_x_in = d_x_mid + ln1ᵀ(wqkvᵀ(RoPEᵀ(Attnᵀ(woᵀ d_x_mid))))
   prof_mark(s, "wo matmul bwd");
   linear_backward(m, d_norm_out, G.wo, d_x, a.att, P.wo, N, H, H);
-  prof_mark(s, "attention bwd (+ rope bwd)");
-  attention_backward(d_qkv, d_norm_out, a.qkv, a.att, a.lse, B, T, nh, hd, s, m.rope_angles);  // RoPEᵀ in its stores
+  attention_step_backward(m, a, d_qkv, d_norm_out, B, T, seq);
   prof_mark(s, "qkv matmul bwd");
   linear_backward(m, d_norm_out, G.wqkv, d_qkv, a.ln1, P.wqkv, N, H, 3 * H);
   prof_mark(s, "weight gradients (join)");  // the layer's weight gradients done before d_x changes again
@@ -816,7 +869,8 @@ inline size_t rank_shard_params(const ModelConfig& c, const Parallel& par) {
   return S;
 }
 
-// One training micro-batch of B×T tokens on this rank (--recompute, SCO's budget, the kept attention).
+// One training micro-batch of B×T tokens on this rank (--recompute, SCO's budget, the kept attention):
+// under --sp D, T is the rank's slice of each sequence (T·D tokens), as model_pass takes it.
 inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel& par, const Seams& seams, int B, int T,
                                             bool recompute, const SarPlan* attention_kept = nullptr) {
   Model shape;  // the layout alone: nothing allocated
@@ -830,6 +884,7 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   moe->weight_grads = &weight_grads;
   const std::unique_ptr<OutputHead> head = make_head(c, par, seams);
   const size_t b = sizeof(floatX), N = (size_t)B * T, H = c.hidden, L = c.layers, E = c.experts, k = c.topk;
+  const int D = par.seq.size;  // --sp: the ranks that share each sequence
   const size_t NH = N * H, P = shape.num_params;
   const bool fp32_sum = !std::is_same<floatX, float>::value;  // main_grads beside grads in the BF16 build
 
@@ -853,7 +908,8 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   const DispatchBound routed = moe->live_bound((int)N);
   const DispatchBound shared = c.shared_expert ? moe_live_bound(N, c.hidden, c.expert_dim, 1, 1, b, true) : DispatchBound{};
   const DispatchBound dense = moe_live_bound(N, c.hidden, c.dense_dim, 1, 1, b, true);
-  const size_t attention = 5 * NH * b + 4 * N + 4 * N * c.heads;  // ln1, ln1_rstd, qkv, att, lse
+  // ln1, ln1_rstd, qkv, att, lse (and att_heads under --sp D > 1: the output in the head shard)
+  const size_t attention = (D == 1 ? 5 : 6) * NH * b + 4 * N + 4 * N * c.heads;
   auto acts = [&](int l) {
     const size_t common = attention + 2 * NH * b + 4 * N;  // x_mid, ln2, ln2_rstd
     if (!c.is_moe_layer(l)) return common + dense.saved;
@@ -867,16 +923,22 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   // Then, in the attention part, beside what the FFN's backward left held: the ln2 norm's dw partials
   // (held too) and attention's delta. A norm's dw partials stay held until the next layer's join, so
   // each layer's backward has the norm's above it (layer l + 1's ln1, or the final norm's) besides.
+  // Under --sp D > 1 attention's backward works in the head shard (attention_step_backward): d_att_heads
+  // (NH) and d_qkv_heads (3NH) beside delta, then d_qkv_heads beside the exchange of d_qkv back
+  // (ulysses_staging_bytes, G = 3: 6NH); the exchanges of the forward and of d_att hold less.
   const size_t backward_buffers = 4 * NH * b;
   const size_t norm_partials = rmsnorm_backward_workspace_bytes((int)N, c.hidden);
+  const size_t delta = 4 * N * c.heads;
+  const size_t attention_backward =
+      D == 1 ? delta
+             : std::max(delta + 4 * NH * b, 3 * NH * b + ulysses_staging_bytes(B, T * D, 3, c.heads, c.head_dim(), D, b));
   auto operator_term = [&](int l) {
-    const size_t delta = 4 * N * c.heads;
-    if (!c.is_moe_layer(l)) return std::max(4 * N + dense.peak - dense.saved, dense.held + norm_partials + delta);
+    if (!c.is_moe_layer(l)) return std::max(4 * N + dense.peak - dense.saved, dense.held + norm_partials + attention_backward);
     const size_t shared_step = c.shared_expert ? routed.held + NH * b + 4 * N + shared.peak - shared.saved : 0;
     const size_t router_step =
         routed.held + shared.held + 4 * N * E + router_logits_workspace_bytes((int)N, c.hidden, (int)E);
     const size_t attention_step = routed.held + shared.held + 4 * N * E +
-                                  router_logits_held_bytes((int)N, c.hidden, (int)E) + norm_partials + delta;
+                                  router_logits_held_bytes((int)N, c.hidden, (int)E) + norm_partials + attention_backward;
     return std::max(4 * N * k + std::max({routed.peak - routed.saved, shared_step, router_step}), attention_step);
   };
 
@@ -957,11 +1019,12 @@ struct PassOptions {
   bool fold = true;
 };
 
-// Embedding and the L layers on device tokens [B·T]: fills boundaries.input[0..L]. With keep_acts
+// Embedding and the L layers on device tokens [B·T]: fills boundaries.input[0..L]; `seq`: the ranks that
+// share each sequence (attention_step; a Comm of one rank: whole sequences here). With keep_acts
 // each layer's activations stay in acts[l] for its backward, else they are freed at once, except the
 // attention tensors that `attention_kept` (selective attention recomputation, ops/sar_plan.hpp) keeps;
 // after_layer(l, acts[l]) runs after each layer (sampling and test paths read from it).
-inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, LayerBoundaries& boundaries,
+inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, const Comm& seq, LayerBoundaries& boundaries,
                            std::vector<LayerActs>& acts, bool keep_acts, bool count_loads,
                            const std::function<void(int, const LayerActs&)>& after_layer = nullptr,
                            const SarPlan* attention_kept = nullptr) {
@@ -972,7 +1035,7 @@ inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, LayerB
   embedding_forward(boundaries.allocate(0), tokens_dev, m.p.wte, N, c.hidden, c.vocab, m.stream);
   for (int l = 0; l < c.layers; l++) {
     model_wait_update(m, l);
-    layer_forward(m, l, boundaries.input[l], boundaries.allocate(l + 1), acts[l], B, T, count_loads);
+    layer_forward(m, l, boundaries.input[l], boundaries.allocate(l + 1), acts[l], B, T, seq, count_loads);
     boundaries.after_forward(l);
     if (after_layer) after_layer(l, acts[l]);
     if (!keep_acts)
@@ -1007,8 +1070,10 @@ inline void append_gathered_routes(Model& m, const int* gathered, size_t count) 
   m.routing_record->append(batch.data(), batch.size());
 }
 
-inline void check_seq_len(const Model& m, int T) {
-  if (T > m.cfg.seq_len || T < 1) fm_fail("model_pass", "sequence longer than the model's seq_len", "T=%d seq_len=%d", T, m.cfg.seq_len);
+// T tokens per sequence on a rank whose sequences `seq` shares: T·D of each, at most seq_len.
+inline void check_seq_len(const Model& m, int T, const Comm& seq) {
+  if ((long long)T * seq.size > m.cfg.seq_len || T < 1)
+    fm_fail("model_pass", "sequence longer than the model's seq_len", "T=%d D=%d seq_len=%d", T, seq.size, m.cfg.seq_len);
 }
 
 // The embedding backward's buckets of a pass's tokens (ops/embedding.cuh), staged for its upload:
@@ -1046,7 +1111,7 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
     };
   // --device_budget: the attention tensors the plan keeps (a training pass of the plan's size under recomputation)
   const SarPlan* attention_kept = o.backward && o.recompute && m.attention_kept.tokens == N ? &m.attention_kept : nullptr;
-  forward_layers(m, tokens_dev, B, T, boundaries, acts, o.backward && !o.recompute, o.count_loads, record_layer,
+  forward_layers(m, tokens_dev, B, T, m.par.seq, boundaries, acts, o.backward && !o.recompute, o.count_loads, record_layer,
                  attention_kept);
   if (after_forward) after_forward();
   // the embedding backward's per-token buckets: offsets [V + 1], positions [N], used ids [1 + min(N, V)]
@@ -1082,8 +1147,8 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
     // gradients compared with memcmp; with SCO's boundaries from the host too (tests/sco_training.cuh).
     for (int l = L - 1; l >= 0; l--) {
       boundaries.before_backward(l);
-      if (o.recompute) layer_forward(m, l, boundaries.input[l], nullptr, acts[l], B, T, false);
-      layer_backward(m, l, acts[l], boundaries.input[l], d_x, B, T);
+      if (o.recompute) layer_forward(m, l, boundaries.input[l], nullptr, acts[l], B, T, m.par.seq, false);
+      layer_backward(m, l, acts[l], boundaries.input[l], d_x, B, T, m.par.seq);
       free_acts(acts[l]);
       boundaries.release(l);
     }
@@ -1115,8 +1180,9 @@ inline PassGraph& pass_graph_for(Model& m, const PassGraphKey& key) {
   return *m.pass_graphs.back();
 }
 
-// inputs/targets: host [B·T]. Returns the mean loss over the B·T tokens; with o.backward the
-// gradients of dloss · Σ losses are added (+=) into m.grads.
+// inputs/targets: host [B·T], this rank's tokens: B sequences of T, or under --sp D (m.par.seq) this
+// rank's slice of T tokens of each of B sequences of T·D (data::sequence_slice). Returns the mean loss
+// over the B·T tokens; with o.backward the gradients of dloss · Σ losses are added (+=) into m.grads.
 // With m.graph_passes (--cuda_graph, runtime/graph.cuh), outside a profiled step or a pool timeline
 // (both record the host's own calls): the first pass of each key (PassGraphKey) runs eagerly and
 // counts its host waits; the next is captured, and later ones launch that graph. A key whose eager
@@ -1124,7 +1190,7 @@ inline PassGraph& pass_graph_for(Model& m, const PassGraphKey& key) {
 inline float model_pass(Model& m, const int* inputs, const int* targets, int B, int T, const PassOptions& o) {
   const int N = B * T, V = m.cfg.vocab;
   cudaStream_t s = m.stream;
-  check_seq_len(m, T);
+  check_seq_len(m, T, m.par.seq);
   m.tokens_upload->stage({{inputs, (size_t)N}, {targets, (size_t)N}}, 2 * (size_t)N, "tokens_targets");
   const auto stage_buckets = [&] {
     if (o.backward) stage_token_buckets(m, inputs, N, V);
@@ -1168,16 +1234,18 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
 }
 
 // The sampling path: the logits [V] of token row `row` of the forward over inputs [T] (host, one
-// sequence). Only that row is projected: no [T,V] tensor.
+// sequence). Only that row is projected: no [T,V] tensor. The whole sequence on this rank, under --sp
+// too (every rank samples the same context: a sequence group of one, no exchange).
 inline std::vector<float> model_logits_row(Model& m, const int* inputs, int T, int row) {
   const ModelConfig& c = m.cfg;
   const int H = c.hidden, V = c.vocab;
   cudaStream_t s = m.stream;
-  check_seq_len(m, T);
+  const Comm whole_sequences;
+  check_seq_len(m, T, whole_sequences);
   int* tokens_dev = upload_ints(inputs, T, Mem::Activations, "tokens", s);
   LayerBoundaries boundaries(c.layers, (size_t)T * H, s);
   std::vector<LayerActs> acts(c.layers);
-  forward_layers(m, tokens_dev, 1, T, boundaries, acts, false, false);
+  forward_layers(m, tokens_dev, 1, T, whole_sequences, boundaries, acts, false, false);
   floatX* lnf = pool().alloc_t<floatX>(H, Mem::Activations, "lnf_row");
   float* lnf_rstd = pool().alloc_t<float>(1, Mem::Activations, "lnf_row_rstd");
   floatX* logits = pool().alloc_t<floatX>(V, Mem::Logits, "logits_row");
@@ -1192,18 +1260,18 @@ inline std::vector<float> model_logits_row(Model& m, const int* inputs, int T, i
   return out;
 }
 
-// The test path for routing: each MoE layer's top-k choice [N·k] on inputs [B·T] (host), from a
-// forward that counts no loads. The forward is deterministic, so a training pass over the same
+// The test path for routing: each MoE layer's top-k choice [N·k] on inputs [B·T] (host; this rank's
+// tokens, as model_pass takes them), from a forward that counts no loads. The forward is deterministic, so a training pass over the same
 // tokens with the same weights and biases chooses the same experts.
 inline std::vector<std::vector<int>> model_routes(Model& m, const int* inputs, int B, int T) {
   const ModelConfig& c = m.cfg;
   const int N = B * T;
-  check_seq_len(m, T);
+  check_seq_len(m, T, m.par.seq);
   int* tokens_dev = upload_ints(inputs, N, Mem::Activations, "tokens", m.stream);
   LayerBoundaries boundaries(c.layers, (size_t)N * c.hidden, m.stream);
   std::vector<LayerActs> acts(c.layers);
   std::vector<std::vector<int>> routes(c.layers);
-  forward_layers(m, tokens_dev, B, T, boundaries, acts, false, false, [&](int l, const LayerActs& a) {
+  forward_layers(m, tokens_dev, B, T, m.par.seq, boundaries, acts, false, false, [&](int l, const LayerActs& a) {
     if (!c.is_moe_layer(l)) return;
     routes[l].resize((size_t)N * c.topk);
     copy_to_host(routes[l].data(), a.topk_idx, routes[l].size() * sizeof(int), m.stream, "model_routes");
@@ -1375,7 +1443,9 @@ float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, i
   prof_mark(m.stream, "zero grads");
   model_zero_grads(m, false);  // the loads (and the FP32 build's grads); the first pass sets main_grads
   PassOptions o;
-  o.dloss = 1.f / ((float)B * T * accum * m.par.world.size);  // the mean over the global batch
+  // the mean over the global batch: B·T·accum tokens on each of the W ranks, each token on one rank (under
+  // --sp too: the D ranks of a group hold disjoint slices), so the reduce-scatter's sum over W is its gradient
+  o.dloss = 1.f / ((float)B * T * accum * m.par.world.size);
   o.recompute = t.recompute != 0;
   // One pass on one rank: main_grads would be an exact fp32 copy of its grads, so the optimizer reads
   // those and the fold's pass over every gradient is skipped (bit-identical;

@@ -84,8 +84,9 @@ inline RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& 
 
 // The group sizes of rank 0 of `world` ranks as parallel_init makes them, without a communicator: what
 // the prediction reads of a Parallel (--dry_run 1 without a GPU).
-inline Parallel parallel_shape(int world, int ep_size, int vocab_size) {
+inline Parallel parallel_shape(int world, int ep_size, int vocab_size, int seq_size) {
   Parallel par;
+  par.seq.size = seq_size;
   par.world.size = world;
   par.ep.size = ep_size;
   par.expert_replicas.size = world / ep_size;
@@ -102,13 +103,15 @@ inline long long capacity_without_gpu(const TrainConfig& t) {
   return parse_device_capacity(t.device_capacity);
 }
 // The group sizes of the run that the flags describe.
-inline Parallel parallel_shape_of(const TrainConfig& t) { return parallel_shape(t.gpus, t.ep ? t.ep : t.gpus, vocab_group_size(t)); }
+inline Parallel parallel_shape_of(const TrainConfig& t) {
+  return parallel_shape(t.gpus, t.ep ? t.ep : t.gpus, vocab_group_size(t), t.sp);
+}
 
 // --dry_run 1 on a machine without a GPU: rank 0's plan of a run of `t.gpus` ranks against
 // --device_capacity (nothing outside the pool is measured: there is no device); with --share_gpus 1,
 // all of them on one device of that capacity. Refuses a missing --device_capacity, and what cannot fit.
 inline RankMemoryPlan plan_memory_without_gpu(const ModelConfig& c, const TrainConfig& t) {
-  RankMemoryPlan plan = plan_memory(c, t, parallel_shape_of(t), t.batch, c.seq_len, capacity_without_gpu(t), 0,
+  RankMemoryPlan plan = plan_memory(c, t, parallel_shape_of(t), t.batch, c.seq_len / t.sp, capacity_without_gpu(t), 0,
                                     t.share_gpus ? t.gpus : 1);
   plan.on_gpu = false;
   return plan;

@@ -92,6 +92,10 @@ void check_resume_fits(const std::string& dir, const ckpt::RankFile& saved, cons
     throw std::invalid_argument("--resume " + dir + ": written by W=" + std::to_string(saved.world) + " E_p=" +
                                 std::to_string(saved.ep) + "; this run has W=" + std::to_string(t.gpus) +
                                 " E_p=" + std::to_string(ep));
+  if (saved.train.sp != t.sp)
+    throw std::invalid_argument("--resume " + dir + ": written with sequence groups of D=" + std::to_string(saved.train.sp) +
+                                " ranks (--sp); this run has D=" + std::to_string(t.sp) +
+                                " (its data position counts the W/D groups' windows)");
   if (vocab_group_size(saved.train) != vocab_group_size(t))
     throw std::invalid_argument("--resume " + dir + ": written with lm_head split over P=" +
                                 std::to_string(vocab_group_size(saved.train)) + " ranks (--head " + saved.train.head +
@@ -229,7 +233,8 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("router", std::string(c.score_fn ? "sigmoid" : "softmax") + (c.renorm ? ", renormalised" : ""));
   row("seq_len T", std::to_string(c.seq_len));
   row("parameters", std::to_string(param_count(c)) + " (" + std::to_string(active_param_count(c)) + " active)");
-  row("ranks W / E_p", std::to_string(m.par.world.size) + " / " + std::to_string(m.par.ep.size));
+  row("ranks W / E_p / D", std::to_string(m.par.world.size) + " / " + std::to_string(m.par.ep.size) + " / " +
+                               std::to_string(m.par.seq.size) + (m.par.seq.size > 1 ? " (sequence groups: T/D tokens per rank)" : ""));
   // Each region as this rank holds it (the expert stacks of its E/E_p experts) and the shard it updates.
   for (const ParamRegion& r : m.regions)
     row(r.sharding == Sharding::Expert  ? "experts / shard"
@@ -237,7 +242,7 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
                                         : "replicated / shard",
         std::to_string(r.count) + " / " + std::to_string(r.shard) + " per rank");
   row("batch B / accum", std::to_string(t.batch) + " / " + std::to_string(accum) + " per rank");
-  row("tokens per step", std::to_string((long long)t.batch * c.seq_len * accum * m.par.world.size));
+  row("tokens per step", std::to_string((long long)t.batch * c.seq_len * accum * m.par.world.size / m.par.seq.size));
   row("steps / warmup", std::to_string(t.steps) + " / " + std::to_string(t.warmup));
   char buf[64];
   snprintf(buf, sizeof buf, "%.2e -> %.2e", t.lr, t.lr * t.min_lr_frac);
@@ -324,7 +329,8 @@ void write_profile(const std::string& out_dir, int step, double step_ms, long lo
 // same vocabulary interval. A group of one rank that nothing exchanges over gets no NCCL
 // communicator (a Comm of size 1): each costs some 390 MiB of device memory (notes/sco.md, the device
 // ledger). ep_exchanges: the MoE dispatcher exchanges over the ep group (config.hpp: SeamNeeds::ExpertGroup).
-Parallel parallel_init(const LaunchInfo& li, int ep_size, bool ep_exchanges, int vocab_size) {
+// Under --sp D > 1 the sequence groups (contiguous blocks of D ranks), over which attention exchanges.
+Parallel parallel_init(const LaunchInfo& li, int ep_size, bool ep_exchanges, int vocab_size, int seq_size) {
   Parallel par;
   if (li.world == 1) {
     const int device = rank_device(li);
@@ -338,11 +344,12 @@ Parallel parallel_init(const LaunchInfo& li, int ep_size, bool ep_exchanges, int
   if (vocab_size > 1) par.vocab = comm_block_group(par.world, vocab_size, "vocab");
   if (vocab_size > 1 && li.world > vocab_size)
     par.vocab_replicas = comm_split(par.world, par.world.rank % vocab_size, par.world.rank, "vocab_replicas");
+  if (seq_size > 1) par.seq = comm_block_group(par.world, seq_size, "seq");
   return par;
 }
 
 void parallel_destroy(Parallel& par) {
-  for (Comm* c : {&par.vocab_replicas, &par.vocab, &par.expert_replicas, &par.ep, &par.world}) comm_destroy(*c);
+  for (Comm* c : {&par.seq, &par.vocab_replicas, &par.vocab, &par.expert_replicas, &par.ep, &par.world}) comm_destroy(*c);
 }
 
 // flags → data → model → loop → checkpoints
@@ -380,8 +387,9 @@ int train_main(int argc, char** argv) {
     TrainConfig run_tc = tc;  // under mpirun/srun --gpus may be left out: the world is the launcher's
     run_tc.gpus = started.world;
     validate(run_tc, mc);
-    DataLoader check_train(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab, 0, started.world);
-    { DataLoader check_val(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab, 0, started.world); }
+    const int data_ranks = started.world / tc.sp;  // the sequence groups read as data-parallel ranks
+    DataLoader check_train(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab, 0, data_ranks);
+    { DataLoader check_val(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab, 0, data_ranks); }
     if (!tc.resume.empty())
       check_resume_fits(tc.resume, ckpt::check_checkpoint_set(tc.resume, started.world, sizeof(floatX) == 2), mc,
                         run_tc, check_train);
@@ -430,18 +438,22 @@ int train_main(int argc, char** argv) {
     }
     Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus,
                                  find_choice(moe_choices(), moe_dispatcher(tc))->needs == SeamNeeds::ExpertGroup,
-                                 vocab_group_size(tc));
+                                 vocab_group_size(tc), tc.sp);
     runtime_prepare();  // the cuBLAS handle and its pooled workspace, before anything is measured
     const bool main_rank = par.world.rank == 0;
     const int W = par.world.size;
-    DataLoader train_data(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab, par.world.rank, W);
-    DataLoader val_data(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab, par.world.rank, W);
+    // the sequence group reads as data-parallel rank `group` of W/D, each rank keeping its slice (--sp)
+    const SequenceSplit split = sequence_split(par.world.rank, W, mc.heads, mc.seq_len, tc.sp);
+    DataLoader train_data(tc.train_pattern, tc.batch, mc.seq_len, mc.vocab, split.group, split.groups);
+    DataLoader val_data(tc.val_pattern, tc.batch, mc.seq_len, mc.vocab, split.group, split.groups);
+    train_data.keep_tokens(split.first_token, split.end_token);
+    val_data.keep_tokens(split.first_token, split.end_token);
     // Validation reads each window of the validation shards at most once (W ranks, disjoint slices).
     const int val_batches = (int)std::min<long long>(tc.val_batches, val_data.windows_per_epoch());
     make_dirs(tc.out_dir);
 
-    const int B = tc.batch, T = mc.seq_len;
-    const int accum = tc.total_batch ? tc.total_batch / (B * T) : 1;
+    const int B = tc.batch, T = mc.seq_len / tc.sp;  // T: this rank's tokens of each sequence
+    const int accum = tc.total_batch ? tc.total_batch / (B * mc.seq_len) : 1;
     cudaStream_t stream = stream_create("train", StreamPriority::Compute);  // each communicator has its own
     const int ranks_on_gpu = ranks_on_this_gpu(par.world);
     if (tc.plan == "auto") {  // every rank alike: rank 0's shape, the smallest capacity, the most outside a pool

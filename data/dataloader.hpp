@@ -11,6 +11,11 @@
 // holding a token id outside the vocabulary [0, V) (every shard is scanned once to check it, in blocks
 // of kScanTokens tokens, so the check needs no memory of the shard's size).
 //
+// A rank of a sequence group (--sp D, config.hpp's SequenceSplit) builds its loader as the group's
+// data-parallel rank (group g of W/D) and keeps only its tokens [t0, t1) of each row (keep_tokens):
+//   inputs[b·(t1 − t0) + i] = tokens[p + b·T + t0 + i],  targets the same one token on
+// so the D ranks of a group read one window slice and each takes its part of every sequence.
+//
 // State {shard, position, epoch} names the next batch and is the same on every rank; saving it in
 // a checkpoint and restoring it with set_state() replays exactly the batches that would have come.
 // No shard is held in memory (issue 14): like llm.c, the current shard's file stays open and each
@@ -75,15 +80,20 @@ class DataLoader {
     reset();
   }
 
-  // inputs, targets: host arrays of B·T ints each (B×T row-major). Reads this rank's B·T + 1
-  // tokens of the current window from the shard file: inputs are the first B·T, targets the last.
+  // inputs, targets: host arrays of B·(t1 − t0) ints each (B×(t1 − t0) row-major; B·T unless
+  // keep_tokens). Reads this rank's B·T + 1 tokens of the current window from the shard file: inputs
+  // are the tokens [t0, t1) of each row of the first B·T, targets the same one token on.
   void next_batch(int* inputs, int* targets) {
     if (open_.shard != state_.shard) open_shard(state_.shard);
     const long long batch = (long long)B_ * T_;
     const long long first = state_.position + rank_ * batch;  // token index of inputs[0] in the shard
     read_tokens(first, batch + 1, window_);
-    std::copy(window_.begin(), window_.begin() + batch, inputs);
-    std::copy(window_.begin() + 1, window_.begin() + batch + 1, targets);
+    const int kept = end_token_ - first_token_;
+    for (int b = 0; b < B_; b++) {
+      const auto row = window_.begin() + (long long)b * T_ + first_token_;
+      std::copy(row, row + kept, inputs + (long long)b * kept);
+      std::copy(row + 1, row + kept + 1, targets + (long long)b * kept);
+    }
     state_.position += window_tokens();
     if (state_.position + window_tokens() + 1 > shard_tokens_[state_.shard]) {
       state_.position = 0;
@@ -92,6 +102,15 @@ class DataLoader {
         state_.epoch++;
       }
     }
+  }
+
+  // Only the tokens [first, end) of each row from now on (a rank of a sequence group); [0, T): all.
+  void keep_tokens(int first, int end) {
+    if (first < 0 || end <= first || end > T_)
+      throw std::runtime_error("data loader: tokens [" + std::to_string(first) + ", " + std::to_string(end) +
+                               ") are not a slice of rows of T = " + std::to_string(T_));
+    first_token_ = first;
+    end_token_ = end;
   }
 
   void reset() { state_ = {0, 0, 0}; }
@@ -240,6 +259,7 @@ class DataLoader {
   }
 
   int B_, T_, rank_, world_;
+  int first_token_ = 0, end_token_ = T_;  // [t0, t1): the tokens of each row next_batch keeps (keep_tokens)
   std::vector<std::string> files_;
   std::vector<long long> shard_tokens_;
   long long total_tokens_ = 0;

@@ -80,7 +80,7 @@ TrainConfig random_train(testutil::Rng& rng, int min_text_length) {
     t.*field = random_text(rng, min_text_length);
   for (int T::*field :
        {&T::batch, &T::total_batch, &T::steps, &T::warmup, &T::recompute, &T::overlap_update, &T::wgrad_stream, &T::cuda_graph, &T::val_every,
-        &T::val_batches, &T::sample_every, &T::sample_len, &T::ckpt_every, &T::log_every, &T::timeline_step, &T::profile_step, &T::gpus, &T::share_gpus, &T::ep,
+        &T::val_batches, &T::sample_every, &T::sample_len, &T::ckpt_every, &T::log_every, &T::timeline_step, &T::profile_step, &T::gpus, &T::share_gpus, &T::ep, &T::sp,
         &T::llep_min_rows, &T::token_budget, &T::kmax, &T::offload_bucket, &T::offload_slots, &T::vocab_group,
         &T::vocab_block, &T::dry_run})
     t.*field = rng.integer(-2147483647, 2147483647);

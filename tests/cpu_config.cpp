@@ -70,7 +70,7 @@ const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
                                           &T::gpus,       &T::share_gpus,   &T::ep,           &T::llep_min_rows, &T::token_budget,
                                           &T::kmax,       &T::offload_bucket, &T::offload_slots, &T::vocab_group,
-                                          &T::vocab_block, &T::dry_run};
+                                          &T::vocab_block, &T::dry_run,     &T::sp};
 const std::vector<float T::*> kTrainFloats = {&T::lr,    &T::min_lr_frac, &T::weight_decay, &T::beta1,
                                               &T::beta2, &T::adam_eps,    &T::grad_clip,    &T::bias_update,
                                               &T::llep_alpha};
@@ -314,6 +314,55 @@ TEST(ConfigDims, RefusesRankLayoutsThatDoNotDivide) {
   t.gpus = 6;
   t.ep = 3;
   EXPECT_EQ(validate_error(t, m), "experts (8) must be divisible by --ep 3");
+}
+
+// --sp D: D must divide the ranks, the heads and the sequence (each that it does not is named), and what
+// does not compose with sequence groups yet is refused naming both flags, never accepted and ignored.
+TEST(ConfigDims, RefusesSequenceGroupsThatDoNotDivideOrDoNotComposeYet) {
+  ModelConfig m = valid_model();  // nh = 6, T = 256
+  TrainConfig t;
+  t.gpus = 4;
+  EXPECT_EQ(validate_error(t, m), "");  // --sp 1, the default
+  t.sp = 2;
+  EXPECT_EQ(validate_error(t, m), "");
+  t.sp = 0;
+  EXPECT_EQ(validate_error(t, m), "--sp must be >= 1 (the ranks of a sequence group), got 0");
+  t.sp = 4;
+  EXPECT_EQ(validate_error(t, m), "--sp 4: the sequence-parallel group size D = 4 does not divide the heads nh = 6");
+  t.gpus = 6; t.ep = 2; t.sp = 6;
+  m.seq_len = 255;
+  EXPECT_EQ(validate_error(t, m),
+            "--sp 6: the sequence-parallel group size D = 6 does not divide the sequence length T = 255");
+  t.gpus = 3; t.ep = 1; t.sp = 2;
+  EXPECT_EQ(validate_error(t, m), "--sp 2: the sequence-parallel group size D = 2 does not divide the ranks W = 3, "
+                                  "the sequence length T = 255");
+  m.seq_len = 256;
+  t.gpus = 4; t.ep = 0; t.sp = 2;
+  for (const char* moe : {"ep", "llep", "pllep", "relay"}) {
+    t.moe = moe;
+    EXPECT_EQ(validate_error(t, m), "") << "--moe " << moe;
+  }
+  t.moe = "";
+  t.recompute = 1; t.offload_budget = 1 << 20; t.head = "ring_dtp"; t.optimizer = "offload_adamw";
+  EXPECT_EQ(validate_error(t, m), "");
+  t.device_budget = "0.5";
+  EXPECT_EQ(validate_error(t, m), "--sp 2 with --device_budget 0.5: the kept attention is not built for sequence groups "
+                                  "yet (use --device_budget 0)");
+  t.device_budget = "0";
+  t.plan = "auto";
+  EXPECT_EQ(validate_error(t, m), "--sp 2 with --plan auto: the plan's kept attention is not built for sequence groups yet");
+  t.plan = "off";
+  t.routing = "trace:run.trace";
+  EXPECT_EQ(validate_error(t, m), "--sp 2 with --routing trace:run.trace: routing traces are not built for sequence groups yet");
+  t.routing = "router";
+  t.record_routing = "run.trace";
+  EXPECT_EQ(validate_error(t, m), "--sp 2 with --record_routing run.trace: routing traces are not built for sequence groups yet");
+  t.record_routing = "";
+  t.routing = "hot:1/2";  // a profile routes each rank's own tokens: it composes
+  EXPECT_EQ(validate_error(t, m), "");
+  TrainConfig data_parallel;  // what graphs capture at W > 1, but for the sequence split
+  data_parallel.gpus = 2; data_parallel.ep = 1; data_parallel.sp = 2;
+  EXPECT_EQ(cuda_graph_refusal(data_parallel, true), "off: --sp 2 exchanges q, k, v and attention's output inside every pass");
 }
 
 // --moe llep and pllep exchange routes between ranks; their settings must make a plan possible.

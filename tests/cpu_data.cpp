@@ -17,6 +17,7 @@
 
 #include "data/dataloader.hpp"
 #include "data/shards.hpp"
+#include "config.hpp"
 #include "data/tokenizer.hpp"
 #include "tests/test_util.hpp"
 
@@ -712,6 +713,45 @@ TEST(DataLoader, RanksReadDisjointSlicesOfEachWindow) {
     EXPECT_EQ(window, std::vector<int>(shard.begin() + st.position, shard.begin() + st.position + W * BT))
         << "step " << step;
   }
+}
+
+// --sp D: the W ranks form W/D sequence groups (config.hpp's sequence_split); each rank's loader is its
+// group's data-parallel loader keeping the rank's tokens of each row. The D ranks of a group together
+// hold the group's batch exactly once, each its contiguous slice of every sequence, inputs and targets;
+// the groups read distinct windows' slices as W/D data-parallel ranks do. Slicing changes neither the
+// state nor the next window.
+TEST(DataLoader, SequenceGroupRanksKeepTheirSliceOfTheGroupsSequences) {
+  TempDir dir;
+  const int B = 3, T = 12, W = 6, D = 3, Tl = T / D, heads = 3;
+  const auto shards = write_counting_shards(dir, {W * B * T * 2 + 5, W * B * T + 1}, 1000);
+  std::vector<data::DataLoader> whole, sliced;
+  for (int r = 0; r < W; r++) {
+    const SequenceSplit split = sequence_split(r, W, heads, T, D);
+    whole.emplace_back(dir.file("train_*.bin"), B, T, kCountingVocab, split.group, split.groups);
+    sliced.emplace_back(dir.file("train_*.bin"), B, T, kCountingVocab, split.group, split.groups);
+    sliced.back().keep_tokens(split.first_token, split.end_token);
+  }
+  for (int step = 0; step < 7; step++) {
+    std::vector<Batch> full;
+    for (int r = 0; r < W; r++) {
+      const SequenceSplit split = sequence_split(r, W, heads, T, D);
+      full.push_back(next(whole[r], B, T));
+      const Batch mine = next(sliced[r], B, Tl);
+      EXPECT_EQ(sliced[r].state().position, whole[r].state().position);
+      EXPECT_EQ(sliced[r].state().shard, whole[r].state().shard);
+      for (int b = 0; b < B; b++)
+        for (int i = 0; i < Tl; i++) {
+          EXPECT_EQ(mine.inputs[b * Tl + i], full[r].inputs[b * T + split.first_token + i]) << "rank " << r << " step " << step;
+          EXPECT_EQ(mine.targets[b * Tl + i], full[r].targets[b * T + split.first_token + i]) << "rank " << r << " step " << step;
+        }
+    }
+    for (int r = 0; r < W; r++) {  // the group's ranks read the same sequences, the groups distinct ones
+      EXPECT_EQ(full[r], full[r / D * D]) << "rank " << r << " step " << step;
+      if (r % D == 0 && r > 0) EXPECT_NE(full[r].inputs, full[0].inputs) << "rank " << r << " step " << step;
+    }
+  }
+  EXPECT_THROW(sliced[0].keep_tokens(2, 2), std::runtime_error);
+  EXPECT_THROW(sliced[0].keep_tokens(0, T + 1), std::runtime_error);
 }
 
 // Validation (train.cu) reads min(--val_batches, windows_per_epoch()) batches from the start: no

@@ -14,6 +14,7 @@
 #include "optimizer_training.cuh"
 #include "sco_training.cuh"
 #include "memory_prediction.cuh"
+#include "dist_model_util.cuh"
 
 namespace {
 
@@ -74,55 +75,6 @@ std::vector<std::vector<int>> gather_routes(const std::vector<std::vector<int>>&
     cudaCheck(cudaMemcpy(global[l].data(), all.ptr, all.count * 4, cudaMemcpyDeviceToHost), "test", "routes");
   }
   return global;
-}
-
-// Normwise error of tensor `spec` over the part of it that lies in this rank's shards, between a
-// local flat GPU buffer and the same positions of ref; *elements gets that part's size (0: none).
-double shard_tensor_err(const Model& m, size_t spec, const std::vector<float>& gpu_local,
-                        const std::vector<float>& ref_local, size_t* elements) {
-  double num = 0, den = 0;
-  *elements = 0;
-  for (const ParamRegion& r : m.regions) {
-    size_t lo = std::max(r.shard_offset, m.offsets[spec]), hi = std::min(r.shard_offset + r.shard, m.offsets[spec] + m.local_numel[spec]);
-    for (size_t i = lo; i < hi; i++, (*elements)++) {
-      num += (gpu_local[i] - ref_local[i]) * (double)(gpu_local[i] - ref_local[i]);
-      den += (double)ref_local[i] * ref_local[i];
-    }
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
-
-// Asserts every tensor's part of this rank's shards on its own.
-void expect_shards_match(const char* what, const char* prefix, const Model& m, const std::vector<float>& gpu_local,
-                         const std::vector<float>& ref_local) {
-  int checked = 0;
-  for (size_t i = 0; i < m.specs.size(); i++) {
-    size_t elements = 0;
-    double e = shard_tensor_err(m, i, gpu_local, ref_local, &elements);
-    if (elements == 0) continue;  // none of this tensor is in this rank's shards
-    EXPECT_REL(what, (prefix + m.specs[i].name).c_str(), e, MODEL_TOL);
-    checked++;
-  }
-  EXPECT_GT(checked, 0) << "this rank owns no shard of any tensor";
-}
-
-// The optimizer's master weights of this rank's shards, placed at their positions in a local flat
-// buffer (zeros elsewhere).
-std::vector<float> master_as_local(Model& m) {
-  std::vector<float> state;
-  for (auto& sec : m.opt->save(m.stream))
-    if (sec.first == "master") state = sec.second;
-  std::vector<float> local(m.num_params, 0.f);
-  for (const ShardSegment& g : m.opt->segments) std::copy_n(state.begin() + g.state_offset, g.count, local.begin() + g.param_offset);
-  return local;
-}
-
-template <typename T>
-std::vector<float> download_local(const T* dev, size_t n) {
-  std::vector<T> h = testutil::download_vec(dev, n);
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; i++) out[i] = to_float(h[i]);
-  return out;
 }
 
 }  // namespace
