@@ -36,6 +36,21 @@ inline void expect_shards_match(const char* what, const char* prefix, const Mode
   EXPECT_GT(checked, 0) << "this rank owns no shard of any tensor";
 }
 
+// A first step against the reference over the global batch: the loss, every tensor of this rank's
+// gradient shards, and the reference's routing agreeing with the ranks' (FP32; BF16 reports it: the
+// router's input carries bf16 error).
+inline void expect_first_step_matches(const char* what, const Model& m, double loss, double ref_loss,
+                                      const std::vector<float>& grads, const std::vector<float>& ref_local,
+                                      long long route_disagreements) {
+  EXPECT_REL(what, "loss", std::fabs(loss - ref_loss) / ref_loss, MODEL_TOL);
+  expect_shards_match(what, "d", m, grads, ref_local);
+  printf("[route] %s: %lld top-k choices differ from the reference's (no gap under 1e-3 in its k + 1 largest keys)\n",
+         what, route_disagreements);
+#if !defined(FLATMOE_BF16)
+  EXPECT_EQ(route_disagreements, 0);
+#endif
+}
+
 // The optimizer's master weights of this rank's shards, placed at their positions in a local flat
 // buffer (zeros elsewhere).
 inline std::vector<float> master_as_local(Model& m) {
