@@ -378,19 +378,8 @@ static void recompute_is_bit_identical(const Seams& seams) {
   random_tokens(N * world.size, c.vocab, rng, x, y);
   Model m = model_create(c, 1, par, 0, seams);
   model_set_master(m, master);
-  std::vector<float> grads[2];
-  float loss[2];
-  for (int recompute = 0; recompute < 2; recompute++) {
-    model_zero_grads(m);
-    PassOptions o;
-    o.dloss = 1.f / (N * world.size);
-    o.recompute = recompute == 1;
-    loss[recompute] = model_pass(m, x.data() + world.rank * N, y.data() + world.rank * N, B, T, o);
-    grads[recompute] = download_local(m.main_grads, m.num_params);
-  }
-  EXPECT_EQ(0, memcmp(&loss[0], &loss[1], sizeof(float)));
-  EXPECT_EQ(0, memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)))
-      << "rank " << world.rank << " --moe " << seams.moe << ": recomputation must reproduce the gradients bit for bit";
+  expect_recompute_bit_identical(m, x.data() + world.rank * N, y.data() + world.rank * N, B, T, 1.f / (N * world.size),
+                                 "rank " + std::to_string(world.rank) + " --moe " + seams.moe);
   model_destroy(m);
   release(par);
 }

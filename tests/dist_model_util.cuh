@@ -70,3 +70,21 @@ inline std::vector<float> download_local(const T* dev, size_t n) {
   return out;
 }
 
+// One pass of this rank's B sequences of T tokens (x, y), keeping the activations and then recomputing
+// them: the loss and every gradient of this rank's shards are the same bits. `what` names the case.
+inline void expect_recompute_bit_identical(Model& m, const int* x, const int* y, int B, int T, float dloss,
+                                           const std::string& what) {
+  std::vector<float> grads[2];
+  float loss[2];
+  for (int recompute = 0; recompute < 2; recompute++) {
+    model_zero_grads(m);
+    PassOptions o;
+    o.dloss = dloss;
+    o.recompute = recompute == 1;
+    loss[recompute] = model_pass(m, x, y, B, T, o);
+    grads[recompute] = download_local(m.main_grads, m.num_params);
+  }
+  EXPECT_EQ(0, memcmp(&loss[0], &loss[1], sizeof(float))) << what;
+  EXPECT_EQ(0, memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)))
+      << what << ": recomputation must reproduce the gradients bit for bit";
+}

@@ -182,19 +182,8 @@ TEST(DistSequenceParallel, RecomputeThroughTheExchangesIsBitIdentical) {
   seams.offload_budget = (long long)B * Tl * c.hidden * sizeof(floatX) * 2;  // two of the four boundaries on the host
   Model m = model_create(c, 1, par, 0, seams);
   model_set_master(m, master);
-  std::vector<float> grads[2];
-  float loss[2];
-  for (int recompute = 0; recompute < 2; recompute++) {
-    model_zero_grads(m);
-    PassOptions o;
-    o.dloss = 1.f / (groups * B * T);
-    o.recompute = recompute == 1;
-    loss[recompute] = model_pass(m, xl.data(), yl.data(), B, Tl, o);
-    grads[recompute] = download_local(m.main_grads, m.num_params);
-  }
-  EXPECT_EQ(0, memcmp(&loss[0], &loss[1], sizeof(float)));
-  EXPECT_EQ(0, memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)))
-      << "rank " << world.rank << " " << l.name() << ": recomputation must reproduce the gradients bit for bit";
+  expect_recompute_bit_identical(m, xl.data(), yl.data(), B, Tl, 1.f / (groups * B * T),
+                                 "rank " + std::to_string(world.rank) + " " + l.name());
   model_destroy(m);
   sequence_release(par);
 }
