@@ -5,7 +5,8 @@
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   dist: the whole test_dist at W = 2, 4 and 8 (DIST_WORLDS), both precisions, the ranks sharing the GPUs where W
 #     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
-#     (dist.md), the rank logs (dist_logs.tgz); DIST_PRECISIONS, DIST_FILTER (a gtest filter) and DIST_TIMEOUT (s per run, 600) narrow it
+#     (dist.md), the rank logs (dist_logs.tgz); DIST_PRECISIONS, DIST_FILTER (a gtest filter) and DIST_TIMEOUT (s per run, 600) narrow it;
+#     DIST_JOBS=n runs n of the (W, precision) runs at once
 #   toy8: the README's toy 8-rank run on CORPUS=large with the ranks sharing this machine's GPUs, each dispatcher and
 #     the ring head beside one rank of the same global batch, and a resume at W = 8 (TOY_STEPS, default 100)
 #   shared: the multi-rank checks that waited for several GPUs, the ranks sharing this machine's: the two-rank Trainer
@@ -110,26 +111,40 @@ fi
 if [[ " $want " == *" dist "* ]]; then
   gpus=$(nvidia-smi -L | wc -l)
   rm -rf build/dist-logs && mkdir -p build/dist-logs
+  dist_run() {  # W PRECISION: one test_dist run; its exit status in $logs.rc, its table row in $logs.row, its summary lines in $logs.sum
+    local W=$1 p=$2 logs=build/dist-logs/W$1-$2 share=0 t1 rc errors
+    [ "$W" -gt "$gpus" ] && share=1
+    t1=$(date +%s)
+    FLATMOE_SHARE_GPUS=$share FLATMOE_TEST_WORLD=$W FLATMOE_TEST_LOG_DIR=$logs timeout "${DIST_TIMEOUT:-600}" \
+      build/$p/test_dist ${DIST_FILTER:+--gtest_filter=$DIST_FILTER} > "$logs.log" 2>&1
+    rc=$?
+    echo $rc > "$logs.rc"
+    count() { sed -n "s/^\[  $1 *\] \([0-9]*\) test.*/\1/p" "$logs.log" | tail -1; }
+    errors=$(awk '/^\[ RUN      \] / { split($4, name, "."); suite = name[1] }
+                  /^\[err\]/ { for (i = 1; i <= NF; i++) if ($i ~ /^rel=/) { v = substr($i, 5) + 0; if (v > most[suite]) most[suite] = v } }
+                  END { for (s in most) printf "%s %.2e, ", s, most[s] }' "$logs"/dist_rank*.log 2>/dev/null | sed 's/, $//')
+    echo "| $W | $gpus | $p | $(count PASSED) | $(count FAILED) | $(count SKIPPED) | $(( $(date +%s) - t1 )) | ${errors:-none} |" > "$logs.row"
+    {
+      echo "test_dist W=$W $p (share $share): exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$logs.log" | tr '\n' ' ')"
+      grep -q '^\[  FAILED  \]' "$logs.log" && echo "  $(grep '^\[  FAILED  \] [A-Za-z]' "$logs.log" | sort -u | tr '\n' ' ')"
+    } > "$logs.sum"
+  }
+  # DIST_JOBS runs that many (W, precision) runs at once (their ranks all on this machine's GPUs): the wall times
+  # in dist.md are then those of runs sharing the machine with each other
+  runs=()
+  for W in ${DIST_WORLDS:-2 4 8}; do for p in ${DIST_PRECISIONS:-fp32 bf16}; do runs+=("$W $p"); done; done
+  for run in "${runs[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "${DIST_JOBS:-1}" ]; do wait -n; done
+    dist_run $run &
+  done
+  wait
   echo "| W | GPUs | precision | passed | failed | skipped | s | largest error per suite (over every rank) |" > "$OUT/dist.md"
   echo "|---|---|---|---|---|---|---|---|" >> "$OUT/dist.md"
-  for W in ${DIST_WORLDS:-2 4 8}; do
-    for p in ${DIST_PRECISIONS:-fp32 bf16}; do
-      logs=build/dist-logs/W$W-$p
-      share=0
-      [ "$W" -gt "$gpus" ] && share=1
-      t1=$(date +%s)
-      FLATMOE_SHARE_GPUS=$share FLATMOE_TEST_WORLD=$W FLATMOE_TEST_LOG_DIR=$logs timeout "${DIST_TIMEOUT:-600}" \
-        build/$p/test_dist ${DIST_FILTER:+--gtest_filter=$DIST_FILTER} > "$logs.log" 2>&1
-      rc=$?
-      [ "$rc" -eq 0 ] || status=1
-      count() { sed -n "s/^\[  $1 *\] \([0-9]*\) test.*/\1/p" "$logs.log" | tail -1; }
-      errors=$(awk '/^\[ RUN      \] / { split($4, name, "."); suite = name[1] }
-                    /^\[err\]/ { for (i = 1; i <= NF; i++) if ($i ~ /^rel=/) { v = substr($i, 5) + 0; if (v > most[suite]) most[suite] = v } }
-                    END { for (s in most) printf "%s %.2e, ", s, most[s] }' "$logs"/dist_rank*.log 2>/dev/null | sed 's/, $//')
-      echo "| $W | $gpus | $p | $(count PASSED) | $(count FAILED) | $(count SKIPPED) | $(( $(date +%s) - t1 )) | ${errors:-none} |" >> "$OUT/dist.md"
-      summary+=("test_dist W=$W $p (share $share): exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$logs.log" | tr '\n' ' ')")
-      grep -q '^\[  FAILED  \]' "$logs.log" && summary+=("  $(grep '^\[  FAILED  \] [A-Za-z]' "$logs.log" | sort -u | tr '\n' ' ')")
-    done
+  for run in "${runs[@]}"; do
+    logs=build/dist-logs/W${run% *}-${run#* }
+    cat "$logs.row" >> "$OUT/dist.md"
+    [ "$(cat "$logs.rc")" -eq 0 ] || status=1
+    while IFS= read -r line; do summary+=("$line"); done < "$logs.sum"
   done
   tar czf "$OUT/dist_logs.tgz" -C build dist-logs
   cat "$OUT/dist.md"
