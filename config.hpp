@@ -86,11 +86,11 @@ struct TrainConfig {
   int kmax = 10;                           // pllep: K_max, the most chunks
   std::string relay_mode = "auto";         // relay: what travels the ring: auto | expert | token
   std::string head = "full";               // output head: full (logits [N,V] inside the head) | chunked (the
-                                           // same loss over vocabulary blocks, no [N,V]) | ring_dtp (vocabulary
+                                           // full head over blocks of rows, no [N,V]) | ring_dtp (vocabulary
                                            // shards over P ranks, ops/ring_dtp.cuh)
   int vocab_group = 0;                     // ring_dtp: P, ranks of a vocabulary group (contiguous blocks; 0 = W)
   std::string ring_dtp = "auto";           // ring_dtp: what travels the ring: auto | weights | activations
-  int vocab_block = 4096;                  // chunked, ring_dtp: logits columns per block
+  int vocab_block = 4096;                  // ring_dtp: logits columns per block; chunked: a block of N×C logits
   std::string optimizer = "adamw";         // optimizer: adamw (fp32 master weights and moments on the GPU),
                                            // cpu_adamw (on the host, updated by the CPU), offload_adamw (on the
                                            // host, streamed through the GPU in buckets)
@@ -587,11 +587,11 @@ inline const std::vector<SeamChoice>& head_choices() {
   static const std::vector<SeamChoice> choices = {
       {"full", "the logits [N,V] inside the head, then cross-entropy", "ops/cross_entropy.cuh", SeamNeeds::Nothing, "",
        nullptr, "", {}},
-      {"chunked", "the same loss over vocabulary blocks, no [N,V]", "ops/ring_dtp.cuh", SeamNeeds::Nothing,
-       "--vocab_block C",
+      {"chunked", "the full head over blocks of rows (N×C logits at a time), no [N,V]", "ops/cross_entropy.cuh",
+       SeamNeeds::Nothing, "--vocab_block C",
        [](const SeamChoice&, const TrainConfig& t) -> std::string {
          if (t.vocab_block < 1)
-           return "vocab_block (logits columns per block) must be >= 1, got " + std::to_string(t.vocab_block);
+           return "vocab_block (the logits block: N×C elements) must be >= 1, got " + std::to_string(t.vocab_block);
          return "";
        },
        "", {}},

@@ -144,9 +144,11 @@ inline const std::vector<HeadFactory>& head_factories() {
   using Made = std::unique_ptr<OutputHead>;
   static const std::vector<HeadFactory> factories = {
       {"full", [](const Comm&, const Seams&) -> Made { return std::make_unique<FullHead>(); }, nullptr},
-      {"chunked", [](const Comm&, const Seams& s) -> Made { return std::make_unique<RingDTPHead>(Comm(), "auto", s.vocab_block); },
-       [](const TrainConfig& t, const ModelConfig&) {
-         return StartupRows{{"vocab block", std::to_string(t.vocab_block) + " columns"}};
+      {"chunked", [](const Comm&, const Seams& s) -> Made { return std::make_unique<FullHead>(s.vocab_block); },
+       [](const TrainConfig& t, const ModelConfig& c) {
+         const int N = t.batch * c.seq_len;
+         return StartupRows{{"head block", std::to_string(full_head_block_rows(N, c.vocab, t.vocab_block)) + " of " +
+                                               std::to_string(N) + " rows (--vocab_block " + std::to_string(t.vocab_block) + ")"}};
        }},
       {"ring_dtp",
        [](const Comm& vocab, const Seams& s) -> Made { return std::make_unique<RingDTPHead>(vocab, s.ring_dtp, s.vocab_block); },

@@ -341,30 +341,59 @@ struct OutputHead {
   virtual size_t live_bytes(int N, int H, int V) const = 0;
 };
 
-// --head full: logits [N,V] = x Wᵀ, cross-entropy over all of them (the Ring-DTP baseline).
+// The rows the full head projects at once: all N (vocab_block = 0), or, for the chunked head, as many as fill
+// the bytes of N × min(C, V) logits over the whole vocabulary: n = clamp(⌊N·min(C, V)/V⌋, 1, N) rows of V
+// columns, so that the block [n, V] holds at most N·min(C, V) elements (one row at least: V of them).
+inline int full_head_block_rows(int N, int V, int vocab_block) {
+  if (N < 0 || V < 1 || vocab_block < 0)
+    fm_fail("full_head_block_rows", "need N >= 0, V >= 1 and vocab_block >= 0", "N=%d V=%d vocab_block=%d", N, V, vocab_block);
+  if (vocab_block == 0 || N == 0) return N;
+  const long long rows = (long long)N * std::min(vocab_block, V) / V;
+  return (int)std::max(1LL, std::min<long long>(rows, N));
+}
+
+// Bytes the head holds in the pool at its peak: the logits block [n, V] and the losses and lse [N] fp32.
+inline size_t full_head_live_bytes(size_t N, int V, int vocab_block, size_t b) {
+  return (size_t)full_head_block_rows((int)N, V, vocab_block) * V * b + 8 * N;
+}
+
+// --head full (vocab_block = 0): logits [N,V] = x Wᵀ, cross-entropy over all of them (the Ring-DTP
+// baseline). --head chunked (vocab_block = C): the same, n rows at a time (full_head_block_rows): each
+// block's logits are overwritten by their gradient while on the device, and dx rows (=) and dW (+=) are
+// formed from them at once, so that no pass recomputes the logits — three GEMM-sized passes over the
+// whole head, as the full head's (fused: the loss is final when dx is asked for). dx's rows each come from
+// one GEMM over the whole vocabulary (summed in fp32, rounded once); dW sums ⌈N/n⌉ blocks in floatX, as it
+// sums a step's micro-batches.
 struct FullHead : OutputHead {
+  int vocab_block;
+  explicit FullHead(int vocab_block = 0) : vocab_block(vocab_block) {
+    if (vocab_block < 0) fm_fail("full_head", "vocab_block must be >= 0 (0: every row at once)", "vocab_block=%d", vocab_block);
+  }
   void forward_backward(float* loss_sum, floatX* dx, floatX* dW, const floatX* x, const floatX* W, const int* targets,
                         float dloss, int N, int H, int V, cudaStream_t stream) override {
-    floatX* logits = pool().alloc_t<floatX>((size_t)N * V, Mem::Logits, "logits");
+    const int rows = full_head_block_rows(N, V, vocab_block);
+    floatX* logits = pool().alloc_t<floatX>((size_t)rows * V, Mem::Logits, "logits");
     float* losses = pool().alloc_t<float>(N, Mem::Logits, "losses");
     float* lse = pool().alloc_t<float>(N, Mem::Logits, "lse");
     // profiling (runtime/profile.cuh): sub-ranges of the caller's; the cross-entropy kernel reads the
-    // [N,V] logits (forward), or reads them and overwrites them with their gradient (fwd+bwd)
-    prof_sub(stream, "logits matmul");
-    matmul_forward(logits, x, W, N, H, V, stream);
-    if (dx == nullptr) {
-      prof_sub(stream, "cross-entropy fwd", (double)N * V * sizeof(floatX) + 12.0 * N);
-      cross_entropy_forward(losses, lse, logits, targets, N, V, stream);
-    } else {  // the logits read once and overwritten by their gradient
-      prof_sub(stream, "cross-entropy fwd+bwd", 2.0 * N * V * sizeof(floatX) + 12.0 * N);
-      cross_entropy_forward_backward(logits, losses, lse, logits, targets, dloss, N, V, stream);
+    // block's logits (forward), or reads them and overwrites them with their gradient (fwd+bwd)
+    for (int r0 = 0; r0 < N; r0 += rows) {
+      const int n = std::min(rows, N - r0);
+      const floatX* x_rows = x + (size_t)r0 * H;
+      prof_sub(stream, "logits matmul");
+      matmul_forward(logits, x_rows, W, n, H, V, stream);
+      if (dx == nullptr) {
+        prof_sub(stream, "cross-entropy fwd", (double)n * V * sizeof(floatX) + 12.0 * n);
+        cross_entropy_forward(losses + r0, lse + r0, logits, targets + r0, n, V, stream);
+        continue;
+      }
+      prof_sub(stream, "cross-entropy fwd+bwd", 2.0 * n * V * sizeof(floatX) + 12.0 * n);
+      cross_entropy_forward_backward(logits, losses + r0, lse + r0, logits, targets + r0, dloss, n, V, stream);
+      prof_sub(stream, "logits matmul bwd");
+      matmul_backward(dx + (size_t)r0 * H, dW, logits, x_rows, W, n, H, V, stream);
     }
     ::loss_sum(loss_sum, losses, N, stream);
-    if (dx != nullptr) {
-      prof_sub(stream, "logits matmul bwd");
-      matmul_backward(dx, dW, logits, x, W, N, H, V, stream);
-    }
     for (void* p : {(void*)logits, (void*)losses, (void*)lse}) pool().free(p);
   }
-  size_t live_bytes(int N, int, int V) const override { return (size_t)N * V * sizeof(floatX) + 8 * (size_t)N; }
+  size_t live_bytes(int N, int, int V) const override { return full_head_live_bytes(N, V, vocab_block, sizeof(floatX)); }
 };

@@ -25,7 +25,8 @@
 //                behind, with one more hop home.
 //   auto (the default) picks by that rule, from sizes every rank knows (N, and V/P = the widest
 //   shard), printed at start-up with both volumes.
-// P = 1 is the chunked head (--head chunked): one meeting, no communicator, no N×V either.
+// P = 1 is the chunked head (--head chunked, ops/cross_entropy.cuh FullHead over row blocks): no ring, no
+// communicator; the same bytes bound (a block of N·min(C, V) logits), and no recomputation in backward.
 //
 // Streams: the meetings run on the caller's (compute) stream; the hops on the group communicator's
 // own stream, ordered by StreamPoints, never by the host. What a round does not modify — the next
@@ -36,9 +37,8 @@
 //
 // Live set (pool bytes, b = sizeof(floatX), w = ⌈V/P⌉ rows, C' = min(C, w) columns, S = min(2, P − 1)
 // slots: the next shard or batch, and at P > 2 the one being computed with), ring_dtp_live_bytes:
+//   P = 1       the chunked head's: full_head_live_bytes (its block [n, V] of ≤ N·C' logits, losses, lse)
 //   always      logits block N·C'·b (Logits) and losses, lse 2·N·4 (Logits)
-//   P = 1       + statistics 3·N·4 in forward; in backward dx's fp32 accumulator N·H·4 (BF16 build; the
-//               FP32 build sums into dx itself)
 //   weights     forward: statistics 3·N·4 + S shard slots S·w·H·b (CommStaging);
 //               backward: the shard slots + two gradient accumulators 2·w·H·b + dx's fp32 accumulator
 //               N·H·4 (BF16 build)
@@ -120,10 +120,10 @@ inline long long ring_dtp_block_elems(long long N_max, int V, int P, int block_c
 
 // Bytes the head holds in the pool at its peak (the header's live set), for N tokens per rank.
 inline size_t ring_dtp_live_bytes(RingDTPBranch branch, size_t N, int V, int P, int H, int block_cols, size_t b) {
+  if (P == 1) return full_head_live_bytes(N, V, block_cols, b);
   const size_t w = (size_t)ring_dtp_widest_shard(V, P), cols = std::min<size_t>(block_cols, w);
   const size_t always = N * cols * b + 2 * N * 4, slots = std::min(2, P - 1);
   const size_t dx_fp32 = b == 4 ? 0 : N * H * 4;  // dx's fp32 accumulator (the FP32 build sums into dx itself)
-  if (P == 1) return always + std::max(3 * N * 4, dx_fp32);
   if (branch == RingDTPBranch::Weights)
     return always + std::max(3 * N * 4 + slots * w * H * b, (slots + 2) * w * H * b + dx_fp32);
   return always + slots * (N * H * b + N * 4) + std::max(6 * N * 4, slots * N * 4 + 2 * N * H * 4);
@@ -228,23 +228,13 @@ struct RingDTPHead : OutputHead {
   void forward_backward(float* loss_sum_out, floatX* dx, floatX* dW, const floatX* x, const floatX* W,
                         const int* targets, float dloss, int N, int H, int V, cudaStream_t cs) override {
     const int P = group.size;
+    if (P == 1) return FullHead(block_cols).forward_backward(loss_sum_out, dx, dW, x, W, targets, dloss, N, H, V, cs);
     const RingDTPBranch branch = ring_dtp_choose(mode, N, V, P, H, sizeof(floatX)).branch;
     const size_t w = (size_t)ring_dtp_widest_shard(V, P);
     floatX* logits = pool().alloc_t<floatX>((size_t)N * std::min<size_t>(block_cols, w), Mem::Logits, "ring_dtp.logits");
     float* losses = pool().alloc_t<float>(N, Mem::Logits, "ring_dtp.losses");
     float* lse = pool().alloc_t<float>(N, Mem::Logits, "ring_dtp.lse");
-    if (P == 1) {
-      RingDTPStats st{pool().alloc_t<float>(3 * (size_t)N, Mem::Logits, "ring_dtp.stats"), N};
-      cross_entropy_stats_init(st.m(), st.l(), st.target_logit(), N, cs);
-      ring_dtp_meet_forward(st, x, targets, W, 0, V, N, H, block_cols, logits, cs);
-      cross_entropy_stats_finish(losses, lse, st.m(), st.l(), st.target_logit(), N, cs);
-      pool().free(st.data);
-      if (dx != nullptr) {
-        float* dx_acc = dx_accumulator(dx, N, H, cs);
-        ring_dtp_meet_backward(dx_acc, dW, x, targets, lse, dloss, W, 0, V, N, H, V, block_cols, logits, nullptr, cs);
-        dx_from_accumulator(dx, dx_acc, N, H, cs);
-      }
-    } else if (branch == RingDTPBranch::Weights) {
+    if (branch == RingDTPBranch::Weights) {
       weights_pass(losses, lse, dx, dW, x, W, targets, dloss, N, H, V, logits, cs);
     } else {
       activations_pass(losses, lse, dx, dW, x, W, targets, dloss, N, H, V, logits, cs);

@@ -123,3 +123,25 @@ TEST(RingDTPPlan, IntervalsAndTheBranchRule) {
   EXPECT_DEATH(ring_dtp_choose("ring", 16, 64, 2, 8, 2), "ring_dtp_choose.*weights, activations or auto");
   EXPECT_DEATH(ring_dtp_vocab_interval(3, 4, 0), "ring_dtp_vocab_interval.*1 <= P <= V");
 }
+
+// The chunked head's block (ops/cross_entropy.cuh): the most rows of the whole vocabulary whose logits fit
+// in N × min(C, V) elements, one row at least; C = 0 is the full head (every row at once).
+TEST(RingDTPPlan, ChunkedHeadBlockHoldsAtMostNTimesCLogits) {
+  for (int N : {1, 9, 37, 300, 4096, 65536})
+    for (int V : {40, 777, 1000, 5003, 200000})
+      for (int C : {1, 250, 1024, 4096, 8192, 1 << 20}) {
+        const int n = full_head_block_rows(N, V, C);
+        const long long budget = (long long)N * std::min(C, V);
+        EXPECT_GE(n, 1);
+        EXPECT_LE(n, N);
+        EXPECT_TRUE((long long)n * V <= budget || n == 1) << "N=" << N << " V=" << V << " C=" << C;
+        EXPECT_TRUE(n == N || (long long)(n + 1) * V > budget) << "the largest such block: N=" << N << " V=" << V << " C=" << C;
+        EXPECT_EQ(full_head_live_bytes(N, V, C, 2), (size_t)n * V * 2 + 8 * (size_t)N);
+        EXPECT_EQ(ring_dtp_live_bytes(RingDTPBranch::Activations, N, V, 1, 64, C, 2), full_head_live_bytes(N, V, C, 2));
+      }
+  EXPECT_EQ(full_head_block_rows(4096, 200000, 0), 4096);
+  EXPECT_EQ(full_head_live_bytes(4096, 200000, 0, 4), 4096ull * 200000 * 4 + 8 * 4096);
+  EXPECT_EQ(full_head_block_rows(4096, 200000, 8192), 167);  // the paper's Table 2 shape: 25 blocks
+  EXPECT_EQ(full_head_block_rows(16384, 32768, 4096), 2048);  // a BF16 training shape: 8 blocks
+  EXPECT_DEATH(full_head_block_rows(16, 64, -1), "full_head_block_rows.*vocab_block >= 0");
+}

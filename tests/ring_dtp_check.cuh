@@ -13,7 +13,8 @@
 
 namespace testutil {
 
-// P ranks' batches x[r] [N,H] and targets, lm_head W [V,H] and an initial dW (+=), in floatX values.
+// P ranks' batches x[r] [N,H] and targets, lm_head W [V,H] and an initial dW (+=) of the gradient's size, in
+// floatX values.
 // Rank r's first P targets aim at each shard in turn, so that every shard owns targets of every batch.
 struct HeadCase {
   int P, N, V, H;
@@ -30,7 +31,6 @@ inline HeadCase make_head_case(int P, int N, int V, int H) {
   Rng rng;
   HeadCase c{P, N, V, H};
   c.W = round_to_floatX(rng.mat<double>(V, H));
-  c.dW_initial = round_to_floatX(rng.mat<double>(V, H));
   c.dloss = float(rng.uniform(0.5, 2.0) / (P * N));
   ref::Mat<double> X(P * N, H);
   ref::MatI T(P * N, 1);
@@ -51,6 +51,8 @@ inline HeadCase make_head_case(int P, int N, int V, int H) {
   const ref::Mat<double> dlogits = ref::cross_entropy_backward(logits, T, double(c.dloss));
   c.dX = dlogits * c.W;
   c.dW = dlogits.transpose() * X;
+  // the gradient already in dW (+=) at the gradient's own scale, so that an error in the sum shows
+  c.dW_initial = round_to_floatX(rng.mat<double>(V, H) * (c.dW.norm() / std::sqrt((double)V * H)));
   for (int r = 0; r < P; r++) c.loss_sum.push_back(losses.segment(r * N, N).sum());
   return c;
 }

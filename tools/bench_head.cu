@@ -131,12 +131,10 @@ int main(int argc, char** argv) {
       const floatX* Wuse = Wfull;
       floatX* dWuse = dW;
       std::string moves = "-";
-      if (c.head == "full") {
-        head = std::make_unique<FullHead>();
-        bound = (size_t)N * V * b + 2 * (size_t)N * 4;
-      } else if (c.head == "chunked") {
-        head = std::make_unique<RingDTPHead>(Comm(), "auto", f.block);
-        bound = ring_dtp_live_bytes(RingDTPBranch::Weights, N, V, 1, H, f.block, b);
+      if (c.head == "full" || c.head == "chunked") {
+        const int block = c.head == "full" ? 0 : f.block;  // the chunked head: the full head over row blocks
+        head = std::make_unique<FullHead>(block);
+        bound = full_head_live_bytes(N, V, block, b);
       } else {
         const RingDTPBranch branch = ring_dtp_choose(c.mode, N, V, W, H, b).branch;
         head = std::make_unique<RingDTPHead>(world, c.mode, f.block);
