@@ -89,7 +89,7 @@ struct TrainConfig {
                                            // full head over blocks of rows, no [N,V]) | ring_dtp (vocabulary
                                            // shards over P ranks, ops/ring_dtp.cuh)
   int vocab_group = 0;                     // ring_dtp: P, ranks of a vocabulary group (contiguous blocks; 0 = W)
-  std::string ring_dtp = "auto";           // ring_dtp: what travels the ring: auto | weights | activations
+  std::string ring_dtp = "auto";           // ring_dtp: auto (fused when training) | fused | weights | activations
   int vocab_block = 4096;                  // ring_dtp: logits columns per block; chunked: a block of N×C logits
   std::string optimizer = "adamw";         // optimizer: adamw (fp32 master weights and moments on the GPU),
                                            // cpu_adamw (on the host, updated by the CPU), offload_adamw (on the
@@ -591,12 +591,12 @@ inline const std::vector<SeamChoice>& head_choices() {
        SeamNeeds::Nothing, "--vocab_block C",
        [](const SeamChoice&, const TrainConfig& t) -> std::string {
          if (t.vocab_block < 1)
-           return "vocab_block (the logits block: N×C elements) must be >= 1, got " + std::to_string(t.vocab_block);
+           return "vocab_block (ring_dtp: logits columns per block; chunked: a block of N×C logits) must be >= 1, got " + std::to_string(t.vocab_block);
          return "";
        },
        "", {}},
-      {"ring_dtp", "Ring-DTP: lm_head's rows over P ranks; weights or activations travel a ring",
-       "ops/ring_dtp.cuh", SeamNeeds::VocabularyGroup, "--vocab_group P --ring_dtp auto|weights|activations --vocab_block C",
+      {"ring_dtp", "Ring-DTP: lm_head's rows over P ranks; rows (fused) or weights or activations (a ring) move",
+       "ops/ring_dtp.cuh", SeamNeeds::VocabularyGroup, "--vocab_group P --ring_dtp auto|fused|weights|activations --vocab_block C",
        [](const SeamChoice& self, const TrainConfig& t) -> std::string {
          if (t.vocab_group < 0) return "vocab_group must be >= 0 (0 = every rank), got " + std::to_string(t.vocab_group);
          if (t.vocab_group != 0 && t.head != "ring_dtp")
@@ -606,7 +606,7 @@ inline const std::vector<SeamChoice>& head_choices() {
            return "--ring_dtp expects " + either(self.modes) + ", got '" + t.ring_dtp + "'";
          return "";
        },
-       "--ring_dtp", {"auto", "weights", "activations"}}};
+       "--ring_dtp", {"auto", "fused", "weights", "activations"}}};
   return choices;
 }
 

@@ -147,18 +147,21 @@ inline const std::vector<HeadFactory>& head_factories() {
       {"chunked", [](const Comm&, const Seams& s) -> Made { return std::make_unique<FullHead>(s.vocab_block); },
        [](const TrainConfig& t, const ModelConfig& c) {
          const int N = t.batch * c.seq_len;
-         return StartupRows{{"head block", std::to_string(full_head_block_rows(N, c.vocab, t.vocab_block)) + " of " +
+         return StartupRows{{"head block", std::to_string(head_block_rows(N, c.vocab, 1, t.vocab_block)) + " of " +
                                                std::to_string(N) + " rows (--vocab_block " + std::to_string(t.vocab_block) + ")"}};
        }},
       {"ring_dtp",
        [](const Comm& vocab, const Seams& s) -> Made { return std::make_unique<RingDTPHead>(vocab, s.ring_dtp, s.vocab_block); },
-       [](const TrainConfig& t, const ModelConfig& c) {  // the branch and both per-hop volumes, from sizes every rank knows
+       [](const TrainConfig& t, const ModelConfig& c) {  // the branches and both per-hop volumes, from sizes every rank knows
          const int P = vocab_group_size(t);
-         const RingDTPChoice ring = ring_dtp_choose(t.ring_dtp, (long long)t.batch * c.seq_len, c.vocab, P, c.hidden, sizeof(floatX));
+         const long long N = (long long)t.batch * c.seq_len;
+         const RingDTPChoice train = ring_dtp_choose(t.ring_dtp, N, c.vocab, P, c.hidden, sizeof(floatX), true);
+         const RingDTPChoice ring = ring_dtp_choose(t.ring_dtp, N, c.vocab, P, c.hidden, sizeof(floatX), false);
          char hop[64];
          snprintf(hop, sizeof hop, "%.2f / %.2f MiB", ring.weight_bytes / 1048576.0, ring.activation_bytes / 1048576.0);
          return StartupRows{{"ring_dtp P / moves",
-                             std::to_string(P) + " / " + ring_dtp_branch_name(ring.branch) + " (" + t.ring_dtp + ")"},
+                             std::to_string(P) + " / " + ring_dtp_branch_name(train.branch) + " (training), " +
+                                 ring_dtp_branch_name(ring.branch) + " (validation) (" + t.ring_dtp + ")"},
                             {"hop weights / acts", hop},
                             {"vocab block", std::to_string(t.vocab_block) + " columns"}};
        }}};

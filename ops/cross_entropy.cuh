@@ -341,24 +341,27 @@ struct OutputHead {
   virtual size_t live_bytes(int N, int H, int V) const = 0;
 };
 
-// The rows the full head projects at once: all N (vocab_block = 0), or, for the chunked head, as many as fill
-// the bytes of N × min(C, V) logits over the whole vocabulary: n = clamp(⌊N·min(C, V)/V⌋, 1, N) rows of V
-// columns, so that the block [n, V] holds at most N·min(C, V) elements (one row at least: V of them).
-inline int full_head_block_rows(int N, int V, int vocab_block) {
-  if (N < 0 || V < 1 || vocab_block < 0)
-    fm_fail("full_head_block_rows", "need N >= 0, V >= 1 and vocab_block >= 0", "N=%d V=%d vocab_block=%d", N, V, vocab_block);
+// The rows of each rank's batch of N that a head projects at once, when the rows of `group` ranks go
+// together onto `width` columns (the chunked head: one rank's rows over the whole vocabulary, width V;
+// Ring-DTP's fused steps, ops/ring_dtp.cuh: P ranks' rows over a shard, width ⌈V/P⌉): the most n with
+// group·n·width ≤ N·min(C, width), so that the block [group·n, width] holds at most as many logits as N rows
+// of C columns; one row at least. C = 0: all N (the full head).
+inline int head_block_rows(int N, int width, int group, int vocab_block) {
+  if (N < 0 || width < 1 || group < 1 || vocab_block < 0)
+    fm_fail("head_block_rows", "need N >= 0, width >= 1, group >= 1 and vocab_block >= 0", "N=%d width=%d group=%d vocab_block=%d",
+            N, width, group, vocab_block);
   if (vocab_block == 0 || N == 0) return N;
-  const long long rows = (long long)N * std::min(vocab_block, V) / V;
+  const long long rows = (long long)N * std::min(vocab_block, width) / ((long long)group * width);
   return (int)std::max(1LL, std::min<long long>(rows, N));
 }
 
 // Bytes the head holds in the pool at its peak: the logits block [n, V] and the losses and lse [N] fp32.
 inline size_t full_head_live_bytes(size_t N, int V, int vocab_block, size_t b) {
-  return (size_t)full_head_block_rows((int)N, V, vocab_block) * V * b + 8 * N;
+  return (size_t)head_block_rows((int)N, V, 1, vocab_block) * V * b + 8 * N;
 }
 
 // --head full (vocab_block = 0): logits [N,V] = x Wᵀ, cross-entropy over all of them (the Ring-DTP
-// baseline). --head chunked (vocab_block = C): the same, n rows at a time (full_head_block_rows): each
+// baseline). --head chunked (vocab_block = C): the same, n rows at a time (head_block_rows): each
 // block's logits are overwritten by their gradient while on the device, and dx rows (=) and dW (+=) are
 // formed from them at once, so that no pass recomputes the logits — three GEMM-sized passes over the
 // whole head, as the full head's (fused: the loss is final when dx is asked for). dx's rows each come from
@@ -371,7 +374,7 @@ struct FullHead : OutputHead {
   }
   void forward_backward(float* loss_sum, floatX* dx, floatX* dW, const floatX* x, const floatX* W, const int* targets,
                         float dloss, int N, int H, int V, cudaStream_t stream) override {
-    const int rows = full_head_block_rows(N, V, vocab_block);
+    const int rows = head_block_rows(N, V, 1, vocab_block);
     floatX* logits = pool().alloc_t<floatX>((size_t)rows * V, Mem::Logits, "logits");
     float* losses = pool().alloc_t<float>(N, Mem::Logits, "losses");
     float* lse = pool().alloc_t<float>(N, Mem::Logits, "lse");

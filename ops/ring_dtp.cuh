@@ -23,8 +23,20 @@
 //                per hop (x rows; m, l, target logit in fp32, the targets); one more hop takes the
 //                statistics home. Backward: x, targets and lse travel, and the dx accumulator one step
 //                behind, with one more hop home.
-//   auto (the default) picks by that rule, from sizes every rank knows (N, and V/P = the widest
-//   shard), printed at start-up with both volumes.
+//   fused        no rounds, and no recomputation in backward: steps over blocks of rows. At step t
+//                every rank's rows [t·n, t·n + n) are gathered by every rank (all-gather: (P − 1)·n·(H·b + 4)
+//                bytes in), each rank projects the P·n rows on its whole shard ([P·n, V_s] logits, with
+//                n = head_block_rows(N, ⌈V/P⌉, P, C): at most N·C' of them) and folds them into per-row
+//                statistics; the group gathers the statistics (3·P·n fp32) and every rank combines them in
+//                rank order into each row's lse (the same bits on every rank) and its own rows' losses. When
+//                the loss is final (training: dx asked for) the block's dlogits are formed in place at once,
+//                dW_s += dlogitsᵀ·X_rows, and dX partial = dlogits·W_s [P·n, H] fp32 is summed over the group
+//                into each row's own rank by a reduce-scatter and rounded to floatX once. Three GEMM-sized
+//                passes, as the full head's, against four in the ring branches (their backward recomputes
+//                the logits); rows move, not weights, whatever N.
+//   auto (the default): fused for a training pass; for a pass without backward (validation) the ring
+//   branch by the rule above, from sizes every rank knows (N, and V/P = the widest shard); printed at
+//   start-up with both per-hop volumes.
 // P = 1 is the chunked head (--head chunked, ops/cross_entropy.cuh FullHead over row blocks): no ring, no
 // communicator; the same bytes bound (a block of N·min(C, V) logits), and no recomputation in backward.
 //
@@ -34,6 +46,8 @@
 // it modifies — the gradient accumulator, the statistics — leaves after the round and arrives while
 // the next round computes its first logits block (the round waits for it before its first product
 // into the accumulator). The call returns with the compute stream after every hop.
+// fused: step t + 1's rows are gathered, and step t − 1's dx partials reduced, while step t computes
+// (two slots of each); the statistics' all-gather is the one wait of a step.
 //
 // Live set (pool bytes, b = sizeof(floatX), w = ⌈V/P⌉ rows, C' = min(C, w) columns, S = min(2, P − 1)
 // slots: the next shard or batch, and at P > 2 the one being computed with), ring_dtp_live_bytes:
@@ -44,9 +58,12 @@
 //               N·H·4 (BF16 build)
 //   activations forward: statistics twice 6·N·4 + S batch slots S·(N·H·b + N·4);
 //               backward: the batch slots + S lse slots S·N·4 + two fp32 dx accumulators 2·N·H·4
+//   fused       (g = P·n) logits g·w·b, two row slots 2·g·(H·b + 4), statistics 3·g·4 and the group's
+//               3·P·g·4, lse g·4, losses N·4; training: two fp32 dx partial slots 2·g·H·4 and this rank's
+//               reduced rows n·H·4. Each term is bounded by the block (g·w ≤ N·C'), not by N·V.
 // dx sums every block of every round in fp32 and is rounded to floatX once, as the full head's single
 // GEMM does (a bf16 accumulator would round at each of the P·⌈V_s/C⌉ products); a shard's dW
-// accumulator is floatX, like the model's gradients.
+// accumulator is floatX, like the model's gradients (fused: dW adds ⌈N/n⌉ steps in floatX).
 // The largest logits block is N × C', never N × V (ring_dtp_block_elems); the full head holds N·V·b.
 #pragma once
 #include <algorithm>
@@ -63,9 +80,11 @@
 // ---------------------------------------------------------------------------------------------
 // Host-side plan (pure C++: no CUDA call)
 
-enum class RingDTPBranch { Weights, Activations };
+enum class RingDTPBranch { Weights, Activations, Fused };
 
-inline const char* ring_dtp_branch_name(RingDTPBranch branch) { return branch == RingDTPBranch::Weights ? "weights" : "activations"; }
+inline const char* ring_dtp_branch_name(RingDTPBranch branch) {
+  return branch == RingDTPBranch::Weights ? "weights" : branch == RingDTPBranch::Activations ? "activations" : "fused";
+}
 
 // Rank r's vocabulary interval [lo, hi) of P: lo = ⌊r·V/P⌋.
 inline std::pair<int, int> ring_dtp_vocab_interval(int V, int P, int r) {
@@ -83,9 +102,11 @@ struct RingDTPChoice {
   long long weight_bytes = 0, activation_bytes = 0;  // per hop
 };
 
-// mode "weights", "activations" or "auto" (weights exactly when N_max > ⌈V/P⌉); N_max: the most
-// tokens any rank holds; b: bytes per floatX.
-inline RingDTPChoice ring_dtp_choose(const std::string& mode, long long N_max, int V, int P, int H, size_t b) {
+// mode "weights", "activations", "fused" or "auto": fused for a pass whose loss is final (training,
+// loss_final), else weights exactly when N_max > ⌈V/P⌉, activations otherwise; N_max: the most tokens any
+// rank holds; b: bytes per floatX.
+inline RingDTPChoice ring_dtp_choose(const std::string& mode, long long N_max, int V, int P, int H, size_t b,
+                                     bool loss_final) {
   const char* op = "ring_dtp_choose";
   if (N_max < 0 || V < 1 || P < 1 || P > V || H < 1 || b < 1)
     fm_fail(op, "need N >= 0, 1 <= P <= V, H >= 1 and b >= 1", "N=%lld V=%d P=%d H=%d b=%zu", N_max, V, P, H, b);
@@ -95,8 +116,9 @@ inline RingDTPChoice ring_dtp_choose(const std::string& mode, long long N_max, i
   choice.activation_bytes = N_max * H * (long long)b + 4 * N_max * 4;
   if (mode == "weights") choice.branch = RingDTPBranch::Weights;
   else if (mode == "activations") choice.branch = RingDTPBranch::Activations;
+  else if (mode == "fused" || (mode == "auto" && loss_final)) choice.branch = RingDTPBranch::Fused;
   else if (mode == "auto") choice.branch = N_max > widest ? RingDTPBranch::Weights : RingDTPBranch::Activations;
-  else fm_fail(op, "the Ring-DTP mode must be weights, activations or auto", "mode=%s", mode.c_str());
+  else fm_fail(op, "the Ring-DTP mode must be weights, activations, fused or auto", "mode=%s", mode.c_str());
   return choice;
 }
 
@@ -124,6 +146,10 @@ inline size_t ring_dtp_live_bytes(RingDTPBranch branch, size_t N, int V, int P, 
   const size_t w = (size_t)ring_dtp_widest_shard(V, P), cols = std::min<size_t>(block_cols, w);
   const size_t always = N * cols * b + 2 * N * 4, slots = std::min(2, P - 1);
   const size_t dx_fp32 = b == 4 ? 0 : N * H * 4;  // dx's fp32 accumulator (the FP32 build sums into dx itself)
+  if (branch == RingDTPBranch::Fused) {
+    const size_t n = (size_t)head_block_rows((int)N, (int)w, P, block_cols), g = (size_t)P * n;
+    return g * w * b + 2 * g * (H * b + 4) + 3 * g * 4 * (1 + P) + g * 4 + N * 4 + 2 * g * H * 4 + n * H * 4;
+  }
   if (branch == RingDTPBranch::Weights)
     return always + std::max(3 * N * 4 + slots * w * H * b, (slots + 2) * w * H * b + dx_fp32);
   return always + slots * (N * H * b + N * 4) + std::max(6 * N * 4, slots * N * 4 + 2 * N * H * 4);
@@ -137,6 +163,31 @@ struct RingDTPStats {
   float* l() const { return data + N; }
   float* target_logit() const { return data + 2 * (size_t)N; }
 };
+
+// A fused step's statistics over the group, combined in rank order (every rank gets the same bits): lse [g]
+// (=) of each gathered row and this rank's losses [nt] (=), its rows being gathered rows [own0, own0 + nt).
+// gathered [P][3][g]: each rank's running max m, sum l and target logit over its shard (NaN where the target
+// lies in another shard).
+static __global__ void ring_dtp_fused_stats_kernel(float* lse, float* losses, const float* gathered, int P, int g,
+                                                   int own0, int nt) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= g) return;
+  CrossEntropyOnlineLse total{-INFINITY, 0.f};
+  float target_logit = NAN;
+  for (int p = 0; p < P; p++) {
+    const float* st = gathered + (size_t)p * 3 * g;
+    total = cross_entropy_combine(total, CrossEntropyOnlineLse{st[j], st[g + j]});
+    if (!isnan(st[2 * g + j])) target_logit = st[2 * g + j];
+  }
+  lse[j] = total.m + logf(total.s);
+  if (j >= own0 && j < own0 + nt) losses[j - own0] = lse[j] - target_logit;
+}
+
+inline void ring_dtp_fused_stats(float* lse, float* losses, const float* gathered, int P, int g, int own0, int nt,
+                                 cudaStream_t cs) {
+  ring_dtp_fused_stats_kernel<<<ceil_div(g, 256), 256, 0, cs>>>(lse, losses, gathered, P, g, own0, nt);
+  launchCheck("ring_dtp_fused_stats", "P=%d g=%d own0=%d nt=%d", P, g, own0, nt);
+}
 
 // One meeting, forward: batch x [N,H] (targets [N]) meets the shard W_s [rows,H] of vocabulary rows
 // [lo, lo + rows): logits [N, ≤ C] block by block into the statistics.
@@ -220,7 +271,7 @@ struct RingDTPHead : OutputHead {
 
   std::pair<int, int> rows_of(int rank, int V) const { return ring_dtp_vocab_interval(V, group.size, rank); }
   size_t live_bytes(int N, int H, int V) const override {
-    const RingDTPBranch branch = ring_dtp_choose(mode, N, V, group.size, H, sizeof(floatX)).branch;
+    const RingDTPBranch branch = ring_dtp_choose(mode, N, V, group.size, H, sizeof(floatX), true).branch;
     return ring_dtp_live_bytes(branch, N, V, group.size, H, block_cols, sizeof(floatX));
   }
   int visitor(int round) const { return ring_dtp_visitor(group.rank, round % group.size, group.size); }
@@ -229,18 +280,102 @@ struct RingDTPHead : OutputHead {
                         const int* targets, float dloss, int N, int H, int V, cudaStream_t cs) override {
     const int P = group.size;
     if (P == 1) return FullHead(block_cols).forward_backward(loss_sum_out, dx, dW, x, W, targets, dloss, N, H, V, cs);
-    const RingDTPBranch branch = ring_dtp_choose(mode, N, V, P, H, sizeof(floatX)).branch;
-    const size_t w = (size_t)ring_dtp_widest_shard(V, P);
-    floatX* logits = pool().alloc_t<floatX>((size_t)N * std::min<size_t>(block_cols, w), Mem::Logits, "ring_dtp.logits");
+    const RingDTPBranch branch = ring_dtp_choose(mode, N, V, P, H, sizeof(floatX), dx != nullptr).branch;
     float* losses = pool().alloc_t<float>(N, Mem::Logits, "ring_dtp.losses");
-    float* lse = pool().alloc_t<float>(N, Mem::Logits, "ring_dtp.lse");
-    if (branch == RingDTPBranch::Weights) {
-      weights_pass(losses, lse, dx, dW, x, W, targets, dloss, N, H, V, logits, cs);
+    if (branch == RingDTPBranch::Fused) {
+      fused_pass(losses, dx, dW, x, W, targets, dloss, N, H, V, cs);
     } else {
-      activations_pass(losses, lse, dx, dW, x, W, targets, dloss, N, H, V, logits, cs);
+      const size_t w = (size_t)ring_dtp_widest_shard(V, P);
+      floatX* logits = pool().alloc_t<floatX>((size_t)N * std::min<size_t>(block_cols, w), Mem::Logits, "ring_dtp.logits");
+      float* lse = pool().alloc_t<float>(N, Mem::Logits, "ring_dtp.lse");
+      if (branch == RingDTPBranch::Weights) weights_pass(losses, lse, dx, dW, x, W, targets, dloss, N, H, V, logits, cs);
+      else activations_pass(losses, lse, dx, dW, x, W, targets, dloss, N, H, V, logits, cs);
+      for (void* p : {(void*)logits, (void*)lse}) pool().free(p);
     }
     ::loss_sum(loss_sum_out, losses, N, cs);
-    for (void* p : {(void*)logits, (void*)losses, (void*)lse}) pool().free(p);
+    pool().free(losses);
+  }
+
+  // Row blocks instead of rounds: at step t every rank's rows [t·n, t·n + n_t) go to every rank (two
+  // all-gathers: x rows, targets), each rank projects the gathered block [P·n_t, its shard's columns] and
+  // folds it into per-row statistics, the group gathers the statistics (3 values a row and rank) and each
+  // rank combines them in rank order into every gathered row's lse, and its own rows' losses. Training:
+  // the block's dlogits (in place), dW (+=) of this rank's shard from them and the gathered rows, and the
+  // rows' dx partial over this shard (fp32), which a reduce-scatter sums into each row's own rank. The next
+  // step's rows are gathered, and the last step's partials reduced, while this step computes (two slots).
+  void fused_pass(float* losses, floatX* dx, floatX* dW, const floatX* x, const floatX* W, const int* targets,
+                  float dloss, int N, int H, int V, cudaStream_t cs) {
+    const int P = group.size;
+    const cudaStream_t xs = group.stream;
+    const std::pair<int, int> mine = rows_of(group.rank, V);
+    const int lo = mine.first, cols = mine.second - mine.first, w = ring_dtp_widest_shard(V, P);
+    if (N == 0) return;  // every rank of the group passes the same N: none of them gathers anything
+    const int n = head_block_rows(N, w, P, block_cols), steps = ceil_div(N, n);
+    const size_t g_max = (size_t)P * n;
+    const bool training = dx != nullptr;
+    floatX* logits = pool().alloc_t<floatX>(g_max * w, Mem::Logits, "ring_dtp.logits");
+    const std::array<floatX*, 2> x_slot = {pool().alloc_t<floatX>(g_max * H, Mem::CommStaging, "ring_dtp.x_rows"),
+                                           pool().alloc_t<floatX>(g_max * H, Mem::CommStaging, "ring_dtp.x_rows")};
+    const std::array<int*, 2> t_slot = {pool().alloc_t<int>(g_max, Mem::CommStaging, "ring_dtp.targets_rows"),
+                                        pool().alloc_t<int>(g_max, Mem::CommStaging, "ring_dtp.targets_rows")};
+    RingDTPStats st{pool().alloc_t<float>(3 * g_max, Mem::Logits, "ring_dtp.stats"), 0};
+    float* gathered = pool().alloc_t<float>(3 * g_max * P, Mem::CommStaging, "ring_dtp.stats_gathered");
+    float* lse = pool().alloc_t<float>(g_max, Mem::Logits, "ring_dtp.lse");
+    std::array<float*, 2> dx_part = {nullptr, nullptr};  // [P·n, H] fp32: the gathered rows' dx over this shard
+    float* dx_rows = nullptr;                            // [n, H] fp32: this rank's rows, summed over the group
+    if (training) {
+      for (float*& slot : dx_part) slot = pool().alloc_t<float>(g_max * H, Mem::CommStaging, "ring_dtp.dx_part");
+      dx_rows = pool().alloc_t<float>((size_t)n * H, Mem::CommStaging, "ring_dtp.dx_rows");
+    }
+    auto step_rows = [&](int t) { return std::min(n, N - t * n); };
+    StreamPoint arrived, stats_ready, stats_arrived, dx_reduced;
+    auto gather_rows = [&](int t) {  // step t's rows of every rank into slot t % 2
+      all_gather(group, x + (size_t)t * n * H, x_slot[t % 2], (size_t)step_rows(t) * H, xs);
+      all_gather(group, targets + (size_t)t * n, t_slot[t % 2], (size_t)step_rows(t), xs);
+      arrived.record(xs, "ring_dtp");
+    };
+    auto reduce_rows = [&](int t) {  // step t's dx partials into this rank's rows
+      reduce_scatter_sum(group, (const float*)dx_part[t % 2], dx_rows, (size_t)step_rows(t) * H, xs);
+      dx_reduced.record(xs, "ring_dtp");
+    };
+    auto take_dx_rows = [&](int t) {  // step t's reduced rows into dx, rounded to floatX once
+      dx_reduced.wait_on(cs, "ring_dtp");
+      convert(dx + (size_t)t * n * H, dx_rows, (size_t)step_rows(t) * H, cs);
+    };
+    stream_after(xs, cs, "ring_dtp");  // x and targets are ready for the communicator's stream
+    gather_rows(0);
+    for (int t = 0; t < steps; t++) {
+      const int nt = step_rows(t), g = P * nt;
+      st.N = g;
+      arrived.wait_on(cs, "ring_dtp");
+      matmul_forward(logits, x_slot[t % 2], W, g, H, cols, cs);
+      cross_entropy_stats_init(st.m(), st.l(), st.target_logit(), g, cs);
+      cross_entropy_block_forward(st.m(), st.l(), st.target_logit(), logits, t_slot[t % 2], g, cols, lo, cs);
+      // everything the compute stream did before is done once the communicator's stream passes this point:
+      // the products of step t − 1 (slot (t + 1) % 2 is free) and its dx partial
+      stats_ready.record(cs, "ring_dtp");
+      stats_ready.wait_on(xs, "ring_dtp");
+      all_gather(group, (const float*)st.data, gathered, 3 * (size_t)g, xs);
+      stats_arrived.record(xs, "ring_dtp");
+      if (training && t > 0) reduce_rows(t - 1);
+      if (t + 1 < steps) gather_rows(t + 1);
+      stats_arrived.wait_on(cs, "ring_dtp");
+      ring_dtp_fused_stats(lse, losses + (size_t)t * n, gathered, P, g, group.rank * nt, nt, cs);
+      if (!training) continue;
+      cross_entropy_block_backward(logits, logits, lse, t_slot[t % 2], dloss, g, cols, lo, V, cs);
+      matmul_backward_dW(dW, logits, x_slot[t % 2], g, H, cols, cs);
+      if (t > 0) take_dx_rows(t - 1);  // also: the reduce-scatter that read dx_part[t % 2] (step t − 2) is done
+      matmul_backward_dx(dx_part[t % 2], logits, W, g, H, cols, cs);
+    }
+    if (training) {
+      stream_after(xs, cs, "ring_dtp");
+      reduce_rows(steps - 1);
+      take_dx_rows(steps - 1);
+    }
+    stream_after(cs, xs, "ring_dtp");  // every collective done before the caller reuses x, targets or the slots
+    for (void* p : {(void*)logits, (void*)x_slot[0], (void*)x_slot[1], (void*)t_slot[0], (void*)t_slot[1], (void*)st.data,
+                    (void*)gathered, (void*)lse, (void*)dx_part[0], (void*)dx_part[1], (void*)dx_rows})
+      pool().free(p);
   }
 
   // Batches stay; shards travel through min(2, P − 1) slots, and in backward the shard's gradient

@@ -16,7 +16,8 @@
 //                end brings the statistics home). Backward: x, targets, lse and the dx accumulator
 //                travel (one more hop home); each shard's gradient adds up where the shard lives.
 // Returns each rank's loss sum, dx and dW shard, the widest logits block that ever existed, and a
-// record of every round (what each rank worked with, what it handed on).
+// record of every round (what each rank worked with, what it handed on). ring_dtp_fused (at the end):
+// the fused schedule, steps over blocks of rows.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -44,6 +45,7 @@ struct RingDTPRun {
   std::vector<Mat<T>> dx;         // [P] [N_r,H]
   std::vector<Mat<T>> dW;         // [P] [hi_r − lo_r, H], rank r's shard
   long long widest_block = 0;     // the most logits columns of one block (rows: the batch at hand)
+  long long block_elems = 0;      // the most logits of one block, rows × columns
   std::vector<RingDTPRound> forward, backward;
 };
 
@@ -149,6 +151,7 @@ RingDTPRun<T> ring_dtp(RingDTPMoves moves, const std::vector<Mat<T>>& x, const s
     if (weights_move && round + 1 < P) ring_pass_right(shards);
     if (!weights_move) ring_pass_right(batches);  // after the last round: every batch home
   }
+  for (const Mat<T>& xr : x) run.block_elems = std::max<long long>(run.block_elems, (long long)xr.rows() * run.widest_block);
   for (int r = 0; r < P; r++) {
     Batch<T>& b = batches[r];
     if (b.source != r) throw std::logic_error("ring_dtp: a batch did not come home");
@@ -180,6 +183,70 @@ RingDTPRun<T> ring_dtp(RingDTPMoves moves, const std::vector<Mat<T>>& x, const s
     if (shards[r].owner != r || batches[r].source != r) throw std::logic_error("ring_dtp: a gradient did not come home");
     run.dx.push_back(batches[r].dx);
     run.dW.push_back(shards[r].dW);
+  }
+  return run;
+}
+
+// The fused schedule (ops/ring_dtp.cuh, fused): steps over blocks of rows instead of rounds. Every rank
+// holds N rows (the same N); at step t the rows [t·n, t·n + n_t) of every rank, gathered in rank order
+// (P·n_t rows), meet every shard at once: shard s's logits [P·n_t, V_s] give each row's running max and
+// sum over its columns (and the target's logit where the shard holds it); the shards' statistics,
+// combined in rank order, give each row's lse and its loss. Then, at once: dlogits = dloss · (softmax −
+// onehot) of each shard's block, dW_s += dlogitsᵀ·X_rows, and the rows' dx is the sum over the shards of
+// dlogits·W_s, each row's to its own rank. No logits block is computed twice.
+template <typename T>
+RingDTPRun<T> ring_dtp_fused(const std::vector<Mat<T>>& x, const std::vector<MatI>& targets, const Mat<T>& W,
+                             const std::vector<std::pair<int, int>>& intervals, T dloss, int rows_per_step) {
+  const int P = (int)x.size();
+  const Eigen::Index N = x[0].rows(), H = W.cols();
+  for (const Mat<T>& xr : x)
+    if (xr.rows() != N) throw std::invalid_argument("ring_dtp_fused: every rank holds the same number of rows");
+  if (rows_per_step < 1) throw std::invalid_argument("ring_dtp_fused: rows_per_step must be >= 1");
+  RingDTPRun<T> run;
+  run.loss_sum.assign(P, T(0));
+  for (int r = 0; r < P; r++) {
+    run.dx.push_back(Mat<T>::Zero(N, H));
+    run.dW.push_back(Mat<T>::Zero(intervals[r].second - intervals[r].first, H));
+  }
+  for (Eigen::Index r0 = 0; r0 < N; r0 += rows_per_step) {
+    const Eigen::Index nt = std::min<Eigen::Index>(rows_per_step, N - r0), g = P * nt;
+    Mat<T> rows(g, H);  // the gathered rows, rank by rank
+    MatI row_targets(g, 1);
+    for (int p = 0; p < P; p++) {
+      rows.middleRows(p * nt, nt) = x[p].middleRows(r0, nt);
+      row_targets.middleRows(p * nt, nt) = targets[p].middleRows(r0, nt);
+    }
+    std::vector<Mat<T>> logits(P);  // shard s's block [g, V_s], kept until the lse is known
+    Vec<T> m = Vec<T>::Constant(g, -std::numeric_limits<T>::infinity()), l = Vec<T>::Zero(g);
+    Vec<T> target_logit = Vec<T>::Constant(g, std::numeric_limits<T>::quiet_NaN());
+    for (int s = 0; s < P; s++) {  // each shard's statistics, combined in rank order
+      const int lo = intervals[s].first, cols = intervals[s].second - lo;
+      logits[s] = rows * W.middleRows(lo, cols).transpose();
+      run.widest_block = std::max<long long>(run.widest_block, cols);
+      run.block_elems = std::max<long long>(run.block_elems, (long long)logits[s].size());
+      for (Eigen::Index j = 0; j < g; j++) {
+        const T m_new = std::max(m(j), logits[s].row(j).maxCoeff());
+        l(j) = l(j) * std::exp(m(j) - m_new) + (logits[s].row(j).array() - m_new).exp().sum();
+        m(j) = m_new;
+        const int t = row_targets(j, 0) - lo;
+        if (t >= 0 && t < cols) target_logit(j) = logits[s](j, t);
+      }
+    }
+    const Vec<T> lse = m.array() + l.array().log();
+    for (int p = 0; p < P; p++) run.loss_sum[p] += (lse - target_logit).segment(p * nt, nt).sum();
+    Mat<T> dx_rows = Mat<T>::Zero(g, H);
+    for (int s = 0; s < P; s++) {
+      const int lo = intervals[s].first, cols = intervals[s].second - lo;
+      Mat<T> dlogits = (logits[s].colwise() - lse).array().exp().matrix();
+      for (Eigen::Index j = 0; j < g; j++) {
+        const int t = row_targets(j, 0) - lo;
+        if (t >= 0 && t < cols) dlogits(j, t) -= T(1);
+      }
+      dlogits *= dloss;
+      run.dW[s] += dlogits.transpose() * rows;
+      dx_rows += dlogits * W.middleRows(lo, cols);
+    }
+    for (int p = 0; p < P; p++) run.dx[p].middleRows(r0, nt) = dx_rows.middleRows(p * nt, nt);
   }
   return run;
 }

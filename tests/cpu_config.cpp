@@ -494,10 +494,10 @@ TEST(ConfigSeams, OutputHeadsAndTheVocabularyGroup) {
   EXPECT_EQ(validate_error(t, m), "vocab_group (4) must be at most the vocabulary (3): every rank holds at least one row");
   m = valid_model();
   t.ring_dtp = "tokens";
-  EXPECT_EQ(validate_error(t, m), "--ring_dtp expects auto, weights or activations, got 'tokens'");
+  EXPECT_EQ(validate_error(t, m), "--ring_dtp expects auto, fused, weights or activations, got 'tokens'");
   t.ring_dtp = "weights";
   t.vocab_block = 0;
-  EXPECT_EQ(validate_error(t, m), "vocab_block (logits columns per block) must be >= 1, got 0");
+  EXPECT_EQ(validate_error(t, m), "vocab_block (ring_dtp: logits columns per block; chunked: a block of N×C logits) must be >= 1, got 0");
   t.vocab_block = 64;
   EXPECT_EQ(validate_error(t, m), "");
   t.head = "chunked";

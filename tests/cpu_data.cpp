@@ -747,7 +747,9 @@ TEST(DataLoader, SequenceGroupRanksKeepTheirSliceOfTheGroupsSequences) {
     }
     for (int r = 0; r < W; r++) {  // the group's ranks read the same sequences, the groups distinct ones
       EXPECT_EQ(full[r], full[r / D * D]) << "rank " << r << " step " << step;
-      if (r % D == 0 && r > 0) EXPECT_NE(full[r].inputs, full[0].inputs) << "rank " << r << " step " << step;
+      if (r % D == 0 && r > 0) {
+        EXPECT_NE(full[r].inputs, full[0].inputs) << "rank " << r << " step " << step;
+      }
     }
   }
   EXPECT_THROW(sliced[0].keep_tokens(2, 2), std::runtime_error);

@@ -1,7 +1,8 @@
 // Ring-DTP (ops/ring_dtp.cuh) on W ranks, the vocabulary group = the world (P = W): each rank's loss
 // sum, dx and dW (+=) of its vocabulary interval against the full logits and cross-entropy over the
-// global batch in double, per tensor, in both branches and auto, with V not divisible by P, N on both
-// sides of V/P, targets in every shard, logits blocks narrower and wider than a shard; each rank's
+// global batch in double, per tensor, in both ring branches, fused and auto (training and the loss alone), with V
+// not divisible by P, N on both sides of V/P, targets in every shard, logits blocks narrower and wider than a
+// shard, fused steps whose last is partial; each rank's
 // pool peak within the closed form; bit-identical replay; the sampling path (logits_rows) gathers
 // every rank's columns into the full rows.
 #include <cstring>
@@ -12,13 +13,13 @@ using namespace testutil;
 
 namespace {
 
-void check_ring(int N, int V, int H, const std::string& mode, int block_cols) {
+void check_ring(int N, int V, int H, const std::string& mode, int block_cols, bool backward = true) {
   const Comm& world = test_world();
-  const std::string name = "RingDTP." + mode + ".P" + std::to_string(world.size) + "N" + std::to_string(N) + "V" +
-                           std::to_string(V) + "block" + std::to_string(block_cols);
+  const std::string name = "RingDTP." + mode + (backward ? "" : ".loss_only") + ".P" + std::to_string(world.size) + "N" +
+                           std::to_string(N) + "V" + std::to_string(V) + "block" + std::to_string(block_cols);
   const HeadCase c = make_head_case(world.size, N, V, H);
   RingDTPHead head(world, mode, block_cols);
-  expect_head_matches(name, c, world.rank, run_head(head, c, world.rank), mode, block_cols);
+  expect_head_matches(name, c, world.rank, run_head(head, c, world.rank, backward), mode, block_cols, backward);
 }
 
 }  // namespace
@@ -36,15 +37,30 @@ TEST(RingDTPDist, ActivationsMoveMatchesTheFullHead) {
     for (int block : {128, 100000}) check_ring(N, 1001, 64, "activations", block);
 }
 
-TEST(RingDTPDist, AutoMatchesTheFullHeadOnBothSidesOfTheRule) {
+// Fused: steps of n rows per rank (head_block_rows(N, ⌈V/P⌉, P, C)): at P = 2, N = 37 and C = 128 four
+// rows a step and one in the last; N = 700: 89 and 77; C = 100000: two steps. Also the loss alone.
+TEST(RingDTPDist, FusedMatchesTheFullHead) {
   REQUIRE_WORLD(2);
-  for (int N : {37, 700}) check_ring(N, 1001, 96, "auto", 300);
+  for (int N : {37, 700})
+    for (int block : {128, 100000}) {
+      check_ring(N, 1001, 64, "fused", block);
+      check_ring(N, 1001, 64, "fused", block, false);
+    }
+}
+
+// auto: fused when training; a pass without backward takes the ring branch of the N > V/P rule
+TEST(RingDTPDist, AutoMatchesTheFullHeadTrainingAndOnBothSidesOfTheRule) {
+  REQUIRE_WORLD(2);
+  for (int N : {37, 700}) {
+    check_ring(N, 1001, 96, "auto", 300);
+    check_ring(N, 1001, 96, "auto", 300, false);
+  }
 }
 
 TEST(RingDTPDist, IsBitwiseReproducible) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  for (const char* mode : {"weights", "activations"}) {
+  for (const char* mode : {"weights", "activations", "fused"}) {
     const HeadCase c = make_head_case(world.size, 129, 777, 64);
     RingDTPHead head(world, mode, 100);
     const HeadRun a = run_head(head, c, world.rank), b = run_head(head, c, world.rank);

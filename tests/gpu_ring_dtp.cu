@@ -13,7 +13,7 @@ namespace {
 void check_chunked(int N, int V, int H, int block_cols) {
   REQUIRE_GPU();
   const std::string name = "ChunkedHead.N" + std::to_string(N) + "V" + std::to_string(V) + "H" + std::to_string(H) +
-                           "block" + std::to_string(block_cols) + "rows" + std::to_string(full_head_block_rows(N, V, block_cols));
+                           "block" + std::to_string(block_cols) + "rows" + std::to_string(head_block_rows(N, V, 1, block_cols));
   const HeadCase c = make_head_case(1, N, V, H);
   FullHead head(block_cols);
   expect_head_matches(name, c, 0, run_head(head, c, 0), "auto", block_cols);

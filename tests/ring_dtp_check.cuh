@@ -65,8 +65,9 @@ struct HeadRun {
 };
 
 // Rank `rank` of the case runs `head` (its group: P ranks, this one at `rank`) on its batch and its
-// interval of W; every rank of the group calls it together.
-inline HeadRun run_head(OutputHead& head, const HeadCase& c, int rank) {
+// interval of W, with the backward (training) or the loss alone (backward = false: no dx, dW untouched);
+// every rank of the group calls it together.
+inline HeadRun run_head(OutputHead& head, const HeadCase& c, int rank, bool backward = true) {
   const std::pair<int, int> iv = vocab_interval(c.V, c.P, rank);
   const int rows = iv.second - iv.first;
   DeviceBuffer<floatX> x = upload<floatX>(c.x[rank], Mem::Activations);
@@ -82,7 +83,7 @@ inline HeadRun run_head(OutputHead& head, const HeadCase& c, int rank) {
   cudaCheck(cudaDeviceSynchronize(), "test", "before the head");
   const size_t live_before = pool().live_total();
   pool().reset_peak();
-  head.forward_backward(loss.ptr, dx.ptr, dW.ptr, x.ptr, W.ptr, targets.ptr, c.dloss, c.N, c.H, c.V, 0);
+  head.forward_backward(loss.ptr, backward ? dx.ptr : nullptr, dW.ptr, x.ptr, W.ptr, targets.ptr, c.dloss, c.N, c.H, c.V, 0);
   HeadRun run;
   run.peak = pool().peak() - live_before;
   EXPECT_EQ(pool().live_total(), live_before) << "the head must return everything it allocated";
@@ -100,17 +101,23 @@ inline ref::Mat<double> rows_as_mat(const std::vector<floatX>& v, int rows, int 
 }
 
 // The run of rank `rank` against the full head: loss sum, dx, dW (+=) per tensor within the
-// operator tolerance, and the pool peak within the closed form for `mode`'s branch.
+// operator tolerance (backward = false: the loss, and dW untouched), and the pool peak within the closed
+// form of the branch `mode` takes for such a pass.
 inline void expect_head_matches(const std::string& name, const HeadCase& c, int rank, const HeadRun& run,
-                                const std::string& mode, int block_cols) {
+                                const std::string& mode, int block_cols, bool backward = true) {
   const std::pair<int, int> iv = vocab_interval(c.V, c.P, rank);
   const int rows = iv.second - iv.first;
   const double loss_err = std::abs(run.loss_sum - c.loss_sum[rank]) / std::abs(c.loss_sum[rank]);
   EXPECT_REL(name.c_str(), "loss_sum", loss_err, OP_TOL);
-  EXPECT_REL(name.c_str(), "dx", rel_err(rows_as_mat(run.dx, c.N, c.H), ref::Mat<double>(c.dX.middleRows(rank * c.N, c.N))), OP_TOL);
-  const ref::Mat<double> dW_want = c.dW_initial.middleRows(iv.first, rows) + c.dW.middleRows(iv.first, rows);
-  EXPECT_REL(name.c_str(), "dW(+=)", rel_err(rows_as_mat(run.dW, rows, c.H), dW_want), OP_TOL);
-  const RingDTPBranch branch = ring_dtp_choose(mode, c.N, c.V, c.P, c.H, sizeof(floatX)).branch;
+  if (backward) {
+    EXPECT_REL(name.c_str(), "dx", rel_err(rows_as_mat(run.dx, c.N, c.H), ref::Mat<double>(c.dX.middleRows(rank * c.N, c.N))), OP_TOL);
+    const ref::Mat<double> dW_want = c.dW_initial.middleRows(iv.first, rows) + c.dW.middleRows(iv.first, rows);
+    EXPECT_REL(name.c_str(), "dW(+=)", rel_err(rows_as_mat(run.dW, rows, c.H), dW_want), OP_TOL);
+  } else {
+    EXPECT_TRUE(rows_as_mat(run.dW, rows, c.H) == ref::Mat<double>(c.dW_initial.middleRows(iv.first, rows)))
+        << name << ": a pass without backward leaves dW alone";
+  }
+  const RingDTPBranch branch = ring_dtp_choose(mode, c.N, c.V, c.P, c.H, sizeof(floatX), backward).branch;
   const size_t bound = ring_dtp_live_bytes(branch, c.N, c.V, c.P, c.H, block_cols, sizeof(floatX));
   const size_t full_logits = (size_t)c.N * c.V * sizeof(floatX);
   printf("[%s] rank %d %s: peak %zu B <= closed form %zu B (full logits alone: %zu B)\n", name.c_str(), rank,

@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
         head = std::make_unique<FullHead>(block);
         bound = full_head_live_bytes(N, V, block, b);
       } else {
-        const RingDTPBranch branch = ring_dtp_choose(c.mode, N, V, W, H, b).branch;
+        const RingDTPBranch branch = ring_dtp_choose(c.mode, N, V, W, H, b, true).branch;
         head = std::make_unique<RingDTPHead>(world, c.mode, f.block);
         bound = ring_dtp_live_bytes(branch, N, V, W, H, f.block, b);
         lm_head_bytes = 2 * shard_rows * H * b;
