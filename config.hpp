@@ -685,7 +685,8 @@ inline std::string cuda_graph_refusal(const TrainConfig& t, bool bf16_build) {
            "chunked head): a pass's collectives and their bounded waits stay on the host";
   if (t.sp > 1) return "off: --sp " + std::to_string(t.sp) + " exchanges q, k, v and attention's output inside every pass";
   if (t.offload_budget > 0) return "off: SCO's copies to and from the host follow a plan the host keeps (--offload_budget)";
-  if (t.routing != "router") return "off: --routing " + t.routing + " sets each pass's experts from the host";
+  if (!data::routing_trace_path(t.routing).empty())
+    return "off: --routing " + t.routing + " copies each pass's recorded experts from the host";
   if (!t.record_routing.empty()) return "off: --record_routing downloads each pass's choices";
   return "";
 }

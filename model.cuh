@@ -627,10 +627,10 @@ inline void router_step(Model& m, int l, LayerActs& a, int N, bool count_loads) 
   router_forward(a.topk_idx, a.topk_w, a.scores, logits, m.router_bias_dev + (size_t)l * E, N, E, k, c.score_fn,
                  c.renorm != 0, s, chosen_elsewhere ? nullptr : loads);  // the router's own choice counts itself
   pool().free(logits);
-  if (chosen_elsewhere) {  // the profile's or the trace's experts, weighted by the router's scores for them
-    const std::vector<int> profile = traced ? std::vector<int>() : routing_profile_indices(m.routing, N, E, k);
-    copy_to_device(a.topk_idx, traced ? traced : profile.data(), (size_t)N * k * sizeof(int), s,
-                   traced ? "routing_trace" : "routing_profile");
+  if (chosen_elsewhere) {  // the trace's experts (from the host) or the profile's (made on the device), weighted
+                           // by the router's scores for them
+    if (traced) copy_to_device(a.topk_idx, traced, (size_t)N * k * sizeof(int), s, "routing_trace");
+    else router_profile_choice(a.topk_idx, m.routing, N, E, k, s);
     router_weights(a.topk_w, a.scores, a.topk_idx, N, E, k, c.renorm != 0, s);
     if (loads) router_add_loads(loads, a.topk_idx, N, E, k, s);
   }

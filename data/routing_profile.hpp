@@ -1,7 +1,8 @@
 // routing_profile.hpp — routing profiles (host side, plain C++; paper "flattening memory peaks",
 // appendix B.2). A profile replaces the router's choice of experts by a fixed one, for benchmarks and
 // skew tests. A profile gives only the expert indices; the caller fills the weights: the trainer
-// (--routing, model.cuh router_step) uses router_weights (ops/router.cuh), the router's own scores for
+// (--routing, model.cuh router_step) makes the indices on the device (ops/router.cuh router_profile_choice,
+// which this file's routing_profile_indices is the twin of) and uses router_weights, the router's own scores for
 // the forced experts, renormalised over the k slots when --renorm 1; tools/bench_ep_moe.cu uses 1/k
 // (the paper's setting); tests/dist_ep_moe.cu draws random positive weights.
 //   balanced  token i selects experts {(i + j) mod E : j = 0..k−1}

@@ -66,6 +66,7 @@
 #include <cmath>
 #include "common.cuh"
 #include "grouped_gemm.cuh"
+#include "../data/routing_profile.hpp"
 #include "matmul.cuh"
 #include "../runtime/pool.cuh"
 #include "../runtime/side_stream.cuh"
@@ -373,6 +374,20 @@ static __global__ void router_fold_weight_grad_kernel(__nv_bfloat16* dW, const f
 #endif
 
 // Histogram in shared memory (E ints), then one integer atomic per expert per block.
+// A routing profile's experts (data/routing_profile.hpp, routing_profile_indices: its twin): token i's
+// slot j is (i + j) mod E (balanced), j mod h for the first hot_tokens tokens and h + (i + j) mod (E − h)
+// for the others (hot:r/h, h > 0).
+static __global__ void router_profile_choice_kernel(int* topk_idx, int N, int E, int k, int h, int hot_tokens) {
+  const size_t slot = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  if (slot >= (size_t)N * k) return;
+  const long long i = (long long)(slot / k), j = (long long)(slot % k);
+  int e;
+  if (h == 0) e = (int)((i + j) % E);
+  else if (i < hot_tokens) e = (int)(j % h);
+  else e = h + (int)((i + j) % (E - h));
+  topk_idx[slot] = e;
+}
+
 static __global__ void router_count_loads_kernel(int* loads, const int* topk_idx, size_t routes, int E) {
   extern __shared__ int block_loads[];
   for (int e = threadIdx.x; e < E; e += blockDim.x) block_loads[e] = 0;
@@ -505,6 +520,20 @@ inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits,
            [&](cudaStream_t s) { matmul_backward_dW(dW, dlogits, x, N, H, E, s); });
   matmul_backward_dx(dx, dlogits, W, N, H, E, stream, /*accumulate=*/true);  // fp32 throughout, one rounding each
 #endif
+}
+
+// topk_idx [N,k] (=) of a routing profile, made on the device (no copy from the host, so a pass captured as a
+// CUDA graph replays it): the same indices as routing_profile_indices, which refuses the same sizes.
+inline void router_profile_choice(int* topk_idx, const RoutingProfile& p, int N, int E, int k, cudaStream_t stream) {
+  const int hot_tokens = routing_profile_hot_tokens(p, N);
+  if (N < 0 || E < 1 || k < 1 || (p.kind == RoutingProfile::Hot && (p.h > E || (p.h == E && hot_tokens < N))))
+    fm_fail("router_profile_choice", "the profile needs N >= 0, E >= 1, k >= 1, h <= E, and h < E unless every token is hot",
+            "profile=%s N=%d E=%d k=%d", routing_profile_name(p).c_str(), N, E, k);
+  if (N == 0) return;
+  const size_t slots = (size_t)N * k;
+  router_profile_choice_kernel<<<(unsigned)((slots + 255) / 256), 256, 0, stream>>>(
+      topk_idx, N, E, k, p.kind == RoutingProfile::Hot ? p.h : 0, hot_tokens);
+  launchCheck("router_profile_choice", "profile=%s N=%d E=%d k=%d", routing_profile_name(p).c_str(), N, E, k);
 }
 
 // topk_w [N,k] (=) for a choice topk_idx [N,k] made elsewhere (a routing profile): the selected

@@ -4,7 +4,8 @@
 // dx and the += dW end in one rounding to floatX: held to OP_TOL, and in the BF16 build nearly every
 // element must equal the correctly rounded exact value. Cases: selection (exact), weights, scores,
 // dlogits and loads on well-separated scores, at sizes that are not multiples of the warp; exact
-// ties, which must pick the lower expert index on GPU and CPU alike; the weights of a given choice;
+// ties, which must pick the lower expert index on GPU and CPU alike; the weights of a given choice; a
+// routing profile's choice made on the device, index for index its host twin's;
 // the logits GEMM and its backward at odd shapes, with their Workspace peak and bit-identical replay.
 #include <algorithm>
 #include <cmath>
@@ -332,6 +333,29 @@ TEST(RouterGpu, WeightsOfAGivenChoice) {
     EXPECT_REL(renorm ? "router weights renorm" : "router weights", "topk_w",
                testutil::rel_err(testutil::download(w_dev.ptr, N, k), expected), FP32_TOL);
   }
+}
+
+// A routing profile's experts made on the device (router_profile_choice) are its host twin's
+// (routing_profile_indices), index for index: balanced, hot with h < k, h = k, h > k, every token hot at
+// h = E, a fraction whose r·N falls just below an integer in binary (0.29 · 100); N not a multiple of the
+// block. A size the profile cannot fill is refused.
+TEST(RouterGpu, ProfileChoiceOnTheDeviceIsTheHostProfile) {
+  REQUIRE_GPU();
+  struct Case {
+    const char* profile;
+    int N, E, k;
+  };
+  for (const Case& c : {Case{"balanced", 1000, 13, 3}, Case{"hot:0.5/2", 777, 16, 4}, Case{"hot:0.25/4", 301, 16, 4},
+                        Case{"hot:0.29/5", 100, 8, 3}, Case{"hot:1/6", 257, 6, 4}, Case{"hot:0/3", 64, 32, 8}}) {
+    const RoutingProfile p = parse_routing_profile(c.profile);
+    DeviceBuffer<int> idx((size_t)c.N * c.k, Mem::Workspace, "test.topk_idx");
+    testutil::poison(idx.ptr, idx.count);
+    router_profile_choice(idx.ptr, p, c.N, c.E, c.k, 0);
+    EXPECT_EQ(testutil::download_vec(idx.ptr, idx.count), routing_profile_indices(p, c.N, c.E, c.k)) << c.profile;
+  }
+  DeviceBuffer<int> idx(64, Mem::Workspace, "test.topk_idx");
+  EXPECT_DEATH(router_profile_choice(idx.ptr, parse_routing_profile("hot:0.5/9"), 16, 8, 4, 0),
+               "router_profile_choice.*h <= E");
 }
 
 // router_add_loads adds (+=) into one layer's slice of a step-wide [L·E] buffer, as model.cuh does

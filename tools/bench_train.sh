@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Training benchmark on one GPU (notes/design.md §7, §8; notes/speed.md):
-#   speed:  the default model (recompute 0 and 1, and 0 without CUDA graphs: --cuda_graph 0, and with
-#           the weight gradients on the compute stream: --wgrad_stream 0) and config B1 (the same four;
-#           notes/design.md §8): median step time,
-#           tokens/s, MFU (train.cu's: 6 x active parameters + causal attention FLOPs per token against
-#           989 TFLOP/s bf16), pool peak and the device's used memory; then the per-operator breakdown
-#           of one step of each (--profile_step, runtime/profile.cuh: CUDA events around every operator,
-#           summed over layers, sorted, % of the step, GB/s of the memory-bound ones);
+#   speed:  the default model and config B1 (notes/design.md §8), each under three routings: the router
+#           from step 0 (with and without CUDA graphs), a trained router's recorded choices (300 steps of
+#           training, then 20 passes recorded: --record_routing, replayed with --routing trace:FILE) and
+#           --routing balanced (also with recompute 1, and with the weight gradients on the compute stream:
+#           --wgrad_stream 0): median step time, tokens/s, MFU (train.cu's: 6 x active parameters + causal
+#           attention FLOPs per token against 989 TFLOP/s bf16), pool peak, the experts' balance (max/mean
+#           of the worst layer) and the device's used memory; the settling runs' balance by step; then the
+#           per-operator breakdown of one step of each balanced run (--profile_step, runtime/profile.cuh:
+#           CUDA events around every operator, summed over layers, sorted, % of the step, GB/s of the
+#           memory-bound ones);
 #   multi:  the default model on every GPU of the machine (2 or more) against one GPU, same flags and
 #           per-rank batch (--gpus W keeps B x T per rank: W times the tokens per step): median step time,
 #           tokens/s of all ranks, and the speed-up in tokens/s over one GPU, with expert parallelism over
@@ -42,6 +45,11 @@ summarise() {  # log.csv
     awk '{ a[NR] = $0 } END { split(a[int((NR + 1) / 2)], m, " "); printf "%.2f | %.0f | %.1f%% | %.1f", m[1], m[2], 100 * m[3], m[4] }'
 }
 
+# the experts' balance over the same steps: the median of the step's worst layer's max/mean routes per expert
+balance() {  # log.csv
+  awk -F, 'NR > 1 && $1 > 10 && $2 != "nan" { print $10 }' "$1" | sort -g | awk '{ a[NR] = $1 } END { printf "%.2f", a[int((NR + 1) / 2)] }'
+}
+
 # the largest "device used" of a run's step lines (cudaMemGetInfo: context, libraries, pool reserve)
 device_used() { grep -o 'device used [0-9.]*' "$1" | awk '{ if ($3 > m) m = $3 } END { printf "%.0f", m }'; }
 
@@ -51,26 +59,60 @@ device_used() { grep -o 'device used [0-9.]*' "$1" | awk '{ if ($3 > m) m = $3 }
 b1="--hidden 1024 --layers 8 --heads 16 --experts 32 --topk 4 --expert_dim 512 --vocab 16384 --seq_len 2048 --batch 8"
 profile_step=20  # after warm-up: the pool's blocks cached, cuBLAS's heuristics chosen
 
-# name flags...: one run of 60 steps; the median over steps 11..60 (the profiled step is one of 50:
-# its events stretch it a little, the median not), and the breakdown of step $profile_step
+# name routing flags...: one run of 60 steps under a routing (router: the model's own, from step 0; balanced:
+# the profile, every expert N·k/E routes; trace:FILE: recorded choices); the median over steps 11..60 (the
+# profiled step is one of 50: its events stretch it a little, the median not), the experts' balance over
+# them, and the breakdown of step $profile_step
 speed_run() {
+  local name=$1 routing=$2; shift 2
+  "$train" --data "$data" --steps 60 --profile_step $profile_step --routing "$routing" "$@" $quiet --out "$out/$name" \
+    > "$out/$name.log" 2>&1 || { echo "$name run failed (see $out/$name.log)"; tail -5 "$out/$name.log"; }
+  echo "| $name | ${routing#trace:$out/} | $(summarise "$out/$name/log.csv") | $(balance "$out/$name/log.csv") | $(device_used "$out/$name.log") |"
+}
+
+# A trained router's choices: $settle steps of the config from scratch (the aux-loss-free bias balances the
+# router; the run's log.csv shows when), then 20 more training passes recorded from its checkpoint
+# (--record_routing); a replay from step 0 takes batch p mod 20 at pass p (data/routing_trace.hpp).
+settle=300
+record_trace() {  # name flags...: $out/$name.trace, and the settling run's balance by step ($out/${name}_settle/log.csv)
   local name=$1; shift
-  "$train" --data "$data" --steps 60 --profile_step $profile_step "$@" $quiet --out "$out/$name" > "$out/$name.log" 2>&1 ||
-    { echo "$name run failed (see $out/$name.log)"; tail -5 "$out/$name.log"; }
-  echo "| $name | $(summarise "$out/$name/log.csv") | $(device_used "$out/$name.log") |"
+  "$train" --data "$data" --steps $settle $quiet --ckpt_every $settle "$@" --out "$out/${name}_settle" \
+    > "$out/${name}_settle.log" 2>&1 &&
+    "$train" --data "$data" --steps $((settle + 20)) $quiet "$@" --resume "$out/${name}_settle/ckpt_$(printf %06d $settle)" \
+      --record_routing "$out/$name.trace" --out "$out/${name}_record" > "$out/${name}_record.log" 2>&1 ||
+    echo "recording $name's trace failed (see $out/${name}_settle.log, $out/${name}_record.log)"
 }
 
 if [[ " $parts " == *" speed "* ]]; then
+  record_trace default_router
+  record_trace B1_router $b1
   echo "## speed, one GPU ($(basename "$(dirname "$train")") build)"
-  echo "| config | step ms (median) | tokens/s | MFU | pool peak MiB | device used MiB |"
-  echo "|---|---|---|---|---|---|"
-  for rc in 0 1; do speed_run "default_rc$rc" --recompute $rc; done
-  speed_run "default_rc0_eager" --recompute 0 --cuda_graph 0  # every kernel issued by the host (notes/speed.md, 'CUDA graphs')
-  speed_run "default_rc0_one_stream" --recompute 0 --wgrad_stream 0  # the weight gradients in the chain (notes/speed.md, 'The weight-gradient lanes')
-  for rc in 0 1; do speed_run "B1_rc$rc" $b1 --recompute $rc; done
-  speed_run "B1_rc0_eager" $b1 --recompute 0 --cuda_graph 0
-  speed_run "B1_rc0_one_stream" $b1 --recompute 0 --wgrad_stream 0
-  for name in default_rc0 B1_rc0 B1_rc1; do
+  echo
+  echo "Routing: router = the model's own from step 0 (steps 11-60 of a fresh run: the bias has not balanced it yet);"
+  echo "balanced = every expert gets N·k/E routes; X_router.trace = the router's choices after $settle steps of training"
+  echo "(replayed: its passes are not captured as CUDA graphs, so router_eager is its like-for-like row)."
+  echo "experts max/mean: the step's most loaded expert over the mean, in its worst layer (median over steps 11-60)."
+  echo
+  echo "| config | routing | step ms (median) | tokens/s | MFU | pool peak MiB | experts max/mean | device used MiB |"
+  echo "|---|---|---|---|---|---|---|---|"
+  for config in "default:" "B1:$b1"; do
+    name=${config%%:*}
+    flags=${config#*:}
+    speed_run "${name}_router" router $flags --recompute 0
+    speed_run "${name}_router_eager" router $flags --recompute 0 --cuda_graph 0  # every kernel issued by the host (notes/speed.md, 'CUDA graphs')
+    speed_run "${name}_trace" "trace:$out/${name}_router.trace" $flags --recompute 0
+    speed_run "${name}_balanced" balanced $flags --recompute 0
+    speed_run "${name}_balanced_rc1" balanced $flags --recompute 1
+    speed_run "${name}_balanced_one_stream" balanced $flags --recompute 0 --wgrad_stream 0  # the weight gradients in the chain (notes/speed.md, 'The weight-gradient lanes')
+  done
+  echo
+  echo "### when the router settles: the worst layer's experts max/mean by step (training from scratch)"
+  echo "| step | default | B1 |"
+  echo "|---|---|---|"
+  join -t, <(awk -F, 'NR > 1 && $2 != "nan" && ($1 <= 10 || $1 % 25 == 0) { print $1 "," $10 }' "$out/default_router_settle/log.csv" | sort -t, -k1,1) \
+           <(awk -F, 'NR > 1 && $2 != "nan" && ($1 <= 10 || $1 % 25 == 0) { print $1 "," $10 }' "$out/B1_router_settle/log.csv" | sort -t, -k1,1) |
+    sort -t, -k1,1n | awk -F, '{ printf "| %s | %s | %s |\n", $1, $2, $3 }'
+  for name in default_balanced B1_balanced B1_balanced_rc1; do
     echo
     echo "### per-operator breakdown: $name, step $profile_step"
     cat "$out/$name/profile_step$profile_step.md" 2>/dev/null || echo "(no breakdown: see $out/$name.log)"
