@@ -392,8 +392,10 @@ struct FullHead : OutputHead {
       }
       prof_sub(stream, "cross-entropy fwd+bwd", 2.0 * n * V * sizeof(floatX) + 12.0 * n);
       cross_entropy_forward_backward(logits, losses + r0, lse + r0, logits, targets + r0, dloss, n, V, stream);
-      prof_sub(stream, "logits matmul bwd");
-      matmul_backward(dx + (size_t)r0 * H, dW, logits, x_rows, W, n, H, V, stream);
+      prof_sub(stream, "dx matmul");
+      matmul_backward_dx(dx + (size_t)r0 * H, logits, W, n, H, V, stream);
+      prof_sub(stream, "dW matmul (+=)");
+      matmul_backward_dW(dW, logits, x_rows, n, H, V, stream);
     }
     ::loss_sum(loss_sum, losses, N, stream);
     for (void* p : {(void*)logits, (void*)losses, (void*)lse}) pool().free(p);

@@ -195,7 +195,9 @@ inline void ring_dtp_meet_forward(const RingDTPStats& st, const floatX* x, const
                                   int rows, int N, int H, int block_cols, floatX* logits, cudaStream_t cs) {
   for (int c0 = 0; c0 < rows; c0 += block_cols) {
     const int width = std::min(block_cols, rows - c0);
+    prof_sub(cs, "logits matmul");
     matmul_forward(logits, x, W_s + (size_t)c0 * H, N, H, width, cs);
+    prof_sub(cs, "statistics");
     cross_entropy_block_forward(st.m(), st.l(), st.target_logit(), logits, targets, N, width, lo + c0, cs);
   }
 }
@@ -209,10 +211,15 @@ inline void ring_dtp_meet_backward(float* dx_acc, floatX* dW_acc, const floatX* 
   for (int c0 = 0; c0 < rows; c0 += block_cols) {
     const int width = std::min(block_cols, rows - c0);
     const floatX* W_sub = W_s + (size_t)c0 * H;
+    prof_sub(cs, "logits matmul (recomputed)");
     matmul_forward(logits, x, W_sub, N, H, width, cs);
+    prof_sub(cs, "cross-entropy bwd");
     cross_entropy_block_backward(logits, logits, lse, targets, dloss, N, width, lo + c0, V, cs);
+    prof_sub(cs, "accumulator arrived (wait)");
     if (c0 == 0 && acc_ready != nullptr) acc_ready->wait_on(cs, "ring_dtp");
+    prof_sub(cs, "dx matmul");
     matmul_backward_dx(dx_acc, logits, W_sub, N, H, width, cs, true);
+    prof_sub(cs, "dW matmul (+=)");
     matmul_backward_dW(dW_acc + (size_t)c0 * H, logits, x, N, H, width, cs);
   }
 }
@@ -347,8 +354,11 @@ struct RingDTPHead : OutputHead {
     for (int t = 0; t < steps; t++) {
       const int nt = step_rows(t), g = P * nt;
       st.N = g;
+      prof_sub(cs, "rows gathered (wait)");
       arrived.wait_on(cs, "ring_dtp");
+      prof_sub(cs, "logits matmul");
       matmul_forward(logits, x_slot[t % 2], W, g, H, cols, cs);
+      prof_sub(cs, "statistics");
       cross_entropy_stats_init(st.m(), st.l(), st.target_logit(), g, cs);
       cross_entropy_block_forward(st.m(), st.l(), st.target_logit(), logits, t_slot[t % 2], g, cols, lo, cs);
       // everything the compute stream did before is done once the communicator's stream passes this point:
@@ -359,12 +369,17 @@ struct RingDTPHead : OutputHead {
       stats_arrived.record(xs, "ring_dtp");
       if (training && t > 0) reduce_rows(t - 1);
       if (t + 1 < steps) gather_rows(t + 1);
+      prof_sub(cs, "statistics gathered (wait)");
       stats_arrived.wait_on(cs, "ring_dtp");
       ring_dtp_fused_stats(lse, losses + (size_t)t * n, gathered, P, g, group.rank * nt, nt, cs);
       if (!training) continue;
+      prof_sub(cs, "cross-entropy bwd");
       cross_entropy_block_backward(logits, logits, lse, t_slot[t % 2], dloss, g, cols, lo, V, cs);
+      prof_sub(cs, "dW matmul (+=)");
       matmul_backward_dW(dW, logits, x_slot[t % 2], g, H, cols, cs);
+      prof_sub(cs, "dx rows reduced (wait)");
       if (t > 0) take_dx_rows(t - 1);  // also: the reduce-scatter that read dx_part[t % 2] (step t − 2) is done
+      prof_sub(cs, "dx matmul");
       matmul_backward_dx(dx_part[t % 2], logits, W, g, H, cols, cs);
     }
     if (training) {

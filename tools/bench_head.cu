@@ -1,10 +1,12 @@
 // tools/bench_head.cu — the output head (notes/design.md §6.5, notes/ring_dtp.md): the full-logit head
 // (--head full), the chunked head (--head chunked, one GPU) and Ring-DTP over the W ranks (P = W, auto
-// and each branch forced), in one process on the same inputs: forward + backward latency and the
-// output layer's memory.
+// and each branch forced), in one process on the same inputs: forward + backward latency, where it goes
+// (each part of the head in one more call, profiled: runtime/profile.cuh's events around each
+// prof_sub of ops/cross_entropy.cuh and ops/ring_dtp.cuh, summed over blocks and steps), and the output
+// layer's memory.
 //
 //   build/fp32/bench_head [--gpus W] [--shapes N:V:H,...] [--block C] [--heads full,chunked,ring]
-//                         [--modes auto,weights,activations] [--warmup 1] [--iters 3] [--timeline DIR]
+//                         [--modes auto,fused,weights,activations] [--warmup 1] [--iters 3] [--timeline DIR]
 //
 // Each rank holds its own batch of N tokens (x [N,H], targets), as in data-parallel training. Time:
 // CUDA events around one forward_backward on the compute stream, median of --iters after --warmup,
@@ -32,7 +34,7 @@ struct BenchFlags {
   int gpus = 1, warmup = 1, iters = 3, block = 4096;
   std::vector<Shape> shapes = {{4096, 200000, 7168}};
   std::vector<std::string> heads = {"full", "chunked", "ring"};
-  std::vector<std::string> modes = {"auto", "weights", "activations"};  // ring's
+  std::vector<std::string> modes = {"auto", "weights", "activations"};  // ring's (auto: fused in a training pass)
   std::string timeline_dir;                                              // "": no timelines
 };
 
@@ -40,7 +42,7 @@ struct BenchFlags {
   fprintf(stderr,
           "bench_head: %s\n"
           "usage: bench_head [--gpus W] [--share_gpus 0|1] [--shapes N:V:H,... (tokens per rank, vocabulary, hidden)] [--block C]\n"
-          "                  [--heads full,chunked,ring] [--modes auto,weights,activations] [--warmup n] [--iters n]\n"
+          "                  [--heads full,chunked,ring] [--modes auto,fused,weights,activations] [--warmup n] [--iters n]\n"
           "                  [--timeline DIR]\n",
           why.c_str());
   exit(EXIT_FAILURE);
@@ -72,7 +74,7 @@ BenchFlags parse_bench_flags(int argc, char** argv) {
     } else if (flag == "--timeline") {
       f.timeline_dir = value;
     } else if (flag == "--modes") {
-      f.modes = word_list(flag, value, {"auto", "weights", "activations"});
+      f.modes = word_list(flag, value, {"auto", "fused", "weights", "activations"});
     } else bench_usage("unknown flag " + flag);
   });
   return f;
@@ -92,8 +94,9 @@ int main(int argc, char** argv) {
   if (world.rank == 0) {
     printf("output head fwd+bwd, %s, P = %d, vocabulary block %d columns, median of %d after %d warm-ups, slowest rank\n\n",
            bench_setting(W, "bench_head").c_str(), W, f.block, f.iters, f.warmup);
-    printf("| N/rank | V | H | head | moves | ms | vs full | transient MiB | lm_head MiB | output layer MiB | vs full |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| N/rank | V | H | head | moves | ms | vs full | transient MiB | lm_head MiB | output layer MiB | vs full | "
+           "ms per part, one profiled call (rank 0) |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     fflush(stdout);
   }
   for (const Shape& sh : f.shapes) {
@@ -150,7 +153,7 @@ int main(int argc, char** argv) {
       const bool fits = slowest(world, bound > 0.95 * free_dev ? 1 : 0, stream) == 0;  // every rank decides alike
       if (!fits) {
         if (world.rank == 0)
-          printf("| %d | %d | %d | %s | %s | does not fit: %.0f MiB transient, %.0f MiB free | | %.0f | %.0f | | |\n", N,
+          printf("| %d | %d | %d | %s | %s | does not fit: %.0f MiB transient, %.0f MiB free | | %.0f | %.0f | | | |\n", N,
                  V, H, c.head.c_str(), moves.c_str(), bound / MiB, free_dev / MiB, bound / MiB, lm_head_bytes / MiB);
         fflush(stdout);
         continue;
@@ -173,6 +176,18 @@ int main(int argc, char** argv) {
       pool().clear_timeline();
       const long long transient = slowest(world, (long long)(pool().peak() - live_before), stream);
       const double ms = median_ms(pass, f.warmup, f.iters, stream, "bench_head");
+      // one more call with the profiler's events around each part (runtime/profile.cuh): rank 0's time per pass
+      profiler().begin(stream);
+      prof_mark(stream, "head");
+      pass();
+      double profiled_ms = 0;
+      std::string parts;
+      for (const ProfileRow& row : profiler().end(&profiled_ms))
+        if (row.name.rfind("head: ", 0) == 0) {
+          char part[128];
+          snprintf(part, sizeof part, "%s%s %.2f", parts.empty() ? "" : ", ", row.name.c_str() + 6, row.ms);
+          parts += part;
+        }
       const double slowest_ms = slowest(world, (long long)(ms * 1000.0), stream) / 1000.0;
       const double layer = (double)transient + lm_head_bytes;
       if (c.head == "full") full_ms = slowest_ms, full_layer = layer;
@@ -180,8 +195,8 @@ int main(int argc, char** argv) {
         char vs_time[32] = "", vs_mem[32] = "";
         if (full_ms > 0) snprintf(vs_time, sizeof vs_time, "%+.1f %%", 100.0 * (slowest_ms / full_ms - 1));
         if (full_layer > 0) snprintf(vs_mem, sizeof vs_mem, "%+.1f %%", 100.0 * (layer / full_layer - 1));
-        printf("| %d | %d | %d | %s | %s | %.2f | %s | %.1f | %.1f | %.1f | %s |\n", N, V, H, c.head.c_str(),
-               moves.c_str(), slowest_ms, vs_time, transient / MiB, lm_head_bytes / MiB, layer / MiB, vs_mem);
+        printf("| %d | %d | %d | %s | %s | %.2f | %s | %.1f | %.1f | %.1f | %s | %s |\n", N, V, H, c.head.c_str(),
+               moves.c_str(), slowest_ms, vs_time, transient / MiB, lm_head_bytes / MiB, layer / MiB, vs_mem, parts.c_str());
         fflush(stdout);
       }
     }
