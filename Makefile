@@ -2,8 +2,10 @@
 #   make train              install what is missing, build, prepare the default data, train (needs a GPU)
 #   make test               install what is missing, build the tests (both precisions) and what they drive, run them all
 #   make all                every binary: the tests, both trainers, the benchmarks, the toy (CI builds it first)
-#   make bench              training speed (default model and config B1: tokens/s, MFU, memory, per-operator
-#                           breakdown) and memory limits (needs a GPU); BENCH_PARTS="speed" or "limits" for one,
+#   make bench              training speed (default model and config B1 under three routings: tokens/s, MFU,
+#                           memory, expert balance, per-operator breakdown) and reach (the longest context and
+#                           largest batch of three MoE models: plain, recomputed, --plan auto; needs a GPU);
+#                           BENCH_PARTS="speed" or "reach" for one,
 #                           "multi" for the default model on every GPU against one (2 GPUs or more)
 #   make toy                print one toy MoE layer traced through expert parallelism, forward, backward and
 #                           bytes, the ring operators' toys and Ulysses' all-to-all (CPU: g++ and Eigen, no nvcc);
@@ -37,7 +39,7 @@ else
 $(error CORPUS must be fortunes or large, got '$(CORPUS)')
 endif
 TRAIN_FLAGS ?=
-BENCH_PARTS ?= speed limits
+BENCH_PARTS ?= speed reach
 
 BUILD := build
 # every core unless the command line says -jN: a fresh `make test` compiles ~60 CUDA files

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [dist] [toy8] [shared] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [limits] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [dist] [toy8] [shared] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [reach] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   dist: the whole test_dist at W = 2, 4 and 8 (DIST_WORLDS), both precisions, the ranks sharing the GPUs where W
 #     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
@@ -58,7 +58,8 @@
 #     mean step time of steps 11-30, pool peak, the prediction (sco.md)
 #   sco-timelines: the pool's timeline of one B1 step under recomputation, with SCO on every boundary and with
 #     kept attention (sco_timelines.tgz, CSV per run)
-#   limits: the longest context and the largest batch of a stated model on one GPU (tools/bench_train.sh limits)
+#   reach: the longest context and the largest batch of three MoE models on one GPU, plain, recomputed and under
+#     --plan auto (tools/bench_train.sh reach)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
 #   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
 #     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
@@ -470,9 +471,9 @@ if [[ " $want " == *" sco-timelines "* ]]; then
   summary+=("sco-timelines: $(ls build/sco-timelines | tr '\n' ' ')")
 fi
 
-if [[ " $want " == *" limits "* ]]; then
-  tools/bench_train.sh build/bf16/train data/fortunes build/bench limits > "$OUT/limits.md" 2> build/limits.err
-  cat "$OUT/limits.md"
+if [[ " $want " == *" reach "* ]]; then
+  tools/bench_train.sh build/bf16/train data/fortunes build/bench reach > "$OUT/reach.md" 2> build/reach.err
+  cat "$OUT/reach.md"
 fi
 
 if [[ " $want " == *" bench "* ]]; then

@@ -20,17 +20,17 @@
 #           time, and B1's per-operator breakdown of the last two runs side by side (what moved). Runs
 #           on different machines, and even device calls, differ by more than many changes gain, so a
 #           change is measured against its predecessor in one call (notes/speed.md, 'How to measure');
-#   limits: one stated larger model: the longest context (B = 1) and the largest batch (T = 1024) that
-#           fit, without and with layer recomputation, and with its best combination (recomputation, SCO
-#           on every boundary, the chunked head), found by doubling then bisecting on the trainer's memory
-#           prediction (--dry_run 1, exact on one GPU), then one real step at the value found (contexts up
-#           to 262144).
-# Usage: tools/bench_train.sh TRAIN_BIN DATA_DIR [OUT_DIR] [PARTS] (PARTS: "speed limits", the default,
-# or any of speed, multi, ab, limits; ab needs BASE_TRAIN=path in the environment). Prints markdown tables.
+#   reach:  the default model, a ~300M and a ~1B MoE: the longest context (B = 1, up to 1,048,576) and the
+#           largest batch (T = 2048) that fit with the plain stack (--recompute 0), recomputation alone
+#           (--recompute 1) and --plan auto, found by doubling then bisecting on the trainer's memory
+#           prediction (--dry_run 1, exact on one GPU), then one real step at the value found: step time,
+#           tokens/s, pool peak against the prediction, pinned host memory, and what stops the next size.
+# Usage: tools/bench_train.sh TRAIN_BIN DATA_DIR [OUT_DIR] [PARTS] (PARTS: "speed reach", the default,
+# or any of speed, multi, ab, reach; ab needs BASE_TRAIN=path in the environment). Prints markdown tables.
 set -uo pipefail
-train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed limits}
+train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed reach}
 for p in $parts; do
-  case $p in speed|multi|ab|limits) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, limits)"; exit 2 ;; esac
+  case $p in speed|multi|ab|reach) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, reach)"; exit 2 ;; esac
 done
 if [[ " $parts " == *" ab "* ]] && [ ! -x "${BASE_TRAIN:-}" ]; then
   echo "bench_train.sh ab: BASE_TRAIN must name the trainer to compare against (got '${BASE_TRAIN:-}', not an executable)"
@@ -174,28 +174,41 @@ if [[ " $parts " == *" ab "* ]]; then
     <(profile_ms "$out/ab_B1_new.profile.md" | sort) |
     awk -F'\t' '{ d = $3 - $2; printf "%s\t| %s | %.3f | %.3f | %+.3f |\n", (d < 0 ? -d : d), $1, $2, $3, d }' | sort -g -r | cut -f2-
 fi
-[[ " $parts " == *" limits "* ]] || exit 0
+[[ " $parts " == *" reach "* ]] || exit 0
 
-# a stated larger model on a random-token shard long enough for any probe
-big="--hidden 1024 --layers 4 --heads 16 --experts 8 --topk 2 --expert_dim 1024"
+# Reach (issue 58, notes/composed_stack.md): three MoE models on a random-token shard long enough for any
+# probe — the default (`make train`'s: H 384, L 6, E 8, top-2, I 384; 17M parameters), ~300M (issue 11's:
+# H 768, L 8, E 32, top-4, I 512) and ~1B (H 1536, L 10, 24 heads, E 32, top-4, I 640).
+reach_models=("default:" "300M:--hidden 768 --layers 8 --heads 12 --experts 32 --topk 4 --expert_dim 512"
+              "1B:--hidden 1536 --layers 10 --heads 24 --experts 32 --topk 4 --expert_dim 640")
 synthetic="$out/synthetic"
 mkdir -p "$synthetic"
 "$(dirname "$train")/../synthetic_tokens" "$synthetic/train_000.bin" 100000000 4095 0 ||
   { echo "could not write the synthetic shard"; exit 1; }
 ln -sf train_000.bin "$synthetic/val_000.bin"
 # A probe asks the trainer's memory prediction (--dry_run 1: exact for one GPU, tests/gpu_memory_prediction.cu)
-# whether B x T fits beside what lies outside the pool; the largest value found is then run for one real step.
+# whether B x T fits beside what lies outside the pool; the largest value found is then run for one real step
+# (at most REACH_STEP_TIMEOUT seconds, default 300).
 probe() {  # dry_run B T FLAGS...
   local dry=$1 b=$2 t=$3
   shift 3
-  "$train" --data "$data" --train "$synthetic/train_*.bin" --val "$synthetic/val_*.bin" $big --batch "$b" --seq_len "$t" \
-    --steps 1 --warmup 1 --dry_run "$dry" "$@" $quiet --out "$out/probe" > "$out/probe.log" 2>&1
+  timeout "${REACH_STEP_TIMEOUT:-300}" "$train" --data "$data" --train "$synthetic/train_*.bin" --val "$synthetic/val_*.bin" \
+    --batch "$b" --seq_len "$t" --steps 1 --warmup 1 --dry_run "$dry" "$@" $quiet --out "$out/probe" > "$out/probe.log" 2>&1
 }
-peak_of_last() { awk -F, 'NR > 1 && $2 != "nan" { p = $9 } END { print p }' "$out/probe/log.csv"; }
+# what the real step logged: ms, tokens/s, pool peak MiB | the prediction against it | pinned host MiB
+step_of_last() {
+  local row pred host
+  row=$(awk -F, 'NR > 1 && $2 != "nan" { r = sprintf("%.0f | %.0f | %.0f", $6, $7, $9) } END { print r }' "$out/probe/log.csv")
+  pred=$(grep -o 'predicted [0-9.]* MiB, measured pool peak [0-9.]* MiB ([^)]*)' "$out/probe.log" | sed 's/.*(\(.*\))/\1/' | head -1)
+  host=$(awk '/pinned host: / { match($0, /pinned host: [0-9.]+/); h += substr($0, RSTART + 13, RLENGTH - 13) }
+              /MiB pinned\)/ { match($0, /\([0-9.]+ MiB pinned/); h += substr($0, RSTART + 1, RLENGTH - 12) }
+              END { printf "%.0f", h }' "$out/probe.log")
+  echo "$row | ${pred:-no prediction line} | $host"
+}
 largest() {  # what(T|B) start cap FLAGS...: doubling up to cap, then bisection to 1/8 of the last doubling
   local what=$1 v=$2 cap=$3 good=0 bad=0
   shift 3
-  at() { if [ "$what" = T ]; then probe "$1" 1 "$2" "${@:3}"; else probe "$1" "$2" 1024 "${@:3}"; fi; }
+  at() { if [ "$what" = T ]; then probe "$1" 1 "$2" "${@:3}"; else probe "$1" "$2" 2048 "${@:3}"; fi; }
   while [ "$v" -le "$cap" ]; do
     if at 1 "$v" "$@"; then good=$v; v=$((v * 2)); else bad=$v; break; fi
   done
@@ -205,22 +218,34 @@ largest() {  # what(T|B) start cap FLAGS...: doubling up to cap, then bisection 
     [ "$mid" -le "$good" ] && break
     if at 1 "$mid" "$@"; then good=$mid; else bad=$mid; fi
   done
-  local ran="ran"
-  if [ "$what" = T ] && [ "$good" -gt 262144 ]; then
-    ran="not run (minutes per step)"
-    rm -f "$out/probe/log.csv"
-  else
-    at 0 "$good" "$@" || ran="FAILED (see $out/probe.log)"
-  fi
-  local shown=$good
+  local shown=$good why=""
   [ "$bad" -eq 0 ] && shown=">= $good (probe cap)"
-  echo "$shown | $ran | $(peak_of_last)"
+  # the term the prediction names where the next size does not fit
+  [ "$bad" -gt 0 ] && at 1 "$bad" "$@"
+  [ "$bad" -gt 0 ] && why="$bad: $(grep -o 'predicted peak [0-9]* MiB at [^(]*\|largest term[^.;]*' "$out/probe.log" | head -1 |
+    cut -c1-90)"
+  [ "$why" = "$bad: " ] && why="$bad: $(grep -v '^ *$' "$out/probe.log" | tail -1 | cut -c1-90)"
+  if [ "$good" -eq 0 ]; then echo "$shown | none fits | | | | | | ${why}"; return; fi
+  at 0 "$good" "$@"
+  case $? in
+    0) echo "$shown | $(step_of_last) | ${why}" ;;
+    124) echo "$shown | not run: the step took over ${REACH_STEP_TIMEOUT:-300} s | | | | | ${why}" ;;
+    *) echo "$shown | FAILED (see $out/probe.log) | | | | | ${why}" ;;
+  esac
 }
 echo
-echo "## limits of one H200 for: $big (V from the tokenizer), BF16 build"
-echo "| probe | configuration | largest that fits (prediction) | one step there | pool peak MiB at it |"
-echo "|---|---|---|---|---|"
-for config in "--recompute 0" "--recompute 1" "--recompute 1 --offload_budget 1000000000000 --head chunked"; do
-  echo "| context T (B = 1) | $config | $(largest T 4096 1048576 $config) |"
-  echo "| batch B (T = 1024) | $config | $(largest B 8 8192 $config) |"
+echo "## reach of one GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)), BF16 build"
+echo "Each row: the longest sequence (B = 1) or the largest batch (T = 2048) whose prediction fits, found by"
+echo "doubling then bisecting with --dry_run 1, then one real step there: its time, tokens/s, pool peak, the"
+echo "prediction against that peak, the pinned host memory, and what stops the next size."
+echo
+echo "| model | probe | configuration | largest that fits | step ms | tokens/s | pool peak MiB | prediction vs peak | pinned host MiB | the next size stops at |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
+for model in "${reach_models[@]}"; do
+  name=${model%%:*}
+  flags=${model#*:}
+  for config in "--recompute 0" "--recompute 1" "--plan auto"; do
+    echo "| $name | context T (B = 1) | $config | $(largest T 4096 1048576 $flags $config) |"
+    echo "| $name | batch B (T = 2048) | $config | $(largest B 1 4096 $flags $config) |"
+  done
 done
