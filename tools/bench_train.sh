@@ -225,7 +225,7 @@ largest() {  # what(T|B) start cap FLAGS...: doubling up to cap, then bisection 
   [ "$bad" -gt 0 ] && why="$bad: $(grep -o 'predicted peak [0-9]* MiB at [^(]*\|largest term[^.;]*' "$out/probe.log" | head -1 |
     cut -c1-90)"
   [ "$why" = "$bad: " ] && why="$bad: $(grep -v '^ *$' "$out/probe.log" | tail -1 | cut -c1-90)"
-  if [ "$good" -eq 0 ]; then echo "$shown | none fits | | | | | | ${why}"; return; fi
+  if [ "$good" -eq 0 ]; then echo "$shown | none fits | | | | | ${why}"; return; fi
   at 0 "$good" "$@"
   case $? in
     0) echo "$shown | $(step_of_last) | ${why}" ;;
