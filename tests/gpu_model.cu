@@ -804,6 +804,13 @@ TEST(Trainer, ResumeWithTheChunkedHeadIsBitIdenticalOneRank) {
   trainer_resume_is_bit_identical(1, "-chunked", "--head chunked --vocab_block 100 --sample_every 3 --sample_len 8");
 }
 
+// Sequence parallelism (--sp 2): the two ranks hold the two halves of each sequence; the checkpoint's
+// data position and every rank's sections resume bit for bit.
+TEST(Trainer, ResumeUnderSequenceParallelismIsBitIdenticalTwoRanks) {
+  REQUIRE_GPU();
+  trainer_resume_is_bit_identical(2, "-sp", "--sp 2");
+}
+
 TEST(Trainer, ResumeWithTheRingHeadIsBitIdenticalTwoRanks) {
   REQUIRE_GPU();
   const std::string flags = "--head ring_dtp --vocab_block 100 --sample_every 3 --sample_len 8";
