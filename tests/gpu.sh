@@ -16,8 +16,10 @@
 #   speed: issue 13's speed work (notes/speed.md): the whole test_gpu in both precisions (with 2 GPUs or more
 #     also test_dist's DistModel), compute-sanitizer memcheck and racecheck over the grouped
 #     GEMM, RMSNorm and RoPE tests, then
-#     tools/bench_train.sh's speed part on one GPU: the default model and config B1, tokens/s, MFU, memory
-#     and the per-operator breakdown of step 20 (speed.md; the profile_step*.md files in speed_profiles.tgz), and
+#     tools/bench_train.sh's speed part on one GPU: the default model and config B1 under the router, a trained
+#     router's recorded trace and balanced routing, tokens/s, MFU, memory, the experts' balance, the settling runs'
+#     balance by step, and the per-operator breakdown of step 20 (speed.md; the profile_step*.md files in
+#     speed_profiles.tgz), and
 #     bench_expert_gemm (the expert GEMMs of the default model's and B1's layers: flatmoe's grouped GEMM, cuBLAS's grouped call, the per-expert loop);
 #     with 2 GPUs or more also bench_train.sh's multi part (the default model on every GPU against one, with and without
 #     expert parallelism: the speed-up in tokens/s)
