@@ -11,7 +11,8 @@
 #     the ring head beside one rank of the same global batch, and a resume at W = 8 (TOY_STEPS, default 100)
 #   shared: the multi-rank checks that waited for several GPUs, the ranks sharing this machine's: the two-rank Trainer
 #     tests, training at W = 2 and 8 (llep, pllep, relay under --recompute 1; each optimizer) with resume, and
-#     bench_ep_moe --check 1 and bench_optimizer at W = 2, 4, 8 (shared.md)
+#     bench_ep_moe --check 1 and bench_optimizer at W = 2, 4, 8 (shared.md); SHARED_WORLDS (the training runs' W, "2 8")
+#     and SHARED_BENCH_WORLDS ("2 4 8") split it over device calls
 #   train2: the default model on every GPU of the machine
 #   speed: issue 13's speed work (notes/speed.md): the whole test_gpu in both precisions (with 2 GPUs or more
 #     also test_dist's DistModel), compute-sanitizer memcheck and racecheck over the grouped
@@ -221,7 +222,7 @@ if [[ " $want " == *" shared "* ]]; then
   done
   echo "| W | run | exit | last logged step | resumed steps 11-20 |" > "$OUT/shared.md"
   echo "|---|---|---|---|---|" >> "$OUT/shared.md"
-  for W in 2 8; do
+  for W in ${SHARED_WORLDS:-2 8}; do
     for run in "llep --recompute 1" "pllep --token_budget 512 --recompute 1" "relay --relay_mode expert --recompute 1" \
                "relay --relay_mode token --recompute 1" "ep --optimizer adamw" "ep --optimizer cpu_adamw" \
                "ep --optimizer offload_adamw --offload_bucket 1048576"; do
@@ -239,7 +240,7 @@ if [[ " $want " == *" shared "* ]]; then
       echo "| $W | --moe $run | $rc | $(grep '^step' build/shared/$name.log | tail -1 | cut -d'|' -f1-3) | $same |" >> "$OUT/shared.md"
     done
   done
-  for W in 2 4 8; do
+  for W in ${SHARED_BENCH_WORLDS:-2 4 8}; do
     build/bf16/bench_ep_moe --gpus $W --share_gpus 1 --tokens 2048 --hidden 256 --inter 128 --experts 16 --topk 4 \
       --token_budget 256 --check 1 --warmup 1 --iters 2 > build/shared/bench_ep_W$W.md 2>&1
     rc=$?
