@@ -38,9 +38,10 @@ bool defines(const std::string& line, const std::string& qualified) {
   if (line.find(name) == std::string::npos) return false;
   const std::regex type_def("\\b(struct|class|enum|enum class|union)\\s+" + name + "\\b");
   const std::regex macro("^\\s*#\\s*define\\s+" + name + "\\b");
-  // a type (words, ::, <...>, *, &) then the name: a function (name then "(") or a variable
+  // a type (one or more words — long long —, ::, <...>, *, &) then the name: a function (name then "(") or a
+  // variable
   const std::regex declaration("^\\s*(template\\s*<[^>]*>\\s*)?(static\\s+|inline\\s+|constexpr\\s+|const\\s+|__global__\\s+)*"
-                               "[A-Za-z_][\\w:<>,]*[\\s*&]+(\\w+::)*" + name + "\\s*(\\(|=|\\{|;|\\[)");
+                               "([A-Za-z_][\\w:<>,]*[\\s*&]+)+(\\w+::)*" + name + "\\s*(\\(|=|\\{|;|\\[)");
   const bool statement = std::regex_search(line, std::regex("^\\s*(return|else|if|for|while)\\b"));
   return std::regex_search(line, type_def) || std::regex_search(line, macro) ||
          (!statement && std::regex_search(line, declaration));
@@ -113,6 +114,8 @@ TEST(Tour, DefinitionsAreToldFromUses) {
   EXPECT_TRUE(defines("#define REQUIRE_WORLD(n) do {} while (0)", "REQUIRE_WORLD"));
   EXPECT_TRUE(defines("  SideStream wgrad;", "Model::wgrad"));
   EXPECT_TRUE(defines("int train_main(int argc, char** argv) {", "train_main"));
+  EXPECT_TRUE(defines("inline long long pllep_receive_bound(const PLLEPChunking& chunking, int k) {", "pllep_receive_bound"));
+  EXPECT_TRUE(defines("  void fused_pass(float* losses, floatX* dx) {", "RingDTPHead::fused_pass"));
   EXPECT_FALSE(defines("  ep_moe_forward_planned(out, saved, x, topk_w, w, ep, op, stream);", "ep_moe_forward_planned"));
   EXPECT_FALSE(defines("  return train_main(argc, argv);", "train_main"));
   EXPECT_FALSE(defines("  const size_t peak = ep_moe_dispatch_peak_bytes(R, R_d, H, b);", "ep_moe_dispatch_peak_bytes"));
