@@ -117,118 +117,15 @@ TEST(DistModel, FirstStepShardsMatchReferenceOverGlobalBatch) {
   release(par);
 }
 
-// Every rank has reached this point (an all-reduce of one int, waited for).
-void barrier(const Comm& world, const char* what) {
-  DeviceBuffer<int> one(1, Mem::Workspace, "barrier");
-  cudaCheck(cudaMemsetAsync(one.ptr, 0, sizeof(int), 0), "test", "%s", what);
-  all_reduce_sum(world, one.ptr, one.ptr, 1, 0);
-  comm_sync(world, 0, what);
-}
-
-// W ranks with B sequences each and one GPU with W·B sequences see the same global batches:
-// their losses and weights agree over ten steps (clipping, weight decay, router bias updates on),
-// with the W ranks' MoE layers dispatched by `seams.moe`. The routing is pinned: the W ranks route by
-// their router and record its choices (--record_routing's trace), and the one GPU replays them, so
-// that a near-tie that the two sides' other GEMM shapes round apart cannot send their trajectories
-// apart (one token routed differently moves that expert's bias by the whole step u on one side only,
-// and the next step routes many tokens differently). What is compared is arithmetic, step by step.
+// W ranks with B sequences each and one GPU with W·B sequences see the same global batches over ten steps
+// (dist_model_util.cuh, ten_steps_agree_with_one_gpu), the W ranks' MoE layers dispatched by `seams.moe`.
 static void ten_steps_agree_with_one_gpu(const Seams& seams) {
-  const Comm& world = test_world();
   ModelConfig c = dist_config();
-  TrainConfig t;
-  t.lr = 3e-3f; t.warmup = 2; t.steps = 10; t.grad_clip = 0.5f; t.bias_update = 1e-2f;
-  const int B = 2, T = c.seq_len, N = B * T, N_global = N * world.size, accum = 2;
   Parallel par = test_parallel(seams.head == "ring_dtp");
   ASSERT_MODEL_FITS(c, par);
-  testutil::Rng rng;  // the harness gives every rank the same seed
-  std::vector<float> master = random_master(c, rng);
-  std::vector<std::vector<int>> xs, ys;
-  for (int i = 0; i < t.steps * accum; i++) {
-    xs.emplace_back(); ys.emplace_back();
-    random_tokens(N_global, c.vocab, rng, xs.back(), ys.back());
-  }
   const std::string moe_label = seams.moe + (seams.moe == "relay" ? std::string("_") + relay_mode_name(seams.relay_mode) : "");
   const std::string head_label = seams.head == "ring_dtp" ? "ring_dtp_" + seams.ring_dtp : seams.head;
-  const std::string trace = test_log_dir() + "/routing_W" + std::to_string(world.size) + "_" + moe_label + "_" +
-                            head_label + ".trace";
-
-  // the W ranks, recording their routing
-  Model dist = model_create(c, 1, par, 0, seams);
-  model_set_master(dist, master);
-  dist.record_routing = true;
-  if (world.rank == 0)
-    dist.routing_record = std::make_unique<data::RoutingTraceWriter>(trace, routing_trace_shape(c, N, world.size), 0,
-                                                                     t.steps * accum);
-  std::vector<float> dist_losses;
-  std::vector<std::vector<float>> dist_biases;
-  for (int step = 0; step < t.steps; step++) {
-    int next = step * accum;
-    dist_losses.push_back(model_train_step(dist, t, step, B, T, accum, [&](int* xb, int* yb) {
-      std::copy_n(xs[next].data() + world.rank * N, N, xb);
-      std::copy_n(ys[next].data() + world.rank * N, N, yb);
-      next++;
-    }, nullptr));
-    dist_biases.push_back(dist.router_bias);
-  }
-  if (dist.routing_record) dist.routing_record->commit();
-  barrier(world, "ten_steps_agree_with_one_gpu: trace written");
-
-  // rank 0's GPU alone, all experts, the whole global batch, the W ranks' routing replayed; every rank
-  // receives its per-step losses and router biases and its final master weights (one all-gather of host
-  // values: W ranks sharing a GPU would otherwise run W copies of the same single-GPU training)
-  const size_t nbias = dist.router_bias.size();
-  std::vector<float> single_result;  // [steps] losses, [steps × nbias] router biases, then the master weights
-  if (world.rank == 0) {
-    Model single = model_create(c, 1);
-    model_set_master(single, master);
-    single.replay = std::make_unique<data::RankRoutes>(data::rank_routes(data::read_routing_trace(trace), 0, world.size));
-    std::vector<float> biases;
-    for (int step = 0; step < t.steps; step++) {
-      int next = step * accum;
-      single_result.push_back(model_train_step(single, t, step, world.size * B, T, accum, [&](int* xb, int* yb) {
-        std::copy_n(xs[next].data(), N_global, xb);
-        std::copy_n(ys[next].data(), N_global, yb);
-        next++;
-      }, nullptr));
-      biases.insert(biases.end(), single.router_bias.begin(), single.router_bias.end());
-    }
-    const std::vector<float> single_master = master_as_local(single);
-    single_result.insert(single_result.end(), biases.begin(), biases.end());
-    single_result.insert(single_result.end(), single_master.begin(), single_master.end());
-    model_destroy(single);
-  }
-  {
-    const size_t n = (size_t)max_over_ranks(world, (long long)single_result.size());
-    single_result.resize(n);
-    const std::vector<float> all = all_gather_host(world, single_result.data(), n, "ten_steps_agree_with_one_gpu");
-    std::copy_n(all.begin(), n, single_result.begin());  // rank 0's part
-  }
-  double worst = 0;
-  for (int step = 0; step < t.steps; step++) {
-    const float single_loss = single_result[step];
-    const std::vector<float> single_bias(single_result.begin() + t.steps + step * nbias,
-                                         single_result.begin() + t.steps + (step + 1) * nbias);
-    const double e = std::fabs(dist_losses[step] - single_loss) / single_loss;
-    worst = std::max(worst, e);
-    if (world.rank == 0)
-      printf("[dist] step %d loss W=%d --moe %s --head %s %.7f one GPU %.7f rel %.2e (routing pinned)\n", step + 1,
-             world.size, moe_label.c_str(), (seams.head + (seams.head == "ring_dtp" ? " " + seams.ring_dtp : "")).c_str(),
-             dist_losses[step], single_loss, e);
-    EXPECT_LE(e, MODEL_TOL) << "the loss diverges at step " << step + 1
-                            << " with the routing pinned (one GPU replays the W ranks' choices)";
-    // the same choices, so the same integer loads and the same bias updates
-    EXPECT_EQ(dist_biases[step], single_bias)
-        << "step " << step + 1 << ": the router biases differ, so the loads did: the replayed routing differed";
-  }
-  char what[80];
-  snprintf(what, sizeof what, "dist_%s_%s_vs_single_rank%d", moe_label.c_str(), head_label.c_str(), world.rank);
-  // whole-model training compared over ten Adam steps: the whole-model tolerance of notes/design.md §3
-  EXPECT_REL(what, "max loss", worst, MODEL_TOL);
-  // each tensor of this rank's master shards against the single GPU's master at the same parameters
-  const std::vector<float> single_master(single_result.begin() + t.steps * (1 + nbias), single_result.end());
-  std::vector<float> single_local = local_from_global(dist, single_master);
-  expect_shards_match(what, "master ", dist, master_as_local(dist), single_local);
-  model_destroy(dist);
+  ten_steps_agree_with_one_gpu(c, par, seams, 1, moe_label + "_" + head_label);
   release(par);
 }
 
@@ -263,8 +160,9 @@ TEST_P(DistModelTenSteps, AgreeWithOneGpu) {
 INSTANTIATE_TEST_SUITE_P(Dispatchers, DistModelTenSteps, testing::ValuesIn(seam_runs(moe_choices(), SeamNeeds::ExpertGroup)),
                          [](const testing::TestParamInfo<SeamRun>& run) { return run.param.label; });
 
-// --head ring_dtp (lm_head split over the W ranks) against one GPU's full head, in both branches:
-// B·T = 74 tokens per rank against shards of 33 and 34 rows (V = 67), in blocks of 16 columns.
+// --head ring_dtp (lm_head split over the W ranks) against one GPU's full head, in both ring branches and
+// the fused schedule: B·T = 74 tokens per rank against shards of 33 and 34 rows (V = 67), in blocks of 16
+// columns (fused: steps of ⌊74·16/(W·34)⌋ rows a rank at W = 2, i.e. 17).
 static Seams ring_seams(const std::string& moves) {
   Seams seams = moe_seams("ep");
   seams.head = "ring_dtp";
@@ -277,6 +175,7 @@ TEST(DistModel, TenStepsWithTheRingHeadAgreeWithOneGpuFullHead) {
   REQUIRE_WORLD(2);
   ten_steps_agree_with_one_gpu(ring_seams("weights"));
   ten_steps_agree_with_one_gpu(ring_seams("activations"));
+  ten_steps_agree_with_one_gpu(ring_seams("fused"));
 }
 
 // --optimizer offload_adamw and cpu_adamw at W ranks (each rank's ZeRO-1 shards in its own pinned

@@ -3,7 +3,8 @@
 // sequences of nh/D heads through Ulysses' exchanges, and everything else on the rank's own tokens, with
 // expert groups of E_p ranks and vocabulary groups of P ranks (--head ring_dtp) laid over the same W
 // ranks independently. Against the CPU reference over the global batch, each rank checking each tensor
-// of its own shards; recomputation through the exchanges bit for bit.
+// of its own shards; ten training steps against one GPU with the routing pinned; recomputation through
+// the exchanges bit for bit.
 #include <numeric>
 
 #include "../model.cuh"
@@ -71,17 +72,6 @@ Seams sequence_seams(const SequenceLayout& l) {
   return seams;
 }
 
-// This rank's tokens of a global batch of groups·B sequences of T (x [groups·B·T]): its slice [t0, t1)
-// of each of its group's B sequences, [B·(t1 − t0)].
-std::vector<int> rank_tokens(const std::vector<int>& global, const SequenceSplit& split, int B, int T) {
-  std::vector<int> mine;
-  for (int b = 0; b < B; b++) {
-    const auto row = global.begin() + ((size_t)split.group * B + b) * T;
-    mine.insert(mine.end(), row + split.first_token, row + split.end_token);
-  }
-  return mine;
-}
-
 // Every rank's top-k choices of every MoE layer ([B·T/D·k] each, its tokens in rank_tokens' order) in
 // the global batch's token order ([L][groups·B·T·k]).
 std::vector<std::vector<int>> global_routes_of(const std::vector<std::vector<int>>& local, const Comm& world, int D,
@@ -90,16 +80,7 @@ std::vector<std::vector<int>> global_routes_of(const std::vector<std::vector<int
   for (size_t l = 0; l < local.size(); l++) {
     if (local[l].empty()) continue;
     const std::vector<int> all = all_gather_host(world, local[l].data(), local[l].size(), "global_routes_of");
-    global[l].resize(all.size());
-    const int Tl = T / D;
-    for (int r = 0; r < world.size; r++) {
-      const SequenceSplit split = sequence_split(r, world.size, heads, T, D);
-      for (int b = 0; b < B; b++)
-        for (int i = 0; i < Tl; i++) {
-          const size_t token = ((size_t)split.group * B + b) * T + split.first_token + i;
-          std::copy_n(all.begin() + (r * local[l].size()) + ((size_t)b * Tl + i) * k, k, global[l].begin() + token * k);
-        }
-    }
+    global[l] = place_routes_globally(all.data(), world.size, D, heads, B, T, k);
   }
   return global;
 }
@@ -159,6 +140,26 @@ TEST(DistSequenceParallel, FirstStepShardsMatchReferenceOverGlobalBatch) {
     ran++;
   }
   if (ran == 0) GTEST_SKIP() << "no layout of the issue fits W=" << world.size;
+}
+
+// Ten training steps at W ranks in sequence groups of D = 2 (E_p = 2) against one GPU over the same global
+// batches, the routing pinned to the ranks' recorded choices placed at their global tokens
+// (dist_model_util.cuh, ten_steps_agree_with_one_gpu): every step's loss and router biases, and every
+// tensor of this rank's master shards after the tenth.
+TEST(DistSequenceParallel, TenStepsAgreeWithOneGpu) {
+  REQUIRE_WORLD(2);
+  const SequenceLayout l{2, 2, 1};
+  const std::string skip = sequence_layout_skip(l, test_world().size);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  const ModelConfig c = sequence_config();
+  Parallel par = sequence_parallel(l);
+  const std::string refused = model_parallel_refusal(c, par);
+  if (!refused.empty()) {
+    sequence_release(par);
+    FAIL() << l.name() << ": " << refused;
+  }
+  ten_steps_agree_with_one_gpu(c, par, sequence_seams(l), l.D, "sp_D2_Ep2");
+  sequence_release(par);
 }
 
 // Recomputation reruns each layer's forward through the exchanges (permutations: the same bits), so
