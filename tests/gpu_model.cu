@@ -77,7 +77,7 @@ Model warmed_up_model(const ModelConfig& c, uint64_t seed, int B, std::vector<in
   return m;
 }
 
-void first_step_matches_reference(int variant) {
+void first_step_matches_reference(int variant, const Seams& seams = Seams(), const std::string& label = "") {
   ModelConfig c = config_variant(variant);
   testutil::Rng rng;
   const int B = 2, T = c.seq_len, N = B * T;
@@ -85,7 +85,7 @@ void first_step_matches_reference(int variant) {
   std::vector<int> x, y;
   random_tokens(N, c.vocab, rng, x, y);
 
-  Model m = model_create(c, 1);
+  Model m = model_create(c, 1, Parallel(), 0, seams);
   model_set_master(m, master);
   for (float& b : m.router_bias) b = (float)rng.normal(0.02);
   model_upload_router_bias(m);
@@ -102,7 +102,7 @@ void first_step_matches_reference(int variant) {
   double ref_loss = ref_pass(r, x, y, B, T, true, 1.0 / N);
 
   char what[64];
-  snprintf(what, sizeof what, "model_v%d_first_step", variant);
+  snprintf(what, sizeof what, "model_v%d%s_first_step", variant, label.c_str());
   EXPECT_REL(what, "loss", std::fabs(loss - ref_loss) / std::fabs(ref_loss), MODEL_TOL);
   for (size_t i = 0; i < m.specs.size(); i++)
     EXPECT_REL(what, ("d" + m.specs[i].name).c_str(), tensor_err(grads, r.grads, m.offsets[i], m.specs[i].numel()), MODEL_TOL);
@@ -153,6 +153,16 @@ TEST(GpuModel, FirstStepSoftmaxRouterWithoutRenormalisation) {
 TEST(GpuModel, FirstStepSigmoidRouterWithoutRenormalisation) {
   REQUIRE_GPU();
   first_step_matches_reference(3);
+}
+
+// The chunked head (the full head over row blocks, its dlogits formed block by block, no [N,V]) in the
+// whole model: the same first step as the full head's against the reference, in blocks of a few rows.
+TEST(GpuModel, FirstStepWithTheChunkedHeadMatchesReference) {
+  REQUIRE_GPU();
+  Seams seams;
+  seams.head = "chunked";
+  seams.vocab_block = 16;
+  first_step_matches_reference(0, seams, "_chunked_head");
 }
 
 // Ten optimizer steps with gradient accumulation, clipping, weight decay and the router bias
