@@ -76,14 +76,22 @@ inline int routing_profile_hot_tokens(const RoutingProfile& p, int N) {
 
 // topk_idx [N·k] of the profile (see above). Refuses sizes the profile cannot fill: h > E, or a cold
 // token when no expert is cold (h = E).
-inline std::vector<int> routing_profile_indices(const RoutingProfile& p, int N, int E, int k) {
+// Why the profile cannot fill these sizes ("" when it can): h > E, or a cold token when no expert is cold
+// (h = E). The host's routing_profile_indices and the device's router_profile_choice both refuse by it.
+inline std::string routing_profile_refusal(const RoutingProfile& p, int N, int E, int k) {
   if (N < 0 || E < 1 || k < 1)
-    throw std::invalid_argument("routing_profile_indices: need N >= 0, E >= 1, k >= 1 (N=" + std::to_string(N) +
-                                " E=" + std::to_string(E) + " k=" + std::to_string(k) + ")");
+    return "routing_profile_indices: need N >= 0, E >= 1, k >= 1 (N=" + std::to_string(N) + " E=" + std::to_string(E) +
+           " k=" + std::to_string(k) + ")";
+  if (p.kind == RoutingProfile::Hot && (p.h > E || (p.h == E && routing_profile_hot_tokens(p, N) < N)))
+    return "routing profile " + routing_profile_name(p) + " with E=" + std::to_string(E) +
+           ": needs h <= E, and h < E unless every token is hot";
+  return "";
+}
+
+inline std::vector<int> routing_profile_indices(const RoutingProfile& p, int N, int E, int k) {
+  const std::string refused = routing_profile_refusal(p, N, E, k);
+  if (!refused.empty()) throw std::invalid_argument(refused);
   const int hot_tokens = routing_profile_hot_tokens(p, N);
-  if (p.kind == RoutingProfile::Hot && (p.h > E || (p.h == E && hot_tokens < N)))
-    throw std::invalid_argument("routing profile " + routing_profile_name(p) + " with E=" + std::to_string(E) +
-                                ": needs h <= E, and h < E unless every token is hot");
   std::vector<int> topk_idx((size_t)N * k);
   for (int i = 0; i < N; i++)
     for (int j = 0; j < k; j++) {

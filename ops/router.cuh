@@ -523,13 +523,12 @@ inline void router_logits_backward(floatX* dx, floatX* dW, const float* dlogits,
 }
 
 // topk_idx [N,k] (=) of a routing profile, made on the device (no copy from the host, so a pass captured as a
-// CUDA graph replays it): the same indices as routing_profile_indices, which refuses the same sizes.
+// CUDA graph replays it): the same indices as routing_profile_indices, refusing the same sizes (routing_profile_refusal).
 inline void router_profile_choice(int* topk_idx, const RoutingProfile& p, int N, int E, int k, cudaStream_t stream) {
-  const int hot_tokens = routing_profile_hot_tokens(p, N);
-  if (N < 0 || E < 1 || k < 1 || (p.kind == RoutingProfile::Hot && (p.h > E || (p.h == E && hot_tokens < N))))
-    fm_fail("router_profile_choice", "the profile needs N >= 0, E >= 1, k >= 1, h <= E, and h < E unless every token is hot",
-            "profile=%s N=%d E=%d k=%d", routing_profile_name(p).c_str(), N, E, k);
+  const std::string refused = routing_profile_refusal(p, N, E, k);
+  if (!refused.empty()) fm_fail("router_profile_choice", refused.c_str(), "N=%d E=%d k=%d", N, E, k);
   if (N == 0) return;
+  const int hot_tokens = routing_profile_hot_tokens(p, N);
   const size_t slots = (size_t)N * k;
   router_profile_choice_kernel<<<(unsigned)((slots + 255) / 256), 256, 0, stream>>>(
       topk_idx, N, E, k, p.kind == RoutingProfile::Hot ? p.h : 0, hot_tokens);
