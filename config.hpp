@@ -167,11 +167,17 @@ enum class Sharding { Replicated, Expert, Vocab };
 
 struct ParamRegion {
   Sharding sharding;
-  size_t offset = 0;        // first element in the local flat buffers
+  size_t offset = 0;        // first element in the local flat buffers (gathered: where its shard is kept)
   size_t count = 0;         // elements of its tensors
   size_t padded = 0;        // count rounded up to a multiple of the group size
   size_t shard = 0;         // padded / group size: the elements this rank updates
   size_t shard_offset = 0;  // where this rank's shard starts in the local flat buffers
+  // --zero 3 (runtime/zero3.cuh): the replicated tensors of one forward group, of which a rank keeps only
+  // its shard; the whole region [padded] is gathered into a buffer of its own while the group runs, and
+  // its tensors' offsets count from that buffer's start
+  bool gathered = false;
+  int group = -1;           // gathered: the forward group (ParamSpec.forward_group)
+  size_t shard_first = 0;   // this rank's shard's first element, counted as its tensors' offsets are
 };
 
 // The ranks that share a region: how many, and this rank's place among them.
@@ -244,11 +250,14 @@ inline SequenceSplit sequence_split(int world_rank, int W, int heads, int T, int
 
 // One rank's local flat parameter buffer.
 struct ParamLayout {
-  std::vector<size_t> offsets;       // element offset of each spec in the local flat buffer
+  std::vector<size_t> offsets;       // element offset of each spec in the local flat buffer (in a gathered
+                                     // region: in the region's gathered buffer)
   std::vector<size_t> local_numel;   // expert stacks hold E/E_p experts here, lm_head its vocabulary interval
-  std::vector<ParamRegion> regions;  // [replicated, expert] (+ [vocab] when P > 1), in buffer order
-  size_t num_params = 0;             // local flat buffer length (regions padded)
+  std::vector<ParamRegion> regions;  // [replicated, expert] (+ [vocab] when P > 1), in buffer order; under
+                                     // --zero 3 one gathered region per forward group in place of replicated
+  size_t num_params = 0;             // local flat buffer length (regions padded; gathered ones: their shards)
   size_t vocab_first_row = 0;        // lo of this rank's vocabulary interval (0 when P = 1)
+  std::vector<int> region;           // each spec's region (an index into regions)
 };
 
 // Lays the local flat buffer out as regions: [replicated | pad | expert | pad] and, with a vocabulary
@@ -256,13 +265,28 @@ struct ParamLayout {
 // size of the group that shares it, each rank updating one shard of each. The expert stacks are split
 // over the ep ranks of the expert-parallel group. Every size is a size_t: one rank's expert region
 // passes 2^31 elements at H 2048, I 1024, E 64, L 6 on one GPU.
+// zero3 (--zero 3): the replicated tensors form one region per forward group (the embedding with layer 0,
+// each layer, the final norm with a whole head), padded to a multiple of the ranks, of which the local
+// buffers keep only this rank's shard: [shard 0 | … | shard L | expert | pad (| vocab | pad)].
 inline ParamLayout param_layout(const std::vector<ParamSpec>& specs, int ep, RegionGroup replicated, RegionGroup expert,
-                                VocabSplit vocab = VocabSplit()) {
+                                VocabSplit vocab = VocabSplit(), bool zero3 = false) {
   ParamLayout layout;
-  layout.regions = {ParamRegion{Sharding::Replicated}, ParamRegion{Sharding::Expert}};
+  int groups = 1;  // regions of replicated tensors
+  if (zero3)
+    for (const ParamSpec& s : specs) groups = std::max(groups, s.forward_group + 1);
+  for (int g = 0; g < groups; g++) {
+    layout.regions.push_back(ParamRegion{Sharding::Replicated});
+    layout.regions.back().gathered = zero3;
+    layout.regions.back().group = zero3 ? g : -1;
+  }
+  const int expert_region = groups, vocab_region = groups + 1;
+  layout.regions.push_back(ParamRegion{Sharding::Expert});
   if (vocab.size > 1) layout.regions.push_back(ParamRegion{Sharding::Vocab});
-  auto region_of = [&](const ParamSpec& s) { return s.expert ? 1 : s.vocab && vocab.size > 1 ? 2 : 0; };
+  auto region_of = [&](const ParamSpec& s) {
+    return s.expert ? expert_region : s.vocab && vocab.size > 1 ? vocab_region : zero3 ? s.forward_group : 0;
+  };
   for (const ParamSpec& s : specs) {
+    layout.region.push_back(region_of(s));
     size_t n = s.expert ? s.numel() / ep : s.numel();
     if (s.vocab && vocab.size > 1) {
       const std::pair<int, int> rows = vocab_interval((int)s.rows, vocab.size, vocab.rank);
@@ -271,7 +295,7 @@ inline ParamLayout param_layout(const std::vector<ParamSpec>& specs, int ep, Reg
     }
     layout.local_numel.push_back(n);
   }
-  for (size_t i = 0; i < specs.size(); i++) layout.regions[region_of(specs[i])].count += layout.local_numel[i];
+  for (size_t i = 0; i < specs.size(); i++) layout.regions[layout.region[i]].count += layout.local_numel[i];
   size_t next = 0;
   for (ParamRegion& r : layout.regions) {
     const RegionGroup g = r.sharding == Sharding::Expert ? expert : r.sharding == Sharding::Vocab ? vocab.replicas : replicated;
@@ -279,18 +303,40 @@ inline ParamLayout param_layout(const std::vector<ParamSpec>& specs, int ep, Reg
     r.offset = next;
     r.padded = (r.count + group - 1) / group * group;
     r.shard = r.padded / group;
-    r.shard_offset = r.offset + (size_t)g.rank * r.shard;
-    next += r.padded;
+    r.shard_offset = r.gathered ? r.offset : r.offset + (size_t)g.rank * r.shard;
+    r.shard_first = r.gathered ? (size_t)g.rank * r.shard : r.shard_offset;
+    next += r.gathered ? r.shard : r.padded;
   }
   layout.num_params = next;
   std::vector<size_t> region_next;
-  for (const ParamRegion& r : layout.regions) region_next.push_back(r.offset);
+  for (const ParamRegion& r : layout.regions) region_next.push_back(r.gathered ? 0 : r.offset);
   for (size_t i = 0; i < specs.size(); i++) {
-    size_t& at = region_next[region_of(specs[i])];
+    size_t& at = region_next[layout.region[i]];
     layout.offsets.push_back(at);
     at += layout.local_numel[i];
   }
   return layout;
+}
+
+// The part of spec `spec`'s local elements [first, first + count) that this rank keeps, at local element
+// `at`: the whole tensor, or in a gathered region (--zero 3) its overlap with this rank's shard (or none).
+struct LocalPiece {
+  size_t spec, first, count, at;
+};
+
+inline std::vector<LocalPiece> local_pieces(const ParamLayout& layout) {
+  std::vector<LocalPiece> pieces;
+  for (size_t i = 0; i < layout.offsets.size(); i++) {
+    const ParamRegion& r = layout.regions[layout.region[i]];
+    if (!r.gathered) {
+      pieces.push_back(LocalPiece{i, 0, layout.local_numel[i], layout.offsets[i]});
+      continue;
+    }
+    const size_t lo = std::max(r.shard_first, layout.offsets[i]);
+    const size_t hi = std::min(r.shard_first + r.shard, layout.offsets[i] + layout.local_numel[i]);
+    if (lo < hi) pieces.push_back(LocalPiece{i, lo - layout.offsets[i], hi - lo, r.shard_offset + (lo - r.shard_first)});
+  }
+  return pieces;
 }
 
 // Where a spec's local elements sit in the global flat buffer (param_specs order, all experts):
@@ -314,8 +360,8 @@ inline std::vector<float> local_from_global(const std::vector<ParamSpec>& specs,
                                             const std::vector<float>& global) {
   std::vector<float> local(layout.num_params, 0.f);
   const std::vector<size_t> first = global_firsts(specs, layout, ep_rank);
-  for (size_t i = 0; i < specs.size(); i++)
-    std::copy_n(global.begin() + first[i], layout.local_numel[i], local.begin() + layout.offsets[i]);
+  for (const LocalPiece& p : local_pieces(layout))
+    std::copy_n(global.begin() + first[p.spec] + p.first, p.count, local.begin() + p.at);
   return local;
 }
 
@@ -333,12 +379,14 @@ inline std::vector<ShardSegment> shard_segments(const std::vector<ParamSpec>& sp
                                                 size_t* state_count) {
   std::vector<ShardSegment> segments;
   size_t state = 0;
-  for (const ParamRegion& r : layout.regions) {
+  for (size_t k = 0; k < layout.regions.size(); k++) {
+    const ParamRegion& r = layout.regions[k];
     for (size_t i = 0; i < specs.size(); i++) {
-      const size_t lo = std::max(r.shard_offset, layout.offsets[i]);
-      const size_t hi = std::min(r.shard_offset + r.shard, layout.offsets[i] + layout.local_numel[i]);
-      if (lo < hi) segments.push_back(ShardSegment{lo, state + (lo - r.shard_offset), hi - lo, specs[i].decay,
-                                                   specs[i].forward_group});
+      if (layout.region[i] != (int)k) continue;
+      const size_t lo = std::max(r.shard_first, layout.offsets[i]);
+      const size_t hi = std::min(r.shard_first + r.shard, layout.offsets[i] + layout.local_numel[i]);
+      if (lo < hi) segments.push_back(ShardSegment{r.shard_offset + (lo - r.shard_first), state + (lo - r.shard_first),
+                                                   hi - lo, specs[i].decay, specs[i].forward_group});
     }
     state += r.shard;
   }
@@ -379,9 +427,8 @@ inline std::vector<float> init_local_weights(const ModelConfig& c, const std::ve
                                              const ParamLayout& layout, int ep_rank, unsigned long long seed) {
   std::vector<float> local(layout.num_params, 0.f);
   const std::vector<size_t> first = global_firsts(specs, layout, ep_rank);
-  for (size_t i = 0; i < specs.size(); i++)
-    for (size_t j = 0; j < layout.local_numel[i]; j++)
-      local[layout.offsets[i] + j] = init_value(c, specs[i], seed, first[i] + j);
+  for (const LocalPiece& p : local_pieces(layout))
+    for (size_t j = 0; j < p.count; j++) local[p.at + j] = init_value(c, specs[p.spec], seed, first[p.spec] + p.first + j);
   return local;
 }
 

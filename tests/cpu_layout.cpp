@@ -266,3 +266,90 @@ TEST(ParamLayout, VocabularyGroupsSplitLmHead) {
         ASSERT_EQ(owners[g], 1) << "W=" << W << " P=" << P << ": global element " << g << " in " << owners[g] << " shards";
     }
 }
+
+// --zero 3: the replicated tensors form one gathered region per forward group (the embedding with layer
+// 0, each layer, the final norm with lm_head), each padded to a multiple of W, and a rank's local buffers
+// keep only its shard of each, one after another, before the expert region (which is ZeRO-1's, moved to
+// follow the shards). A gathered region's tensors lie one after another from its gathered buffer's start.
+// Every global element lies in exactly one rank's optimizer shard (the gradient norm's premise), each
+// segment inside one tensor of its region's group with that tensor's decay; a rank's initial weights are
+// the whole model's draw at the elements it keeps.
+TEST(ParamLayout, Zero3KeepsOneShardOfEachForwardGroup) {
+  ModelConfig tiny;
+  tiny.vocab = 19; tiny.hidden = 32; tiny.layers = 3; tiny.heads = 1; tiny.experts = 6; tiny.topk = 2;
+  tiny.expert_dim = 24; tiny.n_dense = 1; tiny.dense_dim = 40; tiny.shared_expert = 1;
+  ModelConfig moe = moe_config(97, 64, 48, 12, 2);
+  moe.heads = 1;
+  for (const ModelConfig& c : {tiny, moe}) {
+    const std::vector<ParamSpec> specs = param_specs(c);
+    const std::vector<float> whole = init_before_issue_15(c, 5);
+    for (int W : {1, 2, 3, 6})
+      for (int ep : {1, 2, 3, 6}) {
+        if (W % ep != 0 || c.experts % ep != 0) continue;
+        std::vector<int> owners(param_count(c), 0);  // how many ranks' optimizer shards hold each global element
+        for (int rank = 0; rank < W; rank++) {
+          const std::string what = "V=" + std::to_string(c.vocab) + " W=" + std::to_string(W) + " E_p=" +
+                                   std::to_string(ep) + " rank " + std::to_string(rank);
+          const RegionGroup replicated{W, rank}, expert{W / ep, rank / ep};
+          const ParamLayout zero1 = param_layout(specs, ep, replicated, expert);
+          const ParamLayout zero3 = param_layout(specs, ep, replicated, expert, VocabSplit(), true);
+          const int groups = c.layers + 1;
+          ASSERT_EQ(zero3.regions.size(), (size_t)groups + 1) << what;
+          size_t kept = 0;  // the shards so far
+          for (int g = 0; g < groups; g++) {
+            const ParamRegion& r = zero3.regions[g];
+            EXPECT_TRUE(r.gathered && r.group == g && r.sharding == Sharding::Replicated) << what << " group " << g;
+            size_t count = 0;
+            for (size_t i = 0; i < specs.size(); i++)
+              if (!specs[i].expert && specs[i].forward_group == g) {
+                EXPECT_EQ(zero3.region[i], g) << what << " " << specs[i].name;
+                EXPECT_EQ(zero3.offsets[i], count) << what << " " << specs[i].name << ": offset in its gathered buffer";
+                count += specs[i].numel();
+              }
+            EXPECT_EQ(r.count, count) << what << " group " << g;
+            EXPECT_EQ(r.padded, (count + W - 1) / W * W) << what << " group " << g;
+            EXPECT_EQ(r.shard, r.padded / W) << what << " group " << g;
+            EXPECT_EQ(r.offset, kept) << what << " group " << g;
+            EXPECT_EQ(r.shard_offset, kept) << what << " group " << g;
+            EXPECT_EQ(r.shard_first, (size_t)rank * r.shard) << what << " group " << g;
+            kept += r.shard;
+          }
+          const ParamRegion &ex = zero3.regions[groups], &ex1 = zero1.regions[1];
+          EXPECT_TRUE(ex.sharding == Sharding::Expert && !ex.gathered) << what;
+          EXPECT_EQ(ex.offset, kept) << what;
+          EXPECT_EQ(ex.count, ex1.count) << what;
+          EXPECT_EQ(ex.padded, ex1.padded) << what;
+          EXPECT_EQ(ex.shard_offset - ex.offset, ex1.shard_offset - ex1.offset) << what;
+          EXPECT_EQ(zero3.num_params, kept + ex.padded) << what;
+
+          // local element -> global element, from the pieces this rank keeps
+          const std::vector<size_t> first = global_firsts(specs, zero3, rank % ep);
+          std::vector<long long> global_of(zero3.num_params, -1);
+          for (const LocalPiece& p : local_pieces(zero3))
+            for (size_t j = 0; j < p.count; j++) {
+              ASSERT_EQ(global_of[p.at + j], -1) << what << ": local element " << p.at + j << " kept twice";
+              global_of[p.at + j] = (long long)(first[p.spec] + p.first + j);
+            }
+          size_t S = 0;
+          for (const ShardSegment& s : shard_segments(specs, zero3, &S)) {
+            const ParamRegion& r = zero3.regions[s.group < groups && s.param_offset < kept ? s.group : groups];
+            EXPECT_GE(s.param_offset, r.shard_offset) << what;
+            EXPECT_LE(s.param_offset + s.count, r.shard_offset + r.shard) << what;
+            for (size_t j = 0; j < s.count; j++) {
+              ASSERT_GE(global_of[s.param_offset + j], 0) << what << ": segment element " << s.param_offset + j << " not kept";
+              owners[global_of[s.param_offset + j]]++;
+            }
+          }
+          EXPECT_EQ(S, kept + ex.shard) << what;
+          const std::vector<float> want = local_from_global(specs, zero3, rank % ep, whole);
+          for (size_t j = 0; j < zero3.num_params; j++) {
+            if (global_of[j] >= 0) ASSERT_EQ(want[j], whole[global_of[j]]) << what << " local element " << j;
+          }
+          const std::vector<float> got = init_local_weights(c, specs, zero3, rank % ep, 5);
+          EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << what;
+        }
+        for (size_t g = 0; g < owners.size(); g++)
+          ASSERT_EQ(owners[g], 1) << "W=" << W << " E_p=" << ep << ": global element " << g << " in " << owners[g] << " shards";
+      }
+  }
+}
