@@ -73,7 +73,7 @@ DIST_TESTS := $(wildcard tests/dist_*.cu)
 # build the whole model (model.cuh), the other GPU tests, and the multi-rank tests. The files of a group
 # share one scope: each names its helpers for itself.
 GPU_MODEL_TESTS := $(addprefix tests/,gpu_adamw.cu gpu_memory_prediction.cu gpu_model.cu gpu_moe.cu gpu_profile.cu \
-                                      gpu_router.cu gpu_sco.cu)
+                                      gpu_router.cu gpu_sco.cu gpu_zero3.cu)
 GPU_OP_TESTS := $(filter-out $(GPU_MODEL_TESTS),$(GPU_TESTS))
 # written at parse time, and only when its list changes (so that its object is not rebuilt for nothing)
 unity_source = $(shell mkdir -p $(BUILD)/unity && printf '\043include "%s"\n' $(2) > $(BUILD)/unity/$(1).new && \

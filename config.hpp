@@ -75,6 +75,8 @@ struct TrainConfig {
   int share_gpus = 0;                      // 1: W may exceed the GPUs; ranks share them round-robin (runtime/launch.cuh)
   int ep = 0;                              // E_p: expert-parallel group size (0 = W)
   int sp = 1;                              // D: sequence-parallel group size (Ulysses; 1 = every rank whole sequences)
+  int zero = 1;                            // the dense weights' ZeRO stage: 1 (whole on every rank, the update's state
+                                           // sharded) or 3 (1/W each, gathered per layer: runtime/zero3.cuh)
   std::string routing = "router";          // "router", or what overrides its choice: "balanced", "hot:r/h", "trace:FILE"
   std::string record_routing;              // a routing trace of the training passes goes to this file ("" = none)
   // Seams (notes/design.md §1.1): which implementation serves each; chosen once, at start-up.
@@ -731,6 +733,7 @@ inline std::string cuda_graph_refusal(const TrainConfig& t, bool bf16_build) {
     return "off: with " + std::to_string(t.gpus) + " ranks only data parallelism is captured (--ep 1, --moe local, the full or "
            "chunked head): a pass's collectives and their bounded waits stay on the host";
   if (t.sp > 1) return "off: --sp " + std::to_string(t.sp) + " exchanges q, k, v and attention's output inside every pass";
+  if (t.zero == 3) return "off: --zero 3 gathers the dense weights inside every pass";
   if (t.offload_budget > 0) return "off: SCO's copies to and from the host follow a plan the host keeps (--offload_budget)";
   if (!data::routing_trace_path(t.routing).empty())
     return "off: --routing " + t.routing + " copies each pass's recorded experts from the host";
@@ -789,6 +792,8 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(t.dry_run == 0 || t.dry_run == 1, "dry_run must be 0 or 1");
   need(t.plan == "off" || t.plan == "auto", "--plan must be off or auto, got '" + t.plan + "'");
   need(t.share_gpus == 0 || t.share_gpus == 1, "share_gpus must be 0 or 1");
+  need(t.zero == 1 || t.zero == 3, "--zero must be 1 (ZeRO-1: every rank holds the dense weights) or 3 (ZeRO-3: 1/W each), got " +
+                                       std::to_string(t.zero) + " (ZeRO-2 is not built: ZeRO-3 shards what it would)");
   need(t.gpus >= 1, "gpus must be >= 1");
   const int ep = t.ep ? t.ep : t.gpus;
   need(ep >= 1 && t.gpus % ep == 0, "ep (" + std::to_string(ep) + ") must divide the number of ranks (" +
@@ -912,6 +917,8 @@ inline std::string usage() {
          "ranks:  --gpus W (processes on this node, one per GPU) --ep E_p (expert-parallel group, default W)\n"
          "        --sp D (sequence-parallel group, default 1: its D ranks share each sequence, T/D tokens each,\n"
          "        attention over all T through an all-to-all of heads; D divides W, nh and T)\n"
+         "        --zero 1|3 (default 1: each rank holds every dense weight and updates 1/W of them; 3: it keeps\n"
+         "        only that 1/W, and each layer's dense weights are all-gathered just before it runs)\n"
          "        --share_gpus 1 (W may exceed the node's GPUs: the ranks share them round-robin, collectives go\n"
          "        through NCCL's sockets; for correctness and memory, never speed. FLATMOE_SHARE_GPUS=1 does the same)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
@@ -1072,6 +1079,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--share_gpus", &T::share_gpus),
       int_flag("--ep", &T::ep),
       int_flag("--sp", &T::sp),
+      int_flag("--zero", &T::zero),
       text_flag("--routing", &T::routing),
       text_flag("--record_routing", &T::record_routing),
       text_flag("--moe", &T::moe),

@@ -54,6 +54,7 @@
 #include "runtime/graph.cuh"
 #include "runtime/pool.cuh"
 #include "runtime/profile.cuh"
+#include "runtime/zero3.cuh"
 #include "seams.cuh"
 
 // =============================================================================================
@@ -81,6 +82,10 @@ struct Parallel {
   Comm vocab;            // the P ranks that hold disjoint vocabulary intervals of lm_head (--head ring_dtp)
   Comm vocab_replicas;   // the W/P ranks that hold the same interval (same rank in their vocab group)
   Comm seq;              // the D ranks that share each sequence, T/D tokens each (--sp; contiguous block of ranks)
+  // --zero 3: all W ranks again, for the dense weights' all-gathers and their gradients' reduce-scatters on
+  // its own stream, beside the compute stream (runtime/zero3.cuh)
+  Comm dense;
+  int zero = 1;          // the ZeRO stage of the dense weights: 1 (each rank holds them all) or 3 (1/W each)
 };
 
 // Host ints to the device in stream order without a host wait (a pass's tokens and targets, the
@@ -206,7 +211,8 @@ struct Model {
   std::vector<ParamSpec> specs;     // config.hpp: dense tensors, then routed-expert stacks
   std::vector<size_t> offsets;      // element offset of each spec in the local flat buffers
   std::vector<size_t> local_numel;  // expert stacks hold E/E_p experts here
-  std::vector<ParamRegion> regions; // [replicated, expert], in buffer order
+  std::vector<ParamRegion> regions; // [replicated, expert], in buffer order (--zero 3: a gathered region per group)
+  std::vector<int> spec_region;     // each spec's region
   size_t num_params = 0;            // local flat buffer length (regions padded)
   size_t vocab_first_row = 0;       // lm_head's first row here (its vocabulary interval under ring_dtp)
 
@@ -218,7 +224,9 @@ struct Model {
   // FP32 build's grads are already fp32 and main_grads is the same buffer. A step of one pass on one
   // rank skips the fold: main_grads would be an exact copy, and the optimizer reads grads instead.
   float* main_grads = nullptr;
-  ModelTensors p, g;         // views into params / grads
+  ModelTensors p, g;         // views into params / grads (--zero 3: a group's dense tensors in its gathered
+                             // buffers while it runs, nullptr otherwise)
+  Zero3Weights zero3;        // --zero 3: the dense weights' gathers and their gradients' reduce-scatters
 
   std::unique_ptr<MoEDispatcher> moe;  // routed experts (--moe)
   std::unique_ptr<OutputHead> head;    // vocabulary projection + loss (--head)
@@ -281,10 +289,34 @@ inline const Comm& region_group(const Model& m, const ParamRegion& r) {
                                          : m.par.world;
 }
 
-inline floatX* tensor_at(floatX* base, const Model& m, const std::string& name) {
-  for (size_t i = 0; i < m.specs.size(); i++)
-    if (m.specs[i].name == name) return base + m.offsets[i];
+// Where tensor `name` starts: in `base` (a local flat buffer), or, for a tensor of a gathered region
+// (--zero 3), in its group's buffer groups[g] (nullptr while the group is not gathered).
+inline floatX* tensor_at(floatX* base, const Model& m, const std::string& name, const std::vector<floatX*>& groups = {}) {
+  for (size_t i = 0; i < m.specs.size(); i++) {
+    if (m.specs[i].name != name) continue;
+    const ParamRegion& r = m.regions[m.spec_region[i]];
+    if (!r.gathered) return base + m.offsets[i];
+    floatX* group = r.group < (int)groups.size() ? groups[r.group] : nullptr;
+    return group ? group + m.offsets[i] : nullptr;
+  }
   return nullptr;
+}
+
+inline LayerTensors layer_tensors(floatX* base, const Model& m, int l, const std::vector<floatX*>& groups = {}) {
+  const std::string p = "layer" + std::to_string(l) + ".";
+  LayerTensors lt;
+  lt.ln1 = tensor_at(base, m, p + "ln1", groups);
+  lt.wqkv = tensor_at(base, m, p + "wqkv", groups);
+  lt.wo = tensor_at(base, m, p + "wo", groups);
+  lt.ln2 = tensor_at(base, m, p + "ln2", groups);
+  lt.router = tensor_at(base, m, p + "router", groups);
+  lt.w13 = tensor_at(base, m, p + "w13", groups);
+  lt.w2 = tensor_at(base, m, p + "w2", groups);
+  lt.shared_w13 = tensor_at(base, m, p + "shared_w13", groups);
+  lt.shared_w2 = tensor_at(base, m, p + "shared_w2", groups);
+  lt.dense_w13 = tensor_at(base, m, p + "dense_w13", groups);
+  lt.dense_w2 = tensor_at(base, m, p + "dense_w2", groups);
+  return lt;
 }
 
 inline ModelTensors view_tensors(floatX* base, const Model& m) {
@@ -292,28 +324,13 @@ inline ModelTensors view_tensors(floatX* base, const Model& m) {
   t.wte = tensor_at(base, m, "wte");
   t.lnf = tensor_at(base, m, "lnf");
   t.lm_head = tensor_at(base, m, "lm_head");
-  for (int l = 0; l < m.cfg.layers; l++) {
-    std::string p = "layer" + std::to_string(l) + ".";
-    LayerTensors lt;
-    lt.ln1 = tensor_at(base, m, p + "ln1");
-    lt.wqkv = tensor_at(base, m, p + "wqkv");
-    lt.wo = tensor_at(base, m, p + "wo");
-    lt.ln2 = tensor_at(base, m, p + "ln2");
-    lt.router = tensor_at(base, m, p + "router");
-    lt.w13 = tensor_at(base, m, p + "w13");
-    lt.w2 = tensor_at(base, m, p + "w2");
-    lt.shared_w13 = tensor_at(base, m, p + "shared_w13");
-    lt.shared_w2 = tensor_at(base, m, p + "shared_w2");
-    lt.dense_w13 = tensor_at(base, m, p + "dense_w13");
-    lt.dense_w2 = tensor_at(base, m, p + "dense_w2");
-    t.layers.push_back(lt);
-  }
+  for (int l = 0; l < m.cfg.layers; l++) t.layers.push_back(layer_tensors(base, m, l));
   return t;
 }
 
 // The rank's parameter layout as config.hpp's functions take it.
 inline ParamLayout model_param_layout(const Model& m) {
-  return ParamLayout{m.offsets, m.local_numel, m.regions, m.num_params, m.vocab_first_row};
+  return ParamLayout{m.offsets, m.local_numel, m.regions, m.num_params, m.vocab_first_row, m.spec_region};
 }
 
 // The local flat buffer (this rank's experts) from a global one in param_specs order.
@@ -353,6 +370,14 @@ inline void model_set_master(Model& m, const std::vector<float>& global) {
   model_set_local_master(m, local_from_global(m, global));
 }
 
+// The first element of the local buffers that a pass's gradients (grads) cover: 0, or under --zero 3 the
+// first region after the gathered groups' shards (their gradients live in the groups' own buffers).
+inline size_t pass_grads_first(const Model& m) {
+  for (const ParamRegion& r : m.regions)
+    if (!r.gathered) return r.offset;
+  return m.num_params;
+}
+
 // Zeroes a step's gradients (both buffers in the BF16 build) and per-expert loads.
 // main_grads_too = false (a training step): only what the step's passes add into. In the BF16 build
 // that is nothing: the step's first pass sets main_grads (=) (PassOptions.first_of_step), and the
@@ -364,9 +389,10 @@ inline void model_zero_grads(Model& m, bool main_grads_too = true) {
   const bool grads_are_main = (void*)m.main_grads == (void*)m.grads;
   if (main_grads_too || grads_are_main)
     cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "zero_grads", "P=%zu", m.num_params);
-  if (main_grads_too && !grads_are_main)
-    cudaCheck(cudaMemsetAsync(m.main_grads, 0, m.num_params * sizeof(float), m.stream), "zero_grads", "main P=%zu",
-              m.num_params);
+  // --zero 3: the gathered regions' shards of main_grads, which every pass adds into (Zero3Weights::grads_end)
+  const size_t zeroed = main_grads_too ? m.num_params : pass_grads_first(m);
+  if (!grads_are_main && zeroed > 0)
+    cudaCheck(cudaMemsetAsync(m.main_grads, 0, zeroed * sizeof(float), m.stream), "zero_grads", "main P=%zu", zeroed);
   if (m.step_loads_dev)
     cudaCheck(cudaMemsetAsync(m.step_loads_dev, 0, m.step_loads.size() * sizeof(int), m.stream), "zero_grads", "L*E=%zu",
               m.step_loads.size());
@@ -376,11 +402,71 @@ inline void model_zero_grads(Model& m, bool main_grads_too = true) {
 // After a pass: main_grads += grads in fp32 (first: main_grads = grads, exact, so that they need no
 // zeroing before), and grads back to zero for the next pass (BF16 build; in the FP32 build the two are
 // one buffer, which keeps summing).
+// Under --zero 3 only the regions after the gathered shards: the gathered groups' gradients went to their
+// shards of main_grads already (grads_reduce).
 inline void model_fold_grads(Model& m, bool first) {
   if ((void*)m.main_grads == (void*)m.grads) return;
-  if (first) convert(m.main_grads, m.grads, m.num_params, m.stream);
-  else add_inplace_or_out(m.main_grads, m.main_grads, m.grads, m.num_params, m.stream);
-  cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "fold_grads", "P=%zu", m.num_params);
+  const size_t lo = pass_grads_first(m), n = m.num_params - lo;
+  if (first) convert(m.main_grads + lo, m.grads + lo, n, m.stream);
+  else add_inplace_or_out(m.main_grads + lo, m.main_grads + lo, m.grads + lo, n, m.stream);
+  cudaCheck(cudaMemsetAsync(m.grads + lo, 0, n * sizeof(floatX), m.stream), "fold_grads", "P=%zu", n);
+}
+
+// --zero 3 (runtime/zero3.cuh): forward group g's views (its dense tensors) at its gathered weights and
+// gradients, nullptr where they are not gathered. The embedding rides with layer 0; the final norm and a
+// whole lm_head form group L.
+inline void point_group_views(Model& m, int g) {
+  const int G = (int)m.zero3.live.size(), L = m.cfg.layers;
+  std::vector<floatX*> weights(G), grads(G);
+  for (int i = 0; i < G; i++) {
+    weights[i] = m.zero3.live[i].weights;
+    grads[i] = m.zero3.live[i].grads;
+  }
+  if (g < L) {
+    m.p.layers[g] = layer_tensors(m.params, m, g, weights);
+    m.g.layers[g] = layer_tensors(m.grads, m, g, grads);
+  }
+  if (g == 0) {
+    m.p.wte = tensor_at(m.params, m, "wte", weights);
+    m.g.wte = tensor_at(m.grads, m, "wte", grads);
+  }
+  if (g == L) {
+    m.p.lnf = tensor_at(m.params, m, "lnf", weights);
+    m.g.lnf = tensor_at(m.grads, m, "lnf", grads);
+    m.p.lm_head = tensor_at(m.params, m, "lm_head", weights);
+    m.g.lm_head = tensor_at(m.grads, m, "lm_head", grads);
+  }
+}
+
+// Forward group g's dense weights for what runs next, with group `next` (-1: none) prefetched beside it.
+// Under ZeRO-1 every weight is always there: these four calls do nothing.
+inline void weights_acquire(Model& m, int g, int next) {
+  if (!m.zero3.on()) return;
+  m.zero3.acquire(g, m.params, m.stream);
+  if (next >= 0) m.zero3.prefetch(next, m.params, m.stream);
+  point_group_views(m, g);
+}
+
+inline void weights_release(Model& m, int g) {
+  if (!m.zero3.on()) return;
+  m.zero3.release(g);
+  point_group_views(m, g);
+}
+
+// Group g's weight gradients (+=) into a zeroed buffer of their own for its backward.
+inline void grads_acquire(Model& m, int g) {
+  if (!m.zero3.on()) return;
+  m.zero3.grads_begin(g, m.stream);
+  point_group_views(m, g);
+}
+
+// Group g's backward is queued: its weight gradients, once their stream has joined, summed over the ranks
+// into this rank's shard of main_grads.
+inline void grads_reduce(Model& m, int g) {
+  if (!m.zero3.on()) return;
+  m.wgrad->join(m.stream, "grads_reduce");
+  m.zero3.grads_end(g, m.main_grads, m.stream);
+  point_group_views(m, g);
 }
 
 inline void model_upload_router_bias(Model& m) {
@@ -393,8 +479,10 @@ inline void model_layout(Model& m) {
   ParamLayout layout = param_layout(m.specs, m.par.ep.size, RegionGroup{m.par.world.size, m.par.world.rank},
                                     RegionGroup{m.par.expert_replicas.size, m.par.expert_replicas.rank},
                                     VocabSplit{m.par.vocab.size, m.par.vocab.rank,
-                                               RegionGroup{m.par.vocab_replicas.size, m.par.vocab_replicas.rank}});
+                                               RegionGroup{m.par.vocab_replicas.size, m.par.vocab_replicas.rank}},
+                                    m.par.zero == 3);
   m.offsets = std::move(layout.offsets);
+  m.spec_region = std::move(layout.region);
   m.local_numel = std::move(layout.local_numel);
   m.regions = std::move(layout.regions);
   m.num_params = layout.num_params;
@@ -444,6 +532,10 @@ inline std::string model_parallel_refusal(const ModelConfig& cfg, const Parallel
     return "experts (" + std::to_string(cfg.experts) + ") must be divisible by the expert-parallel size (" +
            std::to_string(par.ep.size) + ")";
   if (par.seq.size > 1) return sequence_split_refusal(par.world.size, cfg.heads, cfg.seq_len, par.seq.size);
+  if (par.zero != 1 && par.zero != 3) return "the ZeRO stage must be 1 or 3, got " + std::to_string(par.zero);
+  if (par.zero == 3 && par.dense.size != par.world.size)
+    return "--zero 3 gathers the dense weights over all " + std::to_string(par.world.size) +
+           " ranks: its communicator (Parallel.dense) has " + std::to_string(par.dense.size);
   return "";
 }
 
@@ -458,6 +550,7 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
   const std::string refused = model_parallel_refusal(cfg, par);
   if (!refused.empty()) fm_fail("model_create", refused.c_str(), "E=%d E_p=%d D=%d", cfg.experts, par.ep.size, par.seq.size);
   model_layout(m);
+  if (par.zero == 3) m.zero3.init(m.par.dense, m.regions);
   const size_t P = m.num_params;
   m.params = pool().alloc_t<floatX>(P, Mem::Weights, "params");
   m.grads = pool().alloc_t<floatX>(P, Mem::Grads, "grads");
@@ -962,25 +1055,42 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   };
   const std::string kept_name = recompute ? "kept attention" : "kept activations";
 
-  auto moment = [&](size_t boundaries, size_t kept_bytes, size_t layer, size_t op, const std::string& op_name) {
+  // --zero 3 (runtime/zero3.cuh): forward group g's gathered weights [padded] live while it runs, beside
+  // the group prefetched (the one that runs next: g − 1 in the backward), and its gradients' buffer
+  // [padded]; at its reduce-scatter, after its backward, their fp32 copy (BF16 build) and the reduced shard
+  std::vector<size_t> group_bytes(L + 1, 0), reduce_bytes(L + 1, 0);
+  for (const ParamRegion& r : shape.regions)
+    if (r.gathered) {
+      group_bytes[r.group] = r.padded * b;
+      reduce_bytes[r.group] = (fp32_sum ? r.padded * 4 : 0) + r.shard * 4;
+    }
+  auto gathered = [&](int g) { return 2 * group_bytes[g] + (g > 0 ? group_bytes[g - 1] : 0); };
+  auto moment = [&](size_t boundaries, size_t kept_bytes, size_t layer, size_t op, const std::string& op_name,
+                    size_t zero3) {
     return std::vector<MemoryTerm>{{"weights", weights},         {"grads", grads},           {"optimizer", optimizer},
                                    {"runtime", runtime},         {"pass inputs", inputs},    {"boundaries", boundaries},
                                    {kept_name, kept_bytes},      {"final norm", final_norm}, {"one layer", layer},
-                                   {op_name, op}};
+                                   {op_name, op},                {"gathered groups (ZeRO-3)", zero3}};
   };
   size_t kept_all = 0;
   for (size_t l = 0; l < L; l++) kept_all += kept((int)l);
   MemoryPrediction best;
-  best.terms = moment(boundaries_at_head, kept_all, 0, NH * b + head->live_bytes((int)N, c.hidden, c.vocab), "output head");
+  best.terms = moment(boundaries_at_head, kept_all, 0, NH * b + head->live_bytes((int)N, c.hidden, c.vocab), "output head",
+                      gathered((int)L));
   best.peak_at = "the output head";
   size_t kept_below = kept_all;
   for (int l = (int)L - 1; l >= 0; l--) {
     kept_below -= kept(l);  // layer l's own are part of its working set
     MemoryPrediction here;  // d_residual beside the layer's activations and backward buffers
     here.terms = moment(boundaries_at(l), kept_below, NH * b + acts(l) + backward_buffers + norm_partials, operator_term(l),
-                        c.is_moe_layer(l) ? "dispatch" : "dense FFN");
+                        c.is_moe_layer(l) ? "dispatch" : "dense FFN", gathered(l));
     here.peak_at = "layer " + std::to_string(l) + "'s backward";
     if (here.total() > best.total()) best = here;
+    if (reduce_bytes[l] == 0) continue;
+    MemoryPrediction reduce;  // the group's reduce-scatter: its activations are gone, d_residual stays
+    reduce.terms = moment(boundaries_at(l), kept_below, NH * b, 0, "", gathered(l) + reduce_bytes[l]);
+    reduce.peak_at = "layer " + std::to_string(l) + "'s gradient reduce-scatter (ZeRO-3)";
+    if (reduce.total() > best.total()) best = reduce;
   }
   return best;
 }
@@ -1032,10 +1142,13 @@ inline void forward_layers(Model& m, const int* tokens_dev, int B, int T, const 
   const int N = B * T;
   prof_mark(m.stream, "embedding fwd", 2.0 * N * c.hidden * sizeof(floatX) + 4.0 * N);
   model_wait_update(m, 0);  // the embedding and layer 0's weights (--overlap_update)
+  weights_acquire(m, 0, 1);  // (--zero 3: group l's weights gathered while layer l − 1 runs, group L's for the head)
   embedding_forward(boundaries.allocate(0), tokens_dev, m.p.wte, N, c.hidden, c.vocab, m.stream);
   for (int l = 0; l < c.layers; l++) {
     model_wait_update(m, l);
+    weights_acquire(m, l, l + 1);
     layer_forward(m, l, boundaries.input[l], boundaries.allocate(l + 1), acts[l], B, T, seq, count_loads);
+    weights_release(m, l);
     boundaries.after_forward(l);
     if (after_layer) after_layer(l, acts[l]);
     if (!keep_acts)
@@ -1121,12 +1234,15 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
   float* lnf_rstd = pool().alloc_t<float>(N, Mem::Activations, "lnf_rstd");
   prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
   model_wait_update(m, L);  // the final norm and the head, and with them the whole update
+  weights_acquire(m, L, o.backward ? L - 1 : -1);
+  if (o.backward) grads_acquire(m, L);
   rmsnorm_forward(lnf, lnf_rstd, boundaries.input[L], m.p.lnf, N, H, c.norm_eps, s);
   floatX* d_lnf = o.backward ? pool().alloc_t<floatX>(NH, Mem::Workspace, "d_lnf") : nullptr;
   prof_mark(s, "head (fwd+bwd)");
   m.head->forward_backward(m.scalar_dev, d_lnf, m.g.lm_head, lnf, m.p.lm_head, targets_dev, o.dloss, N, H, V, s);
   float* loss_total_dev = pool().alloc_t<float>(1, Mem::Workspace, "loss_total");
   cudaCheck(cudaMemcpyAsync(loss_total_dev, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToDevice, s), "model_pass", "N=%d", N);
+  if (!o.backward) weights_release(m, L);
 
   if (o.backward) {
     floatX* d_x = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_residual");
@@ -1134,6 +1250,8 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
     rmsnorm_backward(d_x, m.g.lnf, d_lnf, boundaries.input[L], m.p.lnf, lnf_rstd, N, H, s, false, m.wgrad.get());
     pool().free(d_lnf);
     boundaries.release(L);
+    grads_reduce(m, L);
+    weights_release(m, L);
     // layers in reverse; with recompute, rebuild each layer's activations from its input first.
     // Rerunning the layer (router and dispatcher included) reproduces the forward bit for bit: every
     // step is deterministic given the layer input (FP32 router, top-k ties to the lower index, a
@@ -1146,11 +1264,17 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
     // recomputes each chunk (pllep) or hop (relay) itself. Tested at W = 1 (tests/gpu_model.cu) and W = 2 (tests/dist_model.cu),
     // gradients compared with memcmp; with SCO's boundaries from the host too (tests/sco_training.cuh).
     for (int l = L - 1; l >= 0; l--) {
+      weights_acquire(m, l, l - 1);
+      grads_acquire(m, l);
       boundaries.before_backward(l);
       if (o.recompute) layer_forward(m, l, boundaries.input[l], nullptr, acts[l], B, T, m.par.seq, false);
       layer_backward(m, l, acts[l], boundaries.input[l], d_x, B, T, m.par.seq);
       free_acts(acts[l]);
       boundaries.release(l);
+      if (l > 0) {  // (group 0 holds the embedding too)
+        grads_reduce(m, l);
+        weights_release(m, l);
+      }
     }
     m.wgrad->join(s, "model_pass");  // layer 0's last weight gradient (ln1's dw)
     // embedding: deterministic per-token sums over the host-built buckets
@@ -1158,6 +1282,9 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
     embedding_backward(m.g.wte, d_x, buckets_dev, buckets_dev + V + 1, buckets_dev + V + 1 + N, N, V, H, s);
     pool().free(d_x);
     pool().free(buckets_dev);
+    grads_reduce(m, 0);
+    weights_release(m, 0);
+    m.zero3.join(s);  // every group's gradients in main_grads' shards before anything reads them
     if (o.fold) {
       prof_mark(s, "fold grads (bf16 into fp32)", (double)m.num_params * ((o.first_of_step ? 4 : 8) + 2 * sizeof(floatX)));
       model_fold_grads(m, o.first_of_step);  // this pass's gradients into the step's fp32 sum
@@ -1250,8 +1377,10 @@ inline std::vector<float> model_logits_row(Model& m, const int* inputs, int T, i
   float* lnf_rstd = pool().alloc_t<float>(1, Mem::Activations, "lnf_row_rstd");
   floatX* logits = pool().alloc_t<floatX>(V, Mem::Logits, "logits_row");
   model_wait_update(m, c.layers);
+  weights_acquire(m, c.layers, -1);
   rmsnorm_forward(lnf, lnf_rstd, boundaries.input[c.layers] + (size_t)row * H, m.p.lnf, 1, H, c.norm_eps, s);
   m.head->logits_rows(logits, lnf, m.p.lm_head, 1, H, V, s);
+  weights_release(m, c.layers);
   std::vector<floatX> host(V);
   copy_to_host(host.data(), logits, V * sizeof(floatX), s, "model_logits_row");
   for (void* p : {(void*)tokens_dev, (void*)lnf, (void*)lnf_rstd, (void*)logits}) pool().free(p);
@@ -1276,6 +1405,7 @@ inline std::vector<std::vector<int>> model_routes(Model& m, const int* inputs, i
     routes[l].resize((size_t)N * c.topk);
     copy_to_host(routes[l].data(), a.topk_idx, routes[l].size() * sizeof(int), m.stream, "model_routes");
   });
+  weights_release(m, c.layers);  // (--zero 3: prefetched for a head that does not run here)
   pool().free(tokens_dev);
   return routes;
 }
@@ -1294,16 +1424,18 @@ inline float mean_over_ranks(Model& m, float x) {
 
 // Sums each region's fp32 gradients (main_grads) over the ranks that hold it, leaving this rank's
 // shard (ZeRO-1: in-place reduce-scatter; the rest of the buffer is not used until the next zeroing).
+// A gathered region (--zero 3) has its sum in its shard already (grads_reduce, in each pass).
 inline void reduce_scatter_grads(Model& m) {
   for (const ParamRegion& r : m.regions)
-    if (region_group(m, r).size > 1)
+    if (region_group(m, r).size > 1 && !r.gathered)
       reduce_scatter_sum(region_group(m, r), m.main_grads + r.offset, m.main_grads + r.shard_offset, r.shard, m.stream);
 }
 
-// Every rank's floatX weights from the shards their owners updated.
+// Every rank's floatX weights from the shards their owners updated (a gathered region, --zero 3: each
+// pass gathers its groups when it runs them).
 inline void all_gather_weights(Model& m) {
   for (const ParamRegion& r : m.regions)
-    if (region_group(m, r).size > 1)
+    if (region_group(m, r).size > 1 && !r.gathered)
       all_gather(region_group(m, r), m.params + r.shard_offset, m.params + r.offset, r.shard, m.stream);
 }
 
@@ -1338,7 +1470,8 @@ inline void all_reduce_loads(Model& m) {
 // (no collective follows the update), an optimizer whose step is launches only, and the BF16 build's
 // own buffer for a pass's gradients (the FP32 build's passes add into the buffer the update reads).
 inline bool update_beside_next_forward(const Model& m, const TrainConfig& t) {
-  return t.overlap_update && m.par.world.size == 1 && m.opt->steps_by_group() && (void*)m.grads != (void*)m.main_grads;
+  return t.overlap_update && m.par.world.size == 1 && m.opt->steps_by_group() && (void*)m.grads != (void*)m.main_grads &&
+         !m.zero3.on();
 }
 
 // The update stream, ready for this step's update: created with its events on the first call; the
@@ -1451,7 +1584,7 @@ float model_train_step(Model& m, const TrainConfig& t, int step, int B, int T, i
   // those and the fold's pass over every gradient is skipped (bit-identical;
   // notes/speed.md, 'The update beside the next forward').
   const bool pass_grads = accum == 1 && m.par.world.size == 1 && m.opt->reads_pass_grads() &&
-                          (void*)m.grads != (void*)m.main_grads;
+                          (void*)m.grads != (void*)m.main_grads && !m.zero3.on();
   o.fold = !pass_grads;
   double loss = 0;
   for (int micro = 0; micro < accum; micro++) {

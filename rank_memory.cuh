@@ -84,8 +84,10 @@ inline RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& 
 
 // The group sizes of rank 0 of `world` ranks as parallel_init makes them, without a communicator: what
 // the prediction reads of a Parallel (--dry_run 1 without a GPU).
-inline Parallel parallel_shape(int world, int ep_size, int vocab_size, int seq_size) {
+inline Parallel parallel_shape(int world, int ep_size, int vocab_size, int seq_size, int zero = 1) {
   Parallel par;
+  par.zero = zero;
+  par.dense.size = zero == 3 ? world : 1;
   par.seq.size = seq_size;
   par.world.size = world;
   par.ep.size = ep_size;
@@ -104,7 +106,7 @@ inline long long capacity_without_gpu(const TrainConfig& t) {
 }
 // The group sizes of the run that the flags describe.
 inline Parallel parallel_shape_of(const TrainConfig& t) {
-  return parallel_shape(t.gpus, t.ep ? t.ep : t.gpus, vocab_group_size(t), t.sp);
+  return parallel_shape(t.gpus, t.ep ? t.ep : t.gpus, vocab_group_size(t), t.sp, t.zero);
 }
 
 // --dry_run 1 on a machine without a GPU: rank 0's plan of a run of `t.gpus` ranks against

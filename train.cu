@@ -92,6 +92,10 @@ void check_resume_fits(const std::string& dir, const ckpt::RankFile& saved, cons
     throw std::invalid_argument("--resume " + dir + ": written by W=" + std::to_string(saved.world) + " E_p=" +
                                 std::to_string(saved.ep) + "; this run has W=" + std::to_string(t.gpus) +
                                 " E_p=" + std::to_string(ep));
+  if (saved.train.zero != t.zero)
+    throw std::invalid_argument("--resume " + dir + ": written under --zero " + std::to_string(saved.train.zero) +
+                                "; this run has --zero " + std::to_string(t.zero) +
+                                " (each rank's file holds its shards of the other stage's layout)");
   if (saved.train.sp != t.sp)
     throw std::invalid_argument("--resume " + dir + ": written with sequence groups of D=" + std::to_string(saved.train.sp) +
                                 " ranks (--sp); this run has D=" + std::to_string(t.sp) +
@@ -235,12 +239,23 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("parameters", std::to_string(param_count(c)) + " (" + std::to_string(active_param_count(c)) + " active)");
   row("ranks W / E_p / D", std::to_string(m.par.world.size) + " / " + std::to_string(m.par.ep.size) + " / " +
                                std::to_string(m.par.seq.size) + (m.par.seq.size > 1 ? " (sequence groups: T/D tokens per rank)" : ""));
-  // Each region as this rank holds it (the expert stacks of its E/E_p experts) and the shard it updates.
-  for (const ParamRegion& r : m.regions)
+  // Each region as this rank holds it (the expert stacks of its E/E_p experts) and the shard it updates;
+  // under --zero 3 the dense groups together, of which the rank keeps only the shards.
+  size_t dense_count = 0, dense_kept = 0;
+  for (const ParamRegion& r : m.regions) {
+    if (r.gathered) {
+      dense_count += r.count;
+      dense_kept += r.shard;
+      continue;
+    }
     row(r.sharding == Sharding::Expert  ? "experts / shard"
         : r.sharding == Sharding::Vocab ? "vocab rows / shard"
                                         : "replicated / shard",
         std::to_string(r.count) + " / " + std::to_string(r.shard) + " per rank");
+  }
+  if (m.zero3.on())
+    row("dense / kept (ZeRO-3)", std::to_string(dense_count) + " / " + std::to_string(dense_kept) + " per rank, " +
+                                     std::to_string(m.zero3.groups.size()) + " groups gathered in turn");
   row("batch B / accum", std::to_string(t.batch) + " / " + std::to_string(accum) + " per rank");
   row("tokens per step", std::to_string((long long)t.batch * c.seq_len * accum * m.par.world.size / m.par.seq.size));
   row("steps / warmup", std::to_string(t.steps) + " / " + std::to_string(t.warmup));
@@ -253,7 +268,7 @@ void print_config(const ModelConfig& c, const TrainConfig& t, const Model& m, in
   row("router bias u", buf);
   row("recompute", t.recompute ? "layer-level" : "off");
   row("optimizer step", update_beside_next_forward(m, t) ? "beside the next forward (--overlap_update 1)"
-                        : t.overlap_update ? "after the backward (--overlap_update 1 needs one rank, adamw, BF16)"
+                        : t.overlap_update ? "after the backward (--overlap_update 1 needs one rank, adamw, BF16, --zero 1)"
                                            : "after the backward (--overlap_update 0)");
   row("weight gradients", t.wgrad_stream ? "beside the input gradients, on their own stream (--wgrad_stream 1)"
                                          : "on the compute stream (--wgrad_stream 0)");
@@ -330,8 +345,9 @@ void write_profile(const std::string& out_dir, int step, double step_ms, long lo
 // communicator (a Comm of size 1): each costs some 390 MiB of device memory (notes/sco.md, the device
 // ledger). ep_exchanges: the MoE dispatcher exchanges over the ep group (config.hpp: SeamNeeds::ExpertGroup).
 // Under --sp D > 1 the sequence groups (contiguous blocks of D ranks), over which attention exchanges.
-Parallel parallel_init(const LaunchInfo& li, int ep_size, bool ep_exchanges, int vocab_size, int seq_size) {
+Parallel parallel_init(const LaunchInfo& li, int ep_size, bool ep_exchanges, int vocab_size, int seq_size, int zero) {
   Parallel par;
+  par.zero = zero;
   if (li.world == 1) {
     const int device = rank_device(li);
     cudaCheck(cudaSetDevice(device), "parallel_init", "W=1 device=%d", device);
@@ -345,11 +361,12 @@ Parallel parallel_init(const LaunchInfo& li, int ep_size, bool ep_exchanges, int
   if (vocab_size > 1 && li.world > vocab_size)
     par.vocab_replicas = comm_split(par.world, par.world.rank % vocab_size, par.world.rank, "vocab_replicas");
   if (seq_size > 1) par.seq = comm_block_group(par.world, seq_size, "seq");
+  if (zero == 3) par.dense = comm_block_group(par.world, li.world, "dense");
   return par;
 }
 
 void parallel_destroy(Parallel& par) {
-  for (Comm* c : {&par.seq, &par.vocab_replicas, &par.vocab, &par.expert_replicas, &par.ep, &par.world}) comm_destroy(*c);
+  for (Comm* c : {&par.dense, &par.seq, &par.vocab_replicas, &par.vocab, &par.expert_replicas, &par.ep, &par.world}) comm_destroy(*c);
 }
 
 // flags → data → model → loop → checkpoints
@@ -438,7 +455,7 @@ int train_main(int argc, char** argv) {
     }
     Parallel par = parallel_init(li, tc.ep ? tc.ep : tc.gpus,
                                  find_choice(moe_choices(), moe_dispatcher(tc))->needs == SeamNeeds::ExpertGroup,
-                                 vocab_group_size(tc), tc.sp);
+                                 vocab_group_size(tc), tc.sp, tc.zero);
     runtime_prepare();  // the cuBLAS handle and its pooled workspace, before anything is measured
     const bool main_rank = par.world.rank == 0;
     const int W = par.world.size;

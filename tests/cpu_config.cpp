@@ -70,7 +70,7 @@ const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
                                           &T::gpus,       &T::share_gpus,   &T::ep,           &T::llep_min_rows, &T::token_budget,
                                           &T::kmax,       &T::offload_bucket, &T::offload_slots, &T::vocab_group,
-                                          &T::vocab_block, &T::dry_run,     &T::sp};
+                                          &T::vocab_block, &T::dry_run,     &T::sp,            &T::zero};
 const std::vector<float T::*> kTrainFloats = {&T::lr,    &T::min_lr_frac, &T::weight_decay, &T::beta1,
                                               &T::beta2, &T::adam_eps,    &T::grad_clip,    &T::bias_update,
                                               &T::llep_alpha};
@@ -563,6 +563,27 @@ TEST(ConfigTrain, ShareGpusIsZeroOrOne) {
   t.share_gpus = 2;
   EXPECT_EQ(validate_error(t, m), "share_gpus must be 0 or 1");
   EXPECT_EQ(parse_error({"--share_gpus", "yes"}), "flag --share_gpus expects an integer, got 'yes'");
+}
+
+// --zero: 1 (the default: every rank holds the dense weights) or 3 (1/W each, gathered per layer); 2 is
+// refused, naming why; and a run under --zero 3 gathers inside every pass, so it is not captured.
+TEST(ConfigTrain, ZeroIsOneOrThree) {
+  const ModelConfig m = valid_model();
+  TrainConfig t;
+  EXPECT_EQ(t.zero, 1);
+  t.gpus = 4;
+  for (int ok : {1, 3}) {
+    t.zero = ok;
+    EXPECT_EQ(validate_error(t, m), "") << ok;
+  }
+  t.zero = 2;
+  EXPECT_EQ(validate_error(t, m),
+            "--zero must be 1 (ZeRO-1: every rank holds the dense weights) or 3 (ZeRO-3: 1/W each), got 2 (ZeRO-2 is not "
+            "built: ZeRO-3 shards what it would)");
+  EXPECT_EQ(parse_error({"--zero", "three"}), "flag --zero expects an integer, got 'three'");
+  t = TrainConfig();
+  t.zero = 3;
+  EXPECT_EQ(cuda_graph_refusal(t, true), "off: --zero 3 gathers the dense weights inside every pass");
 }
 
 // --cuda_graph: on by default, 0 or 1; where a run cannot capture its passes, the reason (printed at

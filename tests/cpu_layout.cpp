@@ -343,7 +343,8 @@ TEST(ParamLayout, Zero3KeepsOneShardOfEachForwardGroup) {
           EXPECT_EQ(S, kept + ex.shard) << what;
           const std::vector<float> want = local_from_global(specs, zero3, rank % ep, whole);
           for (size_t j = 0; j < zero3.num_params; j++) {
-            if (global_of[j] >= 0) ASSERT_EQ(want[j], whole[global_of[j]]) << what << " local element " << j;
+            if (global_of[j] < 0) continue;
+            ASSERT_EQ(want[j], whole[global_of[j]]) << what << " local element " << j;
           }
           const std::vector<float> got = init_local_weights(c, specs, zero3, rank % ep, 5);
           EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << what;

@@ -33,14 +33,17 @@ ModelConfig dist_config() {
 }
 
 // Expert parallel over every rank (E_p = W), so each rank holds E/W experts of every MoE layer; with
-// vocab_split (--head ring_dtp) lm_head's rows are split over every rank too (P = W).
-Parallel test_parallel(bool vocab_split = false) {
+// vocab_split (--head ring_dtp) lm_head's rows are split over every rank too (P = W); zero = 3: each rank
+// keeps 1/W of the dense weights (--zero 3).
+Parallel test_parallel(bool vocab_split = false, int zero = 1) {
   const Comm& world = test_world();
   Parallel par;
   par.world = world;
   par.ep = comm_block_group(world, world.size, "ep");
   par.expert_replicas = comm_split(world, world.rank % world.size, world.rank, "expert_replicas");
   if (vocab_split) par.vocab = comm_block_group(world, world.size, "vocab");
+  par.zero = zero;
+  if (zero == 3) par.dense = comm_block_group(world, world.size, "dense");
   return par;
 }
 
@@ -48,6 +51,7 @@ void release(Parallel& par) {
   comm_destroy(par.ep);
   comm_destroy(par.expert_replicas);
   comm_destroy(par.vocab);
+  comm_destroy(par.dense);
 }
 
 // A configuration that does not fit this run's layout fails the calling test on every rank alike
@@ -118,14 +122,15 @@ TEST(DistModel, FirstStepShardsMatchReferenceOverGlobalBatch) {
 }
 
 // W ranks with B sequences each and one GPU with W·B sequences see the same global batches over ten steps
-// (dist_model_util.cuh, ten_steps_agree_with_one_gpu), the W ranks' MoE layers dispatched by `seams.moe`.
-static void ten_steps_agree_with_one_gpu(const Seams& seams) {
+// (dist_model_util.cuh, ten_steps_agree_with_one_gpu), the W ranks' MoE layers dispatched by `seams.moe`,
+// their dense weights under ZeRO stage `zero`.
+static void ten_steps_agree_with_one_gpu(const Seams& seams, int zero = 1) {
   ModelConfig c = dist_config();
-  Parallel par = test_parallel(seams.head == "ring_dtp");
+  Parallel par = test_parallel(seams.head == "ring_dtp", zero);
   ASSERT_MODEL_FITS(c, par);
   const std::string moe_label = seams.moe + (seams.moe == "relay" ? std::string("_") + relay_mode_name(seams.relay_mode) : "");
   const std::string head_label = seams.head == "ring_dtp" ? "ring_dtp_" + seams.ring_dtp : seams.head;
-  ten_steps_agree_with_one_gpu(c, par, seams, 1, moe_label + "_" + head_label);
+  ten_steps_agree_with_one_gpu(c, par, seams, 1, moe_label + "_" + head_label + (zero == 3 ? "_zero3" : ""));
   release(par);
 }
 
@@ -178,6 +183,17 @@ TEST(DistModel, TenStepsWithTheRingHeadAgreeWithOneGpuFullHead) {
   ten_steps_agree_with_one_gpu(ring_seams("fused"));
 }
 
+// --zero 3 (runtime/zero3.cuh): each rank keeps 1/W of the dense weights and all-gathers each forward
+// group's as it runs, its gradients reduce-scattered after the group's backward. Against one GPU over ten
+// steps (the routing pinned): with the full head (lm_head gathered with the final norm) and with the ring
+// head (lm_head keeps its vocabulary split; the final norm alone is gathered for it), and under --moe relay.
+TEST(DistModel, Zero3TenStepsAgreeWithOneGpu) {
+  REQUIRE_WORLD(2);
+  ten_steps_agree_with_one_gpu(moe_seams("ep"), 3);
+  ten_steps_agree_with_one_gpu(ring_seams("fused"), 3);
+  ten_steps_agree_with_one_gpu(moe_seams("relay", "token"), 3);
+}
+
 // --optimizer offload_adamw and cpu_adamw at W ranks (each rank's ZeRO-1 shards in its own pinned
 // memory) train like adamw, bit for bit, and resume adamw's state (tests/optimizer_training.cuh).
 TEST(DistModel, OptimizersTrainAlikeAndResumeAcrossOptimizersAtWRanks) {
@@ -192,10 +208,10 @@ TEST(DistModel, OptimizersTrainAlikeAndResumeAcrossOptimizersAtWRanks) {
 // The model's state at W ranks — every rank's optimizer sections, step count and router biases —
 // saved after 2 steps and restored into fresh models continues bit-identically to not stopping; with
 // the full head and with lm_head split over the ranks (--head ring_dtp: each rank's sections hold its
-// vocabulary interval).
-static void state_saved_and_restored_is_bit_identical(const Seams& seams) {
+// vocabulary interval); under --zero 3 (each rank's sections hold its shards of every forward group).
+static void state_saved_and_restored_is_bit_identical(const Seams& seams, int zero = 1) {
   const Comm& world = test_world();
-  Parallel par = test_parallel(seams.head == "ring_dtp");
+  Parallel par = test_parallel(seams.head == "ring_dtp", zero);
   ModelConfig c = dist_config();
   ASSERT_MODEL_FITS(c, par);
   TrainConfig t;
@@ -257,6 +273,7 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
   state_saved_and_restored_is_bit_identical(ring_seams("auto"));
   state_saved_and_restored_is_bit_identical(moe_seams("relay", "expert"));
   state_saved_and_restored_is_bit_identical(moe_seams("relay", "token"));
+  state_saved_and_restored_is_bit_identical(Seams(), 3);
 }
 
 // Layer-level recomputation with expert parallelism: the backward reruns each layer's forward,
@@ -265,9 +282,9 @@ TEST(DistModel, StateSavedAndRestoredAtWRanksIsBitIdentical) {
 // deterministic given the layer input (FP32 router, top-k ties to the lower index, a stable route
 // sort, a plan that depends only on the counts, fixed-order combines); the cost is a second forward
 // exchange per MoE layer (counts + rows out and back: 2·R·H·b bytes per rank) besides the backward's.
-static void recompute_is_bit_identical(const Seams& seams) {
+static void recompute_is_bit_identical(const Seams& seams, int zero = 1) {
   const Comm& world = test_world();
-  Parallel par = test_parallel();
+  Parallel par = test_parallel(false, zero);
   ModelConfig c = dist_config();
   ASSERT_MODEL_FITS(c, par);
   const int B = 2, T = c.seq_len, N = B * T;
@@ -278,7 +295,7 @@ static void recompute_is_bit_identical(const Seams& seams) {
   Model m = model_create(c, 1, par, 0, seams);
   model_set_master(m, master);
   expect_recompute_bit_identical(m, x.data() + world.rank * N, y.data() + world.rank * N, B, T, 1.f / (N * world.size),
-                                 "rank " + std::to_string(world.rank) + " --moe " + seams.moe);
+                                 "rank " + std::to_string(world.rank) + " --moe " + seams.moe + " --zero " + std::to_string(zero));
   model_destroy(m);
   release(par);
 }
@@ -290,6 +307,7 @@ TEST(DistModel, RecomputeAtWRanksIsBitIdentical) {
   recompute_is_bit_identical(Seams());
   recompute_is_bit_identical(moe_seams("relay", "expert"));
   recompute_is_bit_identical(moe_seams("relay", "token"));
+  recompute_is_bit_identical(Seams(), 3);  // --zero 3: each group gathered again for its recomputation
 }
 
 // SCO (--offload_budget) at W ranks with expert parallelism: each rank offloads its own boundaries
@@ -329,6 +347,18 @@ TEST(DistModel, MemoryPredictionHoldsForEachDispatcherAndHead) {
                                         tight);
       release(par);
     }
+  {  // --zero 3: the gathered groups beside the dispatcher's bound in a layer's backward
+    testutil::PredictionCase pc;
+    pc.name = "--moe ep, hot:1/2, --zero 3";
+    pc.seams = dispatcher_seams("ep", "", c, B);
+    pc.routing = "hot:1/2";
+    Parallel par = test_parallel(false, 3);
+    testutil::expect_prediction_holds(testutil::predict_and_measure(c, par, pc, B, T),
+                                      "W=" + std::to_string(par.world.size) + " rank " + std::to_string(par.world.rank) +
+                                          ", " + pc.name,
+                                      par.world.rank == 0);
+    release(par);
+  }
   testutil::PredictionCase ring;
   ring.name = "--head ring_dtp, hot:1/2";
   ring.seams.head = "ring_dtp";

@@ -10,12 +10,16 @@
 
 // Normwise error of tensor `spec` over the part of it that lies in this rank's shards, between a
 // local flat GPU buffer and the same positions of ref; *elements gets that part's size (0: none).
+// (The part this rank keeps of it, local_pieces, within its region's shard: under --zero 3 a dense
+// tensor's kept part is all in the shard.)
 inline double shard_tensor_err(const Model& m, size_t spec, const std::vector<float>& gpu_local,
                                const std::vector<float>& ref_local, size_t* elements) {
   double num = 0, den = 0;
   *elements = 0;
-  for (const ParamRegion& r : m.regions) {
-    size_t lo = std::max(r.shard_offset, m.offsets[spec]), hi = std::min(r.shard_offset + r.shard, m.offsets[spec] + m.local_numel[spec]);
+  const ParamRegion& r = m.regions[m.spec_region[spec]];
+  for (const LocalPiece& p : local_pieces(model_param_layout(m))) {
+    if (p.spec != spec) continue;
+    size_t lo = std::max(r.shard_offset, p.at), hi = std::min(r.shard_offset + r.shard, p.at + p.count);
     for (size_t i = lo; i < hi; i++, (*elements)++) {
       num += (gpu_local[i] - ref_local[i]) * (double)(gpu_local[i] - ref_local[i]);
       den += (double)ref_local[i] * ref_local[i];
@@ -174,6 +178,7 @@ inline void ten_steps_agree_with_one_gpu(const ModelConfig& c, const Parallel& p
     dist_biases.push_back(dist.router_bias);
   }
   if (dist.routing_record) dist.routing_record->commit();
+  if (dist.zero3.on()) EXPECT_EQ(dist.zero3.most_gathered, 2) << "--zero 3: at most two groups' weights gathered at once";
   barrier(world, "ten_steps_agree_with_one_gpu: trace written");
 
   // rank 0's GPU alone, all experts, the whole global batch, the W ranks' routing replayed; every rank

@@ -821,6 +821,19 @@ TEST(Trainer, ResumeUnderSequenceParallelismIsBitIdenticalTwoRanks) {
   trainer_resume_is_bit_identical(2, "-sp", "--sp 2");
 }
 
+// --zero 3: each rank's file holds its shards of every forward group; resumed, the run continues bit for bit.
+// Resumed under --zero 1 instead, it is refused before the GPU starts, naming both stages.
+TEST(Trainer, ResumeUnderZero3IsBitIdenticalTwoRanks) {
+  REQUIRE_GPU();
+  trainer_resume_is_bit_identical(2, "-zero3", "--zero 3");
+  if (HasFatalFailure() || IsSkipped()) return;
+  const std::string dir = "build/test-out-trainer-resume-zero3-w2";
+  TrainerRun zero1 = run_trainer(dir + "/zero1", 2, "--resume " + dir + "/straight/ckpt_000003");
+  EXPECT_NE(zero1.rc, 0);
+  const std::string log = testutil::read_bytes(zero1.out + ".log");
+  EXPECT_NE(log.find("written under --zero 3; this run has --zero 1"), std::string::npos) << log;
+}
+
 TEST(Trainer, ResumeWithTheRingHeadIsBitIdenticalTwoRanks) {
   REQUIRE_GPU();
   const std::string flags = "--head ring_dtp --vocab_block 100 --sample_every 3 --sample_len 8";
