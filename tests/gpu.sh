@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [dist] [toy8] [shared] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [reach] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [dist] [toy8] [shared] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [zero3] [reach] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   dist: the whole test_dist at W = 2, 4 and 8 (DIST_WORLDS), both precisions, the ranks sharing the GPUs where W
 #     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
@@ -61,6 +61,8 @@
 #     mean step time of steps 11-30, pool peak, the prediction (sco.md)
 #   sco-timelines: the pool's timeline of one B1 step under recomputation, with SCO on every boundary and with
 #     kept attention (sco_timelines.tgz, CSV per run)
+#   zero3: ZeRO-3's tests (test_gpu's, and test_dist's at W = 2 and 8: ZERO3_WORLDS, ZERO3_PRECISIONS) and the default
+#     model at W = 8 ranks sharing the GPUs under --zero 1 and 3: predicted and measured peaks, step 5's pool timeline
 #   reach: the longest context and the largest batch of three MoE models on one GPU, plain, recomputed and under
 #     --plan auto (tools/bench_train.sh reach)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
@@ -206,6 +208,36 @@ if [[ " $want " == *" toy8 "* ]]; then
   } > "$OUT/toy8.md"
   cat "$OUT/toy8.md"
   tar czf "$OUT/toy8_logs.tgz" --exclude='ckpt_*' -C build toy8
+fi
+
+# zero3: ZeRO-3 (notes/zero3.md): test_gpu's GpuZero3.* and the two-rank trainer resume under --zero 3 (the ranks
+# sharing the GPUs); test_dist's tests that run --zero 3 (DistModel.Zero3*, RecomputeAtWRanks*, StateSaved*,
+# MemoryPrediction*) at W = 2 and 8 (ZERO3_WORLDS), in both precisions (ZERO3_PRECISIONS); then the default model
+# at W = 8 ranks sharing the GPUs, 6 BF16 steps under --zero 1 and --zero 3 with step 5's pool timeline: the
+# start-up prediction and the first step's measured peak of each (zero3.md), the logs and timelines in zero3_logs.tgz.
+if [[ " $want " == *" zero3 "* ]]; then
+  rm -rf build/zero3 && mkdir -p build/zero3
+  count_line() { grep -h '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$1" | tr '\n' ' '; }
+  for p in ${ZERO3_PRECISIONS:-fp32 bf16}; do
+    FLATMOE_SHARE_GPUS=1 FLATMOE_BIN=build/ FLATMOE_TRAIN=build/fp32/train build/$p/test_gpu \
+      --gtest_filter='GpuZero3.*:Trainer.ResumeUnderZero3*' > build/zero3/test_gpu_$p.log 2>&1 || status=1
+    summary+=("zero3 test_gpu $p: $(count_line build/zero3/test_gpu_$p.log)")
+    for W in ${ZERO3_WORLDS:-2 8}; do
+      FLATMOE_SHARE_GPUS=1 FLATMOE_TEST_WORLD=$W FLATMOE_TEST_LOG_DIR=build/zero3/dist_W${W}_$p timeout "${DIST_TIMEOUT:-600}" \
+        build/$p/test_dist --gtest_filter='DistModel.Zero3*:DistModel.RecomputeAtWRanks*:DistModel.StateSaved*:DistModel.MemoryPrediction*' \
+        > build/zero3/dist_W${W}_$p.log 2>&1 || status=1
+      summary+=("zero3 test_dist W=$W $p: $(count_line build/zero3/dist_W${W}_$p.log)")
+    done
+  done
+  echo "| --zero | predicted pool peak (rank 0) | measured after the first step |" > "$OUT/zero3.md"
+  echo "|---|---|---|" >> "$OUT/zero3.md"
+  for z in 1 3; do
+    timeout 300 build/bf16/train --data data/fortunes --gpus 8 --share_gpus 1 --zero $z --steps 6 --val_every 0 --sample_every 0 \
+      --ckpt_every 0 --log_every 1 --timeline_step 5 --out build/zero3/train_zero$z > build/zero3/train_zero$z.log 2>&1 || status=1
+    echo "| $z | $(grep -m1 '^memory prediction (Eq. 6' build/zero3/train_zero$z.log | cut -c1-400) | $(grep -m1 '^memory prediction vs the first step' build/zero3/train_zero$z.log) |" >> "$OUT/zero3.md"
+  done
+  cat "$OUT/zero3.md"
+  tar czf "$OUT/zero3_logs.tgz" -C build zero3
 fi
 
 # shared: the multi-rank checks that waited for a machine of several GPUs, with the ranks sharing this one's
