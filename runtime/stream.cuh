@@ -19,7 +19,7 @@
 //     error). A timeout, a CUDA error on the stream or an NCCL error ends the process through fm_fail,
 //     whose failure hook aborts every communicator first, so that the other ranks stop too.
 //   * No synchronous copy (cudaMemcpy, or cudaMemcpyAsync from or to pageable memory while the
-//     stream is busy; from pinned memory it is queued: model.cuh's PinnedUpload) and no
+//     stream is busy; from pinned memory it is queued: runtime/pinned.cuh's PinnedUpload) and no
 //     legacy-default-stream work while communicators overlap: either can wait
 //     without a bound, or serialise streams that were meant to overlap.
 #pragma once

@@ -35,11 +35,14 @@ std::string sequence_layout_skip(const SequenceLayout& l, int W) {
 }
 
 // The communicators of the layout: sequence groups of D, expert groups of E_p and the ranks that hold
-// the same experts, vocabulary groups of P and the ranks that hold the same interval (P > 1).
-Parallel sequence_parallel(const SequenceLayout& l) {
+// the same experts, vocabulary groups of P and the ranks that hold the same interval (P > 1); under ZeRO-3
+// (zero = 3) all W ranks again, for the dense weights' gathers.
+Parallel sequence_parallel(const SequenceLayout& l, int zero = 1) {
   const Comm& world = test_world();
   Parallel par;
   par.world = world;
+  par.zero = zero;
+  if (zero == 3) par.dense = comm_block_group(world, world.size, "dense");
   if (l.D > 1) par.seq = comm_block_group(world, l.D, "seq");
   if (l.ep > 1) par.ep = comm_block_group(world, l.ep, "ep");
   par.expert_replicas = comm_split(world, world.rank % l.ep, world.rank, "expert_replicas");
@@ -51,7 +54,7 @@ Parallel sequence_parallel(const SequenceLayout& l) {
 }
 
 void sequence_release(Parallel& par) {
-  for (Comm* c : {&par.seq, &par.ep, &par.expert_replicas, &par.vocab, &par.vocab_replicas}) comm_destroy(*c);
+  for (Comm* c : {&par.seq, &par.ep, &par.expert_replicas, &par.vocab, &par.vocab_replicas, &par.dense}) comm_destroy(*c);
 }
 
 // The toy model for every layout: nh = 8 heads of 32 (D up to 8 divides them), T = 32 (T/D >= 4 tokens
@@ -85,15 +88,57 @@ std::vector<std::vector<int>> global_routes_of(const std::vector<std::vector<int
   return global;
 }
 
+// One first step under layout l (its dense weights under ZeRO stage `zero`): the loss and every gradient of
+// every shard of every rank after the reduce-scatter, against the reference over the global batch (routing
+// pinned to the ranks' choices, placed at their global tokens).
+void first_step_matches_reference(const SequenceLayout& l, int zero) {
+  const Comm& world = test_world();
+  const ModelConfig c = sequence_config();
+  Parallel par = sequence_parallel(l, zero);
+  const std::string refused = model_parallel_refusal(c, par);
+  if (!refused.empty()) {
+    sequence_release(par);
+    FAIL() << l.name() << ": " << refused;
+  }
+  const int B = 2, T = c.seq_len, D = l.D, Tl = T / D, groups = world.size / D, N_global = groups * B * T;
+  const SequenceSplit split = sequence_split(world.rank, world.size, c.heads, T, D);
+  testutil::Rng rng;  // the harness gives every rank the same seed
+  std::vector<float> master = testutil::random_master(c, rng);
+  std::vector<int> x, y;
+  testutil::random_tokens(N_global, c.vocab, rng, x, y);
+  const std::vector<int> xl = rank_tokens(x, split, B, T), yl = rank_tokens(y, split, B, T);
+
+  Model m = model_create(c, 1, par, 0, sequence_seams(l));
+  model_set_master(m, master);
+  model_zero_grads(m);
+  const std::vector<std::vector<int>> routes = model_routes(m, xl.data(), B, Tl);
+  PassOptions o;
+  o.dloss = 1.f / N_global;
+  const float loss = mean_over_ranks(m, model_pass(m, xl.data(), yl.data(), B, Tl, o));
+  reduce_scatter_grads(m);
+  const std::vector<float> grads = download_local(m.main_grads, m.num_params);
+
+  ref::Model<double> r(c, testutil::as_seen_by_gpu(master));
+  std::vector<std::vector<int>> global_routes = global_routes_of(routes, world, D, c.heads, B, T, c.topk);
+  r.forced_routes = &global_routes;
+  const double ref_loss = ref_pass(r, x, y, groups * B, T, true, 1.0 / N_global);
+  const std::vector<float> ref_grads_global(r.grads.begin(), r.grads.end());
+  const std::vector<float> ref_local = local_from_global(m, ref_grads_global);
+
+  char what[112];
+  snprintf(what, sizeof what, "dist_sp_D%d_Ep%d_P%d%s_W%d_rank%d", l.D, l.ep, l.P, zero == 3 ? "_zero3" : "", world.size,
+           world.rank);
+  expect_first_step_matches(what, m, loss, ref_loss, grads, ref_local, r.route_disagreements);
+  model_destroy(m);
+  sequence_release(par);
+}
+
 }  // namespace
 
-// First step under each layout this W holds: the loss and every gradient of every shard of every rank
-// after the reduce-scatter, against the reference over the global batch (routing pinned to the ranks'
-// choices, placed at their global tokens).
+// First step under each layout this W holds (first_step_matches_reference).
 TEST(DistSequenceParallel, FirstStepShardsMatchReferenceOverGlobalBatch) {
   REQUIRE_WORLD(2);
   const Comm& world = test_world();
-  const ModelConfig c = sequence_config();
   int ran = 0;
   for (const SequenceLayout& l : kSequenceLayouts) {
     const std::string skip = sequence_layout_skip(l, world.size);
@@ -101,45 +146,27 @@ TEST(DistSequenceParallel, FirstStepShardsMatchReferenceOverGlobalBatch) {
       if (world.rank == 0) printf("[sp] skipped: %s\n", skip.c_str());
       continue;
     }
-    Parallel par = sequence_parallel(l);
-    const std::string refused = model_parallel_refusal(c, par);
-    if (!refused.empty()) {
-      sequence_release(par);
-      FAIL() << l.name() << ": " << refused;
-    }
-    const int B = 2, T = c.seq_len, D = l.D, Tl = T / D, groups = world.size / D, N_global = groups * B * T;
-    const SequenceSplit split = sequence_split(world.rank, world.size, c.heads, T, D);
-    testutil::Rng rng;  // the harness gives every rank the same seed
-    std::vector<float> master = testutil::random_master(c, rng);
-    std::vector<int> x, y;
-    testutil::random_tokens(N_global, c.vocab, rng, x, y);
-    const std::vector<int> xl = rank_tokens(x, split, B, T), yl = rank_tokens(y, split, B, T);
-
-    Model m = model_create(c, 1, par, 0, sequence_seams(l));
-    model_set_master(m, master);
-    model_zero_grads(m);
-    const std::vector<std::vector<int>> routes = model_routes(m, xl.data(), B, Tl);
-    PassOptions o;
-    o.dloss = 1.f / N_global;
-    const float loss = mean_over_ranks(m, model_pass(m, xl.data(), yl.data(), B, Tl, o));
-    reduce_scatter_grads(m);
-    const std::vector<float> grads = download_local(m.main_grads, m.num_params);
-
-    ref::Model<double> r(c, testutil::as_seen_by_gpu(master));
-    std::vector<std::vector<int>> global_routes = global_routes_of(routes, world, D, c.heads, B, T, c.topk);
-    r.forced_routes = &global_routes;
-    const double ref_loss = ref_pass(r, x, y, groups * B, T, true, 1.0 / N_global);
-    const std::vector<float> ref_grads_global(r.grads.begin(), r.grads.end());
-    const std::vector<float> ref_local = local_from_global(m, ref_grads_global);
-
-    char what[96];
-    snprintf(what, sizeof what, "dist_sp_D%d_Ep%d_P%d_W%d_rank%d", l.D, l.ep, l.P, world.size, world.rank);
-    expect_first_step_matches(what, m, loss, ref_loss, grads, ref_local, r.route_disagreements);
-    model_destroy(m);
-    sequence_release(par);
+    first_step_matches_reference(l, 1);
+    if (HasFatalFailure()) return;
     ran++;
   }
   if (ran == 0) GTEST_SKIP() << "no layout of the issue fits W=" << world.size;
+}
+
+// MoP's whole layout: sequence groups, expert groups, vocabulary groups and ZeRO-3's dense shards over the
+// same W ranks (notes/zero3.md), first step against the reference: (2, 2, 1) and, where W holds it,
+// (4, 2, 2) with the ring head.
+TEST(DistSequenceParallel, FirstStepUnderZero3MatchesReferenceOverGlobalBatch) {
+  REQUIRE_WORLD(2);
+  const Comm& world = test_world();
+  int ran = 0;
+  for (const SequenceLayout& l : {SequenceLayout{2, 2, 1}, SequenceLayout{4, 2, 2}}) {
+    if (!sequence_layout_skip(l, world.size).empty()) continue;
+    first_step_matches_reference(l, 3);
+    if (HasFatalFailure()) return;
+    ran++;
+  }
+  if (ran == 0) GTEST_SKIP() << "D = E_p = 2 needs an even W, this run has W=" << world.size;
 }
 
 // Ten training steps at W ranks in sequence groups of D = 2 (E_p = 2) against one GPU over the same global
