@@ -51,6 +51,7 @@
 #include "ops/ulysses.cuh"
 #include "runtime/comm.cuh"
 #include "runtime/side_stream.cuh"
+#include "runtime/update_stream.cuh"
 #include "runtime/graph.cuh"
 #include "runtime/pinned.cuh"
 #include "runtime/pool.cuh"
@@ -112,24 +113,6 @@ struct PassGraph {
   bool ran_eagerly = false;  // the key's first pass ran without the graph
   std::string eager_why;     // not empty: the key's passes stay eager, and why
   CapturedWork work;         // captured at the key's second pass, again whenever its blocks are not all free
-};
-
-// The optimizer beside the next forward (--overlap_update 1;
-// notes/speed.md, 'The update beside the next forward'). A step's update is memory-bound (AdamW: 28 bytes
-// per parameter) and the next step's forward mostly compute-bound, and layer l's forward needs only the
-// weights of its own group (ParamSpec.forward_group: the embedding with layer 0, each layer, the final norm
-// with the head). So on one rank the update runs on a stream of its own, group by group in the forward's
-// order, an event after each; the next pass waits for group g just before it reads it (model_wait_update)
-// and everything else that reads the weights, the moments or the pass's gradients waits for all of them
-// (model_join_update). The same launches with the same arguments: the weights are bit-identical to the
-// update on the compute stream.
-struct UpdateStream {
-  cudaStream_t stream = nullptr;  // created on the first overlapped update
-  std::vector<StreamPoint> done;  // [L + 1]: group g's weights written (and its pass grads zeroed)
-  // [L + 1]: the pass's gradient ranges of each group (merged segments), zeroed after its update
-  std::vector<std::vector<std::pair<size_t, size_t>>> grad_ranges;
-  int next_wait = 0;  // groups [0, next_wait) the compute stream waits for already
-  int groups = 0;     // L + 1 (0: no update queued yet)
 };
 
 struct Model {
@@ -265,16 +248,13 @@ inline std::vector<float> local_from_global(const Model& m, const std::vector<fl
   return local_from_global(m.specs, model_param_layout(m), m.par.ep.rank, global);
 }
 
-// The compute stream waits for the update's group g (and every group before it), once per update.
-inline void model_wait_update(Model& m, int g) {
-  UpdateStream& u = m.update;
-  for (; u.next_wait < u.groups && u.next_wait <= g; u.next_wait++)
-    u.done[u.next_wait].wait_on(m.stream, "model_wait_update");
-}
+// The compute stream waits for the update's group g (and every group before it), once per update
+// (--overlap_update, runtime/update_stream.cuh).
+inline void model_wait_update(Model& m, int g) { m.update.wait(m.stream, g); }
 
 // The compute stream waits for the whole update: before anything but a pass reads the weights, the
 // optimizer's state or the gradients.
-inline void model_join_update(Model& m) { model_wait_update(m, m.update.groups - 1); }
+inline void model_join_update(Model& m) { m.update.join(m.stream); }
 
 // Sets the weights from this rank's host fp32 weights in its local flat layout: the floatX copy of
 // everything it holds, and the optimizer's fp32 master weights of its shards.
@@ -507,7 +487,7 @@ inline Model model_create(const ModelConfig& cfg, unsigned long long seed, const
 
 inline void model_destroy(Model& m) {
   model_join_update(m);  // the pool reuses the blocks in the compute stream's order
-  if (m.update.stream) cudaCheck(cudaStreamDestroy(m.update.stream), "model_destroy", "update stream");
+  m.update.destroy();
   m.wgrad->set_on(false);  // its cuBLAS workspace back to the pool
   if ((void*)m.main_grads != (void*)m.grads) pool().free(m.main_grads);
   for (void* p : {(void*)m.params, (void*)m.grads, (void*)m.router_bias_dev, (void*)m.step_loads_dev,
@@ -1401,37 +1381,6 @@ inline bool update_beside_next_forward(const Model& m, const TrainConfig& t) {
          !m.zero3.on();
 }
 
-// The update stream, ready for this step's update: created with its events on the first call; the
-// pass's gradient ranges of each group, which together must be every gradient (one rank's shard is
-// the whole buffer); and it waits for the compute stream's work so far (the norm, the clip factor).
-inline cudaStream_t update_stream_begin(Model& m) {
-  UpdateStream& u = m.update;
-  const int G = m.cfg.layers + 1;
-  if (!u.stream) {
-    // a blocking stream (work on the legacy default stream, a test's model or a cudaMemcpy, waits for
-    // it) of the background priority (runtime/stream.cuh: the trainer's forward takes the SMs first)
-    const int priority = stream_priority(StreamPriority::Background, "update_stream");
-    cudaCheck(cudaStreamCreateWithPriority(&u.stream, cudaStreamDefault, priority), "update_stream", "L=%d", m.cfg.layers);
-    u.done = std::vector<StreamPoint>(G);
-    u.grad_ranges.assign(G, {});
-    std::vector<ShardSegment> segs = m.opt->segments;
-    std::sort(segs.begin(), segs.end(), [](const ShardSegment& a, const ShardSegment& b) { return a.param_offset < b.param_offset; });
-    size_t covered = 0;
-    for (const ShardSegment& g : segs) {
-      auto& ranges = u.grad_ranges.at(g.group);
-      if (!ranges.empty() && ranges.back().first + ranges.back().second == g.param_offset) ranges.back().second += g.count;
-      else if (g.count > 0) ranges.emplace_back(g.param_offset, g.count);
-      covered += g.count;
-    }
-    if (covered != m.num_params)
-      fm_fail("update_stream", "the optimizer's segments must cover every gradient", "covered=%zu P=%zu", covered, m.num_params);
-  }
-  u.groups = G;
-  u.next_wait = 0;
-  stream_after(u.stream, m.stream, "update_stream");
-  return u.stream;
-}
-
 // One optimizer step on this rank's shards: reduce-scatter the gradients, clip by the global norm,
 // the optimizer on the shards, weights all-gathered, then the router bias update from the global
 // batch's loads (m.step_loads holds the global loads afterwards). Returns the norm before clipping.
@@ -1456,23 +1405,14 @@ inline float model_update(Model& m, const TrainConfig& t, float lr, bool pass_gr
   const bool beside = update_beside_next_forward(m, t);
   prof_mark(m.stream, beside ? "optimizer: queued on the update stream" : "optimizer",
             device_opt && !beside ? (double)m.opt->state_count * (24 + grad_bytes + sizeof(floatX)) : 0.0);
-  cudaStream_t us = beside ? update_stream_begin(m) : m.stream;
-  int finished = 0;  // groups whose stream point is recorded (beside)
-  auto finish_through = [&](int g) {
-    for (; finished <= g; finished++) {
-      if (pass_grads)  // the fold's other half, group by group
-        for (auto [offset, count] : m.update.grad_ranges[finished])
-          cudaCheck(cudaMemsetAsync(m.grads + offset, 0, count * sizeof(floatX), us), "model_update",
-                    "group=%d count=%zu", finished, count);
-      m.update.done[finished].record(us, "model_update");
-    }
-  };
-  if (beside) m.opt->group_done = finish_through;
+  cudaStream_t us = beside ? m.update.begin(m.opt->segments, m.num_params, m.cfg.layers + 1, m.stream) : m.stream;
+  floatX* zeroed_after = pass_grads ? m.grads : nullptr;  // the fold's other half, group by group (beside)
+  if (beside) m.opt->group_done = [&](int g) { m.update.finish_through(g, zeroed_after); };
   if (pass_grads) m.opt->step_from_pass_grads(m.params, m.grads, lr, settings, m.grad_scale_dev, us);
   else m.opt->step(m.params, m.main_grads, lr, settings, m.grad_scale_dev, us);
   if (beside) {
     m.opt->group_done = nullptr;
-    finish_through(m.update.groups - 1);  // groups without segments
+    m.update.finish_through(m.update.groups - 1, zeroed_after);  // groups without segments
   } else if (pass_grads) {  // the fold's other half
     prof_mark(m.stream, "zero pass grads");
     cudaCheck(cudaMemsetAsync(m.grads, 0, m.num_params * sizeof(floatX), m.stream), "model_update", "P=%zu",

@@ -20,7 +20,7 @@
 // The pinned memory is rewritten only after the copy that last read it has run: host_wait on its
 // stream point, which returns at once in a training step (a pass ends with its loss's download). It
 // only grows: cudaFreeHost synchronises the device, which would also wait for the optimizer beside
-// the pass (model.cuh's UpdateStream).
+// the pass (runtime/update_stream.cuh).
 struct PinnedUpload {
   int* host = nullptr;
   size_t capacity = 0;  // ints
