@@ -108,12 +108,6 @@ struct PassGraphKey {
   }
 };
 
-struct PassGraph {
-  PassGraphKey key;
-  bool ran_eagerly = false;  // the key's first pass ran without the graph
-  std::string eager_why;     // not empty: the key's passes stay eager, and why
-  CapturedWork work;         // captured at the key's second pass, again whenever its blocks are not all free
-};
 
 struct Model {
   ModelConfig cfg;
@@ -175,9 +169,7 @@ struct Model {
   std::unique_ptr<PinnedUpload> buckets_upload = std::make_unique<PinnedUpload>();
   std::unique_ptr<PinnedLoss> loss_host = std::make_unique<PinnedLoss>();
   // --cuda_graph (model_pass): passes captured as CUDA graphs, one per PassGraphKey, and launched again
-  bool graph_passes = false;
-  std::vector<std::unique_ptr<PassGraph>> pass_graphs;
-  long long graph_captures = 0, graph_launches = 0;
+  GraphedPasses<PassGraphKey> graphs;
 
   // --routing: a profile (paper appendix B.2) that replaces the router's expert choice
   bool routing_override = false;
@@ -1205,20 +1197,11 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
     pool().free(p);
 }
 
-// The graph of the passes of one key (--cuda_graph, model_pass).
-inline PassGraph& pass_graph_for(Model& m, const PassGraphKey& key) {
-  for (auto& g : m.pass_graphs)
-    if (g->key == key) return *g;
-  m.pass_graphs.push_back(std::make_unique<PassGraph>());
-  m.pass_graphs.back()->key = key;
-  return *m.pass_graphs.back();
-}
-
 // inputs/targets: host [B·T], this rank's tokens: B sequences of T, or under --sp D (m.par.seq) this
 // rank's slice of T tokens of each of B sequences of T·D (data::sequence_slice). Returns the mean loss
 // over the B·T tokens; with o.backward the gradients of dloss · Σ losses are added (+=) into m.grads.
-// With m.graph_passes (--cuda_graph, runtime/graph.cuh), outside a profiled step or a pool timeline
-// (both record the host's own calls): the first pass of each key (PassGraphKey) runs eagerly and
+// With m.graphs.on (--cuda_graph; runtime/graph.cuh's GraphedPasses), outside a profiled step or a pool
+// timeline (both record the host's own calls): the first pass of each key (PassGraphKey) runs eagerly and
 // counts its host waits; the next is captured, and later ones launch that graph. A key whose eager
 // pass waited for the host inside it stays eager.
 inline float model_pass(Model& m, const int* inputs, const int* targets, int B, int T, const PassOptions& o) {
@@ -1241,25 +1224,11 @@ inline float model_pass(Model& m, const int* inputs, const int* targets, int B, 
                          m.update.groups - m.update.next_wait,
                          m.tokens_upload->host,
                          o.backward ? m.buckets_upload->host : nullptr};
-  PassGraph* graph = m.graph_passes && !profiler().on && !pool().timeline() ? &pass_graph_for(m, key) : nullptr;
-  if (graph == nullptr || !graph->eager_why.empty()) {
-    enqueue_pass(m, B, T, o, stage_buckets);
-  } else if (!graph->ran_eagerly) {  // sizes the model's lazy buffers, and shows whether the pass waits for the host
-    long long staging_waits = 0;
-    const long long before = host_waits();
-    enqueue_pass(m, B, T, o, [&] {
-      const long long w = host_waits();
-      stage_buckets();
-      staging_waits = host_waits() - w;
-    });
-    const long long inside = host_waits() - before - staging_waits;
-    graph->ran_eagerly = true;
-    if (inside > 0) graph->eager_why = std::to_string(inside) + " host waits inside the pass";
-  } else {
-    stage_buckets();
-    if (graph->work.run(s, "model_pass", [&] { enqueue_pass(m, B, T, o, nullptr); })) m.graph_captures++;
-    m.graph_launches++;
-    m.update.next_wait = m.update.groups;  // the graph waits for the whole update, as the captured pass did
+  const bool launched = m.graphs.run(key, !profiler().on && !pool().timeline(), s,
+                                     [&](const std::function<void()>& after_forward) { enqueue_pass(m, B, T, o, after_forward); },
+                                     stage_buckets);
+  if (launched) {  // what the launch read: the update's groups (it waits for them all, as the captured pass did), the uploads
+    m.update.next_wait = m.update.groups;
     m.tokens_upload->copied_by(s, "tokens_targets");
     if (o.backward) m.buckets_upload->copied_by(s, "token_buckets");
   }

@@ -498,7 +498,7 @@ int train_main(int argc, char** argv) {
     m.routing_override = tc.routing != "router" && trace_path.empty();
     if (m.routing_override) m.routing = parse_routing_profile(tc.routing);
     m.replay = std::move(replay);
-    m.graph_passes = cuda_graph_refusal(tc, sizeof(floatX) == 2).empty();  // --cuda_graph (model.cuh's model_pass)
+    m.graphs.on = cuda_graph_refusal(tc, sizeof(floatX) == 2).empty();  // --cuda_graph (model.cuh's model_pass)
     // --record_routing: this run's training passes, from where it starts (a resume: its checkpoint's step)
     m.record_routing = !tc.record_routing.empty();
     const long long passes = (long long)(tc.steps - st.step) * accum;
@@ -603,13 +603,13 @@ int train_main(int argc, char** argv) {
               mfu, pool().peak() / 1048576.0, bal.worst_max_over_mean, bal.bias_min, bal.bias_max, ranks_on_gpu);
       fflush(log);
     }
-    if (m.graph_passes && main_rank) {
+    if (m.graphs.on && main_rank) {
       std::string kinds;
-      for (const auto& g : m.pass_graphs) {
+      for (const auto& g : m.graphs.entries) {
         if (!g->eager_why.empty()) kinds += "; a kind of pass stays eager: " + g->eager_why;
         else if (g->work.exec != nullptr) kinds += "; a graph of " + std::to_string(g->work.nodes) + " nodes";
       }
-      printf("cuda graph: %lld captures, %lld launches%s\n", m.graph_captures, m.graph_launches, kinds.c_str());
+      printf("cuda graph: %lld captures, %lld launches%s\n", m.graphs.captures, m.graphs.launches, kinds.c_str());
     }
     if (m.routing_record) {
       m.routing_record->commit();

@@ -22,6 +22,9 @@
 // caller captures only work that it has seen run without one.
 #pragma once
 #include <functional>
+#include <memory>
+#include <string>
+#include <vector>
 #include "check.cuh"
 #include "pool.cuh"
 #include "stream.cuh"
@@ -72,5 +75,61 @@ struct CapturedWork {
     cudaCheck(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority), op,
               "cudaGraphInstantiate (%zu nodes)", nodes);
     cudaCheck(cudaGraphDestroy(graph), op, "cudaGraphDestroy");
+  }
+};
+
+// Passes launched as graphs (model.cuh's model_pass under --cuda_graph): one entry per Key, the value of
+// everything the host decides for a pass (==). A key's first pass runs eagerly and counts the host waits
+// inside it; a key whose eager pass waited stays eager (eager_why says why), the others are captured at
+// their second pass and launched from then on.
+template <typename Key>
+struct GraphedPasses {
+  struct Entry {
+    Key key;
+    bool ran_eagerly = false;  // the key's first pass ran without the graph
+    std::string eager_why;     // not empty: the key's passes stay eager, and why
+    CapturedWork work;         // captured at the key's second pass, again whenever its blocks are not all free
+  };
+  bool on = false;  // --cuda_graph
+  std::vector<std::unique_ptr<Entry>> entries;
+  long long captures = 0, launches = 0;
+
+  // One pass of key k on `stream`, as a graph where it can be (`allowed`, and on): enqueue(after_forward)
+  // queues the pass's work and calls after_forward() on the host once its forward is queued; stage() is the
+  // host's staging of the pass's inputs, which an eager pass does at after_forward (its host waits not
+  // counted as the pass's) and a launch before it. True: the pass was launched as a graph.
+  bool run(const Key& k, bool allowed, cudaStream_t stream, const std::function<void(const std::function<void()>&)>& enqueue,
+           const std::function<void()>& stage) {
+    Entry* e = on && allowed ? &entry(k) : nullptr;
+    if (e == nullptr || !e->eager_why.empty()) {
+      enqueue(stage);
+      return false;
+    }
+    if (!e->ran_eagerly) {  // sizes the caller's lazy buffers, and shows whether the pass waits for the host
+      long long staging_waits = 0;
+      const long long before = host_waits();
+      enqueue([&] {
+        const long long w = host_waits();
+        stage();
+        staging_waits = host_waits() - w;
+      });
+      const long long inside = host_waits() - before - staging_waits;
+      e->ran_eagerly = true;
+      if (inside > 0) e->eager_why = std::to_string(inside) + " host waits inside the pass";
+      return false;
+    }
+    stage();
+    if (e->work.run(stream, "graphed pass", [&] { enqueue(nullptr); })) captures++;
+    launches++;
+    return true;
+  }
+
+ private:
+  Entry& entry(const Key& k) {
+    for (auto& e : entries)
+      if (e->key == k) return *e;
+    entries.push_back(std::make_unique<Entry>());
+    entries.back()->key = k;
+    return *entries.back();
   }
 };

@@ -667,7 +667,7 @@ TEST(GpuModel, GraphPassesTrainAsEagerPassesDo) {
       t.recompute = k.recompute;
       cudaStream_t stream = stream_create("test.compute", StreamPriority::Compute);
       Model m = model_create(c, 11, Parallel(), stream);
-      m.graph_passes = graphs;
+      m.graphs.on = graphs;
       Run r;
       std::vector<testutil::HostFlag> flags(steps);  // flags[s] holds step s's update
       for (int step = 0; step < steps; step++) {
@@ -697,8 +697,8 @@ TEST(GpuModel, GraphPassesTrainAsEagerPassesDo) {
       r.state = m.opt->save(m.stream);
       r.params = testutil::download_vec(m.params, m.num_params);
       r.bias = m.router_bias;
-      r.captures = m.graph_captures;
-      r.launches = m.graph_launches;
+      r.captures = m.graphs.captures;
+      r.launches = m.graphs.launches;
       model_destroy(m);
       cudaCheck(cudaStreamDestroy(stream), "test", "stream");
       return r;
