@@ -36,3 +36,67 @@ TEST(GpuMemoryPrediction, IsAtLeastThePoolPeakAndWithinTenPercent) {
   for (const testutil::PredictionCase& pc : cases)
     testutil::expect_prediction_holds(testutil::predict_and_measure(c, Parallel(), pc, B, T), "one GPU, " + pc.name, true);
 }
+
+// --zero 3 on one GPU (runtime/zero3.cuh): the gathered groups (here whole, W = 1) beside the kept weights,
+// the prediction's "gathered groups" term against the pool's peak.
+TEST(GpuMemoryPrediction, HoldsUnderZero3) {
+  REQUIRE_GPU();
+  ModelConfig c;
+  c.vocab = 512; c.hidden = 256; c.heads = 4; c.layers = 4; c.experts = 8; c.topk = 2; c.expert_dim = 256;
+  c.n_dense = 1; c.dense_dim = 512; c.shared_expert = 1; c.seq_len = 256;
+  Parallel par;
+  par.zero = 3;
+  for (bool recompute : {false, true}) {
+    testutil::PredictionCase pc;
+    pc.name = std::string("--zero 3, recompute ") + (recompute ? "on" : "off");
+    pc.recompute = recompute;
+    testutil::expect_prediction_holds(testutil::predict_and_measure(c, par, pc, 16, c.seq_len), "one GPU, " + pc.name, true);
+  }
+}
+
+// The prediction's ZeRO-3 terms from the layout alone (no GPU): at W = 8 ranks (E_p = 8) a rank under --zero 3
+// keeps (P_1 − P_3) fewer elements than under --zero 1 (the dense weights but its shards), which leave the
+// weights term (b bytes each) and the gradients term (b, and 4 for the BF16 build's fp32 sum); what it gathers
+// at the peak is the running group's weights and gradients and the prefetched group's weights (at a group's
+// reduce-scatter also their fp32 copy and the reduced shard): at most (3b + 8) bytes an element of the largest
+// group; under --zero 1 that term is 0.
+TEST(MemoryPrediction, Zero3MovesTheDenseWeightsOutAndGathersTwoGroups) {
+  ModelConfig c;
+  c.vocab = 4096; c.hidden = 384; c.heads = 6; c.layers = 6; c.experts = 8; c.topk = 2; c.expert_dim = 384;
+  c.seq_len = 256;
+  const int W = 8, B = 4;
+  auto shape = [&](int zero) {
+    Parallel par;
+    par.world.size = W;
+    par.ep.size = W;
+    par.zero = zero;
+    par.dense.size = zero == 3 ? W : 1;
+    return par;
+  };
+  auto term = [](const MemoryPrediction& p, const std::string& name) {
+    for (const MemoryTerm& t : p.terms)
+      if (t.name == name) return t.bytes;
+    ADD_FAILURE() << "no term " << name;
+    return (size_t)0;
+  };
+  const std::vector<ParamSpec> specs = param_specs(c);
+  const ParamLayout one = param_layout(specs, W, RegionGroup{W, 0}, RegionGroup{1, 0});
+  const ParamLayout three = param_layout(specs, W, RegionGroup{W, 0}, RegionGroup{1, 0}, VocabSplit(), true);
+  size_t largest_group = 0;
+  for (const ParamRegion& r : three.regions)
+    if (r.gathered) largest_group = std::max(largest_group, r.padded);
+  const size_t b = sizeof(floatX), moved = one.num_params - three.num_params;
+  const bool fp32_sum = !std::is_same<floatX, float>::value;
+  for (bool recompute : {false, true}) {
+    const MemoryPrediction p1 = predict_rank_memory(c, shape(1), Seams(), B, c.seq_len, recompute);
+    const MemoryPrediction p3 = predict_rank_memory(c, shape(3), Seams(), B, c.seq_len, recompute);
+    printf("[mem] W=%d recompute %d: --zero 1 %.1f MiB at %s; --zero 3 %.1f MiB at %s (%s)\n", W, recompute,
+           p1.total() / 1048576.0, p1.peak_at.c_str(), p3.total() / 1048576.0, p3.peak_at.c_str(), p3.describe().c_str());
+    EXPECT_EQ(term(p1, "weights") - term(p3, "weights"), moved * b);
+    EXPECT_EQ(term(p1, "grads") - term(p3, "grads"), moved * (b + (fp32_sum ? 4 : 0)));
+    EXPECT_EQ(term(p1, "gathered groups (ZeRO-3)"), 0u);
+    EXPECT_GT(term(p3, "gathered groups (ZeRO-3)"), 0u);
+    EXPECT_LE(term(p3, "gathered groups (ZeRO-3)"), (3 * b + 8) * largest_group);
+    EXPECT_LT(p3.total(), p1.total()) << "the dense weights moved out outweigh two gathered groups here";
+  }
+}
