@@ -1317,15 +1317,26 @@ inline void all_gather_weights(Model& m) {
 
 // Global gradient norm: every element of the model lies in exactly one rank's shard. Of main_grads, or
 // of the pass's grads where the step skipped the fold: the same float (common.cuh's sumsq sums bf16
-// values in the order of their fp32 copies). Stays on the device: its square in m.scalar_dev, the
+// values in the order of their fp32 copies). Each run of shards that lie end to end in memory is one
+// sum, so the order follows the memory, not the regions: ZeRO-3's groups at W = 1 sum as ZeRO-1's one
+// region does. Stays on the device: its square in m.scalar_dev, the
 // clip factor clip_scale(norm, max_norm) in m.grad_scale_dev, which the optimizer reads there — the
 // host queues the update without waiting (model_update downloads the norm after it).
 inline void model_grad_norm_on_device(Model& m, bool pass_grads, float max_norm) {
   cudaCheck(cudaMemsetAsync(m.sumsq_partials, 0, SUMSQ_BLOCKS * sizeof(float), m.stream), "grad_norm", "P=%zu", m.num_params);
+  auto sum_run = [&](size_t first, size_t count) {
+    if (pass_grads) sumsq_accumulate(m.sumsq_partials, m.grads + first, count, m.stream);
+    else sumsq_accumulate(m.sumsq_partials, m.main_grads + first, count, m.stream);
+  };
+  size_t run_first = 0, run_count = 0;
   for (const ParamRegion& r : m.regions) {
-    if (pass_grads) sumsq_accumulate(m.sumsq_partials, m.grads + r.shard_offset, r.shard, m.stream);
-    else sumsq_accumulate(m.sumsq_partials, m.main_grads + r.shard_offset, r.shard, m.stream);
+    if (r.shard_offset != run_first + run_count) {
+      sum_run(run_first, run_count);
+      run_first = r.shard_offset, run_count = 0;
+    }
+    run_count += r.shard;
   }
+  sum_run(run_first, run_count);
   sumsq_finish(m.scalar_dev, m.sumsq_partials, m.stream);
   if (m.par.world.size > 1) all_reduce_sum(m.par.world, m.scalar_dev, m.scalar_dev, 1, m.stream);
   clip_scale_on_device(m.grad_scale_dev, m.scalar_dev, max_norm, m.stream);

@@ -22,6 +22,18 @@
 
 namespace {
 
+// A test's folder for what it writes (trainer runs, timelines): one per build (build/test-out-NAME-fp32,
+// -bf16), so that the two test binaries may run at once. fresh_test_dir empties it of what an earlier
+// run of the test left.
+std::string test_dir(const std::string& name) { return "build/test-out-" + name + (BUILD_BF16 ? "-bf16" : "-fp32"); }
+
+std::string fresh_test_dir(const std::string& name) {
+  const std::string dir = test_dir(name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
 using testutil::as_seen_by_gpu;
 using testutil::random_master;
 using testutil::random_tokens;
@@ -398,10 +410,9 @@ TEST(GpuModel, PoolPeakEqualsLargestLiveTotalInTimeline) {
   EXPECT_EQ(live, start);
   EXPECT_GT(pool().peak(Mem::Logits), (size_t)N * c.vocab * sizeof(floatX) - 1);
   // the CSV's per-category columns add up to the live total on every row
-  mkdir("build", 0755);
-  mkdir("build/test-out-pool", 0755);
-  ASSERT_TRUE(pool().write_csv("build/test-out-pool/timeline.csv"));
-  FILE* f = fopen("build/test-out-pool/timeline.csv", "r");
+  const std::string csv = fresh_test_dir("pool") + "/timeline.csv";
+  ASSERT_TRUE(pool().write_csv(csv.c_str()));
+  FILE* f = fopen(csv.c_str(), "r");
   ASSERT_NE(f, nullptr);
   char line[4096];
   int rows = 0;
@@ -764,10 +775,7 @@ void trainer_resume_is_bit_identical(int gpus, const std::string& tag = "", cons
   if (getenv("FLATMOE_TRAIN") == nullptr) GTEST_SKIP() << "FLATMOE_TRAIN (the trainer binary) is not set";
   if (gpu_count() < gpus && !gpu_sharing())
     GTEST_SKIP() << "needs " << gpus << " GPUs, or ranks sharing them (FLATMOE_SHARE_GPUS=1); this machine has " << gpu_count();
-  const std::string dir = "build/test-out-trainer-resume" + tag + "-w" + std::to_string(gpus);
-  std::filesystem::remove_all(dir);  // what an earlier run of this test left
-  mkdir("build", 0755);
-  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  const std::string dir = fresh_test_dir("trainer-resume" + tag + "-w" + std::to_string(gpus));
   TrainerRun straight = run_trainer(dir + "/straight", gpus, flags);
   ASSERT_EQ(straight.rc, 0) << "see " << straight.out << ".log";
   TrainerRun resumed = run_trainer(dir + "/resumed", gpus, flags + " --resume " + dir + "/straight/ckpt_000003");
@@ -827,7 +835,7 @@ TEST(Trainer, ResumeUnderZero3IsBitIdenticalTwoRanks) {
   REQUIRE_GPU();
   trainer_resume_is_bit_identical(2, "-zero3", "--zero 3");
   if (HasFatalFailure() || IsSkipped()) return;
-  const std::string dir = "build/test-out-trainer-resume-zero3-w2";
+  const std::string dir = test_dir("trainer-resume-zero3-w2");
   TrainerRun zero1 = run_trainer(dir + "/zero1", 2, "--resume " + dir + "/straight/ckpt_000003");
   EXPECT_NE(zero1.rc, 0);
   const std::string log = testutil::read_bytes(zero1.out + ".log");
@@ -840,7 +848,7 @@ TEST(Trainer, ResumeWithTheRingHeadIsBitIdenticalTwoRanks) {
   trainer_resume_is_bit_identical(2, "-ring_dtp", flags);
   if (HasFatalFailure() || IsSkipped()) return;
   // the same checkpoint under the full head (lm_head whole on each rank) is refused, naming both splits
-  const std::string dir = "build/test-out-trainer-resume-ring_dtp-w2";
+  const std::string dir = test_dir("trainer-resume-ring_dtp-w2");
   TrainerRun full = run_trainer(dir + "/full", 2, "--resume " + dir + "/straight/ckpt_000003");
   EXPECT_NE(full.rc, 0);
   const std::string log = testutil::read_bytes(full.out + ".log");
@@ -878,10 +886,7 @@ void trainer_graph_run_is_the_eager_run(int gpus, const std::string& tag, const 
   const char* bin_dir = getenv("FLATMOE_BIN");
   const std::string bin = std::string(bin_dir ? bin_dir : "build/") + "/bf16/train";
   if (access(bin.c_str(), X_OK) != 0) GTEST_SKIP() << bin << " is not built (FLATMOE_BIN names the build folder)";
-  const std::string dir = "build/test-out-trainer-graph" + tag;
-  std::filesystem::remove_all(dir);  // what an earlier run of this test left
-  mkdir("build", 0755);
-  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  const std::string dir = fresh_test_dir("trainer-graph" + tag);
   const std::string flags = " --steps 8 --val_every 2 --val_batches 3 --ckpt_every 4 " + parallel_flags;
   TrainerRun eager = run_trainer(dir + "/eager", gpus, "--cuda_graph 0" + flags, bin);
   TrainerRun graphs = run_trainer(dir + "/graphs", gpus, "--cuda_graph 1" + flags, bin);
@@ -956,10 +961,7 @@ void trainer_replays_its_routing_trace(int gpus) {
   if (getenv("FLATMOE_TRAIN") == nullptr) GTEST_SKIP() << "FLATMOE_TRAIN (the trainer binary) is not set";
   if (gpu_count() < gpus && !gpu_sharing())
     GTEST_SKIP() << "needs " << gpus << " GPUs, or ranks sharing them (FLATMOE_SHARE_GPUS=1); this machine has " << gpu_count();
-  const std::string dir = "build/test-out-trainer-trace-w" + std::to_string(gpus);
-  std::filesystem::remove_all(dir);  // what an earlier run of this test left
-  mkdir("build", 0755);
-  ASSERT_EQ(mkdir(dir.c_str(), 0755), 0);
+  const std::string dir = fresh_test_dir("trainer-trace-w" + std::to_string(gpus));
   const std::string trace = dir + "/recorded.trace", replay = " --routing trace:" + trace;
   for (const auto& [name, extra] : std::vector<std::pair<std::string, std::string>>{
            {"recorded", ""},
