@@ -12,6 +12,7 @@
 #include "dist_model_util.cuh"
 #include "dist_util.cuh"
 #include "gpu_util.cuh"
+#include "memory_prediction.cuh"
 #include "model_util.cuh"
 
 namespace {
@@ -214,4 +215,37 @@ TEST(DistSequenceParallel, RecomputeThroughTheExchangesIsBitIdentical) {
                                  "rank " + std::to_string(world.rank) + " " + l.name());
   model_destroy(m);
   sequence_release(par);
+}
+
+// Attention's live set falls as T/D: the same global batch (B sequences of T per sequence group) at D = 1,
+// 2, 4, 8 (those dividing W) over the same W ranks, the local MoE on each (E_p = 1, whose bound every
+// routing attains), without recomputation so that every layer keeps its activations. On every rank the
+// per-rank prediction (Eq. 6, attention's terms at the rank's B·T/D tokens) is at least the pool's peak
+// and within 10 % of it, and the pool's Activations peak times D stays within 6/5 of D = 1's: every kept
+// tensor is per token of the rank's slice, and under D > 1 attention keeps one more N·H buffer (its output
+// in the head shard) beside its five — were q, k, v or the output kept at all T tokens, D = 2 would hold
+// about 1.7 times D = 1's.
+TEST(DistSequenceParallel, MemoryPredictionHoldsAndAttentionFallsAsOneOverD) {
+  REQUIRE_WORLD(2);
+  const Comm& world = test_world();
+  ModelConfig c;
+  c.vocab = 512; c.hidden = 256; c.heads = 8; c.layers = 4; c.experts = 8; c.topk = 2; c.expert_dim = 256;
+  c.seq_len = 512;
+  const int B = 2, T = c.seq_len;
+  size_t activations_d1 = 0;
+  for (int D : {1, 2, 4, 8}) {
+    if (world.size % D != 0) continue;
+    Parallel par = sequence_parallel(SequenceLayout{D, 1, 1});
+    testutil::PredictionCase pc;
+    pc.name = "--sp " + std::to_string(D) + ", recompute off";
+    pc.recompute = false;
+    const std::string what = "W=" + std::to_string(world.size) + " rank " + std::to_string(world.rank) + ", " + pc.name;
+    testutil::expect_prediction_holds(testutil::predict_and_measure(c, par, pc, B, T / D), what, true);
+    const size_t activations = pool().peak(Mem::Activations);
+    if (D == 1) activations_d1 = activations;
+    printf("[mem] %s: Activations peak %zu B, x D = %.3f of D = 1's\n", what.c_str(), activations,
+           (double)activations * D / activations_d1);
+    EXPECT_LE((double)activations * D, 1.2 * activations_d1) << what << ": attention's live set does not fall as 1/D";
+    sequence_release(par);
+  }
 }
