@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [dist] [toy8] [shared] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [zero3] [reach] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [dist] [toy8] [shared] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [zero3] [reach] [reach-shared] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   dist: the whole test_dist at W = 2, 4 and 8 (DIST_WORLDS), both precisions, the ranks sharing the GPUs where W
 #     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
@@ -65,6 +65,8 @@
 #     model at W = 8 ranks sharing the GPUs under --zero 1 and 3: predicted and measured peaks, step 5's pool timeline
 #   reach: the longest context and the largest batch of three MoE models on one GPU, plain, recomputed and under
 #     --plan auto (tools/bench_train.sh reach)
+#   reach-shared: the longest context at W = 8 ranks sharing the GPU in sequence groups (--sp), under --recompute 1 and
+#     with --zero 3 (tools/bench_train.sh reach-shared; REACH_SHARED_MODELS picks default and/or 300M)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
 #   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
 #     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
@@ -509,6 +511,13 @@ fi
 if [[ " $want " == *" reach "* ]]; then
   tools/bench_train.sh build/bf16/train data/fortunes build/bench reach > "$OUT/reach.md" 2> build/reach.err
   cat "$OUT/reach.md"
+fi
+
+# reach-shared: issue 57's reach at W = 8 ranks sharing this machine's GPU in sequence groups (bench_train.sh's
+# reach-shared part; REACH_SHARED_MODELS="default" or "300M" for one model a device call)
+if [[ " $want " == *" reach-shared "* ]]; then
+  tools/bench_train.sh build/bf16/train data/fortunes build/bench reach-shared > "$OUT/reach_shared.md" 2> build/reach_shared.err
+  cat "$OUT/reach_shared.md"
 fi
 
 if [[ " $want " == *" bench "* ]]; then

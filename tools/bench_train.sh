@@ -25,12 +25,18 @@
 #           (--recompute 1) and --plan auto, found by doubling then bisecting on the trainer's memory
 #           prediction (--dry_run 1, exact on one GPU), then one real step at the value found: step time,
 #           tokens/s, pool peak against the prediction, pinned host memory, and what stops the next size.
+#   reach-shared: the longest context (B = 1 per sequence group) at W = 8 ranks sharing one GPU in sequence groups
+#           (--sp D, notes/sequence_parallel.md; memory, not speed: collectives over sockets), under --recompute 1
+#           and --recompute 1 --zero 3: the default model at D = 2 (its 6 heads of 64: no larger D divides
+#           them) and the ~300M MoE with 24 heads of 32 at D = 8, found as reach's are (rank 0's prediction;
+#           the device shared by the 8 ranks' pools and what lies outside them); REACH_SHARED_MODELS
+#           ("default 300M") picks the models, one device call each.
 # Usage: tools/bench_train.sh TRAIN_BIN DATA_DIR [OUT_DIR] [PARTS] (PARTS: "speed reach", the default,
-# or any of speed, multi, ab, reach; ab needs BASE_TRAIN=path in the environment). Prints markdown tables.
+# or any of speed, multi, ab, reach, reach-shared; ab needs BASE_TRAIN=path in the environment). Prints markdown tables.
 set -uo pipefail
 train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed reach}
 for p in $parts; do
-  case $p in speed|multi|ab|reach) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, reach)"; exit 2 ;; esac
+  case $p in speed|multi|ab|reach|reach-shared) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, reach, reach-shared)"; exit 2 ;; esac
 done
 if [[ " $parts " == *" ab "* ]] && [ ! -x "${BASE_TRAIN:-}" ]; then
   echo "bench_train.sh ab: BASE_TRAIN must name the trainer to compare against (got '${BASE_TRAIN:-}', not an executable)"
@@ -174,7 +180,7 @@ if [[ " $parts " == *" ab "* ]]; then
     <(profile_ms "$out/ab_B1_new.profile.md" | sort) |
     awk -F'\t' '{ d = $3 - $2; printf "%s\t| %s | %.3f | %.3f | %+.3f |\n", (d < 0 ? -d : d), $1, $2, $3, d }' | sort -g -r | cut -f2-
 fi
-[[ " $parts " == *" reach "* ]] || exit 0
+[[ " $parts " == *" reach "* || " $parts " == *" reach-shared "* ]] || exit 0
 
 # Reach (issue 58, notes/composed_stack.md): three MoE models on a random-token shard long enough for any
 # probe — the default (`make train`'s: H 384, L 6, E 8, top-2, I 384; 17M parameters), ~300M (issue 11's:
@@ -233,19 +239,42 @@ largest() {  # what(T|B) start cap FLAGS...: doubling up to cap, then bisection 
     *) echo "$shown | FAILED (see $out/probe.log) | | | | | ${why}" ;;
   esac
 }
+if [[ " $parts " == *" reach "* ]]; then
+  echo
+  echo "## reach of one GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)), BF16 build"
+  echo "Each row: the longest sequence (B = 1) or the largest batch (T = 2048) whose prediction fits, found by"
+  echo "doubling then bisecting with --dry_run 1, then one real step there: its time, tokens/s, pool peak, the"
+  echo "prediction against that peak, the pinned host memory, and what stops the next size."
+  echo
+  echo "| model | probe | configuration | largest that fits | step ms | tokens/s | pool peak MiB | prediction vs peak | pinned host MiB | the next size stops at |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
+  for model in "${reach_models[@]}"; do
+    name=${model%%:*}
+    flags=${model#*:}
+    for config in "--recompute 0" "--recompute 1" "--plan auto"; do
+      echo "| $name | context T (B = 1) | $config | $(largest T 4096 1048576 $flags $config) |"
+      echo "| $name | batch B (T = 2048) | $config | $(largest B 1 4096 $flags $config) |"
+    done
+  done
+fi
+[[ " $parts " == *" reach-shared "* ]] || exit 0
 echo
-echo "## reach of one GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)), BF16 build"
-echo "Each row: the longest sequence (B = 1) or the largest batch (T = 2048) whose prediction fits, found by"
-echo "doubling then bisecting with --dry_run 1, then one real step there: its time, tokens/s, pool peak, the"
-echo "prediction against that peak, the pinned host memory, and what stops the next size."
+echo "## reach of 8 ranks sharing one GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)) in sequence groups, BF16 build"
+echo "Each row: the longest sequence whose rank-0 prediction fits beside the other 7 ranks' pools and what lies"
+echo "outside them (B = 1 per sequence group: 8/D sequences a step), then one real step there (collectives over"
+echo "sockets: its time is not a GPU time)."
 echo
-echo "| model | probe | configuration | largest that fits | step ms | tokens/s | pool peak MiB | prediction vs peak | pinned host MiB | the next size stops at |"
+echo "| model | D | configuration | longest T that fits | step ms | tokens/s | pool peak MiB (rank 0) | prediction vs peak | pinned host MiB | the next size stops at |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
-for model in "${reach_models[@]}"; do
+m300=${reach_models[1]#*:}
+shared_models=("default:2:" "300M, 24 heads:8:${m300/--heads 12/--heads 24}")
+for model in "${shared_models[@]}"; do
   name=${model%%:*}
-  flags=${model#*:}
-  for config in "--recompute 0" "--recompute 1" "--plan auto"; do
-    echo "| $name | context T (B = 1) | $config | $(largest T 4096 1048576 $flags $config) |"
-    echo "| $name | batch B (T = 2048) | $config | $(largest B 1 4096 $flags $config) |"
+  [[ " ${REACH_SHARED_MODELS:-default 300M} " == *" ${name%%,*} "* ]] || continue
+  rest=${model#*:}
+  D=${rest%%:*}
+  flags="${rest#*:} --gpus 8 --share_gpus 1 --sp $D"
+  for config in "--recompute 1" "--recompute 1 --zero 3"; do
+    echo "| $name | $D | $config | $(largest T 16384 1048576 $flags $config) |"
   done
 done
