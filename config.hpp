@@ -538,7 +538,7 @@ inline std::string moe_dispatcher(const TrainConfig& t) {
 // is one table, a line per choice: its name, what it is, where it is built, what it needs of the
 // ranks, the flags it reads and the checks of those it brings. validate() and --help (usage) read
 // the tables, and so do the start-up table (train.cu), tools/bench_ep_moe and tests/dist_model.cu.
-// Each line's other half, the choice's factory, is model.cuh's (dispatcher_factories, head_factories,
+// Each line's other half, the choice's factory, is seams.cuh's (dispatcher_factories, head_factories,
 // optimizer_factories): a test of both builds (tests/gpu_model.cu) holds the halves to the same names.
 
 // What a choice needs of the run beyond its flags; validate() refuses a run that lacks it.
