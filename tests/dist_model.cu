@@ -186,12 +186,14 @@ TEST(DistModel, TenStepsWithTheRingHeadAgreeWithOneGpuFullHead) {
 // --zero 3 (runtime/zero3.cuh): each rank keeps 1/W of the dense weights and all-gathers each forward
 // group's as it runs, its gradients reduce-scattered after the group's backward. Against one GPU over ten
 // steps (the routing pinned): with the full head (lm_head gathered with the final norm) and with the ring
-// head (lm_head keeps its vocabulary split; the final norm alone is gathered for it), and under --moe relay.
+// head (lm_head keeps its vocabulary split; the final norm alone is gathered for it), under --moe relay,
+// and under --moe pllep, whose chunks' exchanges run beside the groups' gathers on another communicator.
 TEST(DistModel, Zero3TenStepsAgreeWithOneGpu) {
   REQUIRE_WORLD(2);
   ten_steps_agree_with_one_gpu(moe_seams("ep"), 3);
   ten_steps_agree_with_one_gpu(ring_seams("fused"), 3);
   ten_steps_agree_with_one_gpu(moe_seams("relay", "token"), 3);
+  ten_steps_agree_with_one_gpu(moe_seams("pllep"), 3);
 }
 
 // --optimizer offload_adamw and cpu_adamw at W ranks (each rank's ZeRO-1 shards in its own pinned
