@@ -803,6 +803,16 @@ void trainer_resume_is_bit_identical(int gpus, const std::string& tag = "", cons
   ASSERT_EQ(tail.size(), 3u);
   for (int i = 0; i < 3; i++) EXPECT_EQ(tail[i], all[3 + i]);
 }
+
+// The two-rank run `tag`'s step-3 checkpoint resumed with the default flags (run `name`): refused before
+// the GPU starts, its log saying `message`.
+void expect_resume_refused(const std::string& tag, const std::string& name, const std::string& message) {
+  const std::string dir = test_dir("trainer-resume" + tag + "-w2");
+  TrainerRun run = run_trainer(dir + "/" + name, 2, "--resume " + dir + "/straight/ckpt_000003");
+  EXPECT_NE(run.rc, 0);
+  const std::string log = testutil::read_bytes(run.out + ".log");
+  EXPECT_NE(log.find(message), std::string::npos) << log;
+}
 }  // namespace
 
 TEST(Trainer, ResumeFromCheckpointIsBitIdenticalOneRank) {
@@ -835,11 +845,7 @@ TEST(Trainer, ResumeUnderZero3IsBitIdenticalTwoRanks) {
   REQUIRE_GPU();
   trainer_resume_is_bit_identical(2, "-zero3", "--zero 3");
   if (HasFatalFailure() || IsSkipped()) return;
-  const std::string dir = test_dir("trainer-resume-zero3-w2");
-  TrainerRun zero1 = run_trainer(dir + "/zero1", 2, "--resume " + dir + "/straight/ckpt_000003");
-  EXPECT_NE(zero1.rc, 0);
-  const std::string log = testutil::read_bytes(zero1.out + ".log");
-  EXPECT_NE(log.find("written under --zero 3; this run has --zero 1"), std::string::npos) << log;
+  expect_resume_refused("-zero3", "zero1", "written under --zero 3; this run has --zero 1");
 }
 
 TEST(Trainer, ResumeWithTheRingHeadIsBitIdenticalTwoRanks) {
@@ -848,11 +854,7 @@ TEST(Trainer, ResumeWithTheRingHeadIsBitIdenticalTwoRanks) {
   trainer_resume_is_bit_identical(2, "-ring_dtp", flags);
   if (HasFatalFailure() || IsSkipped()) return;
   // the same checkpoint under the full head (lm_head whole on each rank) is refused, naming both splits
-  const std::string dir = test_dir("trainer-resume-ring_dtp-w2");
-  TrainerRun full = run_trainer(dir + "/full", 2, "--resume " + dir + "/straight/ckpt_000003");
-  EXPECT_NE(full.rc, 0);
-  const std::string log = testutil::read_bytes(full.out + ".log");
-  EXPECT_NE(log.find("lm_head split over P=2 ranks (--head ring_dtp); this run has P=1 (--head full)"), std::string::npos) << log;
+  expect_resume_refused("-ring_dtp", "full", "lm_head split over P=2 ranks (--head ring_dtp); this run has P=1 (--head full)");
 }
 
 // --cuda_graph as a user runs it (the BF16 build's trainer, FLATMOE_BIN/bf16/train, two passes per
