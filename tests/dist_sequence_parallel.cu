@@ -217,7 +217,7 @@ TEST(DistSequenceParallel, RecomputeThroughTheExchangesIsBitIdentical) {
   sequence_release(par);
 }
 
-// Attention's live set falls as T/D: the same global batch (B sequences of T per sequence group) at D = 1,
+// Attention's live set falls as T/D: B sequences of T per sequence group, so B·T/D tokens a rank, at D = 1,
 // 2, 4, 8 (those dividing W) over the same W ranks, the local MoE on each (E_p = 1, whose bound every
 // routing attains), without recomputation so that every layer keeps its activations. On every rank the
 // per-rank prediction (Eq. 6, attention's terms at the rank's B·T/D tokens) is at least the pool's peak
