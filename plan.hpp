@@ -9,8 +9,12 @@
 //   --offload_budget: SCO's boundaries in pinned host memory, 0..L of them (under --recompute 1);
 //   --head full | chunked with --vocab_block 8192, 4096, 2048, 1024 (one rank of the vocabulary);
 //   --optimizer adamw | offload_adamw (β = 2^22, 2 slots) | cpu_adamw;
-//   --token_budget (--moe local: the routed experts in chunks, ops/moe.cuh's LocalDispatcher): none, or
-//     16384, 8192, 4096, 2048, 1024, 512 tokens (below the rank's B·T), the outermost choice.
+//   the MoE, the outermost choice: on one rank of the experts (--moe local), --token_budget (the routed
+//     experts in chunks, ops/moe.cuh's LocalDispatcher): none, or 16384, 8192, 4096, 2048, 1024, 512 tokens
+//     (below the rank's B·T); across ranks (an expert group), the dispatcher given (ep unless --moe says),
+//     then --moe pllep at --token_budget 4096, 2048, 1024, 512 (below B·T; PipelinedLLEP's receive bound,
+//     ops/pipelined_llep.cuh; --kmax raised to the ⌈B·T / c⌉ chunks the budget needs, unless given), then --moe relay --relay_mode expert and token (RelayMoE's ring: one partition
+//     or one rank's tokens at a time, ops/relay_moe.cuh). --moe given: its token budgets alone (pllep).
 // A setting fits when the prediction's pool peak is within the device budget and its pinned host bytes
 // within the host budget. Among those that fit it takes the one of the smallest estimated step time
 // (plan_step_seconds), the first in the order above on a tie: the FLOPs the step computes at the GPU's
@@ -21,9 +25,11 @@
 //   SCO: 2 % of the step per L offloaded boundaries (paper: < 2 %, the copies hidden behind compute);
 //   offload_adamw: 12 bytes per parameter of the shard each way over the host link (notes/design.md
 //     §6.7's floor); cpu_adamw: 2.05 times that (paper: OffloadStreamAdamW 2.05x faster than CPU Adam);
-//   the local token budget (in more than one chunk): the routed experts' forward GEMMs once more in the
-//     backward, 6·N·k·H·I per MoE layer — but under recomputation, whose recomputed layers then skip
-//     them (the same FLOPs: a tie, which the unchunked setting wins by coming first).
+//   the local token budget (in more than one chunk), pllep and relay: the routed experts' forward GEMMs
+//     once more in the backward (each chunk's or hop's), 6·N·k·H·I per MoE layer — but under
+//     recomputation, whose recomputed layers then skip them (the same FLOPs: a tie, which the unchunked
+//     setting wins by coming first). The exchanges are not in the estimate: among dispatchers of the same
+//     FLOPs, the order above decides (ep's one exchange each way first; pllep's K; relay's E_p hops).
 // Nothing fits: the refusal names the largest term of the most frugal setting's prediction.
 #pragma once
 #include <algorithm>
@@ -97,6 +103,13 @@ inline bool local_chunked(const TrainConfig& t, long long N) {
   return moe_dispatcher(t) == "local" && t.token_budget > 0 && N > t.token_budget;
 }
 
+// Whether setting `t`'s backward computes the routed experts' forward again (the header's cost model):
+// the local MoE in chunks, pllep's chunks, relay's hops.
+inline bool experts_forward_again(const TrainConfig& t, long long N) {
+  const std::string moe = moe_dispatcher(t);
+  return local_chunked(t, N) || moe == "pllep" || moe == "relay";
+}
+
 // The estimated step time of setting `t` (the header's cost model); B, T, accum: one rank's batch; b:
 // bytes per activation.
 inline double plan_step_seconds(const ModelConfig& c, const TrainConfig& t, const RankUse& use, const PlanLimits& limits,
@@ -105,7 +118,7 @@ inline double plan_step_seconds(const ModelConfig& c, const TrainConfig& t, cons
   double flops = flops_per_token(c) * N;
   if (t.recompute) flops += (flops_per_token(c) - head) / 3 * N - use.attention_kept.flops_saved;
   if (t.head == "chunked") flops += 2.0 * N * c.vocab * c.hidden;
-  if (local_chunked(t, (long long)N) && !t.recompute)
+  if (experts_forward_again(t, (long long)N) && !t.recompute)
     flops += 6.0 * N * c.topk * c.hidden * (double)c.expert_dim * (c.layers - c.n_dense);
   double seconds = flops * accum / limits.gemm_flops;
   const double base = seconds;
@@ -137,20 +150,40 @@ inline std::vector<TrainConfig> plan_settings(const ModelConfig& c, const TrainC
                                                          {"offload_adamw", 1 << 22},
                                                          {"cpu_adamw", 1 << 22}};
   if (fixed("--optimizer") || fixed("--offload_bucket")) optimizers = {{given.optimizer, given.offload_bucket}};
-  std::vector<int> token_budgets = {given.token_budget};
-  if (moe_dispatcher(given) == "local" && !fixed("--token_budget"))
-    for (int budget : {16384, 8192, 4096, 2048, 1024, 512})
-      if (budget < (long long)B * T) token_budgets.push_back(budget);
+  struct MoESetting {
+    std::string moe, relay_mode;
+    int token_budget, kmax;
+  };
+  std::vector<MoESetting> moes = {{given.moe, given.relay_mode, given.token_budget, given.kmax}};
+  auto budgets_of = [&](const std::string& moe, std::initializer_list<int> budgets) {
+    for (int budget : budgets) {
+      const long long chunks = ((long long)B * T + budget - 1) / budget;
+      const int kmax = moe == "pllep" && !fixed("--kmax") ? (int)std::max<long long>(given.kmax, chunks) : given.kmax;
+      if (budget < (long long)B * T) moes.push_back({moe, "auto", budget, kmax});
+    }
+  };
+  const std::string dispatcher = moe_dispatcher(given);
+  const SeamChoice* choice = find_choice(moe_choices(), dispatcher);
+  const bool across_ranks = choice != nullptr && choice->needs == SeamNeeds::ExpertGroup;
+  if (!fixed("--token_budget") && dispatcher == "local") budgets_of(given.moe, {16384, 8192, 4096, 2048, 1024, 512});
+  if (!fixed("--token_budget") && dispatcher == "pllep" && fixed("--moe")) budgets_of("pllep", {4096, 2048, 1024, 512});
+  if (across_ranks && !fixed("--moe") && !fixed("--token_budget") && !fixed("--relay_mode")) {
+    budgets_of("pllep", {4096, 2048, 1024, 512});
+    for (const char* mode : {"expert", "token"}) moes.push_back({"relay", mode, 0, given.kmax});
+  }
   const long long boundary = (long long)B * T * c.hidden * (long long)b;
   std::vector<TrainConfig> settings;
-  for (int token_budget : token_budgets)
+  for (const MoESetting& moe : moes)
     for (int r : recompute)
       for (const auto& [head, block] : heads)
         for (const auto& [optimizer, bucket] : optimizers)
           for (int offloaded = 0; offloaded <= (r ? c.layers : 0); offloaded++) {
             if (fixed("--offload_budget") && offloaded > 0) break;
             TrainConfig t = given;
-            t.token_budget = token_budget;
+            t.moe = moe.moe;
+            t.relay_mode = moe.relay_mode;
+            t.token_budget = moe.token_budget;
+            t.kmax = moe.kmax;
             t.recompute = r;
             t.head = head;
             t.vocab_block = block;

@@ -26,11 +26,18 @@ PlanLimits limits_of(long long device, long long host) {
 
 // A memory model that every saver lowers: the activations (halved by the chunked head's logits, an
 // eighth kept under recomputation plus the kept attention), the optimizer's state (to the host), the
-// boundaries (to the host under SCO), the routed experts' dispatch (16 KiB a token of a chunk: 64 MiB
-// unchunked at B·T = 4096, 8 MiB at a local token budget of 512).
+// boundaries (to the host under SCO), the routed experts' dispatch: 16 KiB a token row a rank may hold —
+// its B·T tokens unchunked (64 MiB at 4096), a local chunk's, what ep may receive from all W ranks (W·B·T),
+// W of pllep's chunks, a quarter of the rank's tokens under relay (the ring's hop).
 RankUse made_up_use(const ModelConfig& c, const TrainConfig& t, int B, int T) {
   const size_t MiB = 1 << 20, boundary = (size_t)B * T * c.hidden * 2;
-  const size_t dispatch = (size_t)(local_chunked(t, (long long)B * T) ? t.token_budget : B * T) * 16 * 1024;
+  const long long N = (long long)B * T;
+  const std::string moe = moe_dispatcher(t);
+  long long rows = local_chunked(t, N) ? t.token_budget : N;
+  if (moe == "ep" || moe == "llep") rows = t.gpus * N;
+  if (moe == "pllep") rows = t.gpus * std::min<long long>(N, t.token_budget ? t.token_budget : 4096);
+  if (moe == "relay") rows = N / 4;
+  const size_t dispatch = (size_t)rows * 16 * 1024;
   RankUse use;
   use.shard = 10'000'000;
   const size_t logits = t.head == "chunked" ? (size_t)t.vocab_block * B * T * 4 / 4 : 64 * MiB;
@@ -199,8 +206,9 @@ TEST(PlanAuto, ChoosesALocalTokenBudgetWhenNothingElseFits) {
   EXPECT_EQ(searched, (std::vector<int>{0, 2048, 1024, 512})) << "none first, then the budgets below B·T, largest first";
 
   TrainConfig ep = given;
-  ep.gpus = 2;  // --moe left out at E_p = 2: ep
-  for (const TrainConfig& t : plan_settings(c, ep, {}, B, T, 2, 100LL << 20)) EXPECT_EQ(t.token_budget, 0);
+  ep.gpus = 2;  // --moe left out at E_p = 2: ep, which reads no token budget (pllep's settings do)
+  for (const TrainConfig& t : plan_settings(c, ep, {}, B, T, 2, 100LL << 20))
+    if (moe_dispatcher(t) != "pllep") EXPECT_EQ(t.token_budget, 0) << moe_dispatcher(t);
   TrainConfig fixed = given;
   fixed.token_budget = 1024;
   for (const TrainConfig& t : plan_settings(c, fixed, {"--token_budget"}, B, T, 2, 100LL << 20))
@@ -216,6 +224,61 @@ TEST(PlanAuto, ChoosesALocalTokenBudgetWhenNothingElseFits) {
   const double expert_forward = 6.0 * B * T * c.topk * c.hidden * c.expert_dim * c.layers / limits.gemm_flops;
   EXPECT_DOUBLE_EQ(seconds(chunked) - seconds(plain), expert_forward);
   EXPECT_DOUBLE_EQ(seconds(recompute_chunked), seconds(recompute));
+}
+
+// Across ranks the dispatcher is planned too: ep where its receive bound fits; else pllep at the largest
+// token budget that fits, or relay where nothing else does; searched in that order after the given one;
+// --moe given keeps it (and a refusal names the dispatch term it cannot shrink).
+TEST(PlanAuto, ChoosesADispatcherAcrossRanksWhenEpDoesNotFit) {
+  const ModelConfig c = plan_model();
+  TrainConfig given;
+  given.gpus = 8;
+  const int B = 16, T = 256;
+  std::vector<std::string> searched;
+  for (const TrainConfig& t : plan_settings(c, given, {}, B, T, 2, 1LL << 30)) {
+    const std::string name = moe_dispatcher(t) + (t.moe == "relay" ? " " + t.relay_mode : "") +
+                             (t.token_budget ? " " + std::to_string(t.token_budget) : "");
+    if (searched.empty() || searched.back() != name) searched.push_back(name);
+  }
+  EXPECT_EQ(searched, (std::vector<std::string>{"ep", "pllep 2048", "pllep 1024", "pllep 512", "relay expert", "relay token"}))
+      << "the given one, then pllep's budgets below B·T = 4096, largest first, then relay in each mode";
+
+  const PlanResult roomy = plan_with(c, given, {}, limits_of(2LL << 30, 4000LL << 20), B, T);
+  ASSERT_TRUE(roomy.fits) << roomy.refusal;
+  EXPECT_EQ(moe_dispatcher(roomy.chosen.train), "ep") << "ep's receive bound fits";
+
+  const PlanLimits tight = limits_of(400LL << 20, 4000LL << 20);  // ep needs 512 MiB of dispatch alone
+  const PlanResult pllep = plan_with(c, given, {}, tight, B, T);
+  ASSERT_TRUE(pllep.fits) << pllep.refusal;
+  EXPECT_NE(moe_dispatcher(pllep.chosen.train), "ep");
+  EXPECT_LE((long long)pllep.chosen.use.device.total(), tight.device);
+  EXPECT_NE(plan_flags(given, pllep.chosen.train).find("--moe " + pllep.chosen.train.moe), std::string::npos)
+      << plan_flags(given, pllep.chosen.train);
+
+  const PlanLimits tighter = limits_of(90LL << 20, 4000LL << 20);  // pllep's smallest chunk needs 64 MiB of dispatch
+  const PlanResult relay = plan_with(c, given, {}, tighter, B, T);
+  ASSERT_TRUE(relay.fits) << relay.refusal;
+  EXPECT_EQ(relay.chosen.train.moe, "relay");
+  EXPECT_EQ(relay.chosen.train.relay_mode, "expert") << "expert and token cost alike here: the first in the order";
+
+  TrainConfig ep = given;
+  ep.moe = "ep";
+  const PlanResult kept = plan_with(c, ep, {"--moe"}, tight, B, T);
+  EXPECT_FALSE(kept.fits);
+  EXPECT_NE(kept.refusal.find("largest term is dispatch"), std::string::npos) << kept.refusal;
+  TrainConfig pllep_given = given;
+  pllep_given.moe = "pllep";
+  std::vector<int> budgets;
+  for (const TrainConfig& t : plan_settings(c, pllep_given, {"--moe"}, B, T, 2, 1LL << 30)) {
+    EXPECT_EQ(t.moe, "pllep");
+    if (budgets.empty() || budgets.back() != t.token_budget) budgets.push_back(t.token_budget);
+  }
+  EXPECT_EQ(budgets, (std::vector<int>{0, 2048, 1024, 512})) << "--moe pllep given: its default (4096), then smaller";
+  // a budget of c needs ⌈B·T / c⌉ chunks: --kmax is raised to them unless the user gave it
+  for (const TrainConfig& t : plan_settings(c, pllep_given, {"--moe"}, B, T, 2, 1LL << 30))
+    if (t.token_budget > 0) EXPECT_EQ(t.kmax, std::max(given.kmax, (B * T + t.token_budget - 1) / t.token_budget));
+  for (const TrainConfig& t : plan_settings(c, pllep_given, {"--moe", "--kmax"}, B, T, 2, 1LL << 30))
+    EXPECT_EQ(t.kmax, given.kmax);
 }
 
 TEST(PlanAuto, FlagsAreTheChangedOnesAsACommandLine) {
