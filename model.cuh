@@ -133,6 +133,7 @@ struct Model {
   Zero3Weights zero3;        // --zero 3: the dense weights' gathers and their gradients' reduce-scatters
 
   std::unique_ptr<MoEDispatcher> moe;  // routed experts (--moe)
+  std::unique_ptr<LocalDispatcher> dense_ffn, shared_ffn;  // the dense layers' FFN, the shared expert (dense_ffn_dispatcher)
   std::unique_ptr<OutputHead> head;    // vocabulary projection + loss (--head)
   std::unique_ptr<Optimizer> opt;      // master weights and moments of this rank's shards (--optimizer)
   std::unique_ptr<CheckpointOffload> sco;  // layer boundaries in pinned host memory (--offload_budget)
@@ -412,11 +413,25 @@ inline std::unique_ptr<OutputHead> make_head(const ModelConfig& c, const Paralle
   return factory_of(head_factories(), "--head", seams.head).make(par.vocab, seams);
 }
 
+// An FFN of one route a token (every token to expert 0, width I: a dense layer's FFN at I = dense_dim,
+// the shared expert at I = expert_dim) through the local dispatcher, in the routed experts' token chunks
+// where those are local ones (--moe local --token_budget c), so that under a token budget nothing of
+// the layer's FFNs grows with N beyond a chunk; else whole.
+inline std::unique_ptr<LocalDispatcher> dense_ffn_dispatcher(const ModelConfig& c, int I, const MoEDispatcher& routed,
+                                                             SideStream* weight_grads) {
+  const auto* local = dynamic_cast<const LocalDispatcher*>(&routed);
+  auto ffn = std::make_unique<LocalDispatcher>(c.hidden, I, 1, 1, local ? local->token_budget : 0, true);
+  ffn->weight_grads = weight_grads;
+  return ffn;
+}
+
 // The seams, from their names.
 inline void model_make_seams(Model& m, const Seams& seams) {
   m.wgrad->set_on(seams.wgrad_stream);
   m.moe = make_dispatcher(m.cfg, m.par, seams);
   m.moe->weight_grads = m.wgrad.get();
+  m.dense_ffn = dense_ffn_dispatcher(m.cfg, m.cfg.dense_dim, *m.moe, m.wgrad.get());
+  m.shared_ffn = dense_ffn_dispatcher(m.cfg, m.cfg.expert_dim, *m.moe, m.wgrad.get());
   m.head = make_head(m.cfg, m.par, seams);
   size_t S = 0;
   std::vector<ShardSegment> segments = shard_segments(m.specs, model_param_layout(m), &S);
@@ -518,8 +533,8 @@ struct LayerActs {
   int* topk_idx = nullptr;      // [N, k]
   float* topk_w = nullptr;      // [N, k]
   std::unique_ptr<DispatchSaved> routed;  // the dispatcher's saved state (MoE layers)
-  MoESaved dense{};             // the dense FFN (dense layers)
-  MoESaved shared{};            // the shared expert (MoE layers with one)
+  std::unique_ptr<DispatchSaved> dense;   // the dense FFN's (dense layers)
+  std::unique_ptr<DispatchSaved> shared;  // the shared expert's (MoE layers with one)
 };
 
 // Frees a layer's activations, except the attention tensors that selective attention recomputation
@@ -532,8 +547,8 @@ inline void free_acts(LayerActs& a, bool keep_core = false, bool keep_projection
                   (void*)a.ln2, (void*)a.ln2_rstd, (void*)a.scores, (void*)a.topk_idx, (void*)a.topk_w})
     pool().free(p);
   a.routed.reset();
-  moe_saved_free(a.dense);
-  moe_saved_free(a.shared);
+  a.dense.reset();
+  a.shared.reset();
   a = std::move(kept);
 }
 
@@ -638,8 +653,7 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, const floatX
   if (!c.is_moe_layer(l)) {
     ensure_dense_routes(m, N);
     prof_mark(s, "dense ffn fwd");
-    moe_forward(out, a.dense, a.ln2, m.dense_idx, m.dense_w, P.dense_w13, P.dense_w2, N, c.hidden, c.dense_dim, 1, 1, s,
-                true, residual);  // dense_routes: no host wait
+    a.dense = m.dense_ffn->forward_residual(out, residual, a.ln2, m.dense_idx, m.dense_w, P.dense_w13, P.dense_w2, N, s);
     return;
   }
   prof_mark(s, "router fwd");
@@ -649,8 +663,8 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, const floatX
   if (c.shared_expert) {
     ensure_dense_routes(m, N);
     prof_mark(s, "shared expert fwd");
-    moe_forward(out, a.shared, a.ln2, m.dense_idx, m.dense_w, P.shared_w13, P.shared_w2, N, c.hidden, c.expert_dim, 1,
-                1, s, true, out);  // dense_routes: no host wait; added into out in place
+    a.shared = m.shared_ffn->forward_residual(out, out, a.ln2, m.dense_idx, m.dense_w, P.shared_w13, P.shared_w2, N,
+                                             s);  // added into out in place
   }
 }
 
@@ -737,8 +751,8 @@ inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, con
   if (!c.is_moe_layer(l)) {
     float* d_dense_w = pool().alloc_t<float>(N, Mem::Workspace, "d_dense_w");
     prof_mark(s, "dense ffn bwd");
-    moe_backward(d_ln2, d_dense_w, G.dense_w13, G.dense_w2, d_out, a.dense, a.ln2, m.dense_idx, m.dense_w,
-                 P.dense_w13, P.dense_w2, s, m.wgrad.get());
+    m.dense_ffn->backward(d_ln2, d_dense_w, G.dense_w13, G.dense_w2, d_out, *a.dense, a.ln2, m.dense_idx, m.dense_w,
+                          P.dense_w13, P.dense_w2, s);
     pool().free(d_dense_w);
     return;
   }
@@ -750,8 +764,8 @@ inline void ffn_backward(Model& m, int l, const LayerActs& a, floatX* d_ln2, con
     floatX* d_part = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_ln2_part");
     float* d_shared_w = pool().alloc_t<float>(N, Mem::Workspace, "d_shared_w");
     prof_mark(s, "shared expert bwd");
-    moe_backward(d_part, d_shared_w, G.shared_w13, G.shared_w2, d_out, a.shared, a.ln2, m.dense_idx, m.dense_w,
-                 P.shared_w13, P.shared_w2, s, m.wgrad.get());
+    m.shared_ffn->backward(d_part, d_shared_w, G.shared_w13, G.shared_w2, d_out, *a.shared, a.ln2, m.dense_idx,
+                           m.dense_w, P.shared_w13, P.shared_w2, s);
     prof_mark(s, "residual add", residual_bytes(N, c.hidden));
     add_inplace_or_out(d_ln2, d_ln2, d_part, NH, s);
     pool().free(d_shared_w);
@@ -898,8 +912,9 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
 
   // one layer (layer_forward's activations; attention_step's, then the FFN's)
   const DispatchBound routed = moe->live_bound((int)N);
-  const DispatchBound shared = c.shared_expert ? moe_live_bound(N, c.hidden, c.expert_dim, 1, 1, b, true) : DispatchBound{};
-  const DispatchBound dense = moe_live_bound(N, c.hidden, c.dense_dim, 1, 1, b, true);
+  const DispatchBound shared =
+      c.shared_expert ? dense_ffn_dispatcher(c, c.expert_dim, *moe, &weight_grads)->live_bound((int)N) : DispatchBound{};
+  const DispatchBound dense = dense_ffn_dispatcher(c, c.dense_dim, *moe, &weight_grads)->live_bound((int)N);
   // ln1, ln1_rstd, qkv, att, lse (and att_heads under --sp D > 1: the output in the head shard)
   const size_t attention = (D == 1 ? 5 : 6) * NH * b + 4 * N + 4 * N * c.heads;
   auto acts = [&](int l) {

@@ -26,7 +26,8 @@
 //   offload_adamw: 12 bytes per parameter of the shard each way over the host link (notes/design.md
 //     §6.7's floor); cpu_adamw: 2.05 times that (paper: OffloadStreamAdamW 2.05x faster than CPU Adam);
 //   the local token budget (in more than one chunk), pllep and relay: the routed experts' forward GEMMs
-//     once more in the backward (each chunk's or hop's), 6·N·k·H·I per MoE layer — but under
+//     once more in the backward (each chunk's or hop's), 6·N·k·H·I per MoE layer, and under the local
+//     budget the dense FFNs' and the shared expert's too (6·N·H·I_d a layer: they run in the same chunks) — but under
 //     recomputation, whose recomputed layers then skip them (the same FLOPs: a tie, which the unchunked
 //     setting wins by coming first). The exchanges are not in the estimate: among dispatchers of the same
 //     FLOPs, the order above decides (ep's one exchange each way first; pllep's K; relay's E_p hops).
@@ -120,6 +121,9 @@ inline double plan_step_seconds(const ModelConfig& c, const TrainConfig& t, cons
   if (t.head == "chunked") flops += 2.0 * N * c.vocab * c.hidden;
   if (experts_forward_again(t, (long long)N) && !t.recompute)
     flops += 6.0 * N * c.topk * c.hidden * (double)c.expert_dim * (c.layers - c.n_dense);
+  if (local_chunked(t, (long long)N) && !t.recompute)  // the dense FFNs and the shared experts in the same chunks
+    flops += 6.0 * N * c.hidden *
+             ((double)c.dense_dim * c.n_dense + (c.shared_expert ? (double)c.expert_dim * (c.layers - c.n_dense) : 0));
   double seconds = flops * accum / limits.gemm_flops;
   const double base = seconds;
   if (t.recompute && t.offload_budget > 0) {

@@ -937,15 +937,18 @@ inline TokenChunks token_chunks(int N, int token_budget) {
 //   Live set: one chunk's moe_live_bound at s tokens, without a weight-gradient stream — saved 0, peak
 //   8·R_s + 4·(E+1) + 2·R_s·H·b + 3·R_s·I·b + 3·8·E B (R_s = s·k routes), held 0 — whatever the routing:
 //   the chunk loop holds nothing beside it. The forward's chunks hold at most the backward's (moe_live_bound).
+// dense_routes: every token's one route goes to expert 0 (E = k = 1: the model's dense FFN and shared
+//   expert, model.cuh's dense_ffn_dispatcher), so the one count is known without the host (moe_forward).
 struct LocalDispatcher : MoEDispatcher {
   struct Saved : DispatchSaved {
     MoESaved moe;            // one chunk: moe_forward's state; K > 1: empty
     int chunked_tokens = 0;  // K > 1: N, the tokens backward recomputes in chunks; one chunk: 0
     ~Saved() override { moe_saved_free(moe); }
   };
-  int token_budget = 0;  // c; 0: none
-  LocalDispatcher(int H_, int I_, int E_, int k_, int token_budget_ = 0)
-      : MoEDispatcher(H_, I_, E_, k_), token_budget(token_budget_) {
+  int token_budget = 0;      // c; 0: none
+  bool dense_routes = false;  // E = k = 1, every route to expert 0
+  LocalDispatcher(int H_, int I_, int E_, int k_, int token_budget_ = 0, bool dense_routes_ = false)
+      : MoEDispatcher(H_, I_, E_, k_), token_budget(token_budget_), dense_routes(dense_routes_) {
     if (token_budget < 0) fm_fail("LocalDispatcher", "the token budget must be >= 0 (0: none)", "c=%d", token_budget);
   }
   std::unique_ptr<DispatchSaved> forward(floatX* out, const floatX* x, const int* topk_idx, const float* topk_w,
@@ -958,7 +961,7 @@ struct LocalDispatcher : MoEDispatcher {
     auto saved = std::make_unique<Saved>();
     const TokenChunks chunks = token_chunks(N, token_budget);
     if (chunks.count == 1) {
-      moe_forward(out, saved->moe, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, stream, false, residual);
+      moe_forward(out, saved->moe, x, topk_idx, topk_w, W13, W2, N, H, I, E, k, stream, dense_routes, residual);
       return saved;
     }
     saved->chunked_tokens = N;
@@ -966,7 +969,7 @@ struct LocalDispatcher : MoEDispatcher {
     for_each_chunk(N, chunks, [&](size_t first, int n) {
       MoESaved chunk;
       moe_forward(out + first * H, chunk, x + first * H, topk_idx + first * k, topk_w + first * k, W13, W2, n, H, I, E,
-                  k, stream, false, residual ? residual + first * H : nullptr);
+                  k, stream, dense_routes, residual ? residual + first * H : nullptr);
       moe_saved_free(chunk);
     });
     return saved;
@@ -985,7 +988,7 @@ struct LocalDispatcher : MoEDispatcher {
       const floatX* x_chunk = x + first * H;
       const int* idx_chunk = topk_idx + first * k;
       const float* w_chunk = topk_w + first * k;
-      moe_forward(nullptr, chunk, x_chunk, idx_chunk, w_chunk, W13, W2, n, H, I, E, k, stream);
+      moe_forward(nullptr, chunk, x_chunk, idx_chunk, w_chunk, W13, W2, n, H, I, E, k, stream, dense_routes);
       moe_backward(dx + first * H, dtopk_w + first * k, dW13, dW2, dout + first * H, chunk, x_chunk, idx_chunk, w_chunk,
                    W13, W2, stream, nullptr);
       moe_saved_free(chunk);

@@ -224,6 +224,16 @@ TEST(PlanAuto, ChoosesALocalTokenBudgetWhenNothingElseFits) {
   const double expert_forward = 6.0 * B * T * c.topk * c.hidden * c.expert_dim * c.layers / limits.gemm_flops;
   EXPECT_DOUBLE_EQ(seconds(chunked) - seconds(plain), expert_forward);
   EXPECT_DOUBLE_EQ(seconds(recompute_chunked), seconds(recompute));
+  // a dense layer and a shared expert run in the same chunks: their forward once more too
+  ModelConfig dense = c;
+  dense.n_dense = 1; dense.dense_dim = 1024; dense.shared_expert = 1;
+  auto dense_seconds = [&](const TrainConfig& t) { return plan_step_seconds(dense, t, use, limits, B, T, 1, 2); };
+  const int moe_layers = dense.layers - dense.n_dense;
+  const double forwards = 6.0 * B * T * dense.hidden *
+                          ((double)dense.topk * dense.expert_dim * moe_layers + dense.dense_dim + (double)dense.expert_dim * moe_layers) /
+                          limits.gemm_flops;
+  EXPECT_DOUBLE_EQ(dense_seconds(chunked) - dense_seconds(plain), forwards);
+  EXPECT_DOUBLE_EQ(dense_seconds(recompute_chunked), dense_seconds(recompute));
 }
 
 // Across ranks the dispatcher is planned too: ep where its receive bound fits; else pllep at the largest

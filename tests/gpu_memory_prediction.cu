@@ -1,10 +1,10 @@
 // The per-rank prediction of the pool's peak (model.cuh predict_rank_memory, paper Eq. 6, printed by
 // the trainer at start-up) against one training step on one GPU, for each option that moves the peak:
 // recomputation off and on, the full and the chunked head, SCO's host budget, selective attention
-// recomputation, and the three optimizers. The prediction is >= the measured peak and within 10 % of it
-// (tests/memory_prediction.cuh). Model: H 256, L 4 (one dense layer), 4 heads, E 8, top-2, I 256,
-// a shared expert, V 512, B 16 × T 256 (N = 4096 tokens: the activations, not the fixed buffers, make
-// the peak).
+// recomputation, the three optimizers, and the FFNs in token chunks (--token_budget). The prediction is
+// >= the measured peak and within 10 % of it (tests/memory_prediction.cuh). Model: H 256, L 4 (one dense
+// layer), 4 heads, E 8, top-2, I 256, a shared expert, V 512, B 16 × T 256 (N = 4096 tokens: the
+// activations, not the fixed buffers, make the peak).
 #include "gpu_util.cuh"
 #include "memory_prediction.cuh"
 
@@ -15,7 +15,7 @@ TEST(GpuMemoryPrediction, IsAtLeastThePoolPeakAndWithinTenPercent) {
   c.n_dense = 1; c.dense_dim = 512; c.shared_expert = 1; c.seq_len = 256;
   const int B = 16, T = c.seq_len;
   const long long boundary = (long long)B * T * c.hidden * sizeof(floatX);
-  std::vector<testutil::PredictionCase> cases(8);
+  std::vector<testutil::PredictionCase> cases(10);
   cases[0].name = "recompute off";
   cases[0].recompute = false;
   cases[1].name = "recompute on";
@@ -33,6 +33,12 @@ TEST(GpuMemoryPrediction, IsAtLeastThePoolPeakAndWithinTenPercent) {
   cases[6].seams.offload_bucket = 1 << 16;
   cases[7].name = "recompute on, cpu_adamw";
   cases[7].seams.optimizer = "cpu_adamw";
+  // the local MoE in token chunks, the dense layer's FFN and the shared expert in the same chunks
+  cases[8].name = "recompute off, --token_budget 512";
+  cases[8].recompute = false;
+  cases[8].seams.token_budget = 512;
+  cases[9].name = "recompute on, --token_budget 512";
+  cases[9].seams.token_budget = 512;
   for (const testutil::PredictionCase& pc : cases)
     testutil::expect_prediction_holds(testutil::predict_and_measure(c, Parallel(), pc, B, T), "one GPU, " + pc.name, true);
 }

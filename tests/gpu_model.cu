@@ -275,7 +275,8 @@ TEST(GpuModel, RecomputeIsBitIdenticalAndLowersPeak) {
 }
 
 // --moe local --token_budget c (ops/moe.cuh's LocalDispatcher): the routed experts in chunks of at most c
-// tokens, nothing kept from the forward, each chunk recomputed in the backward. With and without
+// tokens, nothing kept from the forward, each chunk recomputed in the backward (and the dense layers' FFN
+// and the shared expert in the same chunks, model.cuh's dense_ffn_dispatcher). With and without
 // recomputation, on the plain and the dense-layer + shared-expert variants (B·T = 74 tokens, c = 16: 5
 // chunks, of 15 tokens but the last of 14): a pass's loss and every gradient, and four training steps' losses, within the model
 // tolerance of the unchunked run's (the chunks' expert GEMMs and weight-gradient sums round otherwise;
