@@ -20,6 +20,24 @@ ModelConfig zero3_config() {
   return c;
 }
 
+const int kBatch = 2;  // B sequences a micro-batch
+
+// The runs' inputs: one draw of the master weights and `batches` micro-batches of kBatch sequences.
+struct Zero3Inputs {
+  std::vector<float> master;
+  std::vector<std::vector<int>> xs, ys;
+};
+
+Zero3Inputs zero3_inputs(const ModelConfig& c, int batches) {
+  testutil::Rng rng;
+  Zero3Inputs in;
+  in.master = testutil::random_master(c, rng);
+  in.xs.resize(batches);
+  in.ys.resize(batches);
+  for (int i = 0; i < batches; i++) testutil::random_tokens(kBatch * c.seq_len, c.vocab, rng, in.xs[i], in.ys[i]);
+  return in;
+}
+
 struct Zero3Run {
   std::vector<float> losses, norms;
   std::vector<std::pair<std::string, std::vector<float>>> state;  // the optimizer's sections
@@ -35,17 +53,15 @@ TrainConfig zero3_train(bool recompute) {
   return t;
 }
 
-// Four steps of B = 2 sequences under --zero `zero`, the seams from t's flags; attention_budget > 0: the
-// attention tensors that many pool bytes keep under recomputation (--device_budget's plan).
-Zero3Run train_steps(int zero, int accum, const TrainConfig& t, const std::vector<float>& master,
-                     const std::vector<std::vector<int>>& xs, const std::vector<std::vector<int>>& ys,
-                     long long attention_budget = 0) {
+// t.steps steps of `accum` micro-batches under --zero `zero`, the seams from t's flags; attention_budget > 0:
+// the attention tensors that many pool bytes keep under recomputation (--device_budget's plan).
+Zero3Run train_steps(int zero, int accum, const TrainConfig& t, const Zero3Inputs& in, long long attention_budget = 0) {
   const ModelConfig c = zero3_config();
-  const int B = 2, steps = t.steps;
+  const int B = kBatch, steps = t.steps;
   Parallel par;
   par.zero = zero;
   Model m = model_create(c, 1, par, 0, seams_from(t, c));
-  model_set_master(m, master);
+  model_set_master(m, in.master);
   if (attention_budget > 0)
     m.attention_kept = sar_plan(c.layers, (long long)B * c.seq_len, c.seq_len, c.hidden, c.heads, sizeof(floatX),
                                 attention_budget);
@@ -55,8 +71,8 @@ Zero3Run train_steps(int zero, int accum, const TrainConfig& t, const std::vecto
   for (int step = 0; step < steps; step++) {
     float norm = 0.f;
     r.losses.push_back(model_train_step(m, t, step, B, c.seq_len, accum, [&](int* x, int* y) {
-      std::copy(xs[next].begin(), xs[next].end(), x);
-      std::copy(ys[next].begin(), ys[next].end(), y);
+      std::copy(in.xs[next].begin(), in.xs[next].end(), x);
+      std::copy(in.ys[next].begin(), in.ys[next].end(), y);
       next++;
     }, &norm));
     r.norms.push_back(norm);
@@ -105,15 +121,12 @@ void expect_runs_agree(const Zero3Run& one, const Zero3Run& three, bool same_ari
 TEST(GpuZero3, TrainsBitIdenticallyToZero1OnOneGpuAndGathersTwoGroupsAtMost) {
   REQUIRE_GPU();
   const ModelConfig c = zero3_config();
-  testutil::Rng rng;
-  const std::vector<float> master = testutil::random_master(c, rng);
-  std::vector<std::vector<int>> xs(8), ys(8);
-  for (int i = 0; i < 8; i++) testutil::random_tokens(2 * c.seq_len, c.vocab, rng, xs[i], ys[i]);
+  const Zero3Inputs in = zero3_inputs(c, 8);  // 4 steps of 2 micro-batches
   for (int accum : {1, 2})
     for (bool recompute : {false, true}) {
       const std::string what = "accum " + std::to_string(accum) + (recompute ? ", recompute" : "");
-      const Zero3Run one = train_steps(1, accum, zero3_train(recompute), master, xs, ys);
-      const Zero3Run three = train_steps(3, accum, zero3_train(recompute), master, xs, ys);
+      const Zero3Run one = train_steps(1, accum, zero3_train(recompute), in);
+      const Zero3Run three = train_steps(3, accum, zero3_train(recompute), in);
       // The FP32 build's passes add into the step's sum in place under ZeRO-1 (old + c1 + c2 for a tensor
       // that one pass adds to twice) and into a zeroed group buffer under ZeRO-3 (old + (c1 + c2)): with
       // two passes a step the sums may round apart there, within the whole-model tolerance.
@@ -147,11 +160,8 @@ TEST(GpuZero3, TrainsBitIdenticallyToZero1OnOneGpuAndGathersTwoGroupsAtMost) {
 TEST(GpuZero3, EveryOptimizerAndMemorySaverTrainsAsUnderZero1) {
   REQUIRE_GPU();
   const ModelConfig c = zero3_config();
-  testutil::Rng rng;
-  const std::vector<float> master = testutil::random_master(c, rng);
-  std::vector<std::vector<int>> xs(4), ys(4);
-  for (int i = 0; i < 4; i++) testutil::random_tokens(2 * c.seq_len, c.vocab, rng, xs[i], ys[i]);
-  const size_t boundary = (size_t)2 * c.seq_len * c.hidden * sizeof(floatX);
+  const Zero3Inputs in = zero3_inputs(c, 4);  // 4 steps of one micro-batch
+  const size_t boundary = (size_t)kBatch * c.seq_len * c.hidden * sizeof(floatX);
   struct Variant {
     std::string name;
     TrainConfig t;
@@ -172,8 +182,8 @@ TEST(GpuZero3, EveryOptimizerAndMemorySaverTrainsAsUnderZero1) {
   chunks.token_budget = 16;  // 74 tokens in 5 chunks
   variants.push_back({"--moe local --token_budget 16", chunks, 0});
   for (const Variant& v : variants) {
-    const Zero3Run one = train_steps(1, 1, v.t, master, xs, ys, v.attention_budget);
-    const Zero3Run three = train_steps(3, 1, v.t, master, xs, ys, v.attention_budget);
+    const Zero3Run one = train_steps(1, 1, v.t, in, v.attention_budget);
+    const Zero3Run three = train_steps(3, 1, v.t, in, v.attention_budget);
     expect_runs_agree(one, three, true, v.name);
     EXPECT_EQ(three.most_gathered, 2) << v.name;
   }
