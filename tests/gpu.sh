@@ -206,13 +206,20 @@ if [[ " $want " == *" toy8 "* ]]; then
     if [ -n "$resumed" ] && [ "$resumed" == "$straight" ]; then summary+=("toy8 resume at W=8: steps $((half + 1))-$toy_steps bit-identical")
     else summary+=("toy8 resume at W=8: DIFFERS"); status=1; fi
   fi
+  # one row a run: the steps it logged (fewer where TOY_TIMEOUT cut it), its validation losses at one rank's
+  # validation steps (- where it did not reach them), the largest train-loss gap to one rank over the steps both logged
   {
-    echo "| run | $(awk -F, 'NR > 1 && $2 == "nan" { printf "val@%s | ", $1 }' build/toy8/one_rank/log.csv)last train loss | ms/step (shared: not GPU timings) |"
-    echo "|---|$(awk -F, 'NR > 1 && $2 == "nan" { printf "---|" }' build/toy8/one_rank/log.csv)---|---|"
+    echo "| run | steps | $(awk -F, 'NR > 1 && $2 == "nan" { printf "val@%s | ", $1 }' build/toy8/one_rank/log.csv)last train loss | largest train-loss gap to one_rank | ms/step (shared: not GPU timings) |"
+    echo "|---|---|$(awk -F, 'NR > 1 && $2 == "nan" { printf "---|" }' build/toy8/one_rank/log.csv)---|---|---|"
     for name in one_rank ep llep pllep relay_expert relay_token ring_dtp; do
-      awk -F, -v name=$name 'NR > 1 && $2 == "nan" { vals = vals sprintf("%.4f | ", $3) }
-        NR > 1 && $2 != "nan" { last = $2; if ($1 > 10) { ms += $6; k++ } }
-        END { printf "| %s | %s%.4f | %.1f |\n", name, vals, last, k ? ms / k : 0 }' build/toy8/$name/log.csv 2>/dev/null
+      [ -s build/toy8/$name/log.csv ] || continue
+      awk -F, -v name=$name 'FNR == 1 { file++; next }
+        file == 1 && $2 == "nan" { vsteps[++nv] = $1 } file == 1 && $2 != "nan" { base[$1] = $2 }
+        file == 2 && $2 == "nan" { val[$1] = sprintf("%.4f", $3) }
+        file == 2 && $2 != "nan" { last = $2; steps = $1; if ($1 > 10) { ms += $6; k++ }
+                                   if ($1 in base) { d = $2 - base[$1]; if (d < 0) d = -d; if (d > gap) { gap = d; at = $1 } } }
+        END { printf "| %s | %d | ", name, steps; for (i = 1; i <= nv; i++) printf "%s | ", (vsteps[i] in val) ? val[vsteps[i]] : "-"
+              printf "%.4f | %.4f (step %d) | %.1f |\n", last, gap, at, k ? ms / k : 0 }' build/toy8/one_rank/log.csv build/toy8/$name/log.csv
     done
   } > "$OUT/toy8.md"
   cat "$OUT/toy8.md"
