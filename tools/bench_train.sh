@@ -25,6 +25,7 @@
 #           (--recompute 1) and --plan auto, found by doubling then bisecting on the trainer's memory
 #           prediction (--dry_run 1, exact on one GPU), then one real step at the value found: step time,
 #           tokens/s, pool peak against the prediction, pinned host memory, and what stops the next size.
+#           REACH_MODELS ("default 300M 1B") picks the models, so that one device call can take one of them.
 #   reach-shared: the longest context (B = 1 per sequence group) at W = 8 ranks sharing one GPU in sequence groups
 #           (--sp D, notes/sequence_parallel.md; memory, not speed: collectives over sockets), under --recompute 1
 #           and --recompute 1 --zero 3: the default model at D = 2 (its 6 heads of 64: no larger D divides
@@ -37,6 +38,12 @@ set -uo pipefail
 train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed reach}
 for p in $parts; do
   case $p in speed|multi|ab|reach|reach-shared) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, reach, reach-shared)"; exit 2 ;; esac
+done
+for m in ${REACH_MODELS:-default}; do
+  case $m in default|300M|1B) ;; *) echo "bench_train.sh: REACH_MODELS names '$m' (default, 300M, 1B)"; exit 2 ;; esac
+done
+for m in ${REACH_SHARED_MODELS:-default}; do
+  case $m in default|300M) ;; *) echo "bench_train.sh: REACH_SHARED_MODELS names '$m' (default, 300M)"; exit 2 ;; esac
 done
 if [[ " $parts " == *" ab "* ]] && [ ! -x "${BASE_TRAIN:-}" ]; then
   echo "bench_train.sh ab: BASE_TRAIN must name the trainer to compare against (got '${BASE_TRAIN:-}', not an executable)"
@@ -251,6 +258,7 @@ if [[ " $parts " == *" reach "* ]]; then
   for model in "${reach_models[@]}"; do
     name=${model%%:*}
     flags=${model#*:}
+    [[ " ${REACH_MODELS:-default 300M 1B} " == *" $name "* ]] || continue
     for config in "--recompute 0" "--recompute 1" "--plan auto"; do
       echo "| $name | context T (B = 1) | $config | $(largest T 4096 1048576 $flags $config) |"
       echo "| $name | batch B (T = 2048) | $config | $(largest B 1 4096 $flags $config) |"
