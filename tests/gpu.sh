@@ -208,7 +208,9 @@ if [[ " $want " == *" toy8 "* ]]; then
   fi
   # one row a run: the steps it logged (fewer where TOY_TIMEOUT cut it), its validation losses at one rank's
   # validation steps (- where it did not reach them), the largest train-loss gap to one rank over the steps both logged
-  {
+  if [ ! -s build/toy8/one_rank/log.csv ]; then
+    echo "toy8: no table: one_rank's log is missing (name one_rank in TOY_RUNS on this machine first)" > "$OUT/toy8.md"
+  else {
     echo "| run | steps | $(awk -F, 'NR > 1 && $2 == "nan" { printf "val@%s | ", $1 }' build/toy8/one_rank/log.csv)last train loss | largest train-loss gap to one_rank | ms/step (shared: not GPU timings) |"
     echo "|---|---|$(awk -F, 'NR > 1 && $2 == "nan" { printf "---|" }' build/toy8/one_rank/log.csv)---|---|---|"
     for name in one_rank ep llep pllep relay_expert relay_token ring_dtp; do
@@ -222,6 +224,7 @@ if [[ " $want " == *" toy8 "* ]]; then
               printf "%.4f | %.4f (step %d) | %.1f |\n", last, gap, at, k ? ms / k : 0 }' build/toy8/one_rank/log.csv build/toy8/$name/log.csv
     done
   } > "$OUT/toy8.md"
+  fi
   cat "$OUT/toy8.md"
   tar czf "$OUT/toy8_logs.tgz" --exclude='ckpt_*' -C build toy8
 fi
