@@ -16,6 +16,13 @@
 #include "dist_util.cuh"
 #include "../runtime/launch.cuh"
 
+// GoogleTest's sharding variables (`tests/gpu.sh dist` with DIST_SHARD): they split the outer run's tests, and
+// a sub-job that runs one named scenario must not be split again (its one test could fall in another shard).
+inline const std::vector<std::string>& gtest_shard_variable_names() {
+  static const std::vector<std::string> names = {"GTEST_TOTAL_SHARDS", "GTEST_SHARD_INDEX", "GTEST_SHARD_STATUS_FILE"};
+  return names;
+}
+
 // A TCP port that was free a moment ago (the kernel picks it).
 inline int free_tcp_port() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -83,7 +90,9 @@ inline JobResult run_scenario_job(const std::string& name, int world, std::vecto
                                    "--gtest_also_run_disabled_tests"};
   env_add.insert(env_add.end(), {"FLATMOE_TEST_WORLD=" + std::to_string(world), "FLATMOE_COMM_TIMEOUT_S=10",
                                  "FLATMOE_TEST_LOG_DIR=" + dir});
-  std::vector<std::string> env = environment_with(rank_variable_names(), env_add);  // started by nobody
+  std::vector<std::string> dropped = rank_variable_names();  // started by nobody, and not sharded
+  dropped.insert(dropped.end(), gtest_shard_variable_names().begin(), gtest_shard_variable_names().end());
+  std::vector<std::string> env = environment_with(dropped, env_add);
   std::vector<char*> argv = exec_array(args), envp = exec_array(env);
   make_test_dirs(dir);
   int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

@@ -825,6 +825,23 @@ TEST(Launcher, StopsTheJobWhenARankExits) {
   expect_contains(job, "[  FAILED  ] rank 1 did not finish");
 }
 
+// A run split into GoogleTest shards (`tests/gpu.sh dist` with DIST_SHARD) starts its sub-jobs unsplit: a
+// sub-job of one scenario that inherited shard 1 of 2 would run no test and exit 0.
+TEST(Launcher, SubJobsRunTheirScenarioInAShardedRun) {
+  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  std::map<std::string, std::string> saved;  // this run's own sharding, put back afterwards
+  for (const std::string& var : gtest_shard_variable_names())
+    if (const char* value = getenv(var.c_str())) saved[var] = value;
+  setenv("GTEST_TOTAL_SHARDS", "2", 1);
+  setenv("GTEST_SHARD_INDEX", "1", 1);
+  JobResult job = run_scenario_job("RankExitsWhileOthersWait", 2, {"CUDA_VISIBLE_DEVICES="});
+  for (const std::string& var : gtest_shard_variable_names()) {
+    if (saved.count(var)) setenv(var.c_str(), saved[var].c_str(), 1);
+    else unsetenv(var.c_str());
+  }
+  EXPECT_EQ(job.exit_code, 3) << "the scenario did not run: the sub-job took this run's shard\n" << job.output;
+}
+
 // The scenarios' ranks write "PID PGID" to LOGDIR/rankR.pid (LOGDIR: the scenario's folder), whole or
 // not at all, for the test that stops them.
 void write_rank_pid_file() {
@@ -874,6 +891,7 @@ LauncherJob start_launcher(const std::string& name, int world, double stop_grace
     if (out < 0 || dup2(out, STDOUT_FILENO) < 0 || dup2(out, STDERR_FILENO) < 0) _exit(126);
     setenv("CUDA_VISIBLE_DEVICES", "", 1);
     setenv("FLATMOE_TEST_LOG_DIR", job.dir.c_str(), 1);
+    for (const std::string& var : gtest_shard_variable_names()) unsetenv(var.c_str());
     std::vector<char*> argv = exec_array(args);
     _exit(run_local_ranks((int)args.size(), argv.data(), world, stop_grace_s));
   }

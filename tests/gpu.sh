@@ -6,6 +6,7 @@
 #   dist: the whole test_dist at W = 2, 4 and 8 (DIST_WORLDS), both precisions, the ranks sharing the GPUs where W
 #     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
 #     (dist.md), the rank logs (dist_logs.tgz); DIST_PRECISIONS, DIST_FILTER (a gtest filter) and DIST_TIMEOUT (s per run, 600) narrow it;
+#     DIST_SHARD=i/n runs the i-th of n GoogleTest shards (i from 0), so that a run too long for one device call is n calls;
 #     DIST_JOBS=n runs n of the (W, precision) runs at once
 #   toy8: the README's toy 8-rank run on CORPUS=large with the ranks sharing this machine's GPUs, each dispatcher and
 #     the ring head beside one rank of the same global batch, and a resume at W = 8 (TOY_STEPS, default 100);
@@ -90,6 +91,10 @@ steps=$(echo "$want" | sed -n 's/.*train-steps=\([0-9]*\).*/\1/p')
 summary=()
 status=0
 
+if [ -n "${DIST_SHARD:-}" ] && ! [[ "$DIST_SHARD" =~ ^([0-9]+)/([0-9]+)$ && ${BASH_REMATCH[1]} -lt ${BASH_REMATCH[2]} ]]; then
+  echo "tests/gpu.sh: DIST_SHARD must be i/n with 0 <= i < n (got '$DIST_SHARD')"
+  exit 2
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 t0=$(date +%s)
 make -j"$(nproc)" $vars ${GPU_TARGETS:-all data} > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
@@ -126,6 +131,7 @@ if [[ " $want " == *" dist "* ]]; then
     [ "$W" -gt "$gpus" ] && share=1
     t1=$(date +%s)
     FLATMOE_SHARE_GPUS=$share FLATMOE_TEST_WORLD=$W FLATMOE_TEST_LOG_DIR=$logs timeout "${DIST_TIMEOUT:-600}" \
+      env ${DIST_SHARD:+GTEST_SHARD_INDEX=${DIST_SHARD%/*} GTEST_TOTAL_SHARDS=${DIST_SHARD#*/}} \
       build/$p/test_dist ${DIST_FILTER:+--gtest_filter=$DIST_FILTER} > "$logs.log" 2>&1
     rc=$?
     echo $rc > "$logs.rc"
@@ -133,7 +139,7 @@ if [[ " $want " == *" dist "* ]]; then
     errors=$(awk '/^\[ RUN      \] / { split($4, name, "."); suite = name[1] }
                   /^\[err\]/ { for (i = 1; i <= NF; i++) if ($i ~ /^rel=/) { v = substr($i, 5) + 0; if (v > most[suite]) most[suite] = v } }
                   END { for (s in most) printf "%s %.2e, ", s, most[s] }' "$logs"/dist_rank*.log 2>/dev/null | sed 's/, $//')
-    echo "| $W | $gpus | $p | $(count PASSED) | $(count FAILED) | $(count SKIPPED) | $(( $(date +%s) - t1 )) | ${errors:-none} |" > "$logs.row"
+    echo "| $W${DIST_SHARD:+ (shard $DIST_SHARD)} | $gpus | $p | $(count PASSED) | $(count FAILED) | $(count SKIPPED) | $(( $(date +%s) - t1 )) | ${errors:-none} |" > "$logs.row"
     {
       echo "test_dist W=$W $p (share $share): exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$logs.log" | tr '\n' ' ')"
       grep -q '^\[  FAILED  \]' "$logs.log" && echo "  $(grep '^\[  FAILED  \] [A-Za-z]' "$logs.log" | sort -u | tr '\n' ' ')"
