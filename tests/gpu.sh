@@ -534,6 +534,7 @@ fi
 if [[ " $want " == *" reach "* ]]; then
   tools/bench_train.sh build/bf16/train data/fortunes build/bench reach > "$OUT/reach.md" 2> build/reach.err
   cat "$OUT/reach.md"
+  tar czf "$OUT/reach_timelines.tgz" -C build/bench reach_timelines
 fi
 
 # reach-shared: issue 57's reach at W = 8 ranks sharing this machine's GPU in sequence groups (bench_train.sh's
@@ -541,6 +542,7 @@ fi
 if [[ " $want " == *" reach-shared "* ]]; then
   tools/bench_train.sh build/bf16/train data/fortunes build/bench reach-shared > "$OUT/reach_shared.md" 2> build/reach_shared.err
   cat "$OUT/reach_shared.md"
+  tar czf "$OUT/reach_timelines.tgz" -C build/bench reach_timelines
 fi
 
 if [[ " $want " == *" bench "* ]]; then

@@ -25,7 +25,8 @@
 #           (--recompute 1) and --plan auto, found by doubling then bisecting on the trainer's memory
 #           prediction (--dry_run 1, exact on one GPU), then one real step at the value found: step time,
 #           tokens/s, pool peak against the prediction, pinned host memory, and what stops the next size.
-#           REACH_MODELS ("default 300M 1B") picks the models, so that one device call can take one of them.
+#           REACH_MODELS ("default 300M 1B") picks the models, so that one device call can take one of them; each
+#           real step's pool timeline is kept in OUT_DIR/reach_timelines/MODEL_{T,B}_CONFIG.csv.
 #   reach-shared: the longest context (B = 1 per sequence group) at W = 8 ranks sharing one GPU in sequence groups
 #           (--sp D, notes/sequence_parallel.md; memory, not speed: collectives over sockets), under --recompute 1
 #           and --recompute 1 --zero 3: the default model at D = 2 (its 6 heads of 64: no larger D divides
@@ -202,11 +203,15 @@ ln -sf train_000.bin "$synthetic/val_000.bin"
 # A probe asks the trainer's memory prediction (--dry_run 1: exact for one GPU, tests/gpu_memory_prediction.cu)
 # whether B x T fits beside what lies outside the pool; the largest value found is then run for one real step
 # (at most REACH_STEP_TIMEOUT seconds, default 300).
+# The real step records the pool's timeline (timeline_step0.csv), kept per row in $out/reach_timelines/ under
+# the name in $timeline_name (plot: tools/plot_timeline.sh CSV PNG).
+mkdir -p "$out/reach_timelines"
 probe() {  # dry_run B T FLAGS...
-  local dry=$1 b=$2 t=$3
+  local dry=$1 b=$2 t=$3 timeline=()
   shift 3
+  [ "$dry" = 0 ] && timeline=(--timeline_step 0)
   timeout "${REACH_STEP_TIMEOUT:-300}" "$train" --data "$data" --train "$synthetic/train_*.bin" --val "$synthetic/val_*.bin" \
-    --batch "$b" --seq_len "$t" --steps 1 --warmup 1 --dry_run "$dry" "$@" $quiet --out "$out/probe" > "$out/probe.log" 2>&1
+    --batch "$b" --seq_len "$t" --steps 1 --warmup 1 --dry_run "$dry" "${timeline[@]}" "$@" $quiet --out "$out/probe" > "$out/probe.log" 2>&1
 }
 # what the real step logged: ms, tokens/s, pool peak MiB | the prediction against it | pinned host MiB
 step_of_last() {
@@ -241,7 +246,8 @@ largest() {  # what(T|B) start cap FLAGS...: doubling up to cap, then bisection 
   if [ "$good" -eq 0 ]; then echo "$shown | none fits | | | | | ${why}"; return; fi
   at 0 "$good" "$@"
   case $? in
-    0) echo "$shown | $(step_of_last) | ${why}" ;;
+    0) cp "$out/probe/timeline_step0.csv" "$out/reach_timelines/$timeline_name.csv" 2> /dev/null
+       echo "$shown | $(step_of_last) | ${why}" ;;
     124) echo "$shown | not run: the step took over ${REACH_STEP_TIMEOUT:-300} s | | | | | ${why}" ;;
     *) echo "$shown | FAILED (see $out/probe.log) | | | | | ${why}" ;;
   esac
@@ -260,7 +266,9 @@ if [[ " $parts " == *" reach "* ]]; then
     flags=${model#*:}
     [[ " ${REACH_MODELS:-default 300M 1B} " == *" $name "* ]] || continue
     for config in "--recompute 0" "--recompute 1" "--plan auto"; do
+      timeline_name=$(echo "${name}_T_$config" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')
       echo "| $name | context T (B = 1) | $config | $(largest T 4096 1048576 $flags $config) |"
+      timeline_name=$(echo "${name}_B_$config" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')
       echo "| $name | batch B (T = 2048) | $config | $(largest B 1 4096 $flags $config) |"
     done
   done
@@ -283,6 +291,7 @@ for model in "${shared_models[@]}"; do
   D=${rest%%:*}
   flags="${rest#*:} --gpus 8 --share_gpus 1 --sp $D"
   for config in "--recompute 1" "--recompute 1 --zero 3"; do
+    timeline_name=$(echo "shared_${name%%,*}_D${D}_$config" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')
     echo "| $name | $D | $config | $(largest T 16384 1048576 $flags $config) |"
   done
 done
