@@ -23,7 +23,8 @@
 #   reach:  the default model, a ~300M and a ~1B MoE: the longest context (B = 1, up to 1,048,576) and the
 #           largest batch (T = 2048) that fit with the plain stack (--recompute 0), recomputation alone
 #           (--recompute 1) and --plan auto, found by doubling then bisecting on the trainer's memory
-#           prediction (--dry_run 1, exact on one GPU), then one real step at the value found: step time,
+#           prediction (--dry_run 1, exact on one GPU; the search on the host against the GPU's measured room,
+#           its result confirmed on the GPU), then one real step at the value found: step time,
 #           tokens/s, pool peak against the prediction, pinned host memory, and what stops the next size.
 #           REACH_MODELS ("default 300M 1B") picks the models, so that one device call can take one of them; each
 #           real step's pool timeline is kept in OUT_DIR/reach_timelines/MODEL_{T,B}_CONFIG.csv.
@@ -201,17 +202,28 @@ mkdir -p "$synthetic"
   { echo "could not write the synthetic shard"; exit 1; }
 ln -sf train_000.bin "$synthetic/val_000.bin"
 # A probe asks the trainer's memory prediction (--dry_run 1: exact for one GPU, tests/gpu_memory_prediction.cu)
-# whether B x T fits beside what lies outside the pool; the largest value found is then run for one real step
-# (at most REACH_STEP_TIMEOUT seconds, default 300).
-# The real step records the pool's timeline (timeline_step0.csv), kept per row in $out/reach_timelines/ under
-# the name in $timeline_name (plot: tools/plot_timeline.sh CSV PNG).
+# whether B x T fits beside what the GPU holds outside the pools. The search's probes run on the host: the
+# trainer's dry run without a GPU gives the same prediction in half a second, without a CUDA context or, at W
+# ranks, W processes and their communicators, against the GPU's capacity less what it holds outside the
+# pools, both read from one dry run on the GPU at the row's first size. The value found is confirmed by a dry
+# run on the GPU (a smaller one where that refuses it), then trained for one real step (at most
+# REACH_STEP_TIMEOUT seconds, default 300) that records the pool's timeline, kept per row in
+# $out/reach_timelines/$timeline_name.csv (plot: tools/plot_timeline.sh CSV PNG).
 mkdir -p "$out/reach_timelines"
-probe() {  # dry_run B T FLAGS...
-  local dry=$1 b=$2 t=$3 timeline=()
+probe() {  # host|gpu|step B T FLAGS...
+  local how=$1 b=$2 t=$3 mode=() hide=()
   shift 3
-  [ "$dry" = 0 ] && timeline=(--timeline_step 0)
-  timeout "${REACH_STEP_TIMEOUT:-300}" "$train" --data "$data" --train "$synthetic/train_*.bin" --val "$synthetic/val_*.bin" \
-    --batch "$b" --seq_len "$t" --steps 1 --warmup 1 --dry_run "$dry" "${timeline[@]}" "$@" $quiet --out "$out/probe" > "$out/probe.log" 2>&1
+  case $how in
+    host) mode=(--dry_run 1 --device_capacity "$capacity_less_outside"); hide=(env CUDA_VISIBLE_DEVICES=) ;;
+    gpu) mode=(--dry_run 1) ;;
+    step) mode=(--dry_run 0 --timeline_step 0) ;;
+  esac
+  timeout "${REACH_STEP_TIMEOUT:-300}" "${hide[@]}" "$train" --data "$data" --train "$synthetic/train_*.bin" \
+    --val "$synthetic/val_*.bin" --batch "$b" --seq_len "$t" --steps 1 --warmup 1 "${mode[@]}" "$@" $quiet \
+    --out "$out/probe" > "$out/probe.log" 2>&1 && return 0
+  local rc=$?
+  cp "$out/probe.log" "$out/probe_refused.log"
+  return $rc
 }
 # what the real step logged: ms, tokens/s, pool peak MiB | the prediction against it | pinned host MiB
 step_of_last() {
@@ -223,28 +235,41 @@ step_of_last() {
               END { printf "%.0f", h }' "$out/probe.log")
   echo "$row | ${pred:-no prediction line} | $host"
 }
+# why the last refused probe did not fit: the prediction's peak and where, or its last line
+refusal() {
+  local why
+  why=$(grep -o 'predicted peak [0-9]* MiB at [^(]*\|largest term[^.;]*\|cannot fit on the GPU: [^(]*' "$out/probe_refused.log" | head -1)
+  [ -n "$why" ] || why=$(grep -v '^ *$' "$out/probe_refused.log" | tail -1)
+  echo "$why" | cut -c1-90
+}
 largest() {  # what(T|B) start cap FLAGS...: doubling up to cap, then bisection to 1/8 of the last doubling
-  local what=$1 v=$2 cap=$3 good=0 bad=0
+  local what=$1 start=$2 cap=$3 good=0 bad=0 v=$2
   shift 3
   at() { if [ "$what" = T ]; then probe "$1" 1 "$2" "${@:3}"; else probe "$1" "$2" 2048 "${@:3}"; fi; }
+  if ! at gpu "$start" "$@"; then echo "0 | none fits | | | | | $start: $(refusal)"; return; fi
+  local measured device outside
+  measured=$(sed -n 's/.*outside the pool \([0-9.]*\) MiB (measured); device \([0-9.]*\) MiB.*/\1 \2/p' "$out/probe.log" | head -1)
+  outside=${measured% *}; device=${measured#* }
+  capacity_less_outside=$(awk -v d="$device" -v o="$outside" 'BEGIN { printf "%.0f", (d - o) * 1048576 }')
+  good=$start; v=$((start * 2))
   while [ "$v" -le "$cap" ]; do
-    if at 1 "$v" "$@"; then good=$v; v=$((v * 2)); else bad=$v; break; fi
+    if at host "$v" "$@"; then good=$v; v=$((v * 2)); else bad=$v; break; fi
   done
   local step=$(( (bad - good) / 8 ))
   while [ "$bad" -gt 0 ] && [ "$step" -gt 0 ] && [ $((bad - good)) -gt "$step" ]; do
     local mid=$(( (good + bad) / 2 / step * step ))
     [ "$mid" -le "$good" ] && break
-    if at 1 "$mid" "$@"; then good=$mid; else bad=$mid; fi
+    if at host "$mid" "$@"; then good=$mid; else bad=$mid; fi
+  done
+  # the GPU's own check has the last word (its margin under --plan auto differs by 5 % of what lies outside)
+  local down=$(( step > 0 ? step : good / 8 ))
+  while [ "$good" -gt "$start" ] && ! at gpu "$good" "$@"; do
+    bad=$good; good=$(( good - down > start ? good - down : start ))
   done
   local shown=$good why=""
   [ "$bad" -eq 0 ] && shown=">= $good (probe cap)"
-  # the term the prediction names where the next size does not fit
-  [ "$bad" -gt 0 ] && at 1 "$bad" "$@"
-  [ "$bad" -gt 0 ] && why="$bad: $(grep -o 'predicted peak [0-9]* MiB at [^(]*\|largest term[^.;]*' "$out/probe.log" | head -1 |
-    cut -c1-90)"
-  [ "$why" = "$bad: " ] && why="$bad: $(grep -v '^ *$' "$out/probe.log" | tail -1 | cut -c1-90)"
-  if [ "$good" -eq 0 ]; then echo "$shown | none fits | | | | | ${why}"; return; fi
-  at 0 "$good" "$@"
+  [ "$bad" -gt 0 ] && why="$bad: $(refusal)"
+  at step "$good" "$@"
   case $? in
     0) cp "$out/probe/timeline_step0.csv" "$out/reach_timelines/$timeline_name.csv" 2> /dev/null
        echo "$shown | $(step_of_last) | ${why}" ;;
