@@ -249,6 +249,7 @@ largest() {  # what(T|B) start cap FLAGS...: doubling up to cap, then bisection 
   if ! at gpu "$start" "$@"; then echo "0 | none fits | | | | | $start: $(refusal)"; return; fi
   local measured device outside
   measured=$(sed -n 's/.*outside the pool \([0-9.]*\) MiB (measured); device \([0-9.]*\) MiB.*/\1 \2/p' "$out/probe.log" | head -1)
+  [ -n "$measured" ] || { echo "$start | FAILED: no measured capacity in the GPU's dry run ($out/probe.log) | | | | | "; return; }
   outside=${measured% *}; device=${measured#* }
   capacity_less_outside=$(awk -v d="$device" -v o="$outside" 'BEGIN { printf "%.0f", (d - o) * 1048576 }')
   good=$start; v=$((start * 2))
