@@ -20,7 +20,8 @@
 #           time, and B1's per-operator breakdown of the last two runs side by side (what moved). Runs
 #           on different machines, and even device calls, differ by more than many changes gain, so a
 #           change is measured against its predecessor in one call (notes/speed.md, 'How to measure');
-#   reach:  the default model, a ~300M and a ~1B MoE: the longest context (B = 1, up to 1,048,576) and the
+#   reach:  the default model, a ~300M and a ~1B MoE: the longest context (B = 1, up to REACH_MAX_T, default
+#           2,097,152) and the
 #           largest batch (T = 2048) that fit with the plain stack (--recompute 0), recomputation alone
 #           (--recompute 1) and --plan auto, found by doubling then bisecting on the trainer's memory
 #           prediction (--dry_run 1, exact on one GPU; the search on the host against the GPU's measured room,
@@ -41,6 +42,8 @@ train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed reach}
 for p in $parts; do
   case $p in speed|multi|ab|reach|reach-shared) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, reach, reach-shared)"; exit 2 ;; esac
 done
+[[ "${REACH_MAX_T:-2097152}" =~ ^[0-9]+$ ]] && [ "${REACH_MAX_T:-2097152}" -ge 16384 ] ||
+  { echo "bench_train.sh: REACH_MAX_T must be a whole number of tokens, at least 16384 (got '${REACH_MAX_T:-}')"; exit 2; }
 for m in ${REACH_MODELS:-default}; do
   case $m in default|300M|1B) ;; *) echo "bench_train.sh: REACH_MODELS names '$m' (default, 300M, 1B)"; exit 2 ;; esac
 done
@@ -293,7 +296,7 @@ if [[ " $parts " == *" reach "* ]]; then
     [[ " ${REACH_MODELS:-default 300M 1B} " == *" $name "* ]] || continue
     for config in "--recompute 0" "--recompute 1" "--plan auto"; do
       timeline_name=$(echo "${name}_T_$config" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')
-      echo "| $name | context T (B = 1) | $config | $(largest T 4096 1048576 $flags $config) |"
+      echo "| $name | context T (B = 1) | $config | $(largest T 4096 "${REACH_MAX_T:-2097152}" $flags $config) |"
       timeline_name=$(echo "${name}_B_$config" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')
       echo "| $name | batch B (T = 2048) | $config | $(largest B 1 4096 $flags $config) |"
     done
@@ -318,6 +321,6 @@ for model in "${shared_models[@]}"; do
   flags="${rest#*:} --gpus 8 --share_gpus 1 --sp $D"
   for config in "--recompute 1" "--recompute 1 --zero 3"; do
     timeline_name=$(echo "shared_${name%%,*}_D${D}_$config" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')
-    echo "| $name | $D | $config | $(largest T 16384 1048576 $flags $config) |"
+    echo "| $name | $D | $config | $(largest T 16384 "${REACH_MAX_T:-2097152}" $flags $config) |"
   done
 done
