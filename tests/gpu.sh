@@ -531,10 +531,22 @@ if [[ " $want " == *" sco-timelines "* ]]; then
   summary+=("sco-timelines: $(ls build/sco-timelines | tr '\n' ' ')")
 fi
 
+# the reach parts' real steps: their pool timelines (reach_timelines.tgz) and, for each, the pool's peak by
+# category beside each category's largest (reach_peaks.md, tools/timeline_peak.sh): the measured side of the
+# per-rank budget's terms
+reach_timelines_out() {
+  tar czf "$OUT/reach_timelines.tgz" -C build/bench reach_timelines
+  for csv in build/bench/reach_timelines/*.csv; do
+    [ -e "$csv" ] || continue
+    echo "### $(basename "$csv" .csv)"
+    tools/timeline_peak.sh "$csv"
+    echo
+  done > "$OUT/reach_peaks.md"
+}
 if [[ " $want " == *" reach "* ]]; then
   tools/bench_train.sh build/bf16/train data/fortunes build/bench reach > "$OUT/reach.md" 2> build/reach.err
   cat "$OUT/reach.md"
-  tar czf "$OUT/reach_timelines.tgz" -C build/bench reach_timelines
+  reach_timelines_out
 fi
 
 # reach-shared: issue 57's reach at W = 8 ranks sharing this machine's GPU in sequence groups (bench_train.sh's
@@ -542,7 +554,7 @@ fi
 if [[ " $want " == *" reach-shared "* ]]; then
   tools/bench_train.sh build/bf16/train data/fortunes build/bench reach-shared > "$OUT/reach_shared.md" 2> build/reach_shared.err
   cat "$OUT/reach_shared.md"
-  tar czf "$OUT/reach_timelines.tgz" -C build/bench reach_timelines
+  reach_timelines_out
 fi
 
 if [[ " $want " == *" bench "* ]]; then
