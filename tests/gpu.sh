@@ -143,6 +143,9 @@ if [[ " $want " == *" dist "* ]]; then
     {
       echo "test_dist W=$W $p (share $share): exit $rc | $(grep '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' "$logs.log" | tr '\n' ' ')"
       grep -q '^\[  FAILED  \]' "$logs.log" && echo "  $(grep '^\[  FAILED  \] [A-Za-z]' "$logs.log" | sort -u | tr '\n' ' ')"
+      # where the run's time went: rank 0's five slowest tests
+      echo "  slowest: $(sed -n 's/^\[ *\(OK\|FAILED\) *\] \([^ ]*\) (\([0-9]*\) ms)$/\3 \2/p' "$logs"/dist_rank0.log 2>/dev/null |
+        sort -rn | head -5 | awk '{ printf "%s %.0f s, ", $2, $1 / 1000 }' | sed 's/, $//')"
     } > "$logs.sum"
   }
   # DIST_JOBS runs that many (W, precision) runs at once (their ranks all on this machine's GPUs): the wall times
