@@ -17,6 +17,7 @@
 #     bench_ep_moe --check 1 and bench_optimizer at W = 2, 4, 8 (shared.md); SHARED_WORLDS (the training runs' W, "2 8")
 #     and SHARED_BENCH_WORLDS ("2 4 8") split it over device calls
 #   train2: the default model on every GPU of the machine
+#   bench: tools/bench_train.sh as `make bench` runs it, its parts from BENCH_PARTS (default "speed reach")
 #   speed: issue 13's speed work (notes/speed.md): the whole test_gpu in both precisions (with 2 GPUs or more
 #     also test_dist's DistModel), compute-sanitizer memcheck and racecheck over the grouped
 #     GEMM, RMSNorm and RoPE tests, then
@@ -561,7 +562,7 @@ if [[ " $want " == *" reach-shared "* ]]; then
 fi
 
 if [[ " $want " == *" bench "* ]]; then
-  tools/bench_train.sh build/bf16/train data/fortunes build/bench > "$OUT/bench.md" 2> build/bench.err
+  tools/bench_train.sh build/bf16/train data/fortunes build/bench "${BENCH_PARTS:-speed reach}" > "$OUT/bench.md" 2> build/bench.err
   cat "$OUT/bench.md"
 fi
 
