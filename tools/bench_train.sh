@@ -42,12 +42,14 @@ train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed reach}
 for p in $parts; do
   case $p in speed|multi|ab|reach|reach-shared) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, reach, reach-shared)"; exit 2 ;; esac
 done
-[[ "${REACH_MAX_T:-2097152}" =~ ^[0-9]+$ ]] && [ "${REACH_MAX_T:-2097152}" -ge 16384 ] ||
-  { echo "bench_train.sh: REACH_MAX_T must be a whole number of tokens, at least 16384 (got '${REACH_MAX_T:-}')"; exit 2; }
-for m in ${REACH_MODELS:-default}; do
+reach_max_t=${REACH_MAX_T:-2097152} reach_wanted=${REACH_MODELS:-default 300M 1B}
+reach_shared_wanted=${REACH_SHARED_MODELS:-default 300M}
+[[ "$reach_max_t" =~ ^[0-9]+$ ]] && [ "$reach_max_t" -ge 16384 ] ||
+  { echo "bench_train.sh: REACH_MAX_T must be a whole number of tokens, at least 16384 (got '$reach_max_t')"; exit 2; }
+for m in $reach_wanted; do
   case $m in default|300M|1B) ;; *) echo "bench_train.sh: REACH_MODELS names '$m' (default, 300M, 1B)"; exit 2 ;; esac
 done
-for m in ${REACH_SHARED_MODELS:-default}; do
+for m in $reach_shared_wanted; do
   case $m in default|300M) ;; *) echo "bench_train.sh: REACH_SHARED_MODELS names '$m' (default, 300M)"; exit 2 ;; esac
 done
 if [[ " $parts " == *" ab "* ]] && [ ! -x "${BASE_TRAIN:-}" ]; then
@@ -211,7 +213,7 @@ ln -sf train_000.bin "$synthetic/val_000.bin"
 # pools, both read from one dry run on the GPU at the row's first size. The value found is confirmed by a dry
 # run on the GPU (a smaller one where that refuses it), then trained for one real step (at most
 # REACH_STEP_TIMEOUT seconds, default 300) that records the pool's timeline, kept per row in
-# $out/reach_timelines/$timeline_name.csv (plot: tools/plot_timeline.sh CSV PNG).
+# $out/reach_timelines/ under the row's name (plot: tools/plot_timeline.sh CSV PNG).
 mkdir -p "$out/reach_timelines"
 probe() {  # host|gpu|step B T FLAGS...
   local how=$1 b=$2 t=$3 mode=() hide=()
@@ -245,9 +247,10 @@ refusal() {
   [ -n "$why" ] || why=$(grep -v '^ *$' "$out/probe_refused.log" | tail -1)
   echo "$why" | cut -c1-90
 }
-largest() {  # what(T|B) start cap FLAGS...: doubling up to cap, then bisection to 1/8 of the last doubling
-  local what=$1 start=$2 cap=$3 good=0 bad=0 v=$2
-  shift 3
+largest() {  # ROW what(T|B) start cap FLAGS...: doubling up to cap, then bisection to 1/8 of the last doubling
+  local timeline_name what=$2 start=$3 cap=$4 good=0 bad=0 v=$3
+  timeline_name=$(echo "$1" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')  # the row's name as a file name
+  shift 4
   at() { if [ "$what" = T ]; then probe "$1" 1 "$2" "${@:3}"; else probe "$1" "$2" 2048 "${@:3}"; fi; }
   if ! at gpu "$start" "$@"; then echo "0 | none fits | | | | | $start: $(refusal)"; return; fi
   local measured device outside
@@ -293,12 +296,10 @@ if [[ " $parts " == *" reach "* ]]; then
   for model in "${reach_models[@]}"; do
     name=${model%%:*}
     flags=${model#*:}
-    [[ " ${REACH_MODELS:-default 300M 1B} " == *" $name "* ]] || continue
+    [[ " $reach_wanted " == *" $name "* ]] || continue
     for config in "--recompute 0" "--recompute 1" "--plan auto"; do
-      timeline_name=$(echo "${name}_T_$config" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')
-      echo "| $name | context T (B = 1) | $config | $(largest T 4096 "${REACH_MAX_T:-2097152}" $flags $config) |"
-      timeline_name=$(echo "${name}_B_$config" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')
-      echo "| $name | batch B (T = 2048) | $config | $(largest B 1 4096 $flags $config) |"
+      echo "| $name | context T (B = 1) | $config | $(largest "${name}_T_$config" T 4096 "$reach_max_t" $flags $config) |"
+      echo "| $name | batch B (T = 2048) | $config | $(largest "${name}_B_$config" B 1 4096 $flags $config) |"
     done
   done
 fi
@@ -315,12 +316,11 @@ m300=${reach_models[1]#*:}
 shared_models=("default:2:" "300M, 24 heads:8:${m300/--heads 12/--heads 24}")
 for model in "${shared_models[@]}"; do
   name=${model%%:*}
-  [[ " ${REACH_SHARED_MODELS:-default 300M} " == *" ${name%%,*} "* ]] || continue
+  [[ " $reach_shared_wanted " == *" ${name%%,*} "* ]] || continue
   rest=${model#*:}
   D=${rest%%:*}
   flags="${rest#*:} --gpus 8 --share_gpus 1 --sp $D"
   for config in "--recompute 1" "--recompute 1 --zero 3"; do
-    timeline_name=$(echo "shared_${name%%,*}_D${D}_$config" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')
-    echo "| $name | $D | $config | $(largest T 16384 "${REACH_MAX_T:-2097152}" $flags $config) |"
+    echo "| $name | $D | $config | $(largest "shared_${name%%,*}_D${D}_$config" T 16384 "$reach_max_t" $flags $config) |"
   done
 done
