@@ -43,7 +43,8 @@
 #     the compiler's vectorisation report of the CPU loop (cpu_adamw_vec.txt); about 3 minutes after the build
 #   bench-head: the output heads (notes/ring_dtp.md): full vs chunked vs Ring-DTP (P = every GPU) at the paper's
 #     Table 2 shape in FP32 (H 7168, V 200000, N 4096 per rank; Ring-DTP alone at N 110000, where weights move,
-#     one timed pass) and at BF16 training shapes
+#     one timed pass), one rank's fused steps of P = 2 and P = 8 at that shape (full vs chunked: N 8192 V 100000
+#     C 4080, N 32768 V 25000 C 1020) and at BF16 training shapes; each row with its per-pass milliseconds
 #   head: the output heads' tests alone (test_gpu's ChunkedHeadGpu, test_dist's RingDTPDist and the ring-head
 #     model tests, both precisions) and 30 training steps on every GPU with --head ring_dtp and --head chunked
 #   attention: the attention kernels alone (notes/attention.md): GpuAttention* in both precisions, compute-sanitizer
@@ -393,6 +394,8 @@ if [[ " $want " == *" bench-head "* ]]; then
         sed -n '/^| [0-9]/s/| ring |/| ring, C 4096 |/p' &&
       build/fp32/bench_head --gpus "$gpus" --shapes 110000:200000:7168 --block 2048 --heads ring --modes auto \
         --warmup 0 --iters 1 | sed -n '/^| [0-9]/p' &&
+      build/fp32/bench_head --shapes 8192:100000:7168 --block 4080 --heads full,chunked | sed -n '/^| [0-9]/p' &&
+      build/fp32/bench_head --shapes 32768:25000:7168 --block 1020 --heads full,chunked | sed -n '/^| [0-9]/p' &&
       build/bf16/bench_head --gpus "$gpus" --shapes 16384:32768:768,65536:32768:768,8192:131072:2048 --block 4096 \
         --timeline build/head-timelines
   } > "$OUT/bench_head.md" 2> build/bench_head.err || { status=1; tail -20 build/bench_head.err; }
