@@ -14,9 +14,11 @@
 #           per-rank batch (--gpus W keeps B x T per rank: W times the tokens per step): median step time,
 #           tokens/s of all ranks, and the speed-up in tokens/s over one GPU, with expert parallelism over
 #           all ranks (the default) and without it (--ep 1: experts replicated, no dispatch exchange; its
-#           passes captured as CUDA graphs, and once more with --cuda_graph 0, the eager baseline);
+#           passes captured as CUDA graphs, and once more with --cuda_graph 0, the eager baseline); each under
+#           --routing balanced and under the router from step 0, with the experts' balance;
 #   ab:     BASE_TRAIN (another build's trainer, e.g. of the commit before a change) against TRAIN on one
-#           GPU, alternating base, new, base, new on the default model and B1: each run's median step
+#           GPU, alternating base, new, base, new on the default model and B1, both under --routing AB_ROUTING
+#           (default balanced: pinned, so that a change cannot win by making one routing faster): each run's median step
 #           time, and B1's per-operator breakdown of the last two runs side by side (what moved). Runs
 #           on different machines, and even device calls, differ by more than many changes gain, so a
 #           change is measured against its predecessor in one call (notes/speed.md, 'How to measure');
@@ -145,22 +147,26 @@ if [[ " $parts " == *" multi "* ]]; then
     exit 2
   fi
   echo "## speed on $gpus GPUs against one ($(basename "$(dirname "$train")") build, the default model)"
-  echo "| run | step ms (median) | tokens/s (all ranks) | MFU | pool peak MiB | speed-up in tokens/s over 1 GPU |"
-  echo "|---|---|---|---|---|---|"
-  one=""
-  for run in "gpus1:--gpus 1" "gpus${gpus}_ep${gpus}:--gpus $gpus" "gpus${gpus}_ep1:--gpus $gpus --ep 1" \
-             "gpus${gpus}_ep1_eager:--gpus $gpus --ep 1 --cuda_graph 0"; do
-    name=${run%%:*}
-    "$train" --data "$data" --steps 60 ${run#*:} $quiet --out "$out/$name" > "$out/$name.log" 2>&1 ||
-      { echo "| $name | run failed (see $out/$name.log) | | | | |"; continue; }
-    row=$(summarise "$out/$name/log.csv")
-    tok=$(echo "$row" | awk -F' [|] ' '{ print $2 }')
-    [ "$name" = gpus1 ] && one=$tok
-    echo "| $name | $row | $(awk -v a="$tok" -v b="$one" 'BEGIN { if (b == "") print "n/a (the 1-GPU run failed)"; else printf "%.2fx", a / b }') |"
+  echo "Routing: balanced = every expert N·k/E routes; router = the model's own from step 0 (unsettled)."
+  echo "| run | routing | step ms (median) | tokens/s (all ranks) | MFU | pool peak MiB | experts max/mean | speed-up in tokens/s over 1 GPU, same routing |"
+  echo "|---|---|---|---|---|---|---|---|"
+  for routing in balanced router; do
+    one=""
+    for run in "gpus1:--gpus 1" "gpus${gpus}_ep${gpus}:--gpus $gpus" "gpus${gpus}_ep1:--gpus $gpus --ep 1" \
+               "gpus${gpus}_ep1_eager:--gpus $gpus --ep 1 --cuda_graph 0"; do
+      name=${run%%:*}_$routing
+      "$train" --data "$data" --steps 60 ${run#*:} --routing $routing $quiet --out "$out/$name" > "$out/$name.log" 2>&1 ||
+        { echo "| $name | $routing | run failed (see $out/$name.log) | | | | | |"; continue; }
+      row=$(summarise "$out/$name/log.csv")
+      tok=$(echo "$row" | awk -F' [|] ' '{ print $2 }')
+      [ "${run%%:*}" = gpus1 ] && one=$tok
+      echo "| $name | $routing | $row | $(balance "$out/$name/log.csv") | $(awk -v a="$tok" -v b="$one" 'BEGIN { if (b == "") print "n/a (the 1-GPU run failed)"; else printf "%.2fx", a / b }') |"
+    done
   done
 fi
 if [[ " $parts " == *" ab "* ]]; then
-  echo "## A/B on one GPU: $BASE_TRAIN (base) against $train (new), alternating"
+  ab_routing=${AB_ROUTING:-balanced}  # pinned: a change must not win by making one routing faster (notes/speed.md)
+  echo "## A/B on one GPU: $BASE_TRAIN (base) against $train (new), alternating; routing $ab_routing"
   echo "| config | base: step ms (median), two runs | new: step ms (median), two runs | new − base (means) |"
   echo "|---|---|---|---|"
   for config in "default:" "B1:$b1"; do
@@ -171,7 +177,8 @@ if [[ " $parts " == *" ab "* ]]; then
         bin=$train
         [ "$side" = base ] && bin=$BASE_TRAIN
         run="ab_${name}_${side}"
-        "$bin" --data "$data" --steps 60 --profile_step $profile_step ${config#*:} $quiet --out "$out/$run" > "$out/$run.log" 2>&1 ||
+        "$bin" --data "$data" --steps 60 --profile_step $profile_step --routing "$ab_routing" ${config#*:} $quiet \
+          --out "$out/$run" > "$out/$run.log" 2>&1 ||
           { echo "$run run failed (see $out/$run.log)"; tail -5 "$out/$run.log"; }
         ms[$side$round]=$(summarise "$out/$run/log.csv" | awk -F' [|] ' '{ print $1 }')
         cp "$out/$run/profile_step$profile_step.md" "$out/$run.profile.md" 2>/dev/null
