@@ -28,7 +28,8 @@
 #     bench_expert_gemm (the expert GEMMs of the default model's and B1's layers: flatmoe's grouped GEMM, cuBLAS's grouped call, the per-expert loop);
 #     with 2 GPUs or more also bench_train.sh's multi part (the default model on every GPU against one, with and without
 #     expert parallelism: the speed-up in tokens/s)
-#   multi: bench_train.sh's multi part alone (2 GPUs or more): the default model on every GPU against one
+#   multi: bench_train.sh's multi part alone (2 GPUs or more): the default model on every GPU against one, under
+#     balanced routing and the router
 #   ab: bench_train.sh's ab part: this tree's BF16 trainer against the one built from ab-base/, a copy of an
 #     older commit (`mkdir ab-base && git archive REV | tar -x -C ab-base`; git-ignored, so name it in the
 #     device's carry): both alternating on the default model and B1, and B1's operators side by side; then
