@@ -743,18 +743,14 @@ inline std::string cuda_graph_refusal(const TrainConfig& t, bool bf16_build) {
 
 // Why --sp D cannot run with these flags ("" when it can): D must divide the ranks, the heads and the
 // sequence (sequence_split_refusal); and what does not compose with the sequence split yet is refused
-// by name: the kept attention (--device_budget, --plan auto) sizes its tensors for whole sequences, and
-// a routing trace (--routing trace:FILE, --record_routing) holds each rank's tokens in world-rank order.
+// by name: a routing trace (--routing trace:FILE, --record_routing) holds each rank's tokens in world-rank
+// order.
 inline std::string sequence_parallel_refusal(const TrainConfig& t, const ModelConfig& c) {
   if (t.sp < 1) return "--sp must be >= 1 (the ranks of a sequence group), got " + std::to_string(t.sp);
   if (t.sp == 1) return "";
   const std::string refused = sequence_split_refusal(t.gpus, c.heads, c.seq_len, t.sp);
   if (!refused.empty()) return "--sp " + std::to_string(t.sp) + ": " + refused;
   const std::string sp = "--sp " + std::to_string(t.sp);
-  if (parse_device_budget(t.device_budget).on())
-    return sp + " with --device_budget " + t.device_budget +
-           ": the kept attention is not built for sequence groups yet (use --device_budget 0)";
-  if (t.plan == "auto") return sp + " with --plan auto: the plan's kept attention is not built for sequence groups yet";
   if (!data::routing_trace_path(t.routing).empty() || !t.record_routing.empty())
     return sp + " with " + (t.record_routing.empty() ? "--routing " + t.routing : "--record_routing " + t.record_routing) +
            ": routing traces are not built for sequence groups yet";

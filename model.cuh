@@ -964,8 +964,8 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   auto kept = [&](int l) -> size_t {
     if (!recompute) return acts(l);
     if (attention_kept == nullptr || attention_kept->tokens != (long long)N) return 0;
-    return (attention_kept->keep_core[l] ? sar_option_bytes(SarOption::Core, N, c.hidden, c.heads, b) : 0) +
-           (attention_kept->keep_projection[l] ? sar_option_bytes(SarOption::Projection, N, c.hidden, c.heads, b) : 0);
+    return (attention_kept->keep_core[l] ? sar_option_bytes(SarOption::Core, N, c.hidden, c.heads, b, D) : 0) +
+           (attention_kept->keep_projection[l] ? sar_option_bytes(SarOption::Projection, N, c.hidden, c.heads, b, D) : 0);
   };
   const std::string kept_name = recompute ? "kept attention" : "kept activations";
 
@@ -1009,6 +1009,14 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   return best;
 }
 
+// What a budget of `budget` pool bytes keeps of the attention tensors (selective attention recomputation,
+// ops/sar_plan.hpp) for a pass of B×T tokens on this rank: under --sp D, T is the rank's slice of each
+// sequence of T·D tokens, as model_pass takes it.
+inline SarPlan attention_kept_plan(const ModelConfig& c, const Parallel& par, int B, int T, long long budget) {
+  const int D = par.seq.size;
+  return sar_plan(c.layers, (long long)B * T, T * D, c.hidden, c.heads, sizeof(floatX), D, budget);
+}
+
 // One setting's memory on this rank (plan.hpp's RankUse): the prediction, with the attention tensors that
 // a pool budget of `budget` bytes keeps under --recompute 1 (0: none kept), and the pinned host bytes of
 // SCO's boundaries and of the optimizer's state.
@@ -1018,7 +1026,7 @@ inline RankUse rank_use(const ModelConfig& c, const TrainConfig& t, const Parall
   use.device = predict_rank_memory(c, par, seams, B, T, t.recompute != 0);
   const long long left = budget - (long long)use.device.total();
   if (t.recompute && budget > 0 && left >= 0) {
-    use.attention_kept = sar_plan(c.layers, (long long)B * T, T, c.hidden, c.heads, sizeof(floatX), left);
+    use.attention_kept = attention_kept_plan(c, par, B, T, left);
     use.device = predict_rank_memory(c, par, seams, B, T, true, &use.attention_kept);
   }
   use.shard = rank_shard_params(c, par);

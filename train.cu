@@ -420,7 +420,7 @@ int train_main(int argc, char** argv) {
     refuse_foreign_outputs(tc);
     if (tc.dry_run && gpu_count() == 0) {  // the prediction is host arithmetic: no GPU needed
       const TrainConfig planned =
-          tc.plan == "auto" ? apply_plan_auto(mc, run_tc, given_flags, parallel_shape_of(run_tc), tc.batch, mc.seq_len,
+          tc.plan == "auto" ? apply_plan_auto(mc, run_tc, given_flags, parallel_shape_of(run_tc), tc.batch, mc.seq_len / tc.sp,
                                               tc.total_batch ? tc.total_batch / (tc.batch * mc.seq_len) : 1,
                                               capacity_without_gpu(run_tc), 0, run_tc.share_gpus ? run_tc.gpus : 1, true,
                                               argc, argv)

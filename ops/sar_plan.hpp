@@ -11,6 +11,11 @@
 // N = B·T tokens, nh heads, T the sequence length):
 //   core        att + lse: the backward skips the attention forward, 2·N·T·H FLOPs (causal:
 //               2·2·B·nh·T²·hd / 2), for N·H·b + 4·N·nh bytes
+// Under sequence groups of D ranks (--sp D, notes/sequence_parallel.md) N is the rank's tokens (its T/D of
+// each of B sequences), T the whole sequence's length, and attention runs on whole sequences of nh/D
+// heads: the core option also keeps that output in the head shard (att_heads, N·H·b more; the backward
+// reads it there, wo's backward in the token shard), and saves the same 2·N·T·H FLOPs (B sequences of T
+// at nh/D heads); the projection's tensors are the same count (qkv in the head shard).
 //   projection  ln1 + ln1_rstd + qkv: the backward skips the RMSNorm, the QKV GEMM (6·N·H² FLOPs) and
 //               RoPE, for 4·N·H·b + 4·N bytes (the RMSNorm and RoPE are not counted: memory-bound)
 // Either option alone is valid: with only core kept the recomputation still builds qkv (the attention
@@ -47,16 +52,17 @@ struct SarPlan {
   bool keeps(int l) const { return keep_core[l] || keep_projection[l]; }
 };
 
-inline size_t sar_option_bytes(SarOption o, long long N, int H, int nh, size_t b) {
-  return o == SarOption::Core ? (size_t)N * H * b + 4 * (size_t)N * nh : 4 * (size_t)N * H * b + 4 * (size_t)N;
+inline size_t sar_option_bytes(SarOption o, long long N, int H, int nh, size_t b, int D) {
+  return o == SarOption::Core ? (D > 1 ? 2 : 1) * (size_t)N * H * b + 4 * (size_t)N * nh
+                              : 4 * (size_t)N * H * b + 4 * (size_t)N;
 }
 inline double sar_option_flops(SarOption o, long long N, int T, int H) {
   return o == SarOption::Core ? 2.0 * N * T * H : 6.0 * N * H * H;
 }
 
-// The plan for L layers of N = B·T tokens (T the sequence length), H hidden, nh heads, b bytes per
-// floatX, within `budget` bytes (<= 0: keep nothing).
-inline SarPlan sar_plan(int L, long long N, int T, int H, int nh, size_t b, long long budget) {
+// The plan for L layers of N tokens on this rank (T the sequence length), H hidden, nh heads, b bytes per
+// floatX, sequence groups of D ranks, within `budget` bytes (<= 0: keep nothing).
+inline SarPlan sar_plan(int L, long long N, int T, int H, int nh, size_t b, int D, long long budget) {
   SarPlan plan;
   plan.tokens = N;
   plan.keep_core.assign(L, false);
@@ -64,7 +70,7 @@ inline SarPlan sar_plan(int L, long long N, int T, int H, int nh, size_t b, long
   std::vector<SarChoice> options;
   for (SarOption o : {SarOption::Core, SarOption::Projection})
     for (int l = 0; l < L; l++) {
-      options.push_back(SarChoice{l, o, sar_option_bytes(o, N, H, nh, b), sar_option_flops(o, N, T, H)});
+      options.push_back(SarChoice{l, o, sar_option_bytes(o, N, H, nh, b, D), sar_option_flops(o, N, T, H)});
       plan.flops_recomputed += options.back().flops;
     }
   std::stable_sort(options.begin(), options.end(), [](const SarChoice& x, const SarChoice& y) {

@@ -345,12 +345,11 @@ TEST(ConfigDims, RefusesSequenceGroupsThatDoNotDivideOrDoNotComposeYet) {
   t.moe = "";
   t.recompute = 1; t.offload_budget = 1 << 20; t.head = "ring_dtp"; t.optimizer = "offload_adamw";
   EXPECT_EQ(validate_error(t, m), "");
-  t.device_budget = "0.5";
-  EXPECT_EQ(validate_error(t, m), "--sp 2 with --device_budget 0.5: the kept attention is not built for sequence groups "
-                                  "yet (use --device_budget 0)");
+  t.device_budget = "0.5";  // the kept attention in both shards (ops/sar_plan.hpp)
+  EXPECT_EQ(validate_error(t, m), "");
   t.device_budget = "0";
   t.plan = "auto";
-  EXPECT_EQ(validate_error(t, m), "--sp 2 with --plan auto: the plan's kept attention is not built for sequence groups yet");
+  EXPECT_EQ(validate_error(t, m), "");
   t.plan = "off";
   t.routing = "trace:run.trace";
   EXPECT_EQ(validate_error(t, m), "--sp 2 with --routing trace:run.trace: routing traces are not built for sequence groups yet");
@@ -1118,6 +1117,28 @@ TEST(ConfigTrainBeforeTheGpu, PlanAutoChoosesWhatFitsOrNamesTheLargestTerm) {
   EXPECT_EQ(output.find("--recompute 1"), std::string::npos) << output;
   EXPECT_EQ(output.find("--head chunked"), std::string::npos) << output;
   expect_refused_before_the_gpu(dir, "", flags + " --plan maybe --device_capacity 2000MiB", "--plan must be off or auto");
+}
+
+// Sequence groups (--sp 2 over 2 ranks) plan the kept attention at the rank's T/2 tokens of each sequence:
+// --device_budget keeps what fits (the core option with attention's output in both shards) and --plan auto
+// chooses and prints a command that keeps --sp 2, each within its budget.
+TEST(ConfigTrainBeforeTheGpu, KeptAttentionAndPlanAutoInSequenceGroups) {
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, false); !why.empty()) GTEST_SKIP() << why;
+  testutil::TempDir dir;
+  const std::string flags = small_run_flags(dir, 4000, 4000) + " --seq_len 256 --batch 8 --dry_run 1 --gpus 2 --sp 2";
+  std::string output;
+  ASSERT_EQ(run_without_gpu(dir, "", flags + " --recompute 1 --device_budget 0.9 --device_capacity 2000MiB", output), 0)
+      << output;
+  EXPECT_NE(output.find("selective attention recomputation: --device_budget "), std::string::npos) << output;
+  EXPECT_NE(output.find(" core and "), std::string::npos) << output;
+  ASSERT_EQ(run_without_gpu(dir, "", flags + " --plan auto --device_capacity 600MiB", output), 0) << output;
+  EXPECT_NE(output.find("--plan auto: "), std::string::npos) << output;
+  EXPECT_NE(output.find("--sp 2"), std::string::npos) << "the sequence groups given stay: " << output;
+  double peak = 0, budget = 0;
+  ASSERT_EQ(sscanf(output.c_str() + output.find("  pool peak "), "  pool peak %lf MiB of %lf MiB", &peak, &budget), 2)
+      << output;
+  EXPECT_LE(peak, budget) << output;
 }
 
 // --dry_run 1 is host arithmetic: without a GPU it predicts rank 0's memory against --device_capacity

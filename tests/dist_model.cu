@@ -379,7 +379,7 @@ TEST(DistModel, KeptAttentionAtWRanksTrainsBitIdenticallyToFullRecomputation) {
   Parallel par = test_parallel();
   char what[32];
   snprintf(what, sizeof what, "W=%d rank %d", par.world.size, par.world.rank);
-  testutil::attention_keep_trains_alike(par, what);
+  testutil::attention_keep_trains_alike(par, testutil::recompute_config(par), what);
   release(par);
 }
 

@@ -103,18 +103,6 @@ inline void barrier(const Comm& world, const char* what) {
   comm_sync(world, 0, what);
 }
 
-// This rank's tokens of a global batch of groups·B sequences of T (x [groups·B·T]) under sequence groups of
-// D ranks (split: sequence_split): its slice [first_token, end_token) of each of its group's B sequences,
-// [B·T/D]. At D = 1: its B whole sequences, x[rank·B·T, (rank + 1)·B·T).
-inline std::vector<int> rank_tokens(const std::vector<int>& global, const SequenceSplit& split, int B, int T) {
-  std::vector<int> mine;
-  for (int b = 0; b < B; b++) {
-    const auto row = global.begin() + ((size_t)split.group * B + b) * T;
-    mine.insert(mine.end(), row + split.first_token, row + split.end_token);
-  }
-  return mine;
-}
-
 // One MoE layer's top-k choices of every rank in rank order ([W][B·T/D·k], each rank's tokens in
 // rank_tokens' order) placed at their tokens of the global batch ([groups·B·T·k]). At D = 1: as they are.
 inline std::vector<int> place_routes_globally(const int* ranks_routes, int W, int D, int heads, int B, int T, int k) {
@@ -175,7 +163,8 @@ inline void ten_steps_agree_with_one_gpu(const ModelConfig& c, const Parallel& p
   for (int step = 0; step < t.steps; step++) {
     int next = step * accum;
     dist_losses.push_back(model_train_step(dist, t, step, B, T_rank, accum, [&](int* xb, int* yb) {
-      const std::vector<int> x_mine = rank_tokens(xs[next], split, B, T), y_mine = rank_tokens(ys[next], split, B, T);
+      const std::vector<int> x_mine = testutil::rank_tokens(xs[next], split, B, T),
+                             y_mine = testutil::rank_tokens(ys[next], split, B, T);
       std::copy(x_mine.begin(), x_mine.end(), xb);
       std::copy(y_mine.begin(), y_mine.end(), yb);
       next++;

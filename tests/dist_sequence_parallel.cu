@@ -14,6 +14,7 @@
 #include "gpu_util.cuh"
 #include "memory_prediction.cuh"
 #include "model_util.cuh"
+#include "sco_training.cuh"
 
 namespace {
 
@@ -109,7 +110,7 @@ void first_step_matches_reference(const SequenceLayout& l, int zero) {
   std::vector<float> master = testutil::random_master(c, rng);
   std::vector<int> x, y;
   testutil::random_tokens(N_global, c.vocab, rng, x, y);
-  const std::vector<int> xl = rank_tokens(x, split, B, T), yl = rank_tokens(y, split, B, T);
+  const std::vector<int> xl = testutil::rank_tokens(x, split, B, T), yl = testutil::rank_tokens(y, split, B, T);
 
   Model m = model_create(c, 1, par, 0, sequence_seams(l));
   model_set_master(m, master);
@@ -208,7 +209,7 @@ TEST(DistSequenceParallel, RecomputeThroughTheExchangesIsBitIdentical) {
   std::vector<float> master = testutil::random_master(c, rng);
   std::vector<int> x, y;
   testutil::random_tokens(groups * B * T, c.vocab, rng, x, y);
-  const std::vector<int> xl = rank_tokens(x, split, B, T), yl = rank_tokens(y, split, B, T);
+  const std::vector<int> xl = testutil::rank_tokens(x, split, B, T), yl = testutil::rank_tokens(y, split, B, T);
   Seams seams = sequence_seams(l);
   seams.offload_budget = (long long)B * Tl * c.hidden * sizeof(floatX) * 2;  // two of the four boundaries on the host
   Model m = model_create(c, 1, par, 0, seams);
@@ -216,6 +217,28 @@ TEST(DistSequenceParallel, RecomputeThroughTheExchangesIsBitIdentical) {
   expect_recompute_bit_identical(m, xl.data(), yl.data(), B, Tl, 1.f / (groups * B * T),
                                  "rank " + std::to_string(world.rank) + " " + l.name());
   model_destroy(m);
+  sequence_release(par);
+}
+
+// Selective attention recomputation (--device_budget, ops/sar_plan.hpp) in sequence groups of D = 2
+// (E_p = 2): the plans for budgets from none to every option train bit-identically to full recomputation
+// through the exchanges (losses, optimizer state and weights by memcmp), alone and beside SCO, the pool's
+// peak rising by at most the kept bytes (the core option keeps attention's output in both shards); and
+// the per-rank prediction with every option kept holds the pool's peak within 10 %.
+TEST(DistSequenceParallel, KeptAttentionTrainsBitIdenticallyToFullRecomputation) {
+  REQUIRE_WORLD(2);
+  const SequenceLayout l{2, 2, 1};
+  const std::string skip = sequence_layout_skip(l, test_world().size);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  const ModelConfig c = sequence_config();
+  Parallel par = sequence_parallel(l);
+  const std::string what = "W=" + std::to_string(par.world.size) + " rank " + std::to_string(par.world.rank) + " " + l.name();
+  testutil::attention_keep_trains_alike(par, c, what.c_str());
+  testutil::PredictionCase pc;
+  pc.name = "--sp 2, every attention tensor kept";
+  pc.attention_budget = 1LL << 40;
+  const int B = 2, T = c.seq_len / l.D;
+  testutil::expect_prediction_holds(testutil::predict_and_measure(c, par, pc, B, T), what + ", " + pc.name, true);
   sequence_release(par);
 }
 

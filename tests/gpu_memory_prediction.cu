@@ -27,7 +27,7 @@ TEST(GpuMemoryPrediction, IsAtLeastThePoolPeakAndWithinTenPercent) {
   cases[4].name = "recompute on, SCO every boundary";
   cases[4].seams.offload_budget = 4 * boundary;
   cases[5].name = "recompute on, 3 attention options kept";
-  cases[5].attention_budget = 3 * sar_option_bytes(SarOption::Projection, B * T, c.hidden, c.heads, sizeof(floatX));
+  cases[5].attention_budget = 3 * sar_option_bytes(SarOption::Projection, B * T, c.hidden, c.heads, sizeof(floatX), 1);
   cases[6].name = "recompute on, offload_adamw";
   cases[6].seams.optimizer = "offload_adamw";
   cases[6].seams.offload_bucket = 1 << 16;

@@ -45,5 +45,5 @@ TEST(GpuSco, PassesWithoutRecomputationCopyNothing) {
 // tensors instead of recomputing them trains bit-identically, alone and beside SCO.
 TEST(GpuSco, KeptAttentionTrainsBitIdenticallyToFullRecomputation) {
   REQUIRE_GPU();
-  testutil::attention_keep_trains_alike(Parallel(), "one GPU");
+  testutil::attention_keep_trains_alike(Parallel(), testutil::recompute_config(Parallel()), "one GPU");
 }

@@ -63,8 +63,7 @@ Zero3Run train_steps(int zero, int accum, const TrainConfig& t, const Zero3Input
   Model m = model_create(c, 1, par, 0, seams_from(t, c));
   model_set_master(m, in.master);
   if (attention_budget > 0)
-    m.attention_kept = sar_plan(c.layers, (long long)B * c.seq_len, c.seq_len, c.hidden, c.heads, sizeof(floatX),
-                                attention_budget);
+    m.attention_kept = attention_kept_plan(c, par, B, c.seq_len, attention_budget);
   pool().reset_peak();
   Zero3Run r;
   int next = 0;

@@ -28,9 +28,7 @@ inline PredictionResult predict_and_measure(const ModelConfig& c, const Parallel
   runtime_prepare();
   cudaCheck(cudaDeviceSynchronize(), "predict_and_measure", "sync");
   const size_t live_before = pool().live_total();
-  const SarPlan kept = pc.attention_budget > 0
-                           ? sar_plan(c.layers, (long long)B * T, T, c.hidden, c.heads, sizeof(floatX), pc.attention_budget)
-                           : SarPlan();
+  const SarPlan kept = pc.attention_budget > 0 ? attention_kept_plan(c, par, B, T, pc.attention_budget) : SarPlan();
   const MemoryPrediction prediction = predict_rank_memory(c, par, pc.seams, B, T, pc.recompute, &kept);
   Rng rng;  // at W ranks every rank draws the same weights and global batch
   const std::vector<float> master = random_master(c, rng);

@@ -39,4 +39,16 @@ inline void random_tokens(int N, int V, Rng& rng, std::vector<int>& x, std::vect
   }
 }
 
+// This rank's tokens of a global batch of groups·B sequences of T (x [groups·B·T]) under sequence groups of
+// D ranks (split: sequence_split): its slice [first_token, end_token) of each of its group's B sequences,
+// [B·T/D]. At D = 1: its B whole sequences, x[rank·B·T, (rank + 1)·B·T).
+inline std::vector<int> rank_tokens(const std::vector<int>& global, const SequenceSplit& split, int B, int T) {
+  std::vector<int> mine;
+  for (int b = 0; b < B; b++) {
+    const auto row = global.begin() + ((size_t)split.group * B + b) * T;
+    mine.insert(mine.end(), row + split.first_token, row + split.end_token);
+  }
+  return mine;
+}
+
 }  // namespace testutil

@@ -29,30 +29,40 @@ struct ScoTraining {
   size_t host_bytes = 0;       // pinned
 };
 
+// The SCO and kept-attention tests' model: 4 layers (a dense one, a shared expert), 2 heads, T = 37.
+inline ModelConfig recompute_config(const Parallel& par) {
+  ModelConfig c;
+  c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;
+  c.layers = 4; c.experts = experts_for(6, par.ep.size); c.topk = 2; c.n_dense = 1; c.dense_dim = 48;
+  c.shared_expert = 1;
+  return c;
+}
+
 // The model, the batches and a run of 3 steps of 2 micro-batches under --recompute 1, shared by the
 // SCO and selective attention recomputation tests: every run starts from the same weights and reads
-// the same global batches (this rank's slice of each).
+// the same global batches, each rank its part of each (under sequence groups of D ranks, --sp D, its
+// T/D tokens of each of its group's B sequences: rank_tokens).
 struct RecomputeTraining {
   ModelConfig c;
   TrainConfig t;
-  int B = 2, T = 0, N = 0, accum = 2;
+  int B = 2, T = 0, N = 0, accum = 2;  // T: the whole sequence; N: this rank's tokens, B·T/D
   std::vector<float> master;
   std::vector<std::vector<int>> xs, ys;
   const Parallel& par;
+  SequenceSplit split;
 
-  explicit RecomputeTraining(const Parallel& parallel) : par(parallel) {
-    c.vocab = 67; c.hidden = 64; c.heads = 2; c.seq_len = 37; c.expert_dim = 40;
-    c.layers = 4; c.experts = experts_for(6, par.ep.size); c.topk = 2; c.n_dense = 1; c.dense_dim = 48;
-    c.shared_expert = 1;
+  RecomputeTraining(const Parallel& parallel, const ModelConfig& config) : c(config), par(parallel) {
     t.lr = 3e-3f; t.warmup = 1; t.steps = 3; t.grad_clip = 0.5f; t.bias_update = 1e-2f; t.recompute = 1;
     T = c.seq_len;
-    N = B * T;
+    const int D = par.seq.size;
+    split = sequence_split(par.world.rank, par.world.size, c.heads, T, D);
+    N = B * T / D;
     Rng rng;  // at W ranks the harness gives every rank the same seed: the same global batches
     master = random_master(c, rng);
     for (int i = 0; i < t.steps * accum; i++) {
       xs.emplace_back();
       ys.emplace_back();
-      random_tokens(N * par.world.size, c.vocab, rng, xs.back(), ys.back());
+      random_tokens(split.groups * B * T, c.vocab, rng, xs.back(), ys.back());
     }
   }
   size_t boundary() const { return (size_t)N * c.hidden * sizeof(floatX); }  // b·N·H: one boundary of this rank
@@ -67,12 +77,12 @@ struct RecomputeTraining {
     model_set_master(m, master);
     cudaCheck(cudaDeviceSynchronize(), "recompute_training", "sync");
     pool().reset_peak();
-    const int rank = par.world.rank;
     for (int step = 0; step < t.steps; step++) {
       int next = step * accum;
-      out.losses.push_back(model_train_step(m, t, step, B, T, accum, [&](int* xb, int* yb) {
-        std::copy_n(xs[next].data() + rank * N, N, xb);
-        std::copy_n(ys[next].data() + rank * N, N, yb);
+      out.losses.push_back(model_train_step(m, t, step, B, N / B, accum, [&](int* xb, int* yb) {
+        const std::vector<int> x = rank_tokens(xs[next], split, B, T), y = rank_tokens(ys[next], split, B, T);
+        std::copy(x.begin(), x.end(), xb);
+        std::copy(y.begin(), y.end(), yb);
         next++;
       }, nullptr));
     }
@@ -101,7 +111,7 @@ inline void expect_trained_alike(const ScoTraining& got, const ScoTraining& kept
 }
 
 inline void sco_trains_alike(const Parallel& par, const char* what) {
-  RecomputeTraining fixture(par);
+  RecomputeTraining fixture(par, recompute_config(par));
   const ModelConfig& c = fixture.c;
   const TrainConfig& t = fixture.t;
   const int accum = fixture.accum;
@@ -139,18 +149,20 @@ inline void sco_trains_alike(const Parallel& par, const char* what) {
 
 // Selective attention recomputation (ops/sar_plan.hpp) under --recompute 1, alone and beside SCO: the
 // plans for budgets of 0, 1, 3 and every one of the 2·L options train bit-identically to full
-// recomputation, and the pool's peak rises by at most the kept bytes.
-inline void attention_keep_trains_alike(const Parallel& par, const char* what) {
-  RecomputeTraining fixture(par);
+// recomputation, and the pool's peak rises by at most the kept bytes. Under sequence groups (par.seq)
+// the core option keeps attention's output in both shards (sar_option_bytes at D).
+inline void attention_keep_trains_alike(const Parallel& par, const ModelConfig& config, const char* what) {
+  RecomputeTraining fixture(par, config);
   const ModelConfig& c = fixture.c;
   const size_t b = sizeof(floatX);
-  const size_t core = sar_option_bytes(SarOption::Core, fixture.N, c.hidden, c.heads, b);
-  const size_t projection = sar_option_bytes(SarOption::Projection, fixture.N, c.hidden, c.heads, b);
+  const int D = par.seq.size;
+  const size_t core = sar_option_bytes(SarOption::Core, fixture.N, c.hidden, c.heads, b, D);
+  const size_t projection = sar_option_bytes(SarOption::Projection, fixture.N, c.hidden, c.heads, b, D);
   for (long long offload : {0LL, 2 * (long long)fixture.boundary()}) {
     const ScoTraining full = fixture.run(offload);
     for (long long budget : {0LL, (long long)std::max(core, projection), (long long)(2 * core + projection),
                              (long long)(c.layers * (core + projection))}) {
-      const SarPlan plan = sar_plan(c.layers, fixture.N, fixture.T, c.hidden, c.heads, b, budget);
+      const SarPlan plan = attention_kept_plan(c, par, fixture.B, fixture.N / fixture.B, budget);
       const ScoTraining got = fixture.run(offload, plan);
       char run[160];
       snprintf(run, sizeof run, "%s, SCO budget %lld, attention budget %lld bytes: %zu options kept (%zu bytes)", what, offload,
