@@ -70,7 +70,8 @@
 #   zero3: ZeRO-3's tests (test_gpu's, and test_dist's at W = 2 and 8: ZERO3_WORLDS, ZERO3_PRECISIONS) and the default
 #     model at W = 8 ranks sharing the GPUs under --zero 1 and 3: predicted and measured peaks, step 5's pool timeline
 #   reach: the longest context and the largest batch of three MoE models on one GPU, plain, recomputed and under
-#     --plan auto (tools/bench_train.sh reach; REACH_MODELS picks default, 300M and/or 1B)
+#     --plan auto, and --plan auto's step at recomputation's longest context (tools/bench_train.sh reach; REACH_MODELS
+#     picks default, 300M and/or 1B, REACH_CONFIGS plain, recompute and/or auto, REACH_PROBES T and/or B)
 #   reach-shared: the longest context at W = 8 ranks sharing the GPU in sequence groups (--sp), under --recompute 1 and
 #     with --zero 3 (tools/bench_train.sh reach-shared; REACH_SHARED_MODELS picks default and/or 300M)
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps

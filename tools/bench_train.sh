@@ -29,8 +29,11 @@
 #           prediction (--dry_run 1, exact on one GPU; the search on the host against the GPU's measured room,
 #           its result confirmed on the GPU), then one real step at the value found: step time,
 #           tokens/s, pool peak against the prediction, pinned host memory, and what stops the next size.
-#           REACH_MODELS ("default 300M 1B") picks the models, so that one device call can take one of them; each
-#           real step's pool timeline is kept in OUT_DIR/reach_timelines/MODEL_{T,B}_CONFIG.csv.
+#           REACH_MODELS ("default 300M 1B") picks the models, REACH_CONFIGS ("plain recompute auto") the
+#           configurations and REACH_PROBES ("T B") the probes, so that a device call can take a part of one; each
+#           real step's pool timeline is kept in OUT_DIR/reach_timelines/MODEL_{T,B}_CONFIG.csv. With recompute
+#           and auto both asked for, one more row: --plan auto's step at the longest context recomputation
+#           reaches, its speed against recomputation's step there (issue 58's >= 0.9x).
 #   reach-shared: the longest context (B = 1 per sequence group) at W = 8 ranks sharing one GPU in sequence groups
 #           (--sp D, notes/sequence_parallel.md; memory, not speed: collectives over sockets), under --recompute 1
 #           and --recompute 1 --zero 3: the default model at D = 2 (its 6 heads of 64: no larger D divides
@@ -45,11 +48,18 @@ for p in $parts; do
   case $p in speed|multi|ab|reach|reach-shared) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, reach, reach-shared)"; exit 2 ;; esac
 done
 reach_max_t=${REACH_MAX_T:-2097152} reach_wanted=${REACH_MODELS:-default 300M 1B}
+reach_configs=${REACH_CONFIGS:-plain recompute auto} reach_probes=${REACH_PROBES:-T B}
 reach_shared_wanted=${REACH_SHARED_MODELS:-default 300M}
 [[ "$reach_max_t" =~ ^[0-9]+$ ]] && [ "$reach_max_t" -ge 16384 ] ||
   { echo "bench_train.sh: REACH_MAX_T must be a whole number of tokens, at least 16384 (got '$reach_max_t')"; exit 2; }
 for m in $reach_wanted; do
   case $m in default|300M|1B) ;; *) echo "bench_train.sh: REACH_MODELS names '$m' (default, 300M, 1B)"; exit 2 ;; esac
+done
+for x in $reach_configs; do
+  case $x in plain|recompute|auto) ;; *) echo "bench_train.sh: REACH_CONFIGS names '$x' (plain, recompute, auto)"; exit 2 ;; esac
+done
+for x in $reach_probes; do
+  case $x in T|B) ;; *) echo "bench_train.sh: REACH_PROBES names '$x' (T: the longest context, B: the largest batch)"; exit 2 ;; esac
 done
 for m in $reach_shared_wanted; do
   case $m in default|300M) ;; *) echo "bench_train.sh: REACH_SHARED_MODELS names '$m' (default, 300M)"; exit 2 ;; esac
@@ -283,9 +293,11 @@ largest() {  # ROW what(T|B) start cap FLAGS...: doubling up to cap, then bisect
   local shown=$good why=""
   [ "$bad" -eq 0 ] && shown=">= $good (probe cap)"
   [ "$bad" -gt 0 ] && why="$bad: $(refusal)"
+  echo "$good" > "$out/reach_found"
   at step "$good" "$@"
   case $? in
     0) cp "$out/probe/timeline_step0.csv" "$out/reach_timelines/$timeline_name.csv" 2> /dev/null
+       step_of_last | awk -F' [|] ' '{ print $1 }' > "$out/reach_step_ms"
        echo "$shown | $(step_of_last) | ${why}" ;;
     124) echo "$shown | not run: the step took over ${REACH_STEP_TIMEOUT:-300} s | | | | | ${why}" ;;
     *) echo "$shown | FAILED (see $out/probe.log) | | | | | ${why}" ;;
@@ -304,9 +316,28 @@ if [[ " $parts " == *" reach "* ]]; then
     name=${model%%:*}
     flags=${model#*:}
     [[ " $reach_wanted " == *" $name "* ]] || continue
-    for config in "--recompute 0" "--recompute 1" "--plan auto"; do
-      echo "| $name | context T (B = 1) | $config | $(largest "${name}_T_$config" T 4096 "$reach_max_t" $flags $config) |"
-      echo "| $name | batch B (T = 2048) | $config | $(largest "${name}_B_$config" B 1 4096 $flags $config) |"
+    for short in $reach_configs; do
+      case $short in plain) config="--recompute 0" ;; recompute) config="--recompute 1" ;; auto) config="--plan auto" ;; esac
+      for what in $reach_probes; do
+        rm -f "$out/reach_found" "$out/reach_step_ms"
+        if [ "$what" = T ]; then
+          echo "| $name | context T (B = 1) | $config | $(largest "${name}_T_$config" T 4096 "$reach_max_t" $flags $config) |"
+        else
+          echo "| $name | batch B (T = 2048) | $config | $(largest "${name}_B_$config" B 1 4096 $flags $config) |"
+        fi
+        # issue 58's speed target: --plan auto at the longest context recomputation reaches, against its step
+        if [ "$short" = recompute ] && [ "$what" = T ] && [[ " $reach_configs " == *" auto "* ]] && [ -s "$out/reach_found" ]; then
+          t_found=$(cat "$out/reach_found") recompute_ms=$(cat "$out/reach_step_ms" 2> /dev/null)
+          probe step 1 "$t_found" $flags --plan auto
+          case $? in
+            0) auto_ms=$(step_of_last | awk -F' [|] ' '{ print $1 }')
+               echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | $(step_of_last) | $(awk -v a="$auto_ms" \
+                 -v r="$recompute_ms" 'BEGIN { if (r > 0 && a > 0) printf "speed %.2fx recomputation'"'"'s (%s ms)", r / a, r; else print "no recomputation step to compare" }') |" ;;
+            124) echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | not run: the step took over ${REACH_STEP_TIMEOUT:-300} s | | | | | |" ;;
+            *) echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | FAILED (see $out/probe.log) | | | | | |" ;;
+          esac
+        fi
+      done
     done
   done
 fi
