@@ -852,9 +852,10 @@ inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_
 // allocation): the weights and the optimizer's shards, the gradients, the runtime's fixed buffers, the
 // pass's inputs, the layer boundaries on the device (SCO's plan), what stays from the forward to the
 // backward (every layer's activations without recomputation; the attention tensors that selective
-// recomputation keeps), the final norm's output, one layer's working set in backward (its activations,
-// rebuilt under recomputation, and the backward's own buffers) and the largest operator term — the
-// dispatcher's bound (whatever the router does) in a layer's backward, or the output head's live set.
+// recomputation keeps), the final norm's output (at the head's moment only), one layer's working set
+// in backward (its activations, rebuilt under recomputation, and the backward's own buffers) and the
+// largest operator term — the dispatcher's bound (whatever the router does) in a layer's backward, or
+// the output head's live set.
 // The terms that are not live together are not added: the prediction is the larger of the moment the
 // head runs and the moment each layer's backward runs (the peak of a pass is at one of them; the
 // forward holds less, since nothing of the backward is live yet). It mirrors layer_forward and
@@ -905,8 +906,8 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   const size_t runtime = CublasRuntime::workspace_bytes * (1 + (seams.wgrad_stream ? SideStream::LANES : 0)) + 4 * (size_t)SUMSQ_BLOCKS + 8 +
                          (dense_routes ? 8 * N : 0) + 4 * L * E + rope_angles_bytes(c.seq_len, c.head_dim());
   // the pass: tokens, targets, the embedding backward's buckets (offsets V + 1, positions N, the count of
-  // used ids and room for min(N, V) of them), the loss; the final norm's output and rstd live from the
-  // head to the end of the backward
+  // used ids and room for min(N, V) of them), the loss; the final norm's output and rstd at the head (the
+  // output is freed after it, the rstd after the norm's backward: neither is live in a layer's backward)
   const size_t inputs = 8 * N + 4 * token_buckets_ints((int)N, c.vocab) + 4;
   const size_t final_norm = NH * b + 4 * N;
 
@@ -979,30 +980,32 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
       reduce_bytes[r.group] = (fp32_sum ? r.padded * 4 : 0) + r.shard * 4;
     }
   auto gathered = [&](int g) { return 2 * group_bytes[g] + (g > 0 ? group_bytes[g - 1] : 0); };
-  auto moment = [&](size_t boundaries, size_t kept_bytes, size_t layer, size_t op, const std::string& op_name,
-                    size_t zero3) {
-    return std::vector<MemoryTerm>{{"weights", weights},         {"grads", grads},           {"optimizer", optimizer},
-                                   {"runtime", runtime},         {"pass inputs", inputs},    {"boundaries", boundaries},
-                                   {kept_name, kept_bytes},      {"final norm", final_norm}, {"one layer", layer},
-                                   {op_name, op},                {"gathered groups (ZeRO-3)", zero3}};
+  auto moment = [&](size_t boundaries, size_t kept_bytes, size_t final_norm_bytes, size_t layer, size_t op,
+                    const std::string& op_name, size_t zero3) {
+    return std::vector<MemoryTerm>{{"weights", weights},    {"grads", grads},
+                                   {"optimizer", optimizer}, {"runtime", runtime},
+                                   {"pass inputs", inputs},  {"boundaries", boundaries},
+                                   {kept_name, kept_bytes},  {"final norm", final_norm_bytes},
+                                   {"one layer", layer},     {op_name, op},
+                                   {"gathered groups (ZeRO-3)", zero3}};
   };
   size_t kept_all = 0;
   for (size_t l = 0; l < L; l++) kept_all += kept((int)l);
   MemoryPrediction best;
-  best.terms = moment(boundaries_at_head, kept_all, 0, NH * b + head->live_bytes((int)N, c.hidden, c.vocab), "output head",
-                      gathered((int)L));
+  best.terms = moment(boundaries_at_head, kept_all, final_norm, 0, NH * b + head->live_bytes((int)N, c.hidden, c.vocab),
+                      "output head", gathered((int)L));
   best.peak_at = "the output head";
   size_t kept_below = kept_all;
   for (int l = (int)L - 1; l >= 0; l--) {
     kept_below -= kept(l);  // layer l's own are part of its working set
     MemoryPrediction here;  // d_residual beside the layer's activations and backward buffers
-    here.terms = moment(boundaries_at(l), kept_below, NH * b + acts(l) + backward_buffers + norm_partials, operator_term(l),
-                        c.is_moe_layer(l) ? "dispatch" : "dense FFN", gathered(l));
+    here.terms = moment(boundaries_at(l), kept_below, 0, NH * b + acts(l) + backward_buffers + norm_partials,
+                        operator_term(l), c.is_moe_layer(l) ? "dispatch" : "dense FFN", gathered(l));
     here.peak_at = "layer " + std::to_string(l) + "'s backward";
     if (here.total() > best.total()) best = here;
     if (reduce_bytes[l] == 0) continue;
     MemoryPrediction reduce;  // the group's reduce-scatter: its activations are gone, d_residual stays
-    reduce.terms = moment(boundaries_at(l), kept_below, NH * b, 0, "", gathered(l) + reduce_bytes[l]);
+    reduce.terms = moment(boundaries_at(l), kept_below, 0, NH * b, 0, "", gathered(l) + reduce_bytes[l]);
     reduce.peak_at = "layer " + std::to_string(l) + "'s gradient reduce-scatter (ZeRO-3)";
     if (reduce.total() > best.total()) best = reduce;
   }
@@ -1162,6 +1165,7 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
   floatX* d_lnf = o.backward ? pool().alloc_t<floatX>(NH, Mem::Workspace, "d_lnf") : nullptr;
   prof_mark(s, "head (fwd+bwd)");
   m.head->forward_backward(m.scalar_dev, d_lnf, m.g.lm_head, lnf, m.p.lm_head, targets_dev, o.dloss, N, H, V, s);
+  pool().free(lnf);  // the head was its last reader (Ring-DTP's collectives join the compute stream before it returns)
   float* loss_total_dev = pool().alloc_t<float>(1, Mem::Workspace, "loss_total");
   cudaCheck(cudaMemcpyAsync(loss_total_dev, m.scalar_dev, sizeof(float), cudaMemcpyDeviceToDevice, s), "model_pass", "N=%d", N);
   if (!o.backward) weights_release(m, L);
@@ -1171,6 +1175,8 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
     prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, false));
     rmsnorm_backward(d_x, m.g.lnf, d_lnf, boundaries.input[L], m.p.lnf, lnf_rstd, N, H, s, false, m.wgrad.get());
     pool().free(d_lnf);
+    pool().free(lnf_rstd);
+    lnf_rstd = nullptr;
     boundaries.release(L);
     grads_reduce(m, L);
     weights_release(m, L);
@@ -1216,7 +1222,7 @@ inline void enqueue_pass(Model& m, int B, int T, const PassOptions& o, const std
   if (record) append_gathered_routes(m, recorded, recorded_count);  // waits for the stream (such a pass stays eager)
   cudaCheck(cudaMemcpyAsync(m.loss_host->get(), loss_total_dev, sizeof(float), cudaMemcpyDeviceToHost, s), "model_pass",
             "loss download N=%d", N);
-  for (void* p : {(void*)tokens_dev, (void*)lnf, (void*)lnf_rstd, (void*)loss_total_dev, (void*)recorded})
+  for (void* p : {(void*)tokens_dev, (void*)lnf_rstd, (void*)loss_total_dev, (void*)recorded})
     pool().free(p);
 }
 
