@@ -11,13 +11,13 @@
 // N = B·T tokens, nh heads, T the sequence length):
 //   core        att + lse: the backward skips the attention forward, 2·N·T·H FLOPs (causal:
 //               2·2·B·nh·T²·hd / 2), for N·H·b + 4·N·nh bytes
+//   projection  ln1 + ln1_rstd + qkv: the backward skips the RMSNorm, the QKV GEMM (6·N·H² FLOPs) and
+//               RoPE, for 4·N·H·b + 4·N bytes (the RMSNorm and RoPE are not counted: memory-bound)
 // Under sequence groups of D ranks (--sp D, notes/sequence_parallel.md) N is the rank's tokens (its T/D of
 // each of B sequences), T the whole sequence's length, and attention runs on whole sequences of nh/D
 // heads: the core option also keeps that output in the head shard (att_heads, N·H·b more; the backward
 // reads it there, wo's backward in the token shard), and saves the same 2·N·T·H FLOPs (B sequences of T
 // at nh/D heads); the projection's tensors are the same count (qkv in the head shard).
-//   projection  ln1 + ln1_rstd + qkv: the backward skips the RMSNorm, the QKV GEMM (6·N·H² FLOPs) and
-//               RoPE, for 4·N·H·b + 4·N bytes (the RMSNorm and RoPE are not counted: memory-bound)
 // Either option alone is valid: with only core kept the recomputation still builds qkv (the attention
 // backward reads it); with only projection kept it runs the attention forward on the kept qkv.
 // Bit-identical to full recomputation: the forward is deterministic (the same kernels on the same
