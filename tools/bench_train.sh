@@ -297,8 +297,10 @@ largest() {  # ROW what(T|B) start cap FLAGS...: doubling up to cap, then bisect
   at step "$good" "$@"
   case $? in
     0) cp "$out/probe/timeline_step0.csv" "$out/reach_timelines/$timeline_name.csv" 2> /dev/null
-       step_of_last | awk -F' [|] ' '{ print $1 }' > "$out/reach_step_ms"
-       echo "$shown | $(step_of_last) | ${why}" ;;
+       local row
+       row=$(step_of_last)
+       echo "${row%% |*}" > "$out/reach_step_ms"
+       echo "$shown | $row | ${why}" ;;
     124) echo "$shown | not run: the step took over ${REACH_STEP_TIMEOUT:-300} s | | | | | ${why}" ;;
     *) echo "$shown | FAILED (see $out/probe.log) | | | | | ${why}" ;;
   esac
@@ -330,8 +332,9 @@ if [[ " $parts " == *" reach "* ]]; then
           t_found=$(cat "$out/reach_found") recompute_ms=$(cat "$out/reach_step_ms" 2> /dev/null)
           probe step 1 "$t_found" $flags --plan auto
           case $? in
-            0) auto_ms=$(step_of_last | awk -F' [|] ' '{ print $1 }')
-               echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | $(step_of_last) | $(awk -v a="$auto_ms" \
+            0) auto_row=$(step_of_last)
+               auto_ms=${auto_row%% |*}
+               echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | $auto_row | $(awk -v a="$auto_ms" \
                  -v r="$recompute_ms" 'BEGIN { if (r > 0 && a > 0) printf "speed %.2fx recomputation'"'"'s (%s ms)", r / a, r; else print "no recomputation step to compare" }') |" ;;
             124) echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | not run: the step took over ${REACH_STEP_TIMEOUT:-300} s | | | | | |" ;;
             *) echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | FAILED (see $out/probe.log) | | | | | |" ;;
