@@ -102,6 +102,8 @@ struct TrainConfig {
   long long offload_budget = 0;            // SCO: host bytes for layer boundaries (--recompute 1); 0 = none
   std::string device_budget = "0";         // selective attention recomputation (--recompute 1): the pool bytes a
                                            // rank may use, or a fraction (0, 1] of the GPU's memory; "0" = off
+  int attention_groups = 1;                // G: attention runs on nh/G heads at a time, its projection rebuilt in
+                                           // the backward (model.cuh, attention in head groups); 1 = all heads at once
   int dry_run = 0;                         // 1: print the memory prediction (and refuse what cannot fit), then exit
   std::string device_capacity;             // --dry_run 1 on a machine without a GPU: the GPU's memory, bytes
   std::string plan = "off";                // "auto": the memory savers that fit, the fastest (plan.hpp)
@@ -846,6 +848,16 @@ inline void validate(const TrainConfig& t, const ModelConfig& c) {
   need(!device.on() || t.recompute == 1, "--device_budget " + t.device_budget +
                                              " chooses attention tensors to keep instead of recomputing them: it needs "
                                              "--recompute 1 (got --recompute " + std::to_string(t.recompute) + ")");
+  need(t.attention_groups >= 1 && c.heads % t.attention_groups == 0,
+       "--attention_groups " + std::to_string(t.attention_groups) + " must divide the heads (" + std::to_string(c.heads) +
+           ") into groups of equal size");
+  need(t.attention_groups == 1 || !device.on(),
+       "--attention_groups " + std::to_string(t.attention_groups) + " rebuilds attention's projection group by group in "
+       "the backward, --device_budget " + t.device_budget + " keeps it whole: choose one (--device_budget 0 or "
+       "--attention_groups 1)");
+  need(t.attention_groups == 1 || t.sp == 1,
+       "--attention_groups " + std::to_string(t.attention_groups) + " is for one rank's whole sequences: under --sp " +
+           std::to_string(t.sp) + " attention already runs on nh/D heads of each rank (use --attention_groups 1)");
   need(t.val_every >= 0 && t.val_batches >= 0 && t.sample_every >= 0 && t.sample_len >= 0 &&
            t.ckpt_every >= 0 && t.log_every > 0,
        "val_every, val_batches, sample_every, sample_len, ckpt_every must be >= 0, log_every > 0");
@@ -899,6 +911,8 @@ inline std::string usage() {
          "        --recompute 0|1 --offload_budget BYTES (SCO: layer boundaries in pinned host memory; needs\n"
          "        --recompute 1) --device_budget BYTES|FRACTION (the pool's bytes per rank, or a fraction of the\n"
          "        GPU: what the predicted peak leaves keeps attention tensors; needs --recompute 1) --seed S\n"
+         "        --attention_groups G (attention on nh/G heads at a time, q, k, v rebuilt per group in the backward:\n"
+         "        a layer's backward holds about 5 N·H instead of 12; G divides nh; not with --device_budget or --sp)\n"
          "        --dry_run 1 (print the per-rank memory prediction, exit 0 if it fits, 1 if not; trains nothing;\n"
          "        needs no GPU: --device_capacity BYTES|80GiB gives the GPU's memory where there is none)\n"
          "        --plan auto (the memory savers that fit the GPU and the host, the fastest: recomputation and kept\n"
@@ -1093,6 +1107,7 @@ inline const std::vector<Flag<TrainConfig>>& train_flags() {
       int_flag("--offload_slots", &T::offload_slots),
       int64_flag("--offload_budget", &T::offload_budget),
       text_flag("--device_budget", &T::device_budget),
+      int_flag("--attention_groups", &T::attention_groups),
       int_flag("--dry_run", &T::dry_run),
       text_flag("--device_capacity", &T::device_capacity),
       text_flag("--plan", &T::plan),

@@ -138,6 +138,7 @@ struct Model {
   std::unique_ptr<Optimizer> opt;      // master weights and moments of this rank's shards (--optimizer)
   std::unique_ptr<CheckpointOffload> sco;  // layer boundaries in pinned host memory (--offload_budget)
   SarPlan attention_kept;                  // selective attention recomputation (--device_budget): none by default
+  int attention_groups = 1;                // --attention_groups G: attention's heads in G groups (attention_groups_forward)
 
   // Router biases (aux-loss-free balancing): [L, E] floats, host copy is the source of truth.
   std::vector<float> router_bias;       // host [L·E]
@@ -437,6 +438,7 @@ inline void model_make_seams(Model& m, const Seams& seams) {
   std::vector<ShardSegment> segments = shard_segments(m.specs, model_param_layout(m), &S);
   m.opt = factory_of(optimizer_factories(), "--optimizer", seams.optimizer).make(std::move(segments), S, m.par.world.size, seams, m.stream);
   m.sco = std::make_unique<CheckpointOffload>(seams.offload_budget);
+  m.attention_groups = seams.attention_groups;
 }
 
 // Why the model cannot be laid out over `par` ("" when it can): model_create refuses it; a test asks first,
@@ -537,18 +539,28 @@ struct LayerActs {
   std::unique_ptr<DispatchSaved> shared;  // the shared expert's (MoE layers with one)
 };
 
+// Frees what a layer's FFN part keeps (x_mid on): once its backward is done (attention in head groups frees
+// it before attention's backward), or with the rest of the layer (free_acts).
+inline void free_ffn_acts(LayerActs& a) {
+  for (void* p : {(void*)a.x_mid, (void*)a.ln2, (void*)a.ln2_rstd, (void*)a.scores, (void*)a.topk_idx, (void*)a.topk_w})
+    pool().free(p);
+  a.x_mid = a.ln2 = nullptr;
+  a.ln2_rstd = a.scores = a.topk_w = nullptr;
+  a.topk_idx = nullptr;
+  a.routed.reset();
+  a.dense.reset();
+  a.shared.reset();
+}
+
 // Frees a layer's activations, except the attention tensors that selective attention recomputation
 // keeps for the backward (ops/sar_plan.hpp: core = att (+ att_heads) + lse, projection = ln1 + ln1_rstd + qkv).
 inline void free_acts(LayerActs& a, bool keep_core = false, bool keep_projection = false) {
   LayerActs kept;
   if (keep_core) std::swap(kept.att, a.att), std::swap(kept.att_heads, a.att_heads), std::swap(kept.lse, a.lse);
   if (keep_projection) std::swap(kept.ln1, a.ln1), std::swap(kept.ln1_rstd, a.ln1_rstd), std::swap(kept.qkv, a.qkv);
-  for (void* p : {(void*)a.ln1, (void*)a.ln1_rstd, (void*)a.qkv, (void*)a.att, (void*)a.att_heads, (void*)a.lse, (void*)a.x_mid,
-                  (void*)a.ln2, (void*)a.ln2_rstd, (void*)a.scores, (void*)a.topk_idx, (void*)a.topk_w})
+  for (void* p : {(void*)a.ln1, (void*)a.ln1_rstd, (void*)a.qkv, (void*)a.att, (void*)a.att_heads, (void*)a.lse})
     pool().free(p);
-  a.routed.reset();
-  a.dense.reset();
-  a.shared.reset();
+  free_ffn_acts(a);
   a = std::move(kept);
 }
 
@@ -668,6 +680,67 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, const floatX
   }
 }
 
+// Attention in head groups (--attention_groups G > 1; whole sequences on this rank): the nh heads taken
+// h = nh/G at a time, so that a layer's q, k, v and their gradients live one group at a time. Attention is
+// independent per head, and every kernel takes any nh: group g is a compact [B, T, 3, h, hd] qkv made by
+// three GEMMs on its rows of wqkv (j·H + g·h·hd .. for j = q, k, v), rotated by RoPE, and its output
+// [B, T, h, hd] goes into att's columns g·h·hd .. (att [N, H] whole, so wo stays one GEMM and x_mid the
+// bits of one rounding). What the layer keeps for its backward: att and lse ([G][B, h, T]), x_mid, ln2
+// and the FFN's — not ln1 or qkv, which attention_groups_backward rebuilds (one RMSNorm; each group's
+// three GEMMs and RoPE again). Live in the backward (layer_backward): the FFN's part as always (d_ln2
+// beside d_x, att, x_mid and ln2), then, once it has joined and its tensors are gone, d_x, att, ln1 and
+// d_ln1 (fp32: the 3G products sum into it unrounded) beside one group's qkv, output, d_att and d_qkv
+// (8·N·H/G elements): about 5 N·H·b in all against 12 with every head at once (notes/composed_stack.md).
+// The price: the q, k, v GEMMs once more, in thinner pieces, and ln1's norm once more.
+
+// Group g's q, k, v [B, T, 3, h, hd] (=) from ln1 [N, H], with RoPE.
+inline void attention_group_qkv(Model& m, int l, floatX* qkv_g, const floatX* ln1, int g, int B, int T) {
+  const ModelConfig& c = m.cfg;
+  const int N = B * T, H = c.hidden, G = m.attention_groups, hg = H / G;
+  for (int j = 0; j < 3; j++)  // columns j·hg .. of qkv_g [N, 3·hg] = ln1 · (rows j·H + g·hg .. of wqkv)ᵀ
+    matmul_gemm("attention_groups.qkv", CUBLAS_OP_T, CUBLAS_OP_N, hg, N, H, m.p.layers[l].wqkv + ((size_t)j * H + (size_t)g * hg) * H,
+                H, ln1, H, 0.0f, qkv_g + (size_t)j * hg, 3 * hg, N, H, 3 * hg, m.stream);
+  rope_forward(qkv_g, qkv_g, m.rope_angles, B, T, c.heads / G, c.head_dim(), m.stream);
+}
+
+// Columns g·hg .. (g + 1)·hg of att [N, H] (=) from group g's output att_g [N, hg], or back (to_group).
+inline void attention_group_columns(floatX* att, floatX* att_g, int g, int N, int H, int hg, bool to_group, cudaStream_t s) {
+  const size_t b = sizeof(floatX);
+  floatX* whole = att + (size_t)g * hg;
+  cudaCheck(to_group ? cudaMemcpy2DAsync(att_g, hg * b, whole, H * b, hg * b, N, cudaMemcpyDeviceToDevice, s)
+                     : cudaMemcpy2DAsync(whole, H * b, att_g, hg * b, hg * b, N, cudaMemcpyDeviceToDevice, s),
+            "attention_groups.columns", "N=%d H=%d group=%d of width %d", N, H, g, hg);
+}
+
+// The attention step in head groups: x_in → ln1 → each group's q, k, v → its attention into att's columns;
+// att and lse stay in `a`, ln1 goes.
+inline void attention_groups_forward(Model& m, int l, LayerActs& a, const floatX* x_in, int B, int T) {
+  const ModelConfig& c = m.cfg;
+  const int N = B * T, H = c.hidden, G = m.attention_groups, h = c.heads / G, hg = H / G;
+  cudaStream_t s = m.stream;
+  a.ln1 = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "ln1");
+  a.ln1_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln1_rstd");
+  prof_mark(s, "rmsnorm fwd", rmsnorm_fwd_bytes(N, H));
+  rmsnorm_forward(a.ln1, a.ln1_rstd, x_in, m.p.layers[l].ln1, N, H, c.norm_eps, s);
+  a.att = pool().alloc_t<floatX>((size_t)N * H, Mem::Activations, "att");
+  a.lse = pool().alloc_t<float>((size_t)N * c.heads, Mem::Activations, "att_lse");  // [G][B, h, T]
+  for (int g = 0; g < G; g++) {
+    floatX* qkv_g = pool().alloc_t<floatX>((size_t)N * 3 * hg, Mem::Activations, "qkv_group");
+    floatX* att_g = pool().alloc_t<floatX>((size_t)N * hg, Mem::Activations, "att_group");
+    prof_mark(s, "qkv matmul + rope fwd (head group)");
+    attention_group_qkv(m, l, qkv_g, a.ln1, g, B, T);
+    prof_mark(s, "attention fwd (head group)");
+    attention_forward(att_g, a.lse + (size_t)g * N * h, qkv_g, B, T, h, c.head_dim(), s);
+    attention_group_columns(a.att, att_g, g, N, H, hg, false, s);
+    pool().free(qkv_g);
+    pool().free(att_g);
+  }
+  pool().free(a.ln1);
+  pool().free(a.ln1_rstd);
+  a.ln1 = nullptr;
+  a.ln1_rstd = nullptr;
+}
+
 // The attention step (notes/design.md §1.1): x_in (N×H) → ln1 → q, k, v with RoPE (a.qkv) → att (N×H,
 // before wo). It computes what `a` does not hold yet: a recomputation under selective attention
 // recomputation (ops/sar_plan.hpp) finds ln1, ln1_rstd and qkv (projection) and/or att and lse (core)
@@ -680,6 +753,7 @@ inline void ffn_forward(Model& m, int l, LayerActs& a, floatX* out, const floatX
 // comes back by ulysses_to_sequence as a.att [B, T, nh, hd], which wo reads. A recomputation reruns the
 // exchanges: they are permutations, so it rebuilds the same bits. D = 1: no exchange.
 inline void attention_step(Model& m, int l, LayerActs& a, const floatX* x_in, int B, int T, const Comm& seq) {
+  if (m.attention_groups > 1) return attention_groups_forward(m, l, a, x_in, B, T);
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
   const int N = B * T, H = c.hidden, D = seq.size, T_seq = T * D, heads_here = c.heads / D, hd = c.head_dim();
@@ -814,22 +888,94 @@ inline void attention_step_backward(Model& m, const LayerActs& a, floatX* d_qkv,
   pool().free(d_qkv_heads);
 }
 
+// Attention's backward in head groups (attention_groups_forward), d_x holding d_x_mid: the FFN's part has
+// joined and its tensors are gone. ln1 again from x_in; per group its q, k, v again, its output from att's
+// columns, d_att_g = d_x_mid · wo's columns, wo's columns' dW, attention's backward, and into d_ln1 (fp32)
+// and wqkv's rows' dW; the group's weight gradients join before its buffers go. Then ln1's norm into d_x.
+inline void attention_groups_backward(Model& m, int l, LayerActs& a, const floatX* x_in, floatX* d_x, int B, int T) {
+  const ModelConfig& c = m.cfg;
+  const LayerTensors& P = m.p.layers[l];
+  const LayerTensors& G = m.g.layers[l];
+  const int N = B * T, H = c.hidden, groups = m.attention_groups, h = c.heads / groups, hg = H / groups;
+  const size_t NH = (size_t)N * H;
+  cudaStream_t s = m.stream;
+  a.ln1 = pool().alloc_t<floatX>(NH, Mem::Activations, "ln1");
+  a.ln1_rstd = pool().alloc_t<float>(N, Mem::Activations, "ln1_rstd");
+  prof_mark(s, "rmsnorm fwd (ln1 again)", rmsnorm_fwd_bytes(N, H));
+  rmsnorm_forward(a.ln1, a.ln1_rstd, x_in, P.ln1, N, H, c.norm_eps, s);
+  float* d_ln1_sum = pool().alloc_t<float>(NH, Mem::Workspace, "d_ln1_sum");  // Σ over groups and q, k, v
+  for (int g = 0; g < groups; g++) {
+    floatX* qkv_g = pool().alloc_t<floatX>((size_t)N * 3 * hg, Mem::Activations, "qkv_group");
+    floatX* att_g = pool().alloc_t<floatX>((size_t)N * hg, Mem::Activations, "att_group");
+    floatX* d_att_g = pool().alloc_t<floatX>((size_t)N * hg, Mem::Workspace, "d_att_group");
+    floatX* d_qkv_g = pool().alloc_t<floatX>((size_t)N * 3 * hg, Mem::Workspace, "d_qkv_group");
+    prof_mark(s, "qkv matmul + rope fwd (head group again)");
+    attention_group_qkv(m, l, qkv_g, a.ln1, g, B, T);
+    attention_group_columns(a.att, att_g, g, N, H, hg, true, s);
+    prof_mark(s, "wo matmul bwd (head group)");
+    const floatX* wo_columns = P.wo + (size_t)g * hg;  // wo [H, H]: columns g·hg .. of every row
+    matmul_gemm("attention_groups.wo.dx", CUBLAS_OP_N, CUBLAS_OP_N, hg, N, H, wo_columns, H, (const floatX*)d_x, H, 0.0f,
+                d_att_g, hg, N, H, hg, s);
+    m.wgrad->run(s, "attention_groups.wo.dW", [&](cudaStream_t ws) {  // dW_wo[:, group's columns] += d_x_midᵀ · att_g
+      matmul_gemm("attention_groups.wo.dW", CUBLAS_OP_N, CUBLAS_OP_T, hg, H, N, (const floatX*)att_g, hg, (const floatX*)d_x,
+                  H, 1.0f, G.wo + (size_t)g * hg, H, N, H, hg, ws);
+    });
+    prof_mark(s, "attention bwd (+ rope bwd) (head group)");
+    attention_backward(d_qkv_g, d_att_g, qkv_g, att_g, a.lse + (size_t)g * N * h, B, T, h, c.head_dim(), s, m.rope_angles);
+    pool().free(qkv_g);
+    pool().free(d_att_g);
+    prof_mark(s, "qkv matmul bwd (head group)");
+    for (int j = 0; j < 3; j++) {  // q, k, v: rows j·H + g·hg .. of wqkv
+      const size_t rows = (size_t)j * H + (size_t)g * hg;
+      const floatX* d_part = d_qkv_g + (size_t)j * hg;  // [N, hg] of stride 3·hg
+      matmul_gemm<floatX, float>("attention_groups.qkv.dx", CUBLAS_OP_N, CUBLAS_OP_N, H, N, hg, P.wqkv + rows * H, H, d_part,
+                                 3 * hg, g == 0 && j == 0 ? 0.0f : 1.0f, d_ln1_sum, H, N, H, hg, s);
+      m.wgrad->run(s, "attention_groups.qkv.dW", [&](cudaStream_t ws) {  // dW_wqkv[rows, :] += d_partᵀ · ln1
+        matmul_gemm("attention_groups.qkv.dW", CUBLAS_OP_N, CUBLAS_OP_T, H, hg, N, (const floatX*)a.ln1, H, d_part, 3 * hg,
+                    1.0f, G.wqkv + rows * H, H, N, H, hg, ws);
+      });
+    }
+    m.wgrad->hold(att_g);
+    m.wgrad->hold(d_qkv_g);
+    prof_mark(s, "weight gradients (join)");
+    m.wgrad->join(s, "attention_groups_backward");  // the group's buffers go before the next group's come
+  }
+  pool().free(a.att);
+  pool().free(a.lse);
+  a.att = nullptr;
+  a.lse = nullptr;
+  floatX* d_ln1 = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_ln1");
+  convert(d_ln1, d_ln1_sum, NH, s);  // rounded once (FP32 build: a copy)
+  pool().free(d_ln1_sum);
+  prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, true));
+  rmsnorm_backward(d_x, G.ln1, d_ln1, x_in, P.ln1, a.ln1_rstd, N, H, s, /*accumulate=*/true, m.wgrad.get());
+  pool().free(d_ln1);
+}
+
 // d_x (in: gradient of the layer output; out: gradient of the layer input).
-inline void layer_backward(Model& m, int l, const LayerActs& a, const floatX* x_in, floatX* d_x, int B, int T,
-                           const Comm& seq) {
+inline void layer_backward(Model& m, int l, LayerActs& a, const floatX* x_in, floatX* d_x, int B, int T, const Comm& seq) {
   const ModelConfig& c = m.cfg;
   const LayerTensors& P = m.p.layers[l];
   const LayerTensors& G = m.g.layers[l];
   const int N = B * T, H = c.hidden;
   const size_t NH = (size_t)N * H;
   cudaStream_t s = m.stream;
+  const bool groups = m.attention_groups > 1;
   floatX* d_norm_out = pool().alloc_t<floatX>(NH, Mem::Workspace, "d_norm_out");
-  floatX* d_qkv = pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Workspace, "d_qkv");
+  floatX* d_qkv = groups ? nullptr : pool().alloc_t<floatX>((size_t)N * 3 * H, Mem::Workspace, "d_qkv");
 
   // FFN branch: d_x_mid = d_x + ln2ᵀ(FFNᵀ(d_x))
   ffn_backward(m, l, a, d_norm_out, d_x, N);
   prof_mark(s, "rmsnorm bwd", rmsnorm_bwd_bytes(N, H, true));
   rmsnorm_backward(d_x, G.ln2, d_norm_out, a.x_mid, P.ln2, a.ln2_rstd, N, H, s, /*accumulate=*/true, m.wgrad.get());
+  if (groups) {  // the FFN's part done and joined, its tensors freed, then attention group by group
+    pool().free(d_norm_out);
+    prof_mark(s, "weight gradients (join)");
+    m.wgrad->join(s, "layer_backward");
+    free_ffn_acts(a);
+    attention_groups_backward(m, l, a, x_in, d_x, B, T);
+    return;
+  }
 
   // Attention branch: d_x_in = d_x_mid + ln1ᵀ(wqkvᵀ(RoPEᵀ(Attnᵀ(woᵀ d_x_mid))))
   prof_mark(s, "wo matmul bwd");
@@ -916,8 +1062,10 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   const DispatchBound shared =
       c.shared_expert ? dense_ffn_dispatcher(c, c.expert_dim, *moe, &weight_grads)->live_bound((int)N) : DispatchBound{};
   const DispatchBound dense = dense_ffn_dispatcher(c, c.dense_dim, *moe, &weight_grads)->live_bound((int)N);
-  // ln1, ln1_rstd, qkv, att, lse (and att_heads under --sp D > 1: the output in the head shard)
-  const size_t attention = (D == 1 ? 5 : 6) * NH * b + 4 * N + 4 * N * c.heads;
+  // ln1, ln1_rstd, qkv, att, lse (and att_heads under --sp D > 1: the output in the head shard); in head groups
+  // (--attention_groups G > 1, attention_groups_forward) att and lse alone
+  const int groups = seams.attention_groups;
+  const size_t attention = groups > 1 ? NH * b + 4 * N * c.heads : (D == 1 ? 5 : 6) * NH * b + 4 * N + 4 * N * c.heads;
   auto acts = [&](int l) {
     const size_t common = attention + 2 * NH * b + 4 * N;  // x_mid, ln2, ln2_rstd
     if (!c.is_moe_layer(l)) return common + dense.saved;
@@ -934,12 +1082,15 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
   // Under --sp D > 1 attention's backward works in the head shard (attention_step_backward): d_att_heads
   // (NH) and d_qkv_heads (3NH) beside delta, then d_qkv_heads beside the exchange of d_qkv back
   // (ulysses_staging_bytes, G = 3: 6NH); the exchanges of the forward and of d_att hold less.
-  const size_t backward_buffers = 4 * NH * b;
+  // In head groups the FFN's part has d_norm_out alone and ends with a join; attention's backward is a moment of
+  // its own (below).
+  const size_t backward_buffers = (groups > 1 ? 1 : 4) * NH * b;
   const size_t norm_partials = rmsnorm_backward_workspace_bytes((int)N, c.hidden);
   const size_t delta = 4 * N * c.heads;
   const size_t attention_backward =
-      D == 1 ? delta
-             : std::max(delta + 4 * NH * b, 3 * NH * b + ulysses_staging_bytes(B, T * D, 3, c.heads, c.head_dim(), D, b));
+      groups > 1 ? 0
+      : D == 1   ? delta
+                 : std::max(delta + 4 * NH * b, 3 * NH * b + ulysses_staging_bytes(B, T * D, 3, c.heads, c.head_dim(), D, b));
   auto operator_term = [&](int l) {
     if (!c.is_moe_layer(l)) return std::max(4 * N + dense.peak - dense.saved, dense.held + norm_partials + attention_backward);
     const size_t shared_step = c.shared_expert ? routed.held + NH * b + 4 * N + shared.peak - shared.saved : 0;
@@ -1003,6 +1154,18 @@ inline MemoryPrediction predict_rank_memory(const ModelConfig& c, const Parallel
                         operator_term(l), c.is_moe_layer(l) ? "dispatch" : "dense FFN", gathered(l));
     here.peak_at = "layer " + std::to_string(l) + "'s backward";
     if (here.total() > best.total()) best = here;
+    if (groups > 1) {  // attention_groups_backward: d_residual, ln1 again and d_ln1's fp32 sum, beside att and lse and
+                       // one group's q, k, v, output, d_att, d_qkv and delta; then d_ln1 rounded and ln1's norm
+      const size_t rebuilt = NH * b + NH * b + 4 * N + NH * 4;
+      MemoryPrediction group, last;
+      group.terms = moment(boundaries_at(l), kept_below, 0, rebuilt + attention, 8 * NH * b / groups + delta / groups,
+                           "attention head group", gathered(l));
+      last.terms = moment(boundaries_at(l), kept_below, 0, rebuilt + NH * b, norm_partials, "ln1 norm", gathered(l));
+      for (MemoryPrediction* x : {&group, &last}) {
+        x->peak_at = "layer " + std::to_string(l) + "'s attention backward in head groups";
+        if (x->total() > best.total()) best = *x;
+      }
+    }
     if (reduce_bytes[l] == 0) continue;
     MemoryPrediction reduce;  // the group's reduce-scatter: its activations are gone, d_residual stays
     reduce.terms = moment(boundaries_at(l), kept_below, 0, NH * b, 0, "", gathered(l) + reduce_bytes[l]);
@@ -1028,7 +1191,7 @@ inline RankUse rank_use(const ModelConfig& c, const TrainConfig& t, const Parall
   const Seams seams = seams_from(t, c);
   use.device = predict_rank_memory(c, par, seams, B, T, t.recompute != 0);
   const long long left = budget - (long long)use.device.total();
-  if (t.recompute && budget > 0 && left >= 0) {
+  if (t.recompute && t.attention_groups == 1 && budget > 0 && left >= 0) {
     use.attention_kept = attention_kept_plan(c, par, B, T, left);
     use.device = predict_rank_memory(c, par, seams, B, T, true, &use.attention_kept);
   }

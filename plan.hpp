@@ -7,6 +7,8 @@
 //   --recompute 0|1 (layer-level recomputation), with --device_budget set to the pool's budget so that
 //     selective attention recomputation keeps what fits (ops/sar_plan.hpp);
 //   --offload_budget: SCO's boundaries in pinned host memory, 0..L of them (under --recompute 1);
+//   --attention_groups 1 | nh: attention whole, or one head at a time with its projection rebuilt in the backward
+//     (model.cuh; whole sequences on the rank only, and then without kept attention: --device_budget 0);
 //   --head full | chunked with --vocab_block 8192, 4096, 2048, 1024 (one rank of the vocabulary);
 //   --optimizer adamw | offload_adamw (β = 2^22, 2 slots) | cpu_adamw;
 //   the MoE, the outermost choice: on one rank of the experts (--moe local), --token_budget (the routed
@@ -23,6 +25,7 @@
 //     less the attention FLOPs that kept tensors save;
 //   the chunked head: the logits' GEMM once more in the backward (2·N·V·H per micro-batch);
 //   SCO: 2 % of the step per L offloaded boundaries (paper: < 2 %, the copies hidden behind compute);
+//   attention in head groups: the q, k, v projection once more (2·N·H·3H a layer);
 //   offload_adamw: 12 bytes per parameter of the shard each way over the host link (notes/design.md
 //     §6.7's floor); cpu_adamw: 2.05 times that (paper: OffloadStreamAdamW 2.05x faster than CPU Adam);
 //   the local token budget (in more than one chunk), pllep and relay: the routed experts' forward GEMMs
@@ -119,6 +122,7 @@ inline double plan_step_seconds(const ModelConfig& c, const TrainConfig& t, cons
   double flops = flops_per_token(c) * N;
   if (t.recompute) flops += (flops_per_token(c) - head) / 3 * N - use.attention_kept.flops_saved;
   if (t.head == "chunked") flops += 2.0 * N * c.vocab * c.hidden;
+  if (t.attention_groups > 1) flops += 6.0 * N * c.hidden * (double)c.hidden * c.layers;
   if (experts_forward_again(t, (long long)N) && !t.recompute)
     flops += 6.0 * N * c.topk * c.hidden * (double)c.expert_dim * (c.layers - c.n_dense);
   if (local_chunked(t, (long long)N) && !t.recompute)  // the dense FFNs and the shared experts in the same chunks
@@ -175,28 +179,35 @@ inline std::vector<TrainConfig> plan_settings(const ModelConfig& c, const TrainC
     budgets_of("pllep", {4096, 2048, 1024, 512});
     for (const char* mode : {"expert", "token"}) moes.push_back({"relay", mode, 0, given.kmax});
   }
+  std::vector<int> attention_groups = {1};
+  if (c.heads > 1 && given.sp == 1 && !(fixed("--device_budget") && parse_device_budget(given.device_budget).on()))
+    attention_groups.push_back(c.heads);
+  if (fixed("--attention_groups")) attention_groups = {given.attention_groups};
   const long long boundary = (long long)B * T * c.hidden * (long long)b;
   std::vector<TrainConfig> settings;
   for (const MoESetting& moe : moes)
     for (int r : recompute)
-      for (const auto& [head, block] : heads)
-        for (const auto& [optimizer, bucket] : optimizers)
-          for (int offloaded = 0; offloaded <= (r ? c.layers : 0); offloaded++) {
-            if (fixed("--offload_budget") && offloaded > 0) break;
-            TrainConfig t = given;
-            t.moe = moe.moe;
-            t.relay_mode = moe.relay_mode;
-            t.token_budget = moe.token_budget;
-            t.kmax = moe.kmax;
-            t.recompute = r;
-            t.head = head;
-            t.vocab_block = block;
-            t.optimizer = optimizer;
-            t.offload_bucket = bucket;
-            if (!fixed("--offload_budget")) t.offload_budget = offloaded * boundary;
-            if (!fixed("--device_budget")) t.device_budget = r ? std::to_string(std::max(2LL, device_budget)) : "0";
-            settings.push_back(t);
-          }
+      for (int groups : attention_groups)
+        for (const auto& [head, block] : heads)
+          for (const auto& [optimizer, bucket] : optimizers)
+            for (int offloaded = 0; offloaded <= (r ? c.layers : 0); offloaded++) {
+              if (fixed("--offload_budget") && offloaded > 0) break;
+              TrainConfig t = given;
+              t.attention_groups = groups;
+              t.moe = moe.moe;
+              t.relay_mode = moe.relay_mode;
+              t.token_budget = moe.token_budget;
+              t.kmax = moe.kmax;
+              t.recompute = r;
+              t.head = head;
+              t.vocab_block = block;
+              t.optimizer = optimizer;
+              t.offload_bucket = bucket;
+              if (!fixed("--offload_budget")) t.offload_budget = offloaded * boundary;
+              if (!fixed("--device_budget"))
+                t.device_budget = r && groups == 1 ? std::to_string(std::max(2LL, device_budget)) : "0";
+              settings.push_back(t);
+            }
   return settings;
 }
 

@@ -26,7 +26,8 @@
 // The seams' choices (--moe, --head, --optimizer, --offload_budget); moe "" = local at E_p = 1, else ep.
 // The llep settings serve llep and pllep, the token budget local and pllep (0: the dispatcher's default), the
 // chunk ceiling pllep, relay_mode relay, the bucket offload_adamw and
-// cpu_adamw, the slots offload_adamw, the offload budget (host bytes for layer boundaries, 0 = none) SCO.
+// cpu_adamw, the slots offload_adamw, the offload budget (host bytes for layer boundaries, 0 = none) SCO;
+// attention_groups (G) how many groups of heads a layer's attention takes one after another (model.cuh).
 struct Seams {
   std::string moe, head = "full", optimizer = "adamw";
   std::string ring_dtp = "auto";
@@ -38,6 +39,7 @@ struct Seams {
   long long offload_budget = 0;
   RelayMode relay_mode = RelayMode::Expert;  // relay: what travels the ring (auto resolved by relay_choice)
   bool wgrad_stream = true;  // the weight gradients on a stream of their own beside the backward (Model::wgrad)
+  int attention_groups = 1;
 };
 
 // --moe relay's mode and both per-hop volumes, from sizes every rank knows: N = batch·seq_len tokens
@@ -52,7 +54,7 @@ inline Seams seams_from(const TrainConfig& t, const ModelConfig& c) {
   return Seams{moe_dispatcher(t), t.head,           t.optimizer,     t.ring_dtp,       t.vocab_block,  t.llep_alpha,
                t.llep_min_rows,   t.token_budget,   t.kmax,          t.offload_bucket, t.offload_slots, t.offload_budget,
                moe_dispatcher(t) == "relay" ? relay_choice(t, c).mode : RelayMode::Expert,
-               t.wgrad_stream != 0};
+               t.wgrad_stream != 0, t.attention_groups};
 }
 
 // The seams' factories: the other half of config.hpp's registries, one line per registered choice,

@@ -82,7 +82,7 @@ TrainConfig random_train(testutil::Rng& rng, int min_text_length) {
        {&T::batch, &T::total_batch, &T::steps, &T::warmup, &T::recompute, &T::overlap_update, &T::wgrad_stream, &T::cuda_graph, &T::val_every,
         &T::val_batches, &T::sample_every, &T::sample_len, &T::ckpt_every, &T::log_every, &T::timeline_step, &T::profile_step, &T::gpus, &T::share_gpus, &T::ep, &T::sp,
         &T::llep_min_rows, &T::token_budget, &T::kmax, &T::offload_bucket, &T::offload_slots, &T::vocab_group,
-        &T::vocab_block, &T::dry_run, &T::zero})
+        &T::vocab_block, &T::dry_run, &T::zero, &T::attention_groups})
     t.*field = rng.integer(-2147483647, 2147483647);
   for (float T::*field :
        {&T::lr, &T::min_lr_frac, &T::weight_decay, &T::beta1, &T::beta2, &T::adam_eps, &T::grad_clip, &T::bias_update,

@@ -70,7 +70,7 @@ const std::vector<int T::*> kTrainInts = {&T::batch,      &T::total_batch,  &T::
                                           &T::sample_len, &T::ckpt_every,   &T::log_every,  &T::timeline_step, &T::profile_step,
                                           &T::gpus,       &T::share_gpus,   &T::ep,           &T::llep_min_rows, &T::token_budget,
                                           &T::kmax,       &T::offload_bucket, &T::offload_slots, &T::vocab_group,
-                                          &T::vocab_block, &T::dry_run,     &T::sp,            &T::zero};
+                                          &T::vocab_block, &T::dry_run,     &T::sp,            &T::zero,  &T::attention_groups};
 const std::vector<float T::*> kTrainFloats = {&T::lr,    &T::min_lr_frac, &T::weight_decay, &T::beta1,
                                               &T::beta2, &T::adam_eps,    &T::grad_clip,    &T::bias_update,
                                               &T::llep_alpha};
@@ -688,6 +688,35 @@ TEST(ConfigSeams, DeviceBudgetIsBytesOrAFractionAndNeedsRecompute) {
   EXPECT_EQ(parse_error({"--recompute", "1", "--device_budget", "40000000000"}), "");
 }
 
+// --attention_groups G: attention in G groups of nh/G heads (model.cuh). G divides the heads; it rebuilds the
+// projection that --device_budget would keep, and under --sp attention already runs on a head shard: both
+// are refused, naming the choice.
+TEST(ConfigSeams, AttentionGroupsDivideTheHeadsAlone) {
+  const ModelConfig m = valid_model();  // 6 heads
+  TrainConfig t;
+  EXPECT_EQ(t.attention_groups, 1) << "every head at once by default";
+  for (int groups : {2, 3, 6}) {
+    t.attention_groups = groups;
+    EXPECT_EQ(validate_error(t, m), "") << groups;
+  }
+  for (int groups : {0, -1, 4, 12}) {
+    t.attention_groups = groups;
+    EXPECT_EQ(validate_error(t, m), "--attention_groups " + std::to_string(groups) +
+                                        " must divide the heads (6) into groups of equal size");
+  }
+  t.attention_groups = 6;
+  t.recompute = 1;
+  t.device_budget = "0.9";
+  EXPECT_EQ(validate_error(t, m), "--attention_groups 6 rebuilds attention's projection group by group in the backward, "
+                                  "--device_budget 0.9 keeps it whole: choose one (--device_budget 0 or "
+                                  "--attention_groups 1)");
+  t.device_budget = "0";
+  t.gpus = 2; t.sp = 2;
+  EXPECT_EQ(validate_error(t, m), "--attention_groups 6 is for one rank's whole sequences: under --sp 2 attention "
+                                  "already runs on nh/D heads of each rank (use --attention_groups 1)");
+  EXPECT_EQ(parse_error({"--attention_groups", "3", "--recompute", "1"}), "");
+}
+
 // --routing: the router, a profile that fits the model, or trace:FILE (whose file the trainer checks
 // at start-up); --record_routing: a file name, a training step and a MoE layer to record.
 TEST(ConfigRouting, RefusesRoutingsThatCannotRun) {
@@ -1139,6 +1168,39 @@ TEST(ConfigTrainBeforeTheGpu, KeptAttentionAndPlanAutoInSequenceGroups) {
   ASSERT_EQ(sscanf(output.c_str() + output.find("  pool peak "), "  pool peak %lf MiB of %lf MiB", &peak, &budget), 2)
       << output;
   EXPECT_LE(peak, budget) << output;
+}
+
+// Attention in head groups under the trainer's own prediction (--dry_run 1, no GPU), the routed experts in
+// token chunks (so that the FFN's part keeps little): one layer's backward term falls from about 12 N·H·b to
+// under half of it, and --plan auto at the smallest capacity it fits takes --attention_groups nh.
+TEST(ConfigTrainBeforeTheGpu, AttentionGroupsLowerTheLayersBackwardAndPlanAutoTakesThem) {
+  const std::string train = trainer_path();
+  if (const std::string why = trainer_unavailable(train, false); !why.empty()) GTEST_SKIP() << why;
+  testutil::TempDir dir;
+  const std::string flags = small_run_flags(dir, 40000, 40000) + " --seq_len 8192 --batch 1 --dry_run 1 --moe local" +
+                            " --token_budget 512";
+  std::string output;
+  auto one_layer_mib = [&](const std::string& more) {
+    EXPECT_EQ(run_without_gpu(dir, "", flags + " --recompute 1 --device_capacity 80GiB" + more, output), 0) << output;
+    double mib = 0;
+    const size_t at = output.find("+ one layer ");
+    EXPECT_NE(at, std::string::npos) << output;
+    if (at != std::string::npos) sscanf(output.c_str() + at, "+ one layer %lf MiB", &mib);
+    return mib;
+  };
+  const double whole = one_layer_mib(""), grouped = one_layer_mib(" --attention_groups 6");
+  printf("[mem] one layer's backward at T 8192: whole heads %.1f MiB, one head at a time %.1f MiB (%.2f)\n", whole, grouped,
+         grouped / whole);
+  EXPECT_LT(grouped, 0.5 * whole);
+  // the smallest capacity that --plan auto fits (bisection over MiB): only the grouped setting fits there
+  const std::string plan = flags + " --plan auto --optimizer cpu_adamw --head chunked --vocab_block 1024";
+  int fits = 8192, not_fits = 16;
+  while (fits - not_fits > 1) {
+    const int mib = (fits + not_fits) / 2;
+    (run_without_gpu(dir, "", plan + " --device_capacity " + std::to_string(mib) + "MiB", output) == 0 ? fits : not_fits) = mib;
+  }
+  ASSERT_EQ(run_without_gpu(dir, "", plan + " --device_capacity " + std::to_string(fits) + "MiB", output), 0) << output;
+  EXPECT_NE(output.find("--attention_groups 6"), std::string::npos) << "at " << fits << " MiB: " << output;
 }
 
 // --dry_run 1 is host arithmetic: without a GPU it predicts rank 0's memory against --device_capacity

@@ -1,7 +1,8 @@
 // The per-rank prediction of the pool's peak (model.cuh predict_rank_memory, paper Eq. 6, printed by
 // the trainer at start-up) against one training step on one GPU, for each option that moves the peak:
 // recomputation off and on, the full and the chunked head, SCO's host budget, selective attention
-// recomputation, the three optimizers, and the FFNs in token chunks (--token_budget). The prediction is
+// recomputation, the three optimizers, the FFNs in token chunks (--token_budget) and attention in head
+// groups (--attention_groups). The prediction is
 // >= the measured peak and within 10 % of it (tests/memory_prediction.cuh). Model: H 256, L 4 (one dense
 // layer), 4 heads, E 8, top-2, I 256, a shared expert, V 512, B 16 × T 256 (N = 4096 tokens: the
 // activations, not the fixed buffers, make the peak).
@@ -15,7 +16,7 @@ TEST(GpuMemoryPrediction, IsAtLeastThePoolPeakAndWithinTenPercent) {
   c.n_dense = 1; c.dense_dim = 512; c.shared_expert = 1; c.seq_len = 256;
   const int B = 16, T = c.seq_len;
   const long long boundary = (long long)B * T * c.hidden * sizeof(floatX);
-  std::vector<testutil::PredictionCase> cases(10);
+  std::vector<testutil::PredictionCase> cases(13);
   cases[0].name = "recompute off";
   cases[0].recompute = false;
   cases[1].name = "recompute on";
@@ -39,6 +40,16 @@ TEST(GpuMemoryPrediction, IsAtLeastThePoolPeakAndWithinTenPercent) {
   cases[8].seams.token_budget = 512;
   cases[9].name = "recompute on, --token_budget 512";
   cases[9].seams.token_budget = 512;
+  // attention one head at a time (model.cuh's attention_groups_forward/_backward), alone and in the most frugal setting
+  cases[10].name = "recompute off, --attention_groups 4";
+  cases[10].recompute = false;
+  cases[10].seams.attention_groups = 4;
+  cases[11].name = "recompute on, --attention_groups 4";
+  cases[11].seams.attention_groups = 4;
+  cases[12].name = "recompute on, --attention_groups 2 --token_budget 512, SCO every boundary";
+  cases[12].seams.attention_groups = 2;
+  cases[12].seams.token_budget = 512;
+  cases[12].seams.offload_budget = 4 * boundary;
   for (const testutil::PredictionCase& pc : cases)
     testutil::expect_prediction_holds(testutil::predict_and_measure(c, Parallel(), pc, B, T), "one GPU, " + pc.name, true);
 }

@@ -274,6 +274,74 @@ TEST(GpuModel, RecomputeIsBitIdenticalAndLowersPeak) {
   model_destroy(m);
 }
 
+// Attention in head groups (--attention_groups G; model.cuh's attention_groups_forward/_backward): the
+// heads taken nh/G at a time, q, k, v rebuilt per group in the backward. The first step against the
+// reference, one head at a time, on the plain variant and on the one with a dense layer and shared experts.
+TEST(GpuModel, FirstStepWithAttentionInHeadGroupsMatchesReference) {
+  REQUIRE_GPU();
+  Seams seams;
+  seams.attention_groups = 2;  // config_variant's two heads: one a group
+  first_step_matches_reference(0, seams, "_head_groups");
+  first_step_matches_reference(1, seams, "_head_groups");
+}
+
+// In head groups on 4 heads of 32 (G = 2 and 4), with and without recomputation: the recomputed pass
+// reproduces the stored one bit for bit (both take the groups the same way), every gradient is within the
+// model tolerance of the whole-heads pass's (the q, k, v GEMMs and the gradients' sums over the groups
+// round otherwise), and the pool's peak under recomputation is below the whole heads' (attention's backward
+// is the peak at these sizes: 12 N·H elements whole, about 5 + 8/G in groups).
+TEST(GpuModel, AttentionInHeadGroupsRecomputesBitIdenticallyAndLowersThePeak) {
+  REQUIRE_GPU();
+  ModelConfig c = config_variant(0);
+  c.hidden = 128; c.heads = 4; c.layers = 3; c.expert_dim = 16;
+  const int B = 4, T = c.seq_len, N = B * T;
+  testutil::Rng rng;
+  const std::vector<float> master = random_master(c, rng);
+  std::vector<int> x, y;
+  random_tokens(N, c.vocab, rng, x, y);
+  std::vector<float> whole_grads;
+  size_t whole_peak = 0;
+  for (int groups : {1, 2, 4}) {
+    Seams seams;
+    seams.attention_groups = groups;
+    Model m = model_create(c, 1, Parallel(), 0, seams);
+    model_set_master(m, master);
+    PassOptions warmup;
+    warmup.backward = false;
+    model_pass(m, x.data(), y.data(), B, T, warmup);  // sizes the model's own buffers
+    float loss[2];
+    std::vector<float> grads[2];
+    size_t peak = 0;
+    for (int recompute = 0; recompute < 2; recompute++) {
+      model_zero_grads(m);
+      cudaCheck(cudaDeviceSynchronize(), "test", "sync");
+      const size_t live_before = pool().live_total();
+      pool().reset_peak();
+      PassOptions o;
+      o.dloss = 1.f / N;
+      o.recompute = recompute == 1;
+      loss[recompute] = model_pass(m, x.data(), y.data(), B, T, o);
+      grads[recompute] = download_grads(m);
+      if (recompute) peak = pool().peak() - live_before;
+      EXPECT_EQ(pool().live_total(), live_before) << "G=" << groups << " recompute=" << recompute << ": the pass leaked";
+    }
+    printf("[mem] attention in %d head group(s): pass peak under recomputation %.3f MiB\n", groups, peak / 1048576.0);
+    EXPECT_EQ(loss[0], loss[1]) << "G=" << groups;
+    EXPECT_EQ(0, memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)))
+        << "G=" << groups << ": recomputation must reproduce the gradients bit for bit";
+    if (groups == 1) whole_grads = grads[0];
+    const std::vector<double> whole(whole_grads.begin(), whole_grads.end());
+    char what[64];
+    snprintf(what, sizeof what, "head_groups_G%d_vs_whole", groups);
+    for (size_t i = 0; groups > 1 && i < m.specs.size(); i++)
+      EXPECT_REL(what, ("d" + m.specs[i].name).c_str(), tensor_err(grads[0], whole, m.offsets[i], m.specs[i].numel()),
+                 MODEL_TOL);
+    if (groups == 1) whole_peak = peak;
+    else EXPECT_LT(peak, whole_peak) << "G=" << groups << ": the peak must fall below the whole heads'";
+    model_destroy(m);
+  }
+}
+
 // --moe local --token_budget c (ops/moe.cuh's LocalDispatcher): the routed experts in chunks of at most c
 // tokens, nothing kept from the forward, each chunk recomputed in the backward (and the dense layers' FFN
 // and the shared expert in the same chunks, model.cuh's dense_ffn_dispatcher). With and without
