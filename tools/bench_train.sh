@@ -28,7 +28,8 @@
 #           (--recompute 1) and --plan auto, found by doubling then bisecting on the trainer's memory
 #           prediction (--dry_run 1, exact on one GPU; the search on the host against the GPU's measured room,
 #           its result confirmed on the GPU), then one real step at the value found: step time,
-#           tokens/s, pool peak against the prediction, pinned host memory, and what stops the next size.
+#           tokens/s, pool peak against the prediction, pinned host memory, and what stops the next size
+#           (no step above REACH_STEP_MAX_T tokens, when set: the row is the GPU's dry run).
 #           REACH_MODELS ("default 300M 1B") picks the models, REACH_CONFIGS ("plain recompute auto") the
 #           configurations and REACH_PROBES ("T B") the probes, so that a device call can take a part of one; each
 #           real step's pool timeline is kept in OUT_DIR/reach_timelines/MODEL_{T,B}_CONFIG.csv. With recompute
@@ -52,6 +53,8 @@ reach_configs=${REACH_CONFIGS:-plain recompute auto} reach_probes=${REACH_PROBES
 reach_shared_wanted=${REACH_SHARED_MODELS:-default 300M}
 [[ "$reach_max_t" =~ ^[0-9]+$ ]] && [ "$reach_max_t" -ge 16384 ] ||
   { echo "bench_train.sh: REACH_MAX_T must be a whole number of tokens, at least 16384 (got '$reach_max_t')"; exit 2; }
+[ -z "${REACH_STEP_MAX_T:-}" ] || [[ "$REACH_STEP_MAX_T" =~ ^[0-9]+$ ]] ||
+  { echo "bench_train.sh: REACH_STEP_MAX_T must be a whole number of tokens (got '$REACH_STEP_MAX_T')"; exit 2; }
 for m in $reach_wanted; do
   case $m in default|300M|1B) ;; *) echo "bench_train.sh: REACH_MODELS names '$m' (default, 300M, 1B)"; exit 2 ;; esac
 done
@@ -229,7 +232,8 @@ ln -sf train_000.bin "$synthetic/val_000.bin"
 # ranks, W processes and their communicators, against the GPU's capacity less what it holds outside the
 # pools, both read from one dry run on the GPU at the row's first size. The value found is confirmed by a dry
 # run on the GPU (a smaller one where that refuses it), then trained for one real step (at most
-# REACH_STEP_TIMEOUT seconds, default 300) that records the pool's timeline, kept per row in
+# REACH_STEP_TIMEOUT seconds, default 300; none above REACH_STEP_MAX_T tokens a sequence, where one step takes
+# longer than a device command may run: such a row is the GPU's dry run alone) that records the pool's timeline, kept per row in
 # $out/reach_timelines/ under the row's name (plot: tools/plot_timeline.sh CSV PNG).
 mkdir -p "$out/reach_timelines"
 probe() {  # host|gpu|step B T FLAGS...
@@ -240,6 +244,7 @@ probe() {  # host|gpu|step B T FLAGS...
     gpu) mode=(--dry_run 1) ;;
     step) mode=(--dry_run 0 --timeline_step 0) ;;
   esac
+  rm -rf "$out/probe"  # its own run folder: a step stopped by the timeout leaves a log the trainer will not overwrite
   timeout "${REACH_STEP_TIMEOUT:-300}" "${hide[@]}" "$train" --data "$data" --train "$synthetic/train_*.bin" \
     --val "$synthetic/val_*.bin" --batch "$b" --seq_len "$t" --steps 1 --warmup 1 "${mode[@]}" "$@" $quiet \
     --out "$out/probe" > "$out/probe.log" 2>&1 && return 0
@@ -294,6 +299,10 @@ largest() {  # ROW what(T|B) start cap FLAGS...: doubling up to cap, then bisect
   [ "$bad" -eq 0 ] && shown=">= $good (probe cap)"
   [ "$bad" -gt 0 ] && why="$bad: $(refusal)"
   echo "$good" > "$out/reach_found"
+  if [ "$what" = T ] && [ -n "${REACH_STEP_MAX_T:-}" ] && [ "$good" -gt "$REACH_STEP_MAX_T" ]; then
+    echo "$shown | not run: T above REACH_STEP_MAX_T = $REACH_STEP_MAX_T (the GPU's dry run fits it) | | | | | ${why}"
+    return
+  fi
   at step "$good" "$@"
   case $? in
     0) cp "$out/probe/timeline_step0.csv" "$out/reach_timelines/$timeline_name.csv" 2> /dev/null
