@@ -391,7 +391,7 @@ TEST(DistScenario, DISABLED_NcclErrorOnOneRank) {
 
 TEST(CommFailure, TimeoutWhenARankNeverJoins) {
   REQUIRE_WORLD(2);
-  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  if (test_rank() != 0) return others_wait_for_rank_zero();  // rank 0 runs the sub-job
   JobResult job = run_scenario_job("RankNeverJoins", 2);
   EXPECT_NE(job.exit_code, 0);
   EXPECT_LT(job.seconds, 60);
@@ -401,7 +401,7 @@ TEST(CommFailure, TimeoutWhenARankNeverJoins) {
 
 TEST(CommFailure, NcclErrorOnOneRank) {
   REQUIRE_WORLD(2);
-  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  if (test_rank() != 0) return others_wait_for_rank_zero();  // rank 0 runs the sub-job
   JobResult job = run_scenario_job("NcclErrorOnOneRank", 2);
   EXPECT_EQ(job.exit_code, 1);
   EXPECT_LT(job.seconds, 60);

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <chrono>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -126,6 +127,30 @@ inline JobResult run_scenario_job(const std::string& name, int world, std::vecto
   printf("[dist] scenario %s: exit code %d after %.1f s (output: %s)\n", name.c_str(), job.exit_code, job.seconds,
          out_path.c_str());
   return job;
+}
+
+// The other ranks of a test in which rank 0 alone runs sub-jobs: they wait on the host until rank 0's results file
+// says this test ended, polling it, rather than going on into the next test's collectives, where they would wait
+// for rank 0 in NCCL kernels that spin on the GPU. On a GPU the ranks share, W - 1 spinning kernels starve the
+// sub-job's ranks of the GPU (at W = 8, two runs on one H100: a sub-job's communicator took more than its 10 s to
+// start). Ranks of test_dist's own launcher only (one host, one log folder); under mpirun or srun they go on.
+inline void others_wait_for_rank_zero() {
+  if (!test_rank_of_our_launcher()) return;
+  const testing::TestInfo* test = testing::UnitTest::GetInstance()->current_test_info();
+  const std::string name = std::string(test->test_suite_name()) + "." + test->name();
+  const std::string results = test_rank_file(0, ".results");
+  auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    std::istringstream lines(read_text_file(results));
+    for (std::string line; std::getline(lines, line);)
+      if (line == "PASSED " + name || line == "FAILED " + name || line == "SKIPPED " + name) return;
+    if (seconds_since(start) > comm_timeout_s()) {
+      ADD_FAILURE() << "rank " << test_rank() << ": rank 0 did not end " << name << " within " << comm_timeout_s()
+                    << " s (FLATMOE_COMM_TIMEOUT_S); its results: " << results;
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
 }
 
 inline void expect_contains(const JobResult& job, const std::string& text) {

@@ -816,7 +816,7 @@ TEST(DistScenario, DISABLED_RankExitsWhileOthersWait) {
 }
 
 TEST(Launcher, StopsTheJobWhenARankExits) {
-  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  if (test_rank() != 0) return others_wait_for_rank_zero();  // rank 0 runs the sub-job
   JobResult job = run_scenario_job("RankExitsWhileOthersWait", 2, {"CUDA_VISIBLE_DEVICES="});
   EXPECT_EQ(job.exit_code, 3);
   EXPECT_LT(job.seconds, 60);
@@ -825,10 +825,30 @@ TEST(Launcher, StopsTheJobWhenARankExits) {
   expect_contains(job, "[  FAILED  ] rank 1 did not finish");
 }
 
+// While rank 0 alone runs a test's sub-jobs, the other ranks wait on the host until its body has ended (not in a
+// collective of the next test): rank 0 leaves a marker after a pause, and a rank that went on before then finds
+// none. The marker is named after the launcher's pid, one per run.
+TEST(RankZeroJobs, OthersWaitOnTheHostUntilRankZeroEnds) {
+  if (!test_rank_of_our_launcher())
+    GTEST_SKIP() << "needs the ranks of test_dist's own launcher (FLATMOE_TEST_WORLD >= 2)";
+  const std::string marker = test_log_dir() + "/rank0_body_ended_" + std::to_string(getppid());
+  if (test_rank() != 0) {
+    auto start = std::chrono::steady_clock::now();
+    others_wait_for_rank_zero();
+    EXPECT_EQ(access(marker.c_str(), F_OK), 0) << "rank " << test_rank() << " went on after "
+                                               << seconds_since(start) << " s, before rank 0's body ended";
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  FILE* file = fopen(marker.c_str(), "w");
+  ASSERT_NE(file, nullptr) << marker << ": " << strerror(errno);
+  fclose(file);
+}
+
 // A run split into GoogleTest shards (`tests/gpu.sh dist` with DIST_SHARD) starts its sub-jobs unsplit: a
 // sub-job of one scenario that inherited shard 1 of 2 would run no test and exit 0.
 TEST(Launcher, SubJobsRunTheirScenarioInAShardedRun) {
-  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  if (test_rank() != 0) return others_wait_for_rank_zero();  // rank 0 runs the sub-job
   std::map<std::string, std::string> saved;  // this run's own sharding, put back afterwards
   for (const std::string& var : gtest_shard_variable_names())
     if (const char* value = getenv(var.c_str())) saved[var] = value;
@@ -943,7 +963,7 @@ bool process_gone(pid_t pid) { return kill(pid, 0) != 0 && errno == ESRCH; }
 // each reaches the ranks (which lead their own process groups) as the launcher's SIGTERM, and the
 // launcher exits with 128 + the signal once they are gone, within seconds.
 TEST(Launcher, ForwardsSignalsToTheRanks) {
-  if (test_rank() != 0) return;  // rank 0 runs the sub-jobs
+  if (test_rank() != 0) return others_wait_for_rank_zero();  // rank 0 runs the sub-jobs
   struct Case {
     int sig;
     bool to_group;
@@ -977,7 +997,7 @@ TEST(Launcher, ForwardsSignalsToTheRanks) {
 // A rank that ignores SIGTERM gets SIGKILL after the grace (1 s here); the launcher still exits with
 // 128 + SIGTERM.
 TEST(Launcher, KillsARankThatIgnoresSigterm) {
-  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  if (test_rank() != 0) return others_wait_for_rank_zero();  // rank 0 runs the sub-job
   LauncherJob job = start_launcher("RankOneIgnoresSigterm", 2, 1.0);
   auto ranks = wait_for_rank_pids(job, 2);
   ASSERT_EQ(ranks.size(), 2u);
@@ -1001,7 +1021,7 @@ TEST(Launcher, KillsARankThatIgnoresSigterm) {
 // A second signal while the ranks stop sends SIGKILL at once, without waiting for the grace (60 s
 // here); the exit code stays the first signal's.
 TEST(Launcher, SecondSignalKillsAtOnce) {
-  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  if (test_rank() != 0) return others_wait_for_rank_zero();  // rank 0 runs the sub-job
   LauncherJob job = start_launcher("RankOneIgnoresSigterm", 2, 60);
   auto ranks = wait_for_rank_pids(job, 2);
   ASSERT_EQ(ranks.size(), 2u);

@@ -30,6 +30,7 @@ namespace {
 Comm world_comm;
 bool world_exists = false;
 int process_rank = 0;
+bool process_is_our_rank = false;  // started by run_ranks_and_report's launcher
 
 // Writes "STARTED Suite.Name" as each test starts and "PASSED|FAILED|SKIPPED Suite.Name" as it ends,
 // then "FINISHED", flushing every line so that a rank that dies leaves what it had done.
@@ -58,8 +59,6 @@ class RankResults : public testing::EmptyTestEventListener {
  private:
   FILE* file_;
 };
-
-std::string rank_file(int rank, const char* ext) { return test_log_dir() + "/dist_rank" + std::to_string(rank) + ext; }
 
 // stdout and stderr of this rank go to its log (line-buffered, so that a killed rank leaves its lines).
 void redirect_output_to(const std::string& path) {
@@ -109,8 +108,8 @@ int run_ranks_and_report(std::vector<std::string> args, int world) {
   }
   make_test_dirs(test_log_dir());
   for (int r = 0; r < world; r++) {
-    remove(rank_file(r, ".log").c_str());
-    remove(rank_file(r, ".results").c_str());
+    remove(test_rank_file(r, ".log").c_str());
+    remove(test_rank_file(r, ".results").c_str());
   }
   printf("[dist] %d ranks, FLATMOE_SEED=%s, FLATMOE_COMM_TIMEOUT_S=%s; rank logs: %s/dist_rankR.log\n", world,
          getenv("FLATMOE_SEED"), getenv("FLATMOE_COMM_TIMEOUT_S"), test_log_dir().c_str());
@@ -126,7 +125,7 @@ int run_ranks_and_report(std::vector<std::string> args, int world) {
   std::vector<bool> print_log(world, false);
   print_log[0] = true;
   for (int r = 0; r < world; r++) {
-    std::istringstream lines(read_text_file(rank_file(r, ".results")));
+    std::istringstream lines(read_text_file(test_rank_file(r, ".results")));
     bool finished = false;
     std::string running;  // the test that started last and has not ended
     for (std::string line; std::getline(lines, line);) {
@@ -153,7 +152,7 @@ int run_ranks_and_report(std::vector<std::string> args, int world) {
     if (!finished) {
       rank_problems.push_back("rank " + std::to_string(r) + " did not finish" +
                               (running.empty() ? "" : ": it ended inside " + running) + " (see " +
-                              rank_file(r, ".log") + ")");
+                              test_rank_file(r, ".log") + ")");
       print_log[r] = true;
     }
   }
@@ -162,7 +161,8 @@ int run_ranks_and_report(std::vector<std::string> args, int world) {
 
   for (int r = 0; r < world; r++) {
     if (!print_log[r]) continue;
-    printf("[dist] ===== rank %d: %s =====\n%s", r, rank_file(r, ".log").c_str(), read_text_file(rank_file(r, ".log")).c_str());
+    printf("[dist] ===== rank %d: %s =====\n%s", r, test_rank_file(r, ".log").c_str(),
+           read_text_file(test_rank_file(r, ".log")).c_str());
   }
   int passed = 0, skipped = 0, failed = (int)rank_problems.size();
   for (const std::string& name : order) {
@@ -204,6 +204,8 @@ int test_world_size() { return world_exists ? world_comm.size : 0; }
 
 int test_rank() { return process_rank; }
 
+bool test_rank_of_our_launcher() { return process_is_our_rank; }
+
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv, argv + argc);  // the ranks get the flags as given (gtest removes its own)
   testing::InitGoogleTest(&argc, argv);
@@ -217,9 +219,10 @@ int main(int argc, char** argv) {
   if (env.mode == LaunchMode::Launcher && world >= 2) return run_ranks_and_report(args, world);
 
   process_rank = env.rank;
+  process_is_our_rank = env.mode == LaunchMode::Child;
   if (env.mode == LaunchMode::Child) {
-    redirect_output_to(rank_file(env.rank, ".log"));
-    testing::UnitTest::GetInstance()->listeners().Append(new RankResults(rank_file(env.rank, ".results")));
+    redirect_output_to(test_rank_file(env.rank, ".log"));
+    testing::UnitTest::GetInstance()->listeners().Append(new RankResults(test_rank_file(env.rank, ".results")));
   }
   if (gpu_count() > 0) {
     std::vector<char*> launch_argv = exec_array(args);

@@ -441,7 +441,7 @@ TEST(DistScenario, DISABLED_RankLeavesDuringAllToAll) {
 
 TEST(CommFailure, RankLeavingDuringAllToAllStopsTheOthersWithinTheTimeout) {
   REQUIRE_WORLD(2);
-  if (test_rank() != 0) return;  // rank 0 runs the sub-job
+  if (test_rank() != 0) return others_wait_for_rank_zero();  // rank 0 runs the sub-job
   JobResult job = run_scenario_job("RankLeavesDuringAllToAll", 2);
   EXPECT_NE(job.exit_code, 0);
   EXPECT_LT(job.seconds, 60) << "FLATMOE_COMM_TIMEOUT_S=10 in the sub-job";

@@ -26,10 +26,19 @@ const Comm& test_world();
 int test_world_size();
 // This process's rank (0 when the tests run in one process).
 int test_rank();
+// Whether this process is a rank started by test_dist's own launcher (all ranks on this host, each with its
+// log and results file in the log folder); false under mpirun or srun and in one process.
+bool test_rank_of_our_launcher();
 // Where the rank logs go: FLATMOE_TEST_LOG_DIR, default build/test-logs.
 inline std::string test_log_dir() {
   const char* dir = getenv("FLATMOE_TEST_LOG_DIR");
   return dir != nullptr && dir[0] != '\0' ? dir : "build/test-logs";
+}
+
+// A rank's file in the log folder: dist_rankR.log (its output) or dist_rankR.results (its tests' outcomes,
+// tests/dist_main.cu), written by the ranks of test_dist's own launcher.
+inline std::string test_rank_file(int rank, const char* ext) {
+  return test_log_dir() + "/dist_rank" + std::to_string(rank) + ext;
 }
 
 // mkdir -p
