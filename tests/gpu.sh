@@ -7,7 +7,8 @@
 #     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
 #     (dist.md), the rank logs (dist_logs.tgz); DIST_PRECISIONS, DIST_FILTER (a gtest filter) and DIST_TIMEOUT (s per run, 600) narrow it;
 #     DIST_SHARD=i/n runs the i-th of n GoogleTest shards (i from 0), so that a run too long for one device call is n calls;
-#     DIST_JOBS=n runs n of the (W, precision) runs at once
+#     DIST_JOBS=n runs n of the (W, precision) runs at once; stopped by SIGTERM (a command limit), it stops the runs and
+#     still writes dist_logs.tgz and the rows of the runs that had ended
 #   toy8: the README's toy 8-rank run on CORPUS=large with the ranks sharing this machine's GPUs, each dispatcher and
 #     the ring head beside one rank of the same global batch, and a resume at W = 8 (TOY_STEPS, default 100);
 #     TOY_RUNS names the runs of this call (default all: one_rank ep ep_resumed llep pllep relay_expert relay_token
@@ -134,7 +135,7 @@ if [[ " $want " == *" dist "* ]]; then
     local W=$1 p=$2 logs=build/dist-logs/W$1-$2 share=0 t1 rc errors
     [ "$W" -gt "$gpus" ] && share=1
     t1=$(date +%s)
-    FLATMOE_SHARE_GPUS=$share FLATMOE_TEST_WORLD=$W FLATMOE_TEST_LOG_DIR=$logs timeout "${DIST_TIMEOUT:-600}" \
+    FLATMOE_SHARE_GPUS=$share FLATMOE_TEST_WORLD=$W FLATMOE_TEST_LOG_DIR=$logs timeout --foreground "${DIST_TIMEOUT:-600}" \
       env ${DIST_SHARD:+GTEST_SHARD_INDEX=${DIST_SHARD%/*} GTEST_TOTAL_SHARDS=${DIST_SHARD#*/}} \
       build/$p/test_dist ${DIST_FILTER:+--gtest_filter=$DIST_FILTER} > "$logs.log" 2>&1
     rc=$?
@@ -154,11 +155,24 @@ if [[ " $want " == *" dist "* ]]; then
   }
   # DIST_JOBS runs that many (W, precision) runs at once (their ranks all on this machine's GPUs): the wall times
   # in dist.md are then those of runs sharing the machine with each other
-  runs=()
+  # A call stopped from outside (a device's command limit: SIGTERM) stops the runs (each run's `timeout` passes
+  # the signal to test_dist, whose launcher passes it to the ranks) and still leaves the rows of the runs that had
+  # ended and every rank log written so far
+  dist_stopped() {
+    for pid in "${run_pids[@]}"; do pkill -TERM -P "$pid"; done
+    wait
+    echo "tests/gpu.sh: stopped; the dist runs that had ended:"
+    cat build/dist-logs/*.row 2>/dev/null
+    tar czf "$OUT/dist_logs.tgz" -C build dist-logs
+    exit 124
+  }
+  trap dist_stopped TERM
+  runs=() run_pids=()
   for W in ${DIST_WORLDS:-2 4 8}; do for p in ${DIST_PRECISIONS:-fp32 bf16}; do runs+=("$W $p"); done; done
   for run in "${runs[@]}"; do
     while [ "$(jobs -rp | wc -l)" -ge "${DIST_JOBS:-1}" ]; do wait -n; done
     dist_run $run &
+    run_pids+=($!)
   done
   wait
   echo "| W | GPUs | precision | passed | failed | skipped | s | largest error per suite (over every rank) |" > "$OUT/dist.md"
@@ -170,6 +184,7 @@ if [[ " $want " == *" dist "* ]]; then
     while IFS= read -r line; do summary+=("$line"); done < "$logs.sum"
   done
   tar czf "$OUT/dist_logs.tgz" -C build dist-logs
+  trap - TERM
   cat "$OUT/dist.md"
 fi
 
