@@ -153,8 +153,6 @@ if [[ " $want " == *" dist "* ]]; then
         sort -rn | head -5 | awk '{ printf "%s %.0f s, ", $2, $1 / 1000 }' | sed 's/, $//')"
     } > "$logs.sum"
   }
-  # DIST_JOBS runs that many (W, precision) runs at once (their ranks all on this machine's GPUs): the wall times
-  # in dist.md are then those of runs sharing the machine with each other
   # A call stopped from outside (a device's command limit: SIGTERM) stops the runs (each run's `timeout` passes
   # the signal to test_dist, whose launcher passes it to the ranks) and still leaves the rows of the runs that had
   # ended and every rank log written so far
@@ -167,6 +165,8 @@ if [[ " $want " == *" dist "* ]]; then
     exit 124
   }
   trap dist_stopped TERM
+  # DIST_JOBS runs that many (W, precision) runs at once (their ranks all on this machine's GPUs): the wall times
+  # in dist.md are then those of runs sharing the machine with each other
   runs=() run_pids=()
   for W in ${DIST_WORLDS:-2 4 8}; do for p in ${DIST_PRECISIONS:-fp32 bf16}; do runs+=("$W $p"); done; done
   for run in "${runs[@]}"; do
