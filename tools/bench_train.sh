@@ -38,7 +38,7 @@
 #   reach-shared: the longest context (B = 1 per sequence group) at W = 8 ranks sharing one GPU in sequence groups
 #           (--sp D, notes/sequence_parallel.md; memory, not speed: collectives over sockets), under --recompute 1
 #           and --recompute 1 --zero 3: the default model at D = 2 (its 6 heads of 64: no larger D divides
-#           them) and the ~300M MoE with 24 heads of 32 at D = 8, found as reach's are (rank 0's prediction;
+#           them) and reach's ~300M MoE at D = 8 (its 16 heads of 64), found as reach's are (rank 0's prediction;
 #           the device shared by the 8 ranks' pools and what lies outside them); REACH_SHARED_MODELS
 #           ("default 300M") picks the models, one device call each.
 # Usage: tools/bench_train.sh TRAIN_BIN DATA_DIR [OUT_DIR] [PARTS] (PARTS: "speed reach", the default,
@@ -217,9 +217,10 @@ fi
 [[ " $parts " == *" reach "* || " $parts " == *" reach-shared "* ]] || exit 0
 
 # Reach (issue 58, notes/composed_stack.md): three MoE models on a random-token shard long enough for any
-# probe — the default (`make train`'s: H 384, L 6, E 8, top-2, I 384; 17M parameters), ~300M (issue 11's:
-# H 768, L 8, E 32, top-4, I 512) and ~1B (H 1536, L 10, 24 heads, E 32, top-4, I 640).
-reach_models=("default:" "300M:--hidden 768 --layers 8 --heads 12 --experts 32 --topk 4 --expert_dim 512"
+# probe — the default (`make train`'s: H 384, L 6, E 8, top-2, I 384; 17M parameters), ~300M (H 1024, L 6, 16 heads,
+# E 32, top-4, I 512; 336M: heads of 64, the tensor-core attention's, and 16 of them, so that reach-shared's D = 8
+# divides them) and ~1B (H 1536, L 10, 24 heads, E 32, top-4, I 640).
+reach_models=("default:" "300M:--hidden 1024 --layers 6 --heads 16 --experts 32 --topk 4 --expert_dim 512"
               "1B:--hidden 1536 --layers 10 --heads 24 --experts 32 --topk 4 --expert_dim 640")
 synthetic="$out/synthetic"
 mkdir -p "$synthetic"
@@ -339,6 +340,10 @@ if [[ " $parts " == *" reach "* ]]; then
         # issue 58's speed target: --plan auto at the longest context recomputation reaches, against its step
         if [ "$short" = recompute ] && [ "$what" = T ] && [[ " $reach_configs " == *" auto "* ]] && [ -s "$out/reach_found" ]; then
           t_found=$(cat "$out/reach_found") recompute_ms=$(cat "$out/reach_step_ms" 2> /dev/null)
+          if [ -n "${REACH_STEP_MAX_T:-}" ] && [ "$t_found" -gt "$REACH_STEP_MAX_T" ]; then
+            echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | not run: T above REACH_STEP_MAX_T = $REACH_STEP_MAX_T | | | | | |"
+            continue
+          fi
           probe step 1 "$t_found" $flags --plan auto
           case $? in
             0) auto_row=$(step_of_last)
@@ -362,15 +367,14 @@ echo "sockets: its time is not a GPU time)."
 echo
 echo "| model | D | configuration | longest T that fits | step ms | tokens/s | pool peak MiB (rank 0) | prediction vs peak | pinned host MiB | the next size stops at |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
-m300=${reach_models[1]#*:}
-shared_models=("default:2:" "300M, 24 heads:8:${m300/--heads 12/--heads 24}")
+shared_models=("default:2:" "300M:8:${reach_models[1]#*:}")
 for model in "${shared_models[@]}"; do
   name=${model%%:*}
-  [[ " $reach_shared_wanted " == *" ${name%%,*} "* ]] || continue
+  [[ " $reach_shared_wanted " == *" $name "* ]] || continue
   rest=${model#*:}
   D=${rest%%:*}
   flags="${rest#*:} --gpus 8 --share_gpus 1 --sp $D"
   for config in "--recompute 1" "--recompute 1 --zero 3"; do
-    echo "| $name | $D | $config | $(largest "shared_${name%%,*}_D${D}_$config" T 16384 "$reach_max_t" $flags $config) |"
+    echo "| $name | $D | $config | $(largest "shared_${name}_D${D}_$config" T 16384 "$reach_max_t" $flags $config) |"
   done
 done
