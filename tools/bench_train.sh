@@ -270,6 +270,8 @@ refusal() {
   [ -n "$why" ] || why=$(grep -v '^ *$' "$out/probe_refused.log" | tail -1)
   echo "$why" | cut -c1-90
 }
+# whether a step at T tokens a sequence is past REACH_STEP_MAX_T (then its row is the GPU's dry run alone)
+past_step_max() { [ -n "${REACH_STEP_MAX_T:-}" ] && [ "$1" -gt "$REACH_STEP_MAX_T" ]; }
 largest() {  # ROW what(T|B) start cap FLAGS...: doubling up to cap, then bisection to 1/8 of the last doubling
   local timeline_name what=$2 start=$3 cap=$4 good=0 bad=0 v=$3
   timeline_name=$(echo "$1" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/__*/_/g')  # the row's name as a file name
@@ -300,7 +302,7 @@ largest() {  # ROW what(T|B) start cap FLAGS...: doubling up to cap, then bisect
   [ "$bad" -eq 0 ] && shown=">= $good (probe cap)"
   [ "$bad" -gt 0 ] && why="$bad: $(refusal)"
   echo "$good" > "$out/reach_found"
-  if [ "$what" = T ] && [ -n "${REACH_STEP_MAX_T:-}" ] && [ "$good" -gt "$REACH_STEP_MAX_T" ]; then
+  if [ "$what" = T ] && past_step_max "$good"; then
     echo "$shown | not run: T above REACH_STEP_MAX_T = $REACH_STEP_MAX_T (the GPU's dry run fits it) | | | | | ${why}"
     return
   fi
@@ -340,7 +342,7 @@ if [[ " $parts " == *" reach "* ]]; then
         # issue 58's speed target: --plan auto at the longest context recomputation reaches, against its step
         if [ "$short" = recompute ] && [ "$what" = T ] && [[ " $reach_configs " == *" auto "* ]] && [ -s "$out/reach_found" ]; then
           t_found=$(cat "$out/reach_found") recompute_ms=$(cat "$out/reach_step_ms" 2> /dev/null)
-          if [ -n "${REACH_STEP_MAX_T:-}" ] && [ "$t_found" -gt "$REACH_STEP_MAX_T" ]; then
+          if past_step_max "$t_found"; then
             echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | not run: T above REACH_STEP_MAX_T = $REACH_STEP_MAX_T | | | | | |"
             continue
           fi
