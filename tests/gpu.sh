@@ -555,11 +555,11 @@ if [[ " $want " == *" sco-timelines "* ]]; then
   summary+=("sco-timelines: $(ls build/sco-timelines | tr '\n' ' ')")
 fi
 
-# the reach parts' real steps: their pool timelines (reach_timelines.tgz) and, for each, the pool's peak by
-# category beside each category's largest (reach_peaks.md, tools/timeline_peak.sh): the measured side of the
-# per-rank budget's terms
+# the reach parts' real steps: their pool timelines (reach_timelines.tgz, with the logs of steps that failed,
+# reach_failed/) and, for each, the pool's peak by category beside each category's largest (reach_peaks.md,
+# tools/timeline_peak.sh): the measured side of the per-rank budget's terms
 reach_timelines_out() {
-  tar czf "$OUT/reach_timelines.tgz" -C build/bench reach_timelines
+  tar czf "$OUT/reach_timelines.tgz" -C build/bench reach_timelines $(cd build/bench && ls -d reach_failed 2> /dev/null)
   for csv in build/bench/reach_timelines/*.csv; do
     [ -e "$csv" ] || continue
     echo "### $(basename "$csv" .csv)"

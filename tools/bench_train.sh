@@ -236,6 +236,7 @@ ln -sf train_000.bin "$synthetic/val_000.bin"
 # REACH_STEP_TIMEOUT seconds, default 300; none above REACH_STEP_MAX_T tokens a sequence, where one step takes
 # longer than a device command may run: such a row is the GPU's dry run alone) that records the pool's timeline, kept per row in
 # $out/reach_timelines/ under the row's name (plot: tools/plot_timeline.sh CSV PNG).
+rm -rf "$out/reach_failed"  # the failed steps of this run only
 mkdir -p "$out/reach_timelines"
 probe() {  # host|gpu|step B T FLAGS...
   local how=$1 b=$2 t=$3 mode=() hide=()
@@ -269,6 +270,15 @@ refusal() {
   why=$(grep -o 'predicted peak [0-9]* MiB at [^(]*\|largest term[^.;]*\|cannot fit on the GPU: [^(]*' "$out/probe_refused.log" | head -1)
   [ -n "$why" ] || why=$(grep -v '^ *$' "$out/probe_refused.log" | tail -1)
   echo "$why" | cut -c1-90
+}
+# a real step that failed: its log kept as $out/reach_failed/NAME.log, and the trainer's error for the row
+failed_step() {  # NAME
+  mkdir -p "$out/reach_failed"
+  cp "$out/probe.log" "$out/reach_failed/$1.log"
+  local why
+  why=$(grep -m1 -i 'error\|out of memory\|refuse' "$out/probe.log")
+  [ -n "$why" ] || why=$(grep -v '^ *$' "$out/probe.log" | tail -1)
+  echo "FAILED: $(echo "$why" | tr '|' '/' | cut -c1-160) (reach_failed/$1.log)"
 }
 # whether a step at T tokens a sequence is past REACH_STEP_MAX_T (then its row is the GPU's dry run alone)
 past_step_max() { [ -n "${REACH_STEP_MAX_T:-}" ] && [ "$1" -gt "$REACH_STEP_MAX_T" ]; }
@@ -314,7 +324,7 @@ largest() {  # ROW what(T|B) start cap FLAGS...: doubling up to cap, then bisect
        echo "${row%% |*}" > "$out/reach_step_ms"
        echo "$shown | $row | ${why}" ;;
     124) echo "$shown | not run: the step took over ${REACH_STEP_TIMEOUT:-300} s | | | | | ${why}" ;;
-    *) echo "$shown | FAILED (see $out/probe.log) | | | | | ${why}" ;;
+    *) echo "$shown | $(failed_step "$timeline_name") | | | | | ${why}" ;;
   esac
 }
 if [[ " $parts " == *" reach "* ]]; then
@@ -353,7 +363,7 @@ if [[ " $parts " == *" reach "* ]]; then
                echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | $auto_row | $(awk -v a="$auto_ms" \
                  -v r="$recompute_ms" 'BEGIN { if (r > 0 && a > 0) printf "speed %.2fx recomputation'"'"'s (%s ms)", r / a, r; else print "no recomputation step to compare" }') |" ;;
             124) echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | not run: the step took over ${REACH_STEP_TIMEOUT:-300} s | | | | | |" ;;
-            *) echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | FAILED (see $out/probe.log) | | | | | |" ;;
+            *) echo "| $name | context T = $t_found, recompute's | --plan auto | $t_found | $(failed_step "${name}_T${t_found}_plan_auto") | | | | | |" ;;
           esac
         fi
       done
