@@ -15,8 +15,9 @@
 #     ring_dtp; ep_resumed resumes ep's checkpoint, so ep runs first on the same machine), the table shows every run there
 #   shared: the multi-rank checks that waited for several GPUs, the ranks sharing this machine's: the two-rank Trainer
 #     tests, training at W = 2 and 8 (llep, pllep, relay under --recompute 1; each optimizer) with resume, and
-#     bench_ep_moe --check 1 and bench_optimizer at W = 2, 4, 8 (shared.md); SHARED_WORLDS (the training runs' W, "2 8")
-#     and SHARED_BENCH_WORLDS ("2 4 8") split it over device calls
+#     bench_ep_moe --check 1 and bench_optimizer at W = 2, 4, 8 (shared.md); SHARED_PARTS ("trainer train bench"),
+#     SHARED_WORLDS (the training runs' W, "2 8"), SHARED_RUNS (a bash regex over the runs' --moe flags; default
+#     every run) and SHARED_BENCH_WORLDS ("2 4 8") split it over device calls
 #   train2: the default model on every GPU of the machine
 #   bench: tools/bench_train.sh as `make bench` runs it, its parts from BENCH_PARTS (default "speed reach")
 #   speed: issue 13's speed work (notes/speed.md): the whole test_gpu in both precisions (with 2 GPUs or more
@@ -100,6 +101,9 @@ if [ -n "${DIST_SHARD:-}" ] && ! [[ "$DIST_SHARD" =~ ^([0-9]+)/([0-9]+)$ && ${BA
   echo "tests/gpu.sh: DIST_SHARD must be i/n with 0 <= i < n (got '$DIST_SHARD')"
   exit 2
 fi
+for part in ${SHARED_PARTS:-}; do
+  case $part in trainer|train|bench) ;; *) echo "tests/gpu.sh: SHARED_PARTS names '$part' (trainer, train, bench)"; exit 2 ;; esac
+done
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 t0=$(date +%s)
 make -j"$(nproc)" $vars ${GPU_TARGETS:-all data} > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
@@ -294,7 +298,9 @@ fi
 # bench_optimizer at W = 2, 4 and 8 (shared.md; the logs in shared_logs.tgz).
 if [[ " $want " == *" shared "* ]]; then
   rm -rf build/shared && mkdir -p build/shared
+  shared_parts=" ${SHARED_PARTS:-trainer train bench} "
   for p in fp32 bf16; do
+    [[ "$shared_parts" == *" trainer "* ]] || break
     FLATMOE_SHARE_GPUS=1 FLATMOE_BIN=build/ FLATMOE_TRAIN=build/fp32/train build/$p/test_gpu --gtest_filter='Trainer.*TwoRanks*' \
       > build/shared/trainer_$p.log 2>&1 || status=1
     summary+=("Trainer two-rank tests $p (shared): $(grep -h '^\[  \(PASSED  \|FAILED  \|SKIPPED \)\] [0-9]* test' build/shared/trainer_$p.log | tr '\n' ' ')")
@@ -302,9 +308,11 @@ if [[ " $want " == *" shared "* ]]; then
   echo "| W | run | exit | last logged step | resumed steps 11-20 |" > "$OUT/shared.md"
   echo "|---|---|---|---|---|" >> "$OUT/shared.md"
   for W in ${SHARED_WORLDS:-2 8}; do
+    [[ "$shared_parts" == *" train "* ]] || break
     for run in "llep --recompute 1" "pllep --token_budget 512 --recompute 1" "relay --relay_mode expert --recompute 1" \
                "relay --relay_mode token --recompute 1" "ep --optimizer adamw" "ep --optimizer cpu_adamw" \
                "ep --optimizer offload_adamw --offload_bucket 1048576"; do
+      [[ -z "${SHARED_RUNS:-}" || "$run" =~ $SHARED_RUNS ]] || continue
       name=W${W}_$(echo "$run" | tr -c 'a-z0-9' '_' | sed 's/__*/_/g; s/_$//')
       flags="--gpus $W --share_gpus 1 --moe $run --data data/fortunes --steps 20 --val_every 0 --sample_every 0 --log_every 1 --ckpt_every 10"
       timeout 240 build/bf16/train $flags --out build/shared/$name > build/shared/$name.log 2>&1
@@ -320,6 +328,7 @@ if [[ " $want " == *" shared "* ]]; then
     done
   done
   for W in ${SHARED_BENCH_WORLDS:-2 4 8}; do
+    [[ "$shared_parts" == *" bench "* ]] || break
     build/bf16/bench_ep_moe --gpus $W --share_gpus 1 --tokens 2048 --hidden 256 --inter 128 --experts 16 --topk 4 \
       --token_budget 256 --check 1 --warmup 1 --iters 2 > build/shared/bench_ep_W$W.md 2>&1
     rc=$?
