@@ -264,21 +264,23 @@ step_of_last() {
               END { printf "%.0f", h }' "$out/probe.log")
   echo "$row | ${pred:-no prediction line} | $host"
 }
+# the first match of a grep pattern in a log, or the log's last line
+reason() {  # LOG PATTERN
+  local why
+  why=$(grep -o "$2" "$1" | head -1)
+  [ -n "$why" ] || why=$(grep -v '^ *$' "$1" | tail -1)
+  echo "$why"
+}
 # why the last refused probe did not fit: the prediction's peak and where, or its last line
 refusal() {
-  local why
-  why=$(grep -o 'predicted peak [0-9]* MiB at [^(]*\|largest term[^.;]*\|cannot fit on the GPU: [^(]*' "$out/probe_refused.log" | head -1)
-  [ -n "$why" ] || why=$(grep -v '^ *$' "$out/probe_refused.log" | tail -1)
-  echo "$why" | cut -c1-90
+  reason "$out/probe_refused.log" 'predicted peak [0-9]* MiB at [^(]*\|largest term[^.;]*\|cannot fit on the GPU: [^(]*' |
+    cut -c1-90
 }
 # a real step that failed: its log kept as $out/reach_failed/NAME.log, and the trainer's error for the row
 failed_step() {  # NAME
   mkdir -p "$out/reach_failed"
   cp "$out/probe.log" "$out/reach_failed/$1.log"
-  local why
-  why=$(grep -m1 -i 'error\|out of memory\|refuse' "$out/probe.log")
-  [ -n "$why" ] || why=$(grep -v '^ *$' "$out/probe.log" | tail -1)
-  echo "FAILED: $(echo "$why" | tr '|' '/' | cut -c1-160) (reach_failed/$1.log)"
+  echo "FAILED: $(reason "$out/probe.log" '[^ ]* error.*' | tr '|' '/' | cut -c1-160) (reach_failed/$1.log)"
 }
 # whether a step at T tokens a sequence is past REACH_STEP_MAX_T (then its row is the GPU's dry run alone)
 past_step_max() { [ -n "${REACH_STEP_MAX_T:-}" ] && [ "$1" -gt "$REACH_STEP_MAX_T" ]; }
