@@ -18,6 +18,9 @@ inline double peak_flops_for_build() { return sizeof(floatX) == 2 ? 989e12 : 67e
 // peak (model.cuh, Eq. 6), what the device holds outside the pool so far (the CUDA context, the
 // communicators, the cuBLAS handle: runtime/pool.cuh's ledger) and its capacity; under --device_budget,
 // the attention tensors that the budget leaves room to keep (ops/sar_plan.hpp). Refuses what cannot fit.
+// The check sets the live bytes beside the device; the pool holds each block rounded up to its size class,
+// at most 2 MiB more from 32 MiB up (runtime/pool.cuh round_size), which the check does not add (the
+// trainer's first step prints its blocks as held beside its pool peak).
 // With ranks sharing the GPU (--share_gpus 1) its capacity is theirs together: `ranks_on_gpu` pools of the
 // predicted peak beside what the device holds outside the pools (every rank's context and communicators).
 struct RankMemoryPlan {

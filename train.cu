@@ -589,9 +589,10 @@ int train_main(int argc, char** argv) {
       const ExpertBalance bal = expert_balance(m);  // global loads of this step
       if (step == first_step) {
         printf("memory after the first step (rank 0): %s\n", device_memory_report().c_str());
-        printf("memory prediction vs the first step (rank 0): predicted %.1f MiB, measured pool peak %.1f MiB (%+.1f %%)\n",
+        printf("memory prediction vs the first step (rank 0): predicted %.1f MiB, measured pool peak %.1f MiB (%+.1f %%); "
+               "its blocks as held from CUDA %.1f MiB\n",
                memory_plan.predicted.total() / 1048576.0, pool().peak() / 1048576.0,
-               100.0 * ((double)memory_plan.predicted.total() / pool().peak() - 1));
+               100.0 * ((double)memory_plan.predicted.total() / pool().peak() - 1), pool().peak_held() / 1048576.0);
       }
       if (step % tc.log_every == 0 || step == tc.steps - 1)
         printf("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.1f ms | %.0f tok/s | MFU %.1f%% | experts max/mean "

@@ -19,7 +19,9 @@
 // reserved can pass the live peak (measured 16-28 % above it on the 334M MoE, notes/sco.md); those bytes are
 // not lost: when CUDA has no memory left for a request, the pool gives every cached block back
 // (release_cached, one device synchronisation) and asks once more, so the cache never causes an
-// out-of-memory that the live bytes alone would not (cache_releases() counts it).
+// out-of-memory that the live blocks alone would not (cache_releases() counts it). A live block is its
+// request rounded up to its size class (round_size: at most 2 MiB more from 32 MiB up); `peak_held()` is the
+// peak of the live blocks as held, beside `peak()`, the peak of the live bytes asked for.
 //
 // Streams (runtime/stream.cuh). A block is handed out ready for the stream that allocates it: its
 // previous owner's work is ordered before that stream's next work. Two frees keep that true:
@@ -124,11 +126,14 @@ class Pool {
     blocks_[p] = Block{bytes, rounded, cat, tag};
     live_[(int)cat] += bytes;
     live_total_ += bytes;
+    held_total_ += rounded;
     if (live_total_ > peak_total_) peak_total_ = live_total_;
+    if (held_total_ > peak_held_) peak_held_ = held_total_;
     if (live_[(int)cat] > peak_[(int)cat]) peak_[(int)cat] = live_[(int)cat];
     if (capture_) {
       capture_->blocks.emplace_back(p, rounded);
       capture_->rise_total = std::max(capture_->rise_total, live_total_ - capture_base_total_);
+      capture_->rise_held = std::max(capture_->rise_held, held_total_ - capture_base_held_);
       capture_->rise[(int)cat] = std::max(capture_->rise[(int)cat], live_[(int)cat] - capture_base_[(int)cat]);
     }
     record('a', bytes, cat, tag);
@@ -194,9 +199,26 @@ class Pool {
     spare_events_.clear();
   }
 
+  // The size classes: 512-byte granularity below 1 MiB; above, 1/16 of the enclosing power of two
+  // up to 2 MiB, the device's own page (so from 32 MiB up a block is at most 2 MiB above its request:
+  // the trainer's fit check sets live bytes beside the device, rank_memory.cuh). 0 past 2^63 bytes,
+  // where the enclosing power of two does not fit a size_t (a negative size converted to size_t lands there).
+  static constexpr size_t LARGEST_STEP = size_t(2) << 20;
+  static size_t round_size(size_t bytes) {
+    if (bytes < (1u << 20)) return (bytes + 511) & ~size_t(511);
+    if (bytes > (SIZE_MAX >> 1) + 1) return 0;
+    size_t p = 1;
+    while (p < bytes) p <<= 1;
+    const size_t step = std::min(p >> 4, LARGEST_STEP);
+    return (bytes + step - 1) / step * step;
+  }
+
   size_t live(Mem c) const { return live_[(int)c]; }
   size_t live_total() const { return live_total_; }
   size_t peak() const { return peak_total_; }
+  // The peak of the live blocks as the pool holds them from CUDA (each rounded, round_size): what the
+  // device must find room for at the live peak, a little above peak().
+  size_t peak_held() const { return peak_held_; }
   size_t peak(Mem c) const { return peak_[(int)c]; }
   size_t reserved() const { return reserved_; }
   // Times a full device made the pool give its cached blocks back to CUDA and try again.
@@ -223,6 +245,7 @@ class Pool {
   // Starts a new measurement window: peaks become the current live bytes.
   void reset_peak() {
     peak_total_ = live_total_;
+    peak_held_ = held_total_;
     for (int i = 0; i < NCAT; i++) peak_[i] = live_[i];
   }
 
@@ -231,7 +254,7 @@ class Pool {
   struct CapturedUse {
     std::vector<std::pair<void*, size_t>> blocks;  // (block, rounded bytes), each once
     size_t rise[NCAT] = {0};
-    size_t rise_total = 0;
+    size_t rise_total = 0, rise_held = 0;
   };
 
   void begin_capture(const char* op) {
@@ -239,6 +262,7 @@ class Pool {
     capture_ = std::make_unique<CapturedUse>();
     capture_op_ = op;
     capture_base_total_ = live_total_;
+    capture_base_held_ = held_total_;
     for (int i = 0; i < NCAT; i++) capture_base_[i] = live_[i];
   }
   // Ends the capture; the captured work must have freed every block it allocated.
@@ -266,6 +290,7 @@ class Pool {
   // The peaks a replay reaches: the live bytes now plus the capture's rise, per category and in total.
   void replay(const CapturedUse& use) {
     peak_total_ = std::max(peak_total_, live_total_ + use.rise_total);
+    peak_held_ = std::max(peak_held_, held_total_ + use.rise_held);
     for (int i = 0; i < NCAT; i++) peak_[i] = std::max(peak_[i], live_[i] + use.rise[i]);
   }
 
@@ -337,17 +362,6 @@ class Pool {
     fm_exit_failure();
   }
 
-  // 512-byte granularity below 1 MiB; above, 1/16 of the enclosing power of two (≤ 6.25 % slack).
-  // 0 past 2^63 bytes, where the enclosing power of two does not fit a size_t (a negative size
-  // converted to size_t lands there).
-  static size_t round_size(size_t bytes) {
-    if (bytes < (1u << 20)) return (bytes + 511) & ~size_t(511);
-    if (bytes > (SIZE_MAX >> 1) + 1) return 0;
-    size_t p = 1;
-    while (p < bytes) p <<= 1;
-    size_t step = p >> 4;
-    return (bytes + step - 1) / step * step;
-  }
 
   // Removes p from the live set (recording the free); false for nullptr. Exits if p is not the pool's.
   bool take_live(void* p, Block* out) {
@@ -361,6 +375,7 @@ class Pool {
     blocks_.erase(it);
     live_[(int)out->cat] -= out->bytes;
     live_total_ -= out->bytes;
+    held_total_ -= out->rounded;
     record('f', out->bytes, out->cat, out->tag.c_str());
     return true;
   }
@@ -409,13 +424,13 @@ class Pool {
   std::map<size_t, std::vector<void*>> free_blocks_;
   size_t live_[NCAT] = {0};
   size_t peak_[NCAT] = {0};
-  size_t live_total_ = 0, peak_total_ = 0, reserved_ = 0;
+  size_t live_total_ = 0, peak_total_ = 0, reserved_ = 0, held_total_ = 0, peak_held_ = 0;
   size_t cache_releases_ = 0;
   bool timeline_on_ = false;
   std::unique_ptr<CapturedUse> capture_;  // while a pass is captured (begin_capture)
   std::string capture_op_;
   size_t capture_base_[NCAT] = {0};
-  size_t capture_base_total_ = 0;
+  size_t capture_base_total_ = 0, capture_base_held_ = 0;
   std::vector<PoolEvent> events_;
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
 };

@@ -61,3 +61,31 @@ TEST(DeviceLedger, AFullDeviceTakesTheCachedBlocksBack) {
   pool().free(big);
   pool().release_cached();
 }
+
+// What the device holds for the pool's live blocks: each request rounded up to its size class
+// (tests/cpu_pool.cu), at most 2 MiB more from 32 MiB up; `peak_held()` follows the blocks as held, and
+// the pool's reserved bytes grow by exactly them when no cached block serves the requests.
+TEST(DeviceLedger, LargeBlocksAreHeldWithinTwoMiBOfTheirRequests) {
+  REQUIRE_GPU();
+  runtime_prepare();
+  pool().release_cached();
+  const size_t requests[] = {size_t(360) << 20, (size_t(100) << 20) + 1, (size_t(33) << 20) + 4096};
+  const size_t reserved_before = pool().reserved();
+  pool().reset_peak();
+  const size_t live_before = pool().peak(), held_before = pool().peak_held();
+  std::vector<void*> blocks;
+  size_t asked = 0, held = 0;
+  for (size_t bytes : requests) {
+    blocks.push_back(pool().alloc(bytes, Mem::Workspace, "test.held"));
+    asked += bytes;
+    held += Pool::round_size(bytes);
+  }
+  printf("[mem] asked %.3f MiB, held %.3f MiB (%zu blocks), reserved +%.3f MiB\n", asked / 1048576.0,
+         (pool().peak_held() - held_before) / 1048576.0, blocks.size(), (pool().reserved() - reserved_before) / 1048576.0);
+  EXPECT_EQ(pool().peak() - live_before, asked);
+  EXPECT_EQ(pool().peak_held() - held_before, held);
+  EXPECT_EQ(pool().reserved() - reserved_before, held);
+  EXPECT_LE(held - asked, blocks.size() * (size_t(2) << 20));
+  for (void* p : blocks) pool().free(p);
+  pool().release_cached();
+}

@@ -254,11 +254,14 @@ probe() {  # host|gpu|step B T FLAGS...
   cp "$out/probe.log" "$out/probe_refused.log"
   return $rc
 }
-# what the real step logged: ms, tokens/s, pool peak MiB | the prediction against it | pinned host MiB
+# what the real step logged: ms, tokens/s, pool peak MiB | the prediction against it, and the peak's blocks as the
+# pool holds them from CUDA | pinned host MiB
 step_of_last() {
-  local row pred host
+  local row pred held host
   row=$(awk -F, 'NR > 1 && $2 != "nan" { r = sprintf("%.0f | %.0f | %.0f", $6, $7, $9) } END { print r }' "$out/probe/log.csv")
   pred=$(grep -o 'predicted [0-9.]* MiB, measured pool peak [0-9.]* MiB ([^)]*)' "$out/probe.log" | sed 's/.*(\(.*\))/\1/' | head -1)
+  held=$(grep -o 'its blocks as held from CUDA [0-9]*' "$out/probe.log" | grep -o '[0-9]*$' | head -1)
+  [ -n "$held" ] && pred="$pred (blocks held $held MiB)"
   host=$(awk '/pinned host: / { match($0, /pinned host: [0-9.]+/); h += substr($0, RSTART + 13, RLENGTH - 13) }
               /MiB pinned\)/ { match($0, /\([0-9.]+ MiB pinned/); h += substr($0, RSTART + 1, RLENGTH - 12) }
               END { printf "%.0f", h }' "$out/probe.log")
