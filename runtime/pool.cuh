@@ -15,13 +15,14 @@
 //   The trainer turns the timeline on for one step and on rank 0 only (--timeline_step).
 // What it keeps underneath: freed blocks are cached by their rounded size and handed out again
 // (cudaFree synchronises the device, so a training step does not call it). `reserved()` is what
-// the pool holds from CUDA; `live_total()` is what is in use. The cache only serves its own sizes, so
+// the pool holds from CUDA; `live_total()` is what is in use. The cache serves only its own sizes and those a little above, so
 // reserved can pass the live peak (measured 16-28 % above it on the 334M MoE, notes/sco.md); those bytes are
 // not lost: when CUDA has no memory left for a request, the pool gives every cached block back
 // (release_cached, one device synchronisation) and asks once more, so the cache never causes an
 // out-of-memory that the live blocks alone would not (cache_releases() counts it). A live block is its
-// request rounded up to its size class (round_size: at most 2 MiB more from 32 MiB up); `peak_held()` is the
-// peak of the live blocks as held, beside `peak()`, the peak of the live bytes asked for.
+// request rounded up to its size class (round_size: at most 2 MiB more from 32 MiB up), or a cached block
+// a little larger when none of its class is free (take_cached_near: less than 1/16 of the request's power of
+// two more); `peak_held()` is the peak of the live blocks as held, beside `peak()`, the live bytes asked for.
 //
 // Streams (runtime/stream.cuh). A block is handed out ready for the stream that allocates it: its
 // previous owner's work is ordered before that stream's next work. Two frees keep that true:
@@ -111,8 +112,11 @@ class Pool {
       p = cached.back();
       cached.pop_back();
     } else {
+      p = take_cached_near(bytes, &rounded);
+    }
+    if (p == nullptr) {
       cudaError_t err = cudaMalloc(&p, rounded);
-      if (err == cudaErrorMemoryAllocation && reserved_ > live_reserved()) {
+      if (err == cudaErrorMemoryAllocation && reserved_ > held_total_) {
         // the device is full but the cache holds blocks of other sizes: they go back to CUDA (this
         // synchronises the device, once) and the request is tried again
         (void)cudaGetLastError();
@@ -363,6 +367,23 @@ class Pool {
   }
 
 
+  // A cached block larger than the request's class by less than 1/16 of the request's enclosing power of two
+  // (the steps of the classes below 32 MiB), the smallest there is; nullptr when none. So a request whose
+  // size moves a little from step to step (the routes an expert-parallel rank receives) reuses the block its
+  // last size left, rather than asking CUDA for a new one each step. *rounded becomes the block's size.
+  void* take_cached_near(size_t bytes, size_t* rounded) {
+    size_t p = 1;
+    while (p < bytes) p <<= 1;
+    for (auto it = free_blocks_.upper_bound(*rounded); it != free_blocks_.end() && it->first < bytes + p / 16; ++it)
+      if (!it->second.empty()) {
+        void* block = it->second.back();
+        it->second.pop_back();
+        *rounded = it->first;
+        return block;
+      }
+    return nullptr;
+  }
+
   // Removes p from the live set (recording the free); false for nullptr. Exits if p is not the pool's.
   bool take_live(void* p, Block* out) {
     if (p == nullptr) return false;
@@ -378,13 +399,6 @@ class Pool {
     held_total_ -= out->rounded;
     record('f', out->bytes, out->cat, out->tag.c_str());
     return true;
-  }
-
-  // Rounded bytes of the live blocks (what the cache cannot give back).
-  size_t live_reserved() const {
-    size_t total = 0;
-    for (const auto& kv : blocks_) total += kv.second.rounded;
-    return total;
   }
 
   // Moves the pending blocks whose events have completed into the cache.
@@ -424,7 +438,8 @@ class Pool {
   std::map<size_t, std::vector<void*>> free_blocks_;
   size_t live_[NCAT] = {0};
   size_t peak_[NCAT] = {0};
-  size_t live_total_ = 0, peak_total_ = 0, reserved_ = 0, held_total_ = 0, peak_held_ = 0;
+  size_t live_total_ = 0, peak_total_ = 0, reserved_ = 0;
+  size_t held_total_ = 0, peak_held_ = 0;  // the live blocks as held (their rounded sizes), and its peak
   size_t cache_releases_ = 0;
   bool timeline_on_ = false;
   std::unique_ptr<CapturedUse> capture_;  // while a pass is captured (begin_capture)

@@ -64,7 +64,8 @@ TEST(DeviceLedger, AFullDeviceTakesTheCachedBlocksBack) {
 
 // What the device holds for the pool's live blocks: each request rounded up to its size class
 // (tests/cpu_pool.cu), at most 2 MiB more from 32 MiB up; `peak_held()` follows the blocks as held, and
-// the pool's reserved bytes grow by exactly them when no cached block serves the requests.
+// the pool's reserved bytes grow by exactly them when no cached block serves the requests. A cached block
+// less than 1/16 of a request's power of two above its class serves it when its own class has none.
 TEST(DeviceLedger, LargeBlocksAreHeldWithinTwoMiBOfTheirRequests) {
   REQUIRE_GPU();
   runtime_prepare();
@@ -86,6 +87,13 @@ TEST(DeviceLedger, LargeBlocksAreHeldWithinTwoMiBOfTheirRequests) {
   EXPECT_EQ(pool().peak_held() - held_before, held);
   EXPECT_EQ(pool().reserved() - reserved_before, held);
   EXPECT_LE(held - asked, blocks.size() * (size_t(2) << 20));
+  // a request a little smaller than a cached block, whose own class has none free, takes that block
+  const size_t reserved_all = pool().reserved();
+  pool().free(blocks[1]);
+  void* smaller = pool().alloc(size_t(99) << 20, Mem::Workspace, "test.held");
+  EXPECT_EQ(smaller, blocks[1]) << "the cached 102 MiB block serves a 99 MiB request";
+  EXPECT_EQ(pool().reserved(), reserved_all);
+  blocks[1] = smaller;
   for (void* p : blocks) pool().free(p);
   pool().release_cached();
 }
