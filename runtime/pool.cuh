@@ -15,14 +15,15 @@
 //   The trainer turns the timeline on for one step and on rank 0 only (--timeline_step).
 // What it keeps underneath: freed blocks are cached by their rounded size and handed out again
 // (cudaFree synchronises the device, so a training step does not call it). `reserved()` is what
-// the pool holds from CUDA; `live_total()` is what is in use. The cache serves only its own sizes and those a little above, so
-// reserved can pass the live peak (measured 16-28 % above it on the 334M MoE, notes/sco.md); those bytes are
-// not lost: when CUDA has no memory left for a request, the pool gives every cached block back
-// (release_cached, one device synchronisation) and asks once more, so the cache never causes an
-// out-of-memory that the live blocks alone would not (cache_releases() counts it). A live block is its
-// request rounded up to its size class (round_size: at most 2 MiB more from 32 MiB up), or a cached block
-// a little larger when none of its class is free (take_cached_near: less than 1/16 of the request's power of
-// two more); `peak_held()` is the peak of the live blocks as held, beside `peak()`, the live bytes asked for.
+// the pool holds from CUDA; `live_total()` is what is in use. The cache serves only its own sizes and
+// those a little above, so reserved can pass the live peak (measured 16-28 % above it on the 334M MoE,
+// notes/sco.md); those bytes are not lost: when CUDA has no memory left for a request, the pool gives
+// every cached block back (release_cached, one device synchronisation) and asks once more, so the cache
+// never causes an out-of-memory that the live blocks alone would not (cache_releases() counts it).
+// A live block is its request rounded up to its size class (round_size: at most 2 MiB more from 32 MiB
+// up), or a cached block a little larger when none of its class is free (take_cached_near: less than 1/16
+// of the request's power of two more); `peak_held()` is the peak of the live blocks as held, beside
+// `peak()`, the live bytes asked for.
 //
 // Streams (runtime/stream.cuh). A block is handed out ready for the stream that allocates it: its
 // previous owner's work is ordered before that stream's next work. Two frees keep that true:
@@ -365,7 +366,6 @@ class Pool {
     print_live(stderr);
     fm_exit_failure();
   }
-
 
   // A cached block larger than the request's class by less than 1/16 of the request's enclosing power of two
   // (the steps of the classes below 32 MiB), the smallest there is; nullptr when none. So a request whose
