@@ -209,12 +209,16 @@ class Pool {
   // the trainer's fit check sets live bytes beside the device, rank_memory.cuh). 0 past 2^63 bytes,
   // where the enclosing power of two does not fit a size_t (a negative size converted to size_t lands there).
   static constexpr size_t LARGEST_STEP = size_t(2) << 20;
+  // The smallest power of two >= bytes (bytes at most 2^63).
+  static size_t enclosing_power_of_two(size_t bytes) {
+    size_t p = 1;
+    while (p < bytes) p <<= 1;
+    return p;
+  }
   static size_t round_size(size_t bytes) {
     if (bytes < (1u << 20)) return (bytes + 511) & ~size_t(511);
     if (bytes > (SIZE_MAX >> 1) + 1) return 0;
-    size_t p = 1;
-    while (p < bytes) p <<= 1;
-    const size_t step = std::min(p >> 4, LARGEST_STEP);
+    const size_t step = std::min(enclosing_power_of_two(bytes) >> 4, LARGEST_STEP);
     return (bytes + step - 1) / step * step;
   }
 
@@ -372,9 +376,8 @@ class Pool {
   // size moves a little from step to step (the routes an expert-parallel rank receives) reuses the block its
   // last size left, rather than asking CUDA for a new one each step. *rounded becomes the block's size.
   void* take_cached_near(size_t bytes, size_t* rounded) {
-    size_t p = 1;
-    while (p < bytes) p <<= 1;
-    for (auto it = free_blocks_.upper_bound(*rounded); it != free_blocks_.end() && it->first < bytes + p / 16; ++it)
+    const size_t limit = bytes + enclosing_power_of_two(bytes) / 16;
+    for (auto it = free_blocks_.upper_bound(*rounded); it != free_blocks_.end() && it->first < limit; ++it)
       if (!it->second.empty()) {
         void* block = it->second.back();
         it->second.pop_back();
