@@ -930,7 +930,8 @@ inline std::string usage() {
          "        --zero 1|3 (default 1: each rank holds every dense weight and updates 1/W of them; 3: it keeps\n"
          "        only that 1/W, and each layer's dense weights are all-gathered just before it runs)\n"
          "        --share_gpus 1 (W may exceed the node's GPUs: the ranks share them round-robin, collectives go\n"
-         "        through NCCL's sockets; for correctness and memory, never speed. FLATMOE_SHARE_GPUS=1 does the same)\n"
+         "        through NCCL's sockets; for correctness and memory, never speed; with a GPU for every rank it\n"
+         "        changes nothing. FLATMOE_SHARE_GPUS=1 does the same)\n"
          "        --routing router|balanced|hot:r/h|trace:FILE (a profile or a recorded trace overrides the\n"
          "        router's expert choice) --record_routing FILE (a trace of every training step's routing)\n"
          "seams:  one choice each, from its table (notes/seams.md), with the flags it reads\n" +

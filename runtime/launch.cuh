@@ -315,6 +315,8 @@ inline std::string parse_launch_env(const EnvLookup& env, int gpus, LaunchEnv* o
 // (NCCL_SOCKET_IFNAME=lo) when every rank is on this host — our launcher's ranks, or an external
 // launcher's whose FLATMOE_MASTER_ADDR is a loopback address. The collectives are real NCCL
 // collectives over real data; their timings are socket timings. Variables the user has set are kept.
+// Our launcher's ranks share only where they outnumber the node's GPUs (local_ranks_share_gpus): with a
+// GPU each the switch changes nothing.
 // An NCCL of its own several-ranks-per-GPU mode (NCCL_MULTI_RANK_GPU_ENABLE, from 2.30 on) is used
 // instead where the installed library is that new: the ranks then keep the host they are on.
 
@@ -337,6 +339,11 @@ inline bool gpu_sharing() {
   parse_gpu_sharing([](const char* name) -> const char* { return getenv(name); }, &share);
   return share;
 }
+
+// Our launcher's ranks (all on this node) share GPUs only where they outnumber them: given a GPU each they
+// keep NCCL's own transports (NVLink, PCIe) and their timings stay GPU timings, whatever the switch says.
+// An external launcher's rank, which does not know how many ranks its node holds, takes the switch as given.
+inline bool local_ranks_share_gpus(bool asked, int ranks, int devices) { return asked && ranks > devices; }
 
 // How NCCL carries the collectives of ranks sharing a GPU, from the installed NCCL's version.
 enum class SharingPath { Sockets, NcclMultiRankGpu };
@@ -1156,7 +1163,8 @@ inline int wait_for_ranks(std::vector<pid_t> pids, const LauncherSignals& signal
 // as the ranks' sockets are (unless NCCL_SOCKET_IFNAME is set).
 inline int run_local_ranks(int argc, char** argv, int world, double stop_grace_s = RANK_STOP_GRACE_S) {
   comm_set_nccl_env();
-  if (gpu_sharing() && sharing_path(nccl_runtime_version()) == SharingPath::Sockets) setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+  if (local_ranks_share_gpus(gpu_sharing(), world, gpu_count()) && sharing_path(nccl_runtime_version()) == SharingPath::Sockets)
+    setenv("NCCL_SOCKET_IFNAME", "lo", 0);
   ncclUniqueId id;
   ncclResult_t r = ncclGetUniqueId(&id);
   if (r != ncclSuccess) {
@@ -1246,6 +1254,10 @@ inline LaunchInfo launch(int argc, char** argv, int gpus) {
   info.rank = env.rank;
   info.world = env.world;
   info.local_rank = env.local_rank;
+  if (share && env.mode == LaunchMode::Child && !local_ranks_share_gpus(share, env.world, gpu_count())) {
+    share = false;  // a GPU for every rank: the rest of this rank (gpu_sharing()) runs as without the switch
+    if (unsetenv("FLATMOE_SHARE_GPUS") != 0) launch_fail("rank %d: unsetenv FLATMOE_SHARE_GPUS: %s", env.rank, strerror(errno));
+  }
   if (share && env.mode != LaunchMode::Launcher)
     apply_gpu_sharing(env.rank, env.mode == LaunchMode::Child || is_loopback_host(env.master_addr));
   switch (env.mode) {
@@ -1265,7 +1277,11 @@ inline LaunchInfo launch(int argc, char** argv, int gpus) {
       break;
   }
   if (gpus == 1) return info;
-  std::string refused = launcher_gpus_refusal(gpus, gpu_count(), share);
+  const int devices = gpu_count();
+  std::string refused = launcher_gpus_refusal(gpus, devices, share);
   if (!refused.empty()) launch_fail("%s", refused.c_str());
+  if (share && !local_ranks_share_gpus(share, gpus, devices))
+    printf("--share_gpus 1: %d ranks on %d GPUs, one GPU each: none is shared, and the collectives take NCCL's own "
+           "transports\n", gpus, devices);
   exit(run_local_ranks(argc, argv, gpus));
 }

@@ -283,6 +283,18 @@ TEST(GpuSharing, MoreRanksThanGpusNeedTheSwitch) {
   EXPECT_NE(launcher_gpus_refusal(2, 0, true).find("no CUDA device"), std::string::npos);
 }
 
+// Our launcher's ranks share GPUs only where they outnumber them: with a GPU each, --share_gpus 1 changes
+// nothing (NCCL's own transports, GPU timings); an external launcher's ranks are not decided here.
+TEST(GpuSharing, RanksWithAGpuEachShareNone) {
+  for (int devices : {1, 2, 3, 7})
+    EXPECT_TRUE(local_ranks_share_gpus(true, 8, devices)) << "8 ranks on " << devices << " GPUs";
+  EXPECT_TRUE(local_ranks_share_gpus(true, 2, 1));
+  for (int devices : {8, 9, 16})
+    EXPECT_FALSE(local_ranks_share_gpus(true, 8, devices)) << "8 ranks on " << devices << " GPUs: one GPU each";
+  EXPECT_FALSE(local_ranks_share_gpus(true, 2, 8));
+  EXPECT_FALSE(local_ranks_share_gpus(false, 8, 1)) << "never without the switch (refused instead)";
+}
+
 // Each rank's NCCL variables: its own host identity and the loopback interface (NCCL < 2.30), or
 // NCCL's own several-ranks-per-GPU switch (2.30 on); a variable the user set is kept.
 TEST(GpuSharing, EachRankIsItsOwnNcclHostUnlessTheUserSaidOtherwise) {
