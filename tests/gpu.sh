@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the whole test suite (CPU + GPU, both precisions),
 # then the training run and the benchmarks that are asked for. Logs go to $OUT (or build/gpu-out).
-# Usage: tests/gpu.sh [test] [dist] [toy8] [shared] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [zero3] [reach] [reach-shared] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
+# Usage: tests/gpu.sh [test] [dist] [toy8] [shared] [train] [train2] [bench] [speed] [multi] [ab] [bench-ep] [bench-opt] [bench-head] [head] [attention] [moe] [accum] [sco] [sco-timelines] [zero3] [layout] [reach] [reach-shared] [memory] [sanitize] [faults] [train-steps=N]   (default: test)
 #   test: `make test`, then each GPU test binary once more in a shuffled order (--gtest_shuffle)
 #   dist: the whole test_dist at W = 2, 4 and 8 (DIST_WORLDS), both precisions, the ranks sharing the GPUs where W
 #     exceeds them (--share_gpus, notes/multi-gpu.md): one line per W and precision with the largest error of each suite
@@ -74,8 +74,11 @@
 #   reach: the longest context and the largest batch of three MoE models on one GPU, plain, recomputed and under
 #     --plan auto, and --plan auto's step at recomputation's longest context (tools/bench_train.sh reach; REACH_MODELS
 #     picks default, 300M and/or 1B, REACH_CONFIGS plain, recompute and/or auto, REACH_PROBES T and/or B)
+#   layout: tools/bench_train.sh's layout part: --sp 2 and --zero 3 against --sp 1 --zero 1 on every GPU (2 or more;
+#     LAYOUT_SHARE=1 on one GPU: 2 ranks sharing it, to check the part, not GPU timings): tokens/s and pool peak (layout.md)
 #   reach-shared: the longest context at W = 8 ranks sharing the GPU in sequence groups (--sp), under --recompute 1 and
-#     with --zero 3 (tools/bench_train.sh reach-shared; REACH_SHARED_MODELS picks default and/or 300M)
+#     with --zero 3 (tools/bench_train.sh reach-shared; REACH_SHARED_MODELS picks default and/or 300M,
+#     REACH_SHARED_CONFIGS recompute, zero3 and/or auto); on 8 GPUs or more one rank a GPU
 #   sanitize: compute-sanitizer memcheck with leak check over the whole-model GPU tests and 3 training steps
 #   faults: the multi-GPU failure tests (CommFailure.*: a rank that never joins, an NCCL error, a rank that
 #     leaves during a layer's exchange) 3 times in each precision, one line each: their reliability
@@ -580,6 +583,11 @@ if [[ " $want " == *" reach "* ]]; then
   tools/bench_train.sh build/bf16/train data/fortunes build/bench reach > "$OUT/reach.md" 2> build/reach.err
   cat "$OUT/reach.md"
   reach_timelines_out
+fi
+
+if [[ " $want " == *" layout "* ]]; then
+  tools/bench_train.sh build/bf16/train data/fortunes build/bench layout > "$OUT/layout.md" 2> build/layout.err || status=1
+  cat "$OUT/layout.md"
 fi
 
 # reach-shared: issue 57's reach at W = 8 ranks sharing this machine's GPU in sequence groups (bench_train.sh's

@@ -22,6 +22,9 @@
 #           time, and B1's per-operator breakdown of the last two runs side by side (what moved). Runs
 #           on different machines, and even device calls, differ by more than many changes gain, so a
 #           change is measured against its predecessor in one call (notes/speed.md, 'How to measure');
+#   layout: sequence parallelism (--sp 2) and ZeRO-3 against --sp 1 --zero 1 on every GPU (2 or more; LAYOUT_SHARE=1:
+#           2 ranks sharing one GPU, to check the part): the default model and reach's ~300M at T = LAYOUT_T (8192),
+#           balanced routing: median step time, tokens/s, pool peak, tokens/s over the plain layout's;
 #   reach:  the default model, a ~300M and a ~1B MoE: the longest context (B = 1, up to REACH_MAX_T, default
 #           2,097,152) and the
 #           largest batch (T = 2048) that fit with the plain stack (--recompute 0), recomputation alone
@@ -40,17 +43,19 @@
 #           and --recompute 1 --zero 3: the default model at D = 2 (its 6 heads of 64: no larger D divides
 #           them) and reach's ~300M MoE at D = 8 (its 16 heads of 64), found as reach's are (rank 0's prediction;
 #           the device shared by the 8 ranks' pools and what lies outside them); REACH_SHARED_MODELS
-#           ("default 300M") picks the models, one device call each.
+#           ("default 300M") picks the models, one device call each, REACH_SHARED_CONFIGS ("recompute zero3";
+#           auto: --plan auto) the configurations. On a machine of 8 GPUs or more each rank has its own GPU: the
+#           composed stack's reach at W = 8, and its step times are GPU timings.
 # Usage: tools/bench_train.sh TRAIN_BIN DATA_DIR [OUT_DIR] [PARTS] (PARTS: "speed reach", the default,
-# or any of speed, multi, ab, reach, reach-shared; ab needs BASE_TRAIN=path in the environment). Prints markdown tables.
+# or any of speed, multi, ab, layout, reach, reach-shared; ab needs BASE_TRAIN=path in the environment). Prints markdown tables.
 set -uo pipefail
 train=$1; data=$2; out=${3:-build/bench}; parts=${4:-speed reach}
 for p in $parts; do
-  case $p in speed|multi|ab|reach|reach-shared) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, reach, reach-shared)"; exit 2 ;; esac
+  case $p in speed|multi|ab|layout|reach|reach-shared) ;; *) echo "bench_train.sh: unknown part '$p' (speed, multi, ab, layout, reach, reach-shared)"; exit 2 ;; esac
 done
 reach_max_t=${REACH_MAX_T:-2097152} reach_wanted=${REACH_MODELS:-default 300M 1B}
 reach_configs=${REACH_CONFIGS:-plain recompute auto} reach_probes=${REACH_PROBES:-T B}
-reach_shared_wanted=${REACH_SHARED_MODELS:-default 300M}
+reach_shared_wanted=${REACH_SHARED_MODELS:-default 300M} reach_shared_configs=${REACH_SHARED_CONFIGS:-recompute zero3}
 [[ "$reach_max_t" =~ ^[0-9]+$ ]] && [ "$reach_max_t" -ge 16384 ] ||
   { echo "bench_train.sh: REACH_MAX_T must be a whole number of tokens, at least 16384 (got '$reach_max_t')"; exit 2; }
 [ -z "${REACH_STEP_MAX_T:-}" ] || [[ "$REACH_STEP_MAX_T" =~ ^[0-9]+$ ]] ||
@@ -66,6 +71,9 @@ for x in $reach_probes; do
 done
 for m in $reach_shared_wanted; do
   case $m in default|300M) ;; *) echo "bench_train.sh: REACH_SHARED_MODELS names '$m' (default, 300M)"; exit 2 ;; esac
+done
+for x in $reach_shared_configs; do
+  case $x in recompute|zero3|auto) ;; *) echo "bench_train.sh: REACH_SHARED_CONFIGS names '$x' (recompute, zero3, auto)"; exit 2 ;; esac
 done
 if [[ " $parts " == *" ab "* ]] && [ ! -x "${BASE_TRAIN:-}" ]; then
   echo "bench_train.sh ab: BASE_TRAIN must name the trainer to compare against (got '${BASE_TRAIN:-}', not an executable)"
@@ -214,14 +222,45 @@ if [[ " $parts " == *" ab "* ]]; then
     <(profile_ms "$out/ab_B1_new.profile.md" | sort) |
     awk -F'\t' '{ d = $3 - $2; printf "%s\t| %s | %.3f | %.3f | %+.3f |\n", (d < 0 ? -d : d), $1, $2, $3, d }' | sort -g -r | cut -f2-
 fi
-[[ " $parts " == *" reach "* || " $parts " == *" reach-shared "* ]] || exit 0
-
 # Reach (issue 58, notes/composed_stack.md): three MoE models on a random-token shard long enough for any
 # probe — the default (`make train`'s: H 384, L 6, E 8, top-2, I 384; 17M parameters), ~300M (H 1024, L 6, 16 heads,
 # E 32, top-4, I 512; 336M: heads of 64, the tensor-core attention's, and 16 of them, so that reach-shared's D = 8
 # divides them) and ~1B (H 1536, L 10, 24 heads, E 32, top-4, I 640).
 reach_models=("default:" "300M:--hidden 1024 --layers 6 --heads 16 --experts 32 --topk 4 --expert_dim 512"
               "1B:--hidden 1536 --layers 10 --heads 24 --experts 32 --topk 4 --expert_dim 640")
+# layout (issue 61, notes/sequence_parallel.md and zero3.md): what sequence parallelism and ZeRO-3 cost on real GPUs.
+# Every GPU of the machine, the default model and reach's ~300M at T = LAYOUT_T (default 8192), one sequence per
+# sequence group, balanced routing (pinned: the layouts route alike), 30 steps each: --sp 1 --zero 1, --sp 2,
+# --zero 3 and both; the median of steps 11-30, and each run's tokens/s over the plain layout's. LAYOUT_SHARE=1 on a
+# machine of one GPU runs the part with 2 ranks sharing it, to check the part itself: its timings are not GPU timings.
+if [[ " $parts " == *" layout "* ]]; then
+  gpus=$(nvidia-smi -L 2> /dev/null | wc -l) share="" layout_t=${LAYOUT_T:-8192}
+  where="$gpus GPUs"
+  if [ "$gpus" -lt 2 ]; then
+    [ "${LAYOUT_SHARE:-0}" = 1 ] ||
+      { echo "bench_train.sh layout: needs 2 GPUs or more, found $gpus (LAYOUT_SHARE=1: 2 ranks sharing one, not GPU timings)"; exit 2; }
+    gpus=2 share="--share_gpus 1" where="2 ranks SHARING ONE GPU (not GPU timings)"
+  fi
+  echo "## sequence parallelism and ZeRO-3 on $where ($(basename "$(dirname "$train")") build)"
+  echo "T = $layout_t, one sequence per sequence group, balanced routing; the median over steps 11-30."
+  echo "| model | layout | step ms (median) | tokens/s (all ranks) | MFU | pool peak MiB | tokens/s over --sp 1 --zero 1 |"
+  echo "|---|---|---|---|---|---|---|"
+  for model in "${reach_models[@]:0:2}"; do
+    plain=""
+    for layout in "--sp 1 --zero 1" "--sp 2 --zero 1" "--sp 1 --zero 3" "--sp 2 --zero 3"; do
+      name=layout_${model%%:*}_$(echo "$layout" | tr -d ' -')
+      "$train" --data "$data" --gpus "$gpus" $share --seq_len "$layout_t" --batch 1 --steps 30 --routing balanced \
+        ${model#*:} $layout $quiet --out "$out/$name" > "$out/$name.log" 2>&1 ||
+        { echo "| ${model%%:*} | $layout | run failed (see $out/$name.log) | | | | |"; continue; }
+      row=$(summarise "$out/$name/log.csv")
+      tok=$(echo "$row" | awk -F' [|] ' '{ print $2 }')
+      [ "$layout" = "--sp 1 --zero 1" ] && plain=$tok
+      echo "| ${model%%:*} | $layout | $row | $(awk -v a="$tok" -v b="$plain" 'BEGIN { if (b == "") print "n/a (the plain run failed)"; else printf "%.2fx", a / b }') |"
+    done
+  done
+fi
+[[ " $parts " == *" reach "* || " $parts " == *" reach-shared "* ]] || exit 0
+
 synthetic="$out/synthetic"
 mkdir -p "$synthetic"
 "$(dirname "$train")/../synthetic_tokens" "$synthetic/train_000.bin" 100000000 4095 0 ||
@@ -376,11 +415,20 @@ if [[ " $parts " == *" reach "* ]]; then
   done
 fi
 [[ " $parts " == *" reach-shared "* ]] || exit 0
+# W = 8 ranks: sharing this machine's GPU where it has fewer than 8, else one GPU each (the composed stack on real GPUs)
+gpus=$(nvidia-smi -L 2> /dev/null | wc -l) share="--share_gpus 1"
+[ "$gpus" -ge 8 ] && share=""
 echo
-echo "## reach of 8 ranks sharing one GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)) in sequence groups, BF16 build"
-echo "Each row: the longest sequence whose rank-0 prediction fits beside the other 7 ranks' pools and what lies"
-echo "outside them (B = 1 per sequence group: 8/D sequences a step), then one real step there (collectives over"
-echo "sockets: its time is not a GPU time)."
+if [ -n "$share" ]; then
+  echo "## reach of 8 ranks sharing one GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)) in sequence groups, BF16 build"
+  echo "Each row: the longest sequence whose rank-0 prediction fits beside the other 7 ranks' pools and what lies"
+  echo "outside them (B = 1 per sequence group: 8/D sequences a step), then one real step there (collectives over"
+  echo "sockets: its time is not a GPU time)."
+else
+  echo "## reach of 8 GPUs ($(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)), one rank each, in sequence groups, BF16 build"
+  echo "Each row: the longest sequence whose rank-0 prediction fits its GPU (B = 1 per sequence group: 8/D sequences"
+  echo "a step), then one real step there."
+fi
 echo
 echo "| model | D | configuration | longest T that fits | step ms | tokens/s | pool peak MiB (rank 0) | prediction vs peak | pinned host MiB | the next size stops at |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
@@ -390,8 +438,9 @@ for model in "${shared_models[@]}"; do
   [[ " $reach_shared_wanted " == *" $name "* ]] || continue
   rest=${model#*:}
   D=${rest%%:*}
-  flags="${rest#*:} --gpus 8 --share_gpus 1 --sp $D"
-  for config in "--recompute 1" "--recompute 1 --zero 3"; do
+  flags="${rest#*:} --gpus 8 $share --sp $D"
+  for short in $reach_shared_configs; do
+    case $short in recompute) config="--recompute 1" ;; zero3) config="--recompute 1 --zero 3" ;; auto) config="--plan auto" ;; esac
     echo "| $name | $D | $config | $(largest "shared_${name}_D${D}_$config" T 16384 "$reach_max_t" $flags $config) |"
   done
 done
