@@ -804,7 +804,7 @@ TEST(GpuModel, GraphPassesTrainAsEagerPassesDo) {
   }
 }
 
-// The trainer as a user runs it (FLATMOE_TRAIN, the FP32 build's binary, on the prepared corpus):
+// The trainer as a user runs it (the FP32 build's binary, trainer_path, on the prepared corpus):
 // 6 steps straight, and 3 steps + --resume from the step-3 checkpoint + 3 more, at W = 1 and W = 2.
 // The two step-6 checkpoints hold the same state bit for bit (every optimizer section and the router
 // biases of every rank, the data position, the sample generator) and the losses of steps 4..6 agree.
@@ -814,9 +814,23 @@ struct TrainerRun {
   int rc;
 };
 
-// bin: the trainer binary (FLATMOE_TRAIN by default, the FP32 build's)
+// The trainer a test runs: the FP32 build's (FLATMOE_TRAIN when set) or the BF16 build's, in FLATMOE_BIN
+// (default build/: the tests run from the repository's root).
+std::string trainer_path(bool bf16) {
+  const char* train = getenv("FLATMOE_TRAIN");
+  if (!bf16 && train != nullptr) return train;
+  const char* bin_dir = getenv("FLATMOE_BIN");
+  return std::string(bin_dir ? bin_dir : "build/") + (bf16 ? "/bf16/train" : "/fp32/train");
+}
+
+// Skips the test where the trainer it runs is not built, naming the binary.
+#define SKIP_UNLESS_BUILT(bin)                                                                              \
+  if (access((bin).c_str(), X_OK) != 0)                                                                      \
+  GTEST_SKIP() << (bin) << " is not built (FLATMOE_TRAIN or FLATMOE_BIN, the build folder, names another)"
+
+// bin: the trainer binary (the FP32 build's by default)
 TrainerRun run_trainer(const std::string& out, int gpus, const std::string& extra,
-                       const std::string& bin = getenv("FLATMOE_TRAIN")) {
+                       const std::string& bin = trainer_path(false)) {
   const std::string cmd = bin + " --gpus " + std::to_string(gpus) +
                           " --data data/fortunes --hidden 64 --layers 2 --heads 2 --experts 4 --topk 2"
                           " --expert_dim 64 --seq_len 32 --batch 4 --total_batch 256 --steps 6 --warmup 2"
@@ -841,7 +855,7 @@ std::vector<std::string> csv_losses(const std::string& path) {
 }
 
 void trainer_resume_is_bit_identical(int gpus, const std::string& tag = "", const std::string& flags = "") {
-  if (getenv("FLATMOE_TRAIN") == nullptr) GTEST_SKIP() << "FLATMOE_TRAIN (the trainer binary) is not set";
+  SKIP_UNLESS_BUILT(trainer_path(false));
   if (gpu_count() < gpus && !gpu_sharing())
     GTEST_SKIP() << "needs " << gpus << " GPUs, or ranks sharing them (FLATMOE_SHARE_GPUS=1); this machine has " << gpu_count();
   const std::string dir = fresh_test_dir("trainer-resume" + tag + "-w" + std::to_string(gpus));
@@ -926,7 +940,7 @@ TEST(Trainer, ResumeWithTheRingHeadIsBitIdenticalTwoRanks) {
   expect_resume_refused("-ring_dtp", "full", "lm_head split over P=2 ranks (--head ring_dtp); this run has P=1 (--head full)");
 }
 
-// --cuda_graph as a user runs it (the BF16 build's trainer, FLATMOE_BIN/bf16/train, two passes per
+// --cuda_graph as a user runs it (the BF16 build's trainer, trainer_path(true), two passes per
 // step): 8 steps with validation every 2 (its batches through a graph from the second on) and a
 // checkpoint at 4, with graphs and without, and the graph run resumed from its step-4 checkpoint: every
 // logged training and validation loss, norm, pool peak and expert balance is the same, and every rank's
@@ -954,9 +968,8 @@ void trainer_graph_run_is_the_eager_run(int gpus, const std::string& tag, const 
   if (!BUILD_BF16) GTEST_SKIP() << "the BF16 build's test binary runs the BF16 trainer (the FP32 build does not capture)";
   if (gpu_count() < gpus && !gpu_sharing())
     GTEST_SKIP() << "needs " << gpus << " GPUs, or ranks sharing them (FLATMOE_SHARE_GPUS=1); this machine has " << gpu_count();
-  const char* bin_dir = getenv("FLATMOE_BIN");
-  const std::string bin = std::string(bin_dir ? bin_dir : "build/") + "/bf16/train";
-  if (access(bin.c_str(), X_OK) != 0) GTEST_SKIP() << bin << " is not built (FLATMOE_BIN names the build folder)";
+  const std::string bin = trainer_path(true);
+  SKIP_UNLESS_BUILT(bin);
   const std::string dir = fresh_test_dir("trainer-graph" + tag);
   const std::string flags = " --steps 8 --val_every 2 --val_batches 3 --ckpt_every 4 " + parallel_flags;
   TrainerRun eager = run_trainer(dir + "/eager", gpus, "--cuda_graph 0" + flags, bin);
@@ -1005,7 +1018,7 @@ TEST(Trainer, CudaGraphRunIsTheEagerRunBF16TwoRanksDataParallel) {
   trainer_graph_run_is_the_eager_run(2, "-dp-w2", "--ep 1 --total_batch 512");  // two passes per step on each rank
 }
 
-// Routing traces through the trainer (FLATMOE_TRAIN, the FP32 build's binary), at W = 1 and W = 2:
+// Routing traces through the trainer (the FP32 build's binary, trainer_path), at W = 1 and W = 2:
 //   recorded   --record_routing: 6 steps of 2 micro-batches, a trace of 12 batches
 //   replayed   --routing trace: of that trace, recording its own routing: the same experts, memcmp,
 //              and the same losses bit for bit (the router's own choice replayed with its own scores)
@@ -1029,7 +1042,7 @@ bool same_indices(const data::RoutingTrace& a, const data::RoutingTrace& b, size
 }
 
 void trainer_replays_its_routing_trace(int gpus) {
-  if (getenv("FLATMOE_TRAIN") == nullptr) GTEST_SKIP() << "FLATMOE_TRAIN (the trainer binary) is not set";
+  SKIP_UNLESS_BUILT(trainer_path(false));
   if (gpu_count() < gpus && !gpu_sharing())
     GTEST_SKIP() << "needs " << gpus << " GPUs, or ranks sharing them (FLATMOE_SHARE_GPUS=1); this machine has " << gpu_count();
   const std::string dir = fresh_test_dir("trainer-trace-w" + std::to_string(gpus));
