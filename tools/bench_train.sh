@@ -93,6 +93,11 @@ balance() {  # log.csv
   awk -F, 'NR > 1 && $1 > 10 && $2 != "nan" { print $10 }' "$1" | sort -g | awk '{ a[NR] = $1 } END { printf "%.2f", a[int((NR + 1) / 2)] }'
 }
 
+# a run's tokens/s over its baseline's, or why there is none
+times_over() {  # TOKENS_PER_S BASELINE_TOKENS_PER_S BASELINE_NAME
+  awk -v a="$1" -v b="$2" -v name="$3" 'BEGIN { if (b == "") print "n/a (the " name " run failed)"; else printf "%.2fx", a / b }'
+}
+
 # the largest "device used" of a run's step lines (cudaMemGetInfo: context, libraries, pool reserve)
 device_used() { grep -o 'device used [0-9.]*' "$1" | awk '{ if ($3 > m) m = $3 } END { printf "%.0f", m }'; }
 
@@ -181,7 +186,7 @@ if [[ " $parts " == *" multi "* ]]; then
       row=$(summarise "$out/$name/log.csv")
       tok=$(echo "$row" | awk -F' [|] ' '{ print $2 }')
       [ "${run%%:*}" = gpus1 ] && one=$tok
-      echo "| $name | $routing | $row | $(balance "$out/$name/log.csv") | $(awk -v a="$tok" -v b="$one" 'BEGIN { if (b == "") print "n/a (the 1-GPU run failed)"; else printf "%.2fx", a / b }') |"
+      echo "| $name | $routing | $row | $(balance "$out/$name/log.csv") | $(times_over "$tok" "$one" 1-GPU) |"
     done
   done
 fi
@@ -255,7 +260,7 @@ if [[ " $parts " == *" layout "* ]]; then
       row=$(summarise "$out/$name/log.csv")
       tok=$(echo "$row" | awk -F' [|] ' '{ print $2 }')
       [ "$layout" = "--sp 1 --zero 1" ] && plain=$tok
-      echo "| ${model%%:*} | $layout | $row | $(awk -v a="$tok" -v b="$plain" 'BEGIN { if (b == "") print "n/a (the plain run failed)"; else printf "%.2fx", a / b }') |"
+      echo "| ${model%%:*} | $layout | $row | $(times_over "$tok" "$plain" plain) |"
     done
   done
 fi
