@@ -78,11 +78,22 @@ inline DeviceNow device_now() {
   return DeviceNow{(long long)total_b, now.used - now.reserved};
 }
 
-// The plan on this rank's GPU, as it is now.
-inline RankMemoryPlan plan_rank_memory(const ModelConfig& c, const TrainConfig& t, const Parallel& par, int B, int T,
-                                       int ranks_on_gpu) {
+// The GPU as every rank of `world` plans with it, before any allocates its model: the smallest capacity and
+// the most outside a pool. Ranks sharing a GPU (`sharing`: ranks_sharing_this_gpu) see each other's memory,
+// so each measures once all have come this far (their contexts, communicators and cuBLAS handles made: an
+// exchange) and takes from the GPU's used bytes every pool on it, its own and those of the ranks beside it
+// (the next exchange, of the reservations as measured); none allocates until all have measured (the last
+// exchanges). So the GPU's dry run and a real step see the same outside, whichever rank is quicker.
+inline DeviceNow device_now_agreed(const Comm& world, const std::vector<bool>& sharing) {
+  if (world.size == 1) return device_now();
+  max_over_ranks(world, 0);  // every rank has come this far (and the exchanges below reuse its buffers)
   const DeviceNow now = device_now();
-  return plan_memory(c, t, par, B, T, now.capacity, now.outside, ranks_on_gpu);
+  const long long reserved = (long long)pool().reserved();
+  const std::vector<long long> pools = all_gather_host(world, &reserved, 1, "device_now_agreed");
+  long long beside = 0;  // the pools of the other ranks on this GPU
+  for (int r = 0; r < world.size; r++)
+    if (sharing[r] && r != world.rank) beside += pools[r];
+  return DeviceNow{-max_over_ranks(world, -now.capacity), max_over_ranks(world, now.outside - beside)};
 }
 
 // The group sizes of rank 0 of `world` ranks as parallel_init makes them, without a communicator: what

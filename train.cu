@@ -472,13 +472,13 @@ int train_main(int argc, char** argv) {
     const int B = tc.batch, T = mc.seq_len / tc.sp;  // T: this rank's tokens of each sequence
     const int accum = tc.total_batch ? tc.total_batch / (B * mc.seq_len) : 1;
     cudaStream_t stream = stream_create("train", StreamPriority::Compute);  // each communicator has its own
-    const int ranks_on_gpu = ranks_on_this_gpu(par.world);
-    if (tc.plan == "auto") {  // every rank alike: rank 0's shape, the smallest capacity, the most outside a pool
-      const DeviceNow now = device_now();
-      tc = apply_plan_auto(mc, tc, given_flags, parallel_shape_of(tc), B, T, accum, -max_over_ranks(par.world, -now.capacity),
-                           max_over_ranks(par.world, now.outside), ranks_on_gpu, main_rank, argc, argv);
-    }
-    const RankMemoryPlan memory_plan = plan_rank_memory(mc, tc, par, B, T, ranks_on_gpu);  // before the model allocates
+    const std::vector<bool> sharing = ranks_sharing_this_gpu(par.world);
+    const int ranks_on_gpu = (int)std::count(sharing.begin(), sharing.end(), true);
+    const DeviceNow device = device_now_agreed(par.world, sharing);  // before the model allocates
+    if (tc.plan == "auto")  // every rank alike: rank 0's shape, the GPU as every rank agreed it
+      tc = apply_plan_auto(mc, tc, given_flags, parallel_shape_of(tc), B, T, accum, device.capacity, device.outside,
+                           ranks_on_gpu, main_rank, argc, argv);
+    const RankMemoryPlan memory_plan = plan_memory(mc, tc, par, B, T, device.capacity, device.outside, ranks_on_gpu);
     if (tc.dry_run) {  // the prediction is the whole answer: nothing is allocated or trained
       if (main_rank) print_memory_plan(memory_plan, mc);
       parallel_destroy(par);

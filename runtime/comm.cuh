@@ -422,22 +422,24 @@ inline long long max_over_ranks(const Comm& c, long long x) {
   return *std::max_element(all.begin(), all.end());
 }
 
-// How many ranks of `world` run on this rank's GPU, this one included: 1 unless ranks share GPUs
-// (--share_gpus 1, runtime/launch.cuh). The GPUs' UUIDs, all-gathered over the world.
-inline int ranks_on_this_gpu(const Comm& world) {
-  if (world.size == 1) return 1;
+// Which ranks of `world` run on this rank's GPU ([world.size], this one included): only this one unless ranks
+// share GPUs (--share_gpus 1, runtime/launch.cuh). The GPUs' UUIDs, all-gathered over the world: an exchange
+// that every rank must call.
+inline std::vector<bool> ranks_sharing_this_gpu(const Comm& world) {
+  if (world.size == 1) return {true};
   int device = 0;
   cudaDeviceProp prop;
-  comm_cuda_check(world, cudaGetDevice(&device), "ranks_on_this_gpu", "cudaGetDevice");
-  comm_cuda_check(world, cudaGetDeviceProperties(&prop, device), "ranks_on_this_gpu", comm_format("device %d", device));
+  comm_cuda_check(world, cudaGetDevice(&device), "ranks_sharing_this_gpu", "cudaGetDevice");
+  comm_cuda_check(world, cudaGetDeviceProperties(&prop, device), "ranks_sharing_this_gpu", comm_format("device %d", device));
   constexpr int words = sizeof(prop.uuid.bytes) / sizeof(int);
   int mine[words];
   memcpy(mine, prop.uuid.bytes, sizeof(mine));
-  const std::vector<int> all = all_gather_host(world, mine, words, "ranks_on_this_gpu");
-  int same = 0;
-  for (int r = 0; r < world.size; r++) same += memcmp(all.data() + (size_t)r * words, mine, sizeof(mine)) == 0;
+  const std::vector<int> all = all_gather_host(world, mine, words, "ranks_sharing_this_gpu");
+  std::vector<bool> same(world.size);
+  for (int r = 0; r < world.size; r++) same[r] = memcmp(all.data() + (size_t)r * words, mine, sizeof(mine)) == 0;
   return same;
 }
+
 
 // The ranks of `parent` that pass the same color (>= 0) form one new communicator, ordered by key
 // (then by parent rank). Every rank of the parent must call it. Built with ncclCommInitRankConfig

@@ -1,11 +1,13 @@
 // The whole model on W ranks (data parallel + ZeRO-1 + expert parallel over all W ranks) against
 // the CPU reference over the global batch, each rank checking each tensor of its own shards; W ranks
 // against one GPU on the same global batch over ten steps; the model's state saved and restored at
-// W ranks, bit for bit; recomputation at W ranks, bit for bit, with and without SCO. A rank that
+// W ranks, bit for bit; recomputation at W ranks, bit for bit, with and without SCO; the GPU's memory as
+// the ranks agree on it before their models allocate, whatever the pools beside them hold. A rank that
 // leaves in the middle of a layer's exchange: the others stop within the communication timeout,
 // aborting every communicator.
 #include <unistd.h>
 #include "../model.cuh"
+#include "../rank_memory.cuh"
 #include "../ref/model.hpp"
 #include "dist_jobs.cuh"
 #include "dist_util.cuh"
@@ -372,6 +374,36 @@ TEST(DistModel, MemoryPredictionHoldsForEachDispatcherAndHead) {
                                         ", " + ring.name,
                                     par.world.rank == 0);
   release(par);
+}
+
+// The GPU as the trainer's ranks plan with it (rank_memory.cuh device_now_agreed): the same capacity and the
+// same outside on every rank, however much the pools of the ranks beside it hold. Where ranks share a GPU a
+// rank's own measure counts its neighbours' pools as outside (the check below that this test can fail).
+TEST(DistModel, RanksAgreeOnTheGpuWhateverTheirPoolsHold) {
+  REQUIRE_WORLD(2);
+  const Comm& world = test_world();
+  const std::vector<bool> sharing = ranks_sharing_this_gpu(world);
+  const DeviceNow before = device_now_agreed(world, sharing);
+  const size_t held_bytes = (size_t)256 << 20;  // the odd ranks' pools grow by 256 MiB
+  void* held = world.rank % 2 ? pool().alloc(held_bytes, Mem::Workspace, "test.held") : nullptr;
+  const DeviceNow after = device_now_agreed(world, sharing);
+  const long long MiB = 1 << 20;
+  printf("[mem] rank %d of %d (%d on its GPU): outside %.1f MiB, then %.1f with the odd ranks' pools 256 MiB larger\n",
+         world.rank, world.size, (int)std::count(sharing.begin(), sharing.end(), true), before.outside / (double)MiB,
+         after.outside / (double)MiB);
+  EXPECT_EQ(after.capacity, before.capacity);
+  EXPECT_NEAR((double)after.outside, (double)before.outside, 16.0 * MiB) << "rank " << world.rank;
+  const long long mine[2] = {after.capacity, after.outside};
+  const std::vector<long long> all = all_gather_host(world, mine, 2, "test.agreed");
+  for (int r = 0; r < world.size; r++)
+    EXPECT_TRUE(all[2 * r] == mine[0] && all[2 * r + 1] == mine[1]) << "rank " << r << " plans with another GPU";
+  bool odd_beside = false;
+  for (int r = 1; r < world.size; r += 2) odd_beside |= sharing[r] && r != world.rank;
+  if (odd_beside)
+    EXPECT_GE(device_now().outside, after.outside + (long long)held_bytes - 16 * MiB)
+        << "rank " << world.rank << " alone counts its neighbours' pools";
+  max_over_ranks(world, 0);  // every rank has measured before the pools shrink
+  if (held) pool().free(held);
 }
 
 TEST(DistModel, KeptAttentionAtWRanksTrainsBitIdenticallyToFullRecomputation) {
