@@ -341,6 +341,7 @@ largest() {  # ROW what(T|B) start cap FLAGS...: doubling up to cap, then bisect
   measured=$(sed -n 's/.*outside the pool \([0-9.]*\) MiB (measured); device \([0-9.]*\) MiB.*/\1 \2/p' "$out/probe.log" | head -1)
   [ -n "$measured" ] || { echo "$start | FAILED: no measured capacity in the GPU's dry run ($out/probe.log) | | | | | "; return; }
   outside=${measured% *}; device=${measured#* }
+  echo "$outside" > "$out/reach_outside"
   capacity_less_outside=$(awk -v d="$device" -v o="$outside" 'BEGIN { printf "%.0f", (d - o) * 1048576 }')
   good=$start; v=$((start * 2))
   while [ "$v" -le "$cap" ]; do
@@ -428,15 +429,16 @@ if [ -n "$share" ]; then
   echo "## reach of 8 ranks sharing one GPU ($(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)) in sequence groups, BF16 build"
   echo "Each row: the longest sequence whose rank-0 prediction fits beside the other 7 ranks' pools and what lies"
   echo "outside them (B = 1 per sequence group: 8/D sequences a step), then one real step there (collectives over"
-  echo "sockets: its time is not a GPU time)."
+  echo "sockets: its time is not a GPU time). Outside the pools: what the GPU's dry run measured beside them (every"
+  echo "rank's context, communicators and cuBLAS handle)."
 else
   echo "## reach of 8 GPUs ($(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)), one rank each, in sequence groups, BF16 build"
   echo "Each row: the longest sequence whose rank-0 prediction fits its GPU (B = 1 per sequence group: 8/D sequences"
-  echo "a step), then one real step there."
+  echo "a step), then one real step there. Outside the pools: what rank 0's GPU holds beside its pool."
 fi
 echo
-echo "| model | D | configuration | longest T that fits | step ms | tokens/s | pool peak MiB (rank 0) | prediction vs peak | pinned host MiB | the next size stops at |"
-echo "|---|---|---|---|---|---|---|---|---|---|"
+echo "| model | D | configuration | longest T that fits | step ms | tokens/s | pool peak MiB (rank 0) | prediction vs peak | pinned host MiB | the next size stops at | outside the pools MiB |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|"
 shared_models=("default:2:" "300M:8:${reach_models[1]#*:}")
 for model in "${shared_models[@]}"; do
   name=${model%%:*}
@@ -446,6 +448,8 @@ for model in "${shared_models[@]}"; do
   flags="${rest#*:} --gpus 8 $share --sp $D"
   for short in $reach_shared_configs; do
     case $short in recompute) config="--recompute 1" ;; zero3) config="--recompute 1 --zero 3" ;; auto) config="--plan auto" ;; esac
-    echo "| $name | $D | $config | $(largest "shared_${name}_D${D}_$config" T 16384 "$reach_max_t" $flags $config) |"
+    rm -f "$out/reach_outside"
+    row=$(largest "shared_${name}_D${D}_$config" T 16384 "$reach_max_t" $flags $config)
+    echo "| $name | $D | $config | $row | $(cat "$out/reach_outside" 2> /dev/null) |"
   done
 done
