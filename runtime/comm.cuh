@@ -440,7 +440,6 @@ inline std::vector<bool> ranks_sharing_this_gpu(const Comm& world) {
   return same;
 }
 
-
 // The ranks of `parent` that pass the same color (>= 0) form one new communicator, ordered by key
 // (then by parent rank). Every rank of the parent must call it. Built with ncclCommInitRankConfig
 // rather than ncclCommSplit (whose non-blocking form left the new communicator unset on NCCL here):
